@@ -1,0 +1,3331 @@
+/* ds4.c -- a DeepSeek V4 inference engine in one C file.
+ *
+ * What it is.  ds4 loads a DeepSeek V4 ("Flash" architecture) model from a
+ * GGUF file in the deepseek4 convention shared with llama.cpp, and runs it:
+ * prefill of a prompt in one batch, then decode one token at a time, sharing
+ * one KV state.  The model is the full architecture: mHC residual streams
+ * with Sinkhorn mixing, low-rank MQA attention with per-head sinks over a
+ * sliding window, ratio-4 (overlapping, lightning-indexer top-k) and
+ * ratio-128 compressed KV, partial RoPE with YaRN, a grouped low-rank output,
+ * hash- and score-routed MoE with a shared expert and a clamped SwiGLU.
+ *
+ * How it is organised.  The arithmetic lives behind a narrow backend
+ * contract (ds4_gpu.h): a vtable of ops on opaque backend buffers.  This file
+ * holds the CPU backend, which is the specification every other backend is
+ * tested against, and the forward pass, which only sequences ops and keeps
+ * the host-side bookkeeping (positions, how many compressed rows exist).
+ * The CUDA backend is ds4_cuda.cu; the program is ds4_cli.c.
+ *
+ * What it is not.  No tokenizer (models without a vocabulary take byte-level
+ * ids; others take --tokens), no multi-sequence batching, no speculative
+ * decoding (the MTP block is ignored), no simulation of the FP8/FP4
+ * quantisation-aware rounding of the official weights: like both reference
+ * implementations, ds4 computes in f32.
+ *
+ * Sections, in pipeline order:
+ *   Model structures hyperparameters and weights of a loaded model
+ *   GGUF            reading, validating and writing deepseek4 files; synthetic models
+ *   Thread pool     the CPU backend's workers
+ *   CPU backend     every op of ds4_gpu.h, plainly
+ *   Models          mapping, weight enumeration and upload
+ *   Contexts        KV window ring, compressed rows, compressor state, activations
+ *   Forward pass    mHC, attention (compressors, indexer), MoE, head
+ *   Sampling        greedy and temperature/top-p
+ *   Environment     the DS4_* variables, read once
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "ds4.h"
+
+/* ---------------------------------------------------------------------------
+ * Model structures
+ *
+ * What the GGUF section fills and the forward pass reads: the hyperparameters
+ * of the deepseek4 convention and one ds4_weight per tensor.  Absent optional
+ * tensors (compressor, indexer, hash/bias routing) have host == NULL.
+ * ------------------------------------------------------------------------- */
+
+#define DS4_MAX_LAYERS 128
+#define DS4_HC_MAX 4
+
+typedef struct ds4_hparams {
+    int64_t n_ctx_train;        /* deepseek4.context_length */
+    int     n_embd;             /* D */
+    int     n_layer;
+    int     n_vocab;
+    int     n_head;             /* H */
+    int     head_dim;           /* d = key_length = value_length */
+    float   rms_eps;
+    int     q_lora;             /* q_lora_rank */
+    int     n_swa;              /* sliding_window */
+    int     o_groups;
+    int     o_lora;
+    float   compress_rope_base;
+    int     ratio[DS4_MAX_LAYERS];   /* compress_ratios[0..n_layer) : 0, 4 or 128 */
+    int     idx_heads;          /* indexer.head_count */
+    int     idx_dim;            /* indexer.key_length */
+    int     idx_topk;           /* indexer.top_k */
+    int     n_rot;              /* rope.dimension_count */
+    float   rope_base;          /* rope.freq_base */
+    int     rope_yarn;          /* rope.scaling.type == "yarn" */
+    float   rope_factor;        /* rope.scaling.factor (1 if absent) */
+    int     rope_orig_ctx;      /* rope.scaling.original_context_length */
+    float   yarn_beta_fast;     /* 32 unless given */
+    float   yarn_beta_slow;     /* 1 unless given */
+    int     n_expert;
+    int     n_expert_used;
+    int     n_expert_shared;
+    int     n_ff_exp;
+    float   expert_weights_scale;
+    int     expert_weights_norm;
+    int     expert_gating_func; /* must be 4 */
+    float   clamp_exp[DS4_MAX_LAYERS];
+    float   clamp_shexp[DS4_MAX_LAYERS];
+    int     n_hc;               /* hyper_connection.count (4) */
+    int     sinkhorn_iters;
+    float   hc_eps;
+    int     n_hash_layers;      /* hash_layer_count */
+    int     has_vocab;          /* 0 for tokenizer.ggml.model == "no_vocab" */
+} ds4_hparams;
+
+typedef struct ds4_layer_w {
+    ds4_weight attn_norm, ffn_norm, attn_sinks;
+    ds4_weight q_a, q_a_norm, q_b, kv, kv_a_norm, out_a, out_b;
+    ds4_weight hc_attn_fn, hc_attn_base, hc_attn_scale;
+    ds4_weight hc_ffn_fn, hc_ffn_base, hc_ffn_scale;
+    /* compressed layers */
+    ds4_weight comp_kv, comp_gate, comp_ape, comp_norm;
+    /* ratio-4 layers */
+    ds4_weight idx_proj, idx_q_b, idx_comp_kv, idx_comp_gate, idx_comp_ape, idx_comp_norm;
+    /* MoE */
+    ds4_weight gate_inp, tid2eid, exp_probs_b;
+    ds4_weight gate_exps, up_exps, down_exps;
+    ds4_weight gate_shexp, up_shexp, down_shexp;
+} ds4_layer_w;
+
+struct ds4_model {
+    ds4_hparams hp;
+    ds4_weight  tok_embd, output, output_norm, output_hc_fn, output_hc_base, output_hc_scale;
+    ds4_layer_w layers[DS4_MAX_LAYERS];
+    /* mapping */
+    const uint8_t *base;     /* whole file */
+    size_t         size;
+    int            owned_kind; /* 0 = mmap'ed file, 1 = malloc'ed memory image, 2 = borrowed */
+    size_t         weight_bytes; /* sum of all tensor bytes */
+    int            n_tensors;
+    const ds4_backend *weights_backend; /* where the weights were uploaded */
+};
+typedef struct ds4_model ds4_model;
+
+/* Implemented in the GGUF section below. */
+
+/* Parse and validate a deepseek4 GGUF image (the whole file in memory).
+ * On success fills m (weights point into buf) and returns 0.  On failure
+ * writes ONE line (no trailing newline) naming the key/tensor and what was
+ * expected into err and returns -1.  Never crashes, never reads outside
+ * [buf, buf+size). */
+int ds4_gguf_parse(ds4_model *m, const uint8_t *buf, size_t size, char *err, size_t errlen);
+
+/* Synthetic models.  Writes a complete deepseek4 GGUF image for a named
+ * config ("tiny", "small", "flash16") and seed.  wtype is the type of the
+ * large matrices (DS4_TYPE_F32/F16/BF16/Q8_0); norms and small tensors are F32,
+ * tid2eid is I32.  Deterministic: same bytes on every machine.
+ * ds4_synth_size() gives the exact image size; ds4_synth_fill() writes it into
+ * a caller buffer of that size (multithreaded with n_threads), so a huge model
+ * can be built straight in memory.  Return 0 / -1 with err. */
+int    ds4_synth_config_ok(const char *config);
+size_t ds4_synth_size(const char *config, int wtype);
+int    ds4_synth_fill(const char *config, uint64_t seed, int wtype, uint8_t *buf, size_t size,
+                      int n_threads, char *err, size_t errlen);
+
+/* ---------------------------------------------------------------------------
+ * GGUF: reading, validating and writing deepseek4 files
+ *
+ * This section is the only place that knows the GGUF byte format and the
+ * deepseek4 naming convention (keys and tensors, as llama.cpp's loader
+ * requires them).  It has three parts:
+ *
+ *  1. A reader.  ds4_gguf_parse() walks a GGUF v3 image that is already in
+ *     memory with a bounds-checked cursor: every length, count and offset is
+ *     checked against the bytes that are left, in 64-bit arithmetic with
+ *     overflow checks, so a corrupt or hostile file produces one error line
+ *     and never a read outside [buf, buf+size).  It then checks the
+ *     deepseek4 convention: each required key with its type and a range that
+ *     keeps the forward pass from crashing, and each tensor with its exact
+ *     ggml shape and an allowed type.  On success the ds4_model's weights
+ *     point straight into the image (no copy).
+ *  2. A writer and the synthetic models.  A small in-memory GGUF writer
+ *     serialises a "plan" (a list of keys and tensors); ds4_synth_fill()
+ *     builds the plan of a named test configuration and fills the tensor
+ *     data with a counter-based integer PRNG, in parallel, so that the same
+ *     (config, seed, type) gives the same bytes on every machine and with
+ *     any thread count.
+ *  3. The f16/bf16 conversions shared with the CPU backend.
+ *
+ * Both the reader and the synthetic writer take the tensor list from the
+ * same table (gguf_global_specs / gguf_layer_specs with gguf_layer_shape),
+ * so the files we write are exactly the files we accept.
+ *
+ * Weight names: global tensors get their full GGUF name ("token_embd.weight");
+ * per-layer tensors get the name without the "blk.N." prefix
+ * ("attn_q_b.weight"); both are static strings, valid forever.
+ */
+
+
+/* ======================================================================
+ * Number conversions (exact; subnormals, infinities and NaN handled).
+ * ====================================================================== */
+
+float ds4_f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu;
+    uint32_t man = h & 0x3ffu;
+    uint32_t bits;
+    if (exp == 0x1fu) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112u) << 23) | (man << 13);
+    } else if (man == 0) {
+        bits = sign;
+    } else {
+        /* subnormal: man * 2^-24; normalise so that bit 10 is the implicit one */
+        uint32_t e = 113u;
+        while (!(man & 0x400u)) {
+            man <<= 1;
+            e--;
+        }
+        bits = sign | (e << 23) | ((man & 0x3ffu) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+uint16_t ds4_f32_to_f16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    uint32_t sign = (x >> 16) & 0x8000u;
+    uint32_t ax = x & 0x7fffffffu;
+    if (ax > 0x7f800000u)                      /* NaN: keep the top payload bits, force quiet */
+        return (uint16_t)(sign | 0x7e00u | ((ax >> 13) & 0x3ffu));
+    if (ax >= 0x477ff000u)                     /* >= 65520 rounds to infinity */
+        return (uint16_t)(sign | 0x7c00u);
+    if (ax >= 0x38800000u) {                   /* normal f16 range: rebias, round to nearest even */
+        uint32_t r = ax - 0x38000000u;         /* (127 - 15) << 23 */
+        r = (r + 0xfffu + ((r >> 13) & 1u)) >> 13;   /* a carry may bump the exponent: correct */
+        return (uint16_t)(sign | r);
+    }
+    if (ax <= 0x33000000u)                     /* <= 2^-25: rounds (to even) to zero */
+        return (uint16_t)sign;
+    /* f16 subnormal: result = value / 2^-24, rounded to nearest even */
+    uint32_t e = ax >> 23;                     /* 102..112 */
+    uint32_t mant = (ax & 0x7fffffu) | 0x800000u;
+    uint32_t shift = 126u - e;                 /* 14..24 */
+    uint32_t h = mant >> shift;
+    uint32_t rem = mant & ((1u << shift) - 1u);
+    uint32_t half = 1u << (shift - 1u);
+    if (rem > half || (rem == half && (h & 1u))) h++;
+    return (uint16_t)(sign | h);
+}
+
+float ds4_bf16_to_f32(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+uint16_t ds4_f32_to_bf16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    if ((x & 0x7fffffffu) > 0x7f800000u)       /* NaN: truncate, force quiet */
+        return (uint16_t)((x >> 16) | 0x40u);
+    x += 0x7fffu + ((x >> 16) & 1u);
+    return (uint16_t)(x >> 16);
+}
+
+/* ======================================================================
+ * GGUF constants.
+ * ====================================================================== */
+
+enum {
+    GGUF_T_U8 = 0, GGUF_T_I8, GGUF_T_U16, GGUF_T_I16, GGUF_T_U32, GGUF_T_I32, GGUF_T_F32,
+    GGUF_T_BOOL, GGUF_T_STRING, GGUF_T_ARRAY, GGUF_T_U64, GGUF_T_I64, GGUF_T_F64, GGUF_T_COUNT
+};
+
+static const uint8_t gguf_type_size[GGUF_T_COUNT] = {1, 1, 2, 2, 4, 4, 4, 1, 0, 0, 8, 8, 8};
+static const char *const gguf_type_names[GGUF_T_COUNT] = {
+    "u8", "i8", "u16", "i16", "u32", "i32", "f32", "bool", "string", "array", "u64", "i64", "f64"
+};
+
+#define GGUF_VERSION 3
+#define GGUF_DEFAULT_ALIGNMENT 32
+#define GGUF_MAX_ARRAY_DEPTH 4     /* arrays of arrays allowed, this many levels at most */
+#define GGUF_MAX_NAME 256          /* longest tensor name accepted (ggml's limit is 64) */
+#define GGUF_MIN_KV_BYTES 13       /* key length 8 + key >= 0 + type 4 + value >= 1 */
+#define GGUF_MIN_TINFO_BYTES 32    /* name length 8 + n_dims 4 + ne 8 + type 4 + offset 8 */
+
+/* deepseek4 key names (llama.cpp gguf-py constants, arch "deepseek4") */
+#define K_ARCH          "general.architecture"
+#define K_NAME          "general.name"
+#define K_ALIGNMENT     "general.alignment"
+#define K_TOK_MODEL     "tokenizer.ggml.model"
+#define K_CTX           "deepseek4.context_length"
+#define K_EMBD          "deepseek4.embedding_length"
+#define K_BLOCKS        "deepseek4.block_count"
+#define K_VOCAB         "deepseek4.vocab_size"
+#define K_NEXTN         "deepseek4.nextn_predict_layers"
+#define K_HEADS         "deepseek4.attention.head_count"
+#define K_HEADS_KV      "deepseek4.attention.head_count_kv"
+#define K_KEY_LEN       "deepseek4.attention.key_length"
+#define K_VAL_LEN       "deepseek4.attention.value_length"
+#define K_RMS_EPS       "deepseek4.attention.layer_norm_rms_epsilon"
+#define K_Q_LORA        "deepseek4.attention.q_lora_rank"
+#define K_SWA           "deepseek4.attention.sliding_window"
+#define K_O_GROUPS      "deepseek4.attention.output_group_count"
+#define K_O_LORA        "deepseek4.attention.output_lora_rank"
+#define K_COMP_BASE     "deepseek4.attention.compress_rope_freq_base"
+#define K_RATIOS        "deepseek4.attention.compress_ratios"
+#define K_IDX_HEADS     "deepseek4.attention.indexer.head_count"
+#define K_IDX_DIM       "deepseek4.attention.indexer.key_length"
+#define K_IDX_TOPK      "deepseek4.attention.indexer.top_k"
+#define K_ROPE_DIM      "deepseek4.rope.dimension_count"
+#define K_ROPE_BASE     "deepseek4.rope.freq_base"
+#define K_ROPE_TYPE     "deepseek4.rope.scaling.type"
+#define K_ROPE_FACTOR   "deepseek4.rope.scaling.factor"
+#define K_ROPE_ORIG     "deepseek4.rope.scaling.original_context_length"
+#define K_BETA_FAST     "deepseek4.rope.scaling.yarn_beta_fast"
+#define K_BETA_SLOW     "deepseek4.rope.scaling.yarn_beta_slow"
+#define K_EXPERTS       "deepseek4.expert_count"
+#define K_EXPERTS_USED  "deepseek4.expert_used_count"
+#define K_EXPERTS_SHARED "deepseek4.expert_shared_count"
+#define K_FF_EXP        "deepseek4.expert_feed_forward_length"
+#define K_EXP_SCALE     "deepseek4.expert_weights_scale"
+#define K_EXP_NORM      "deepseek4.expert_weights_norm"
+#define K_GATING        "deepseek4.expert_gating_func"
+#define K_CLAMP_EXP     "deepseek4.swiglu_clamp_exp"
+#define K_CLAMP_SHEXP   "deepseek4.swiglu_clamp_shexp"
+#define K_HC_COUNT      "deepseek4.hyper_connection.count"
+#define K_HC_ITERS      "deepseek4.hyper_connection.sinkhorn_iterations"
+#define K_HC_EPS        "deepseek4.hyper_connection.epsilon"
+#define K_HASH_LAYERS   "deepseek4.hash_layer_count"
+
+static const char *gguf_tensor_type_name(uint32_t t) {
+    switch (t) {
+    case DS4_TYPE_F32: return "F32";
+    case DS4_TYPE_F16: return "F16";
+    case DS4_TYPE_BF16: return "BF16";
+    case DS4_TYPE_Q8_0: return "Q8_0";
+    case DS4_TYPE_I32: return "I32";
+    default: return "?";
+    }
+}
+
+static int gguf_tensor_type_ok(uint32_t t) {
+    return t == DS4_TYPE_F32 || t == DS4_TYPE_F16 || t == DS4_TYPE_BF16 ||
+           t == DS4_TYPE_Q8_0 || t == DS4_TYPE_I32;
+}
+
+/* Bytes of a tensor of nel elements (ne0 % 32 == 0 for Q8_0); 0 on overflow. */
+static uint64_t gguf_tensor_bytes(uint32_t type, uint64_t nel) {
+    switch (type) {
+    case DS4_TYPE_F32: case DS4_TYPE_I32:
+        return nel > UINT64_MAX / 4 ? 0 : nel * 4;
+    case DS4_TYPE_F16: case DS4_TYPE_BF16:
+        return nel > UINT64_MAX / 2 ? 0 : nel * 2;
+    case DS4_TYPE_Q8_0:
+        return nel / DS4_QK8_0 > UINT64_MAX / DS4_Q8_0_BLOCK_BYTES ? 0
+             : (nel / DS4_QK8_0) * DS4_Q8_0_BLOCK_BYTES;
+    default:
+        return 0;
+    }
+}
+
+static uint16_t gguf_le16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
+static uint32_t gguf_le32(const uint8_t *p) {
+    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
+}
+static uint64_t gguf_le64(const uint8_t *p) {
+    return (uint64_t)gguf_le32(p) | ((uint64_t)gguf_le32(p + 4) << 32);
+}
+/* Finiteness from the bits, so the checks survive -ffinite-math-only. */
+static int gguf_f32_finite(float f) {
+    uint32_t b;
+    memcpy(&b, &f, 4);
+    return (b & 0x7f800000u) != 0x7f800000u;
+}
+static float gguf_lef32(const uint8_t *p) {
+    uint32_t b = gguf_le32(p);
+    float f;
+    memcpy(&f, &b, 4);
+    return f;
+}
+
+/* ======================================================================
+ * The tensor table of the deepseek4 convention (shared by reader and
+ * synthetic writer).  Order of gguf_layer_specs = order in synthetic files.
+ * ====================================================================== */
+
+enum { TS_ALWAYS, TS_COMPRESSED, TS_RATIO4, TS_HASH, TS_ROUTED };   /* when a layer has the tensor */
+enum { TC_MAT, TC_F32, TC_I32 };                                      /* allowed types */
+enum {                                                                /* synthetic initialisation */
+    SF_EMBD, SF_LINEAR, SF_OUTPUT, SF_NORM, SF_SINK, SF_HC_FN, SF_HC_BASE, SF_HC_SCALE,
+    SF_APE, SF_BIAS, SF_TID2EID
+};
+
+typedef struct {
+    const char *name;    /* global name, or the part after "blk.N." */
+    size_t      off;     /* offsetof the ds4_weight in ds4_model / ds4_layer_w */
+    uint8_t     when;    /* TS_* (layer tensors) */
+    uint8_t     cls;     /* TC_* */
+    uint8_t     fill;    /* SF_* */
+    uint8_t     synth_f32; /* a TC_MAT tensor that synthetic models keep in F32 */
+} gguf_tspec;
+
+enum {
+    GT_TOKEN_EMBD, GT_OUT_HC_FN, GT_OUT_HC_BASE, GT_OUT_HC_SCALE, GT_OUTPUT_NORM, GT_OUTPUT, GT_COUNT
+};
+
+static const gguf_tspec gguf_global_specs[GT_COUNT] = {
+    {"token_embd.weight",      offsetof(ds4_model, tok_embd),        TS_ALWAYS, TC_MAT, SF_EMBD,     0},
+    {"output_hc_fn.weight",    offsetof(ds4_model, output_hc_fn),    TS_ALWAYS, TC_MAT, SF_HC_FN,    1},
+    {"output_hc_base.weight",  offsetof(ds4_model, output_hc_base),  TS_ALWAYS, TC_F32, SF_HC_BASE,  0},
+    {"output_hc_scale.weight", offsetof(ds4_model, output_hc_scale), TS_ALWAYS, TC_F32, SF_HC_SCALE, 0},
+    {"output_norm.weight",     offsetof(ds4_model, output_norm),     TS_ALWAYS, TC_F32, SF_NORM,     0},
+    {"output.weight",          offsetof(ds4_model, output),          TS_ALWAYS, TC_MAT, SF_OUTPUT,   0},
+};
+
+enum {
+    LT_ATTN_NORM, LT_ATTN_SINKS, LT_Q_A, LT_Q_A_NORM, LT_Q_B, LT_KV, LT_KV_A_NORM, LT_OUT_A, LT_OUT_B,
+    LT_HC_ATTN_FN, LT_HC_ATTN_BASE, LT_HC_ATTN_SCALE,
+    LT_COMP_KV, LT_COMP_GATE, LT_COMP_APE, LT_COMP_NORM,
+    LT_IDX_PROJ, LT_IDX_Q_B, LT_IDX_COMP_KV, LT_IDX_COMP_GATE, LT_IDX_COMP_APE, LT_IDX_COMP_NORM,
+    LT_FFN_NORM, LT_HC_FFN_FN, LT_HC_FFN_BASE, LT_HC_FFN_SCALE,
+    LT_GATE_INP, LT_TID2EID, LT_EXP_PROBS_B,
+    LT_GATE_EXPS, LT_UP_EXPS, LT_DOWN_EXPS, LT_GATE_SHEXP, LT_UP_SHEXP, LT_DOWN_SHEXP,
+    LT_COUNT
+};
+
+#define LW(f) offsetof(ds4_layer_w, f)
+static const gguf_tspec gguf_layer_specs[LT_COUNT] = {
+    {"attn_norm.weight",               LW(attn_norm),     TS_ALWAYS,     TC_F32, SF_NORM,     0},
+    {"attn_sinks.weight",              LW(attn_sinks),    TS_ALWAYS,     TC_F32, SF_SINK,     0},
+    {"attn_q_a.weight",                LW(q_a),           TS_ALWAYS,     TC_MAT, SF_LINEAR,   0},
+    {"attn_q_a_norm.weight",           LW(q_a_norm),      TS_ALWAYS,     TC_F32, SF_NORM,     0},
+    {"attn_q_b.weight",                LW(q_b),           TS_ALWAYS,     TC_MAT, SF_LINEAR,   0},
+    {"attn_kv.weight",                 LW(kv),            TS_ALWAYS,     TC_MAT, SF_LINEAR,   0},
+    {"attn_kv_a_norm.weight",          LW(kv_a_norm),     TS_ALWAYS,     TC_F32, SF_NORM,     0},
+    {"attn_output_a.weight",           LW(out_a),         TS_ALWAYS,     TC_MAT, SF_LINEAR,   0},
+    {"attn_output_b.weight",           LW(out_b),         TS_ALWAYS,     TC_MAT, SF_LINEAR,   0},
+    {"hc_attn_fn.weight",              LW(hc_attn_fn),    TS_ALWAYS,     TC_MAT, SF_HC_FN,    1},
+    {"hc_attn_base.weight",            LW(hc_attn_base),  TS_ALWAYS,     TC_F32, SF_HC_BASE,  0},
+    {"hc_attn_scale.weight",           LW(hc_attn_scale), TS_ALWAYS,     TC_F32, SF_HC_SCALE, 0},
+    {"attn_compressor_kv.weight",      LW(comp_kv),       TS_COMPRESSED, TC_MAT, SF_LINEAR,   0},
+    {"attn_compressor_gate.weight",    LW(comp_gate),     TS_COMPRESSED, TC_MAT, SF_LINEAR,   0},
+    {"attn_compressor_ape.weight",     LW(comp_ape),      TS_COMPRESSED, TC_F32, SF_APE,      0},
+    {"attn_compressor_norm.weight",    LW(comp_norm),     TS_COMPRESSED, TC_F32, SF_NORM,     0},
+    {"indexer.proj.weight",            LW(idx_proj),      TS_RATIO4,     TC_MAT, SF_LINEAR,   0},
+    {"indexer.attn_q_b.weight",        LW(idx_q_b),       TS_RATIO4,     TC_MAT, SF_LINEAR,   0},
+    {"indexer_compressor_kv.weight",   LW(idx_comp_kv),   TS_RATIO4,     TC_MAT, SF_LINEAR,   0},
+    {"indexer_compressor_gate.weight", LW(idx_comp_gate), TS_RATIO4,     TC_MAT, SF_LINEAR,   0},
+    {"indexer_compressor_ape.weight",  LW(idx_comp_ape),  TS_RATIO4,     TC_F32, SF_APE,      0},
+    {"indexer_compressor_norm.weight", LW(idx_comp_norm), TS_RATIO4,     TC_F32, SF_NORM,     0},
+    {"ffn_norm.weight",                LW(ffn_norm),      TS_ALWAYS,     TC_F32, SF_NORM,     0},
+    {"hc_ffn_fn.weight",               LW(hc_ffn_fn),     TS_ALWAYS,     TC_MAT, SF_HC_FN,    1},
+    {"hc_ffn_base.weight",             LW(hc_ffn_base),   TS_ALWAYS,     TC_F32, SF_HC_BASE,  0},
+    {"hc_ffn_scale.weight",            LW(hc_ffn_scale),  TS_ALWAYS,     TC_F32, SF_HC_SCALE, 0},
+    {"ffn_gate_inp.weight",            LW(gate_inp),      TS_ALWAYS,     TC_MAT, SF_LINEAR,   1},
+    {"ffn_gate_tid2eid.weight",        LW(tid2eid),       TS_HASH,       TC_I32, SF_TID2EID,  0},
+    {"exp_probs_b.bias",               LW(exp_probs_b),   TS_ROUTED,     TC_F32, SF_BIAS,     0},
+    {"ffn_gate_exps.weight",           LW(gate_exps),     TS_ALWAYS,     TC_MAT, SF_LINEAR,   0},
+    {"ffn_up_exps.weight",             LW(up_exps),       TS_ALWAYS,     TC_MAT, SF_LINEAR,   0},
+    {"ffn_down_exps.weight",           LW(down_exps),     TS_ALWAYS,     TC_MAT, SF_LINEAR,   0},
+    {"ffn_gate_shexp.weight",          LW(gate_shexp),    TS_ALWAYS,     TC_MAT, SF_LINEAR,   0},
+    {"ffn_up_shexp.weight",            LW(up_shexp),      TS_ALWAYS,     TC_MAT, SF_LINEAR,   0},
+    {"ffn_down_shexp.weight",          LW(down_shexp),    TS_ALWAYS,     TC_MAT, SF_LINEAR,   0},
+};
+#undef LW
+
+static int gguf_layer_has(int when, const ds4_hparams *hp, int il) {
+    switch (when) {
+    case TS_COMPRESSED: return hp->ratio[il] != 0;
+    case TS_RATIO4:     return hp->ratio[il] == 4;
+    case TS_HASH:       return il < hp->n_hash_layers;
+    case TS_ROUTED:     return il >= hp->n_hash_layers;
+    default:            return 1;
+    }
+}
+
+/* Expected ggml shape (ne0 first) of a global tensor; returns n_dims.
+ * All hparams are validated to be in [1, INT32_MAX] first, so no product
+ * here can overflow int64. */
+static int gguf_global_shape(int id, const ds4_hparams *hp, int64_t ne[4]) {
+    int64_t D = hp->n_embd, V = hp->n_vocab, hc = hp->n_hc;
+    ne[0] = ne[1] = ne[2] = ne[3] = 1;
+    switch (id) {
+    case GT_TOKEN_EMBD:   ne[0] = D; ne[1] = V; return 2;
+    case GT_OUT_HC_FN:    ne[0] = hc * D; ne[1] = hc; return 2;
+    case GT_OUT_HC_BASE:  ne[0] = hc; return 1;
+    case GT_OUT_HC_SCALE: ne[0] = 1; return 1;
+    case GT_OUTPUT_NORM:  ne[0] = D; return 1;
+    case GT_OUTPUT:       ne[0] = D; ne[1] = V; return 2;
+    default: return 0;
+    }
+}
+
+static int gguf_layer_shape(int id, const ds4_hparams *hp, int il, int64_t ne[4]) {
+    int64_t D = hp->n_embd, V = hp->n_vocab, H = hp->n_head, d = hp->head_dim;
+    int64_t q = hp->q_lora, g = hp->o_groups, r = hp->o_lora;
+    int64_t E = hp->n_expert, k = hp->n_expert_used, f = hp->n_ff_exp;
+    int64_t fs = (int64_t)hp->n_ff_exp * hp->n_expert_shared;
+    int64_t hc = hp->n_hc, mix = (2 + hc) * hc;
+    int64_t ratio = hp->ratio[il], c = ratio == 4 ? 2 : 1;
+    int64_t Hi = hp->idx_heads, di = hp->idx_dim;
+    ne[0] = ne[1] = ne[2] = ne[3] = 1;
+    switch (id) {
+    case LT_ATTN_NORM: case LT_FFN_NORM:        ne[0] = D; return 1;
+    case LT_ATTN_SINKS:                         ne[0] = H; return 1;
+    case LT_Q_A:                                ne[0] = D; ne[1] = q; return 2;
+    case LT_Q_A_NORM:                           ne[0] = q; return 1;
+    case LT_Q_B:                                ne[0] = q; ne[1] = H * d; return 2;
+    case LT_KV:                                 ne[0] = D; ne[1] = d; return 2;
+    case LT_KV_A_NORM: case LT_COMP_NORM:       ne[0] = d; return 1;
+    case LT_OUT_A:                              ne[0] = H * d / g; ne[1] = g * r; return 2;
+    case LT_OUT_B:                              ne[0] = g * r; ne[1] = D; return 2;
+    case LT_HC_ATTN_FN: case LT_HC_FFN_FN:      ne[0] = hc * D; ne[1] = mix; return 2;
+    case LT_HC_ATTN_BASE: case LT_HC_FFN_BASE:  ne[0] = mix; return 1;
+    case LT_HC_ATTN_SCALE: case LT_HC_FFN_SCALE: ne[0] = 3; return 1;
+    case LT_COMP_KV: case LT_COMP_GATE:         ne[0] = D; ne[1] = c * d; return 2;
+    case LT_COMP_APE:                           ne[0] = c * d; ne[1] = ratio; return 2;
+    case LT_IDX_PROJ:                           ne[0] = D; ne[1] = Hi; return 2;
+    case LT_IDX_Q_B:                            ne[0] = q; ne[1] = Hi * di; return 2;
+    case LT_IDX_COMP_KV: case LT_IDX_COMP_GATE: ne[0] = D; ne[1] = 2 * di; return 2;
+    case LT_IDX_COMP_APE:                       ne[0] = 2 * di; ne[1] = 4; return 2;
+    case LT_IDX_COMP_NORM:                      ne[0] = di; return 1;
+    case LT_GATE_INP:                           ne[0] = D; ne[1] = E; return 2;
+    case LT_TID2EID:                            ne[0] = k; ne[1] = V; return 2;
+    case LT_EXP_PROBS_B:                        ne[0] = E; return 1;
+    case LT_GATE_EXPS: case LT_UP_EXPS:         ne[0] = D; ne[1] = f; ne[2] = E; return 3;
+    case LT_DOWN_EXPS:                          ne[0] = f; ne[1] = D; ne[2] = E; return 3;
+    case LT_GATE_SHEXP: case LT_UP_SHEXP:       ne[0] = D; ne[1] = fs; return 2;
+    case LT_DOWN_SHEXP:                         ne[0] = fs; ne[1] = D; return 2;
+    default: return 0;
+    }
+}
+
+/* ======================================================================
+ * Reader: bounds-checked cursor over the image.
+ * ====================================================================== */
+
+typedef struct { const uint8_t *s; uint64_t n; } gguf_str;
+
+typedef struct {
+    gguf_str key;
+    uint32_t type;
+    size_t   val;        /* offset of the value in the image */
+    uint32_t arr_type;   /* arrays: element type, count, offset of element 0 */
+    uint64_t arr_n;
+    size_t   arr_data;
+} gguf_kv;
+
+typedef struct {
+    gguf_str name;
+    uint32_t n_dims;
+    uint32_t type;
+    int64_t  ne[4];
+    uint64_t offset;     /* relative to the data section */
+    uint64_t nbytes;
+    int      used;       /* bound to a model weight (or deliberately skipped) */
+} gguf_tinfo;
+
+typedef struct { gguf_str s; uint64_t h; int64_t idx; } gguf_slot;
+typedef struct { gguf_slot *v; size_t cap, n; } gguf_set;   /* open addressing, idx -1 = empty */
+
+typedef struct {
+    const uint8_t *buf;
+    size_t size, pos;
+    char *err;
+    size_t errlen;
+    gguf_kv *kv;
+    size_t n_kv, cap_kv;
+    gguf_tinfo *t;
+    size_t n_t, cap_t;
+    gguf_set kset, tset;
+    uint64_t alignment, data_start;
+    int n_block;         /* block_count (includes MTP blocks when nextn_predict_layers > 0) */
+} gguf_ctx;
+
+/* Writes one line into err (newlines replaced); returns 0 so callers can `return gguf_fail(...)`. */
+static int gguf_fail(gguf_ctx *g, const char *fmt, ...) {
+    if (g->err && g->errlen) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(g->err, g->errlen, fmt, ap);
+        va_end(ap);
+        for (char *p = g->err; *p; p++)
+            if (*p == '\n' || *p == '\r') *p = ' ';
+    }
+    return 0;
+}
+
+/* A printable, NUL-terminated copy of a (possibly hostile) name for messages. */
+static const char *gguf_show(char *out, size_t outlen, gguf_str s) {
+    size_t n = 0;
+    uint64_t i;
+    for (i = 0; i < s.n && n + 4 < outlen; i++) {
+        uint8_t c = s.s[i];
+        out[n++] = (c >= 32 && c < 127) ? (char)c : '?';
+    }
+    if (i < s.n && outlen >= 4) {
+        out[n++] = '.'; out[n++] = '.'; out[n++] = '.';
+    }
+    out[n] = 0;
+    return out;
+}
+
+static int gguf_streq(gguf_str s, const char *c) {
+    size_t n = strlen(c);
+    return s.n == n && memcmp(s.s, c, n) == 0;
+}
+
+static uint64_t gguf_hash(gguf_str s) {
+    uint64_t h = 1469598103934665603ull;
+    for (uint64_t i = 0; i < s.n; i++) {
+        h ^= s.s[i];
+        h *= 1099511628211ull;
+    }
+    return h;
+}
+
+static void gguf_set_free(gguf_set *S) {
+    free(S->v);
+    S->v = NULL;
+    S->cap = S->n = 0;
+}
+
+static int64_t gguf_set_find(const gguf_set *S, gguf_str s) {
+    if (!S->cap) return -1;
+    uint64_t h = gguf_hash(s);
+    for (size_t i = (size_t)h & (S->cap - 1);; i = (i + 1) & (S->cap - 1)) {
+        const gguf_slot *e = &S->v[i];
+        if (e->idx < 0) return -1;
+        if (e->h == h && e->s.n == s.n && memcmp(e->s.s, s.s, s.n) == 0) return e->idx;
+    }
+}
+
+static void gguf_set_put(gguf_set *S, gguf_slot e) {
+    size_t i = (size_t)e.h & (S->cap - 1);
+    while (S->v[i].idx >= 0) i = (i + 1) & (S->cap - 1);
+    S->v[i] = e;
+    S->n++;
+}
+
+/* Inserts s -> idx.  Returns -1 when inserted, the existing index for a
+ * duplicate, -2 when out of memory. */
+static int64_t gguf_set_add(gguf_set *S, gguf_str s, int64_t idx) {
+    if ((S->n + 1) * 2 > S->cap) {
+        size_t ncap = S->cap ? S->cap * 2 : 64;
+        gguf_slot *nv = malloc(ncap * sizeof *nv);
+        if (!nv) return -2;
+        for (size_t i = 0; i < ncap; i++) nv[i].idx = -1;
+        gguf_set old = *S;
+        S->v = nv;
+        S->cap = ncap;
+        S->n = 0;
+        for (size_t i = 0; i < old.cap; i++)
+            if (old.v[i].idx >= 0) gguf_set_put(S, old.v[i]);
+        free(old.v);
+    }
+    int64_t prev = gguf_set_find(S, s);
+    if (prev >= 0) return prev;
+    gguf_slot e = {s, gguf_hash(s), idx};
+    gguf_set_put(S, e);
+    return -1;
+}
+
+static int gguf_need(gguf_ctx *g, uint64_t n, const char *what) {
+    if (n <= g->size - g->pos) return 1;
+    return gguf_fail(g, "truncated file: %s at offset %zu runs past end of file (size %zu)",
+                     what, g->pos, g->size);
+}
+
+static int gguf_rd32(gguf_ctx *g, const char *what, uint32_t *v) {
+    if (!gguf_need(g, 4, what)) return 0;
+    *v = gguf_le32(g->buf + g->pos);
+    g->pos += 4;
+    return 1;
+}
+
+static int gguf_rd64(gguf_ctx *g, const char *what, uint64_t *v) {
+    if (!gguf_need(g, 8, what)) return 0;
+    *v = gguf_le64(g->buf + g->pos);
+    g->pos += 8;
+    return 1;
+}
+
+static int gguf_rdstr(gguf_ctx *g, const char *what, gguf_str *s) {
+    uint64_t n;
+    if (!gguf_rd64(g, what, &n)) return 0;
+    if (n > g->size - g->pos)
+        return gguf_fail(g, "%s: string length %llu at offset %zu runs past end of file (size %zu)",
+                         what, (unsigned long long)n, g->pos - 8, g->size);
+    s->s = g->buf + g->pos;
+    s->n = n;
+    g->pos += (size_t)n;
+    return 1;
+}
+
+/* Steps over one metadata value of the given type, checking every length. */
+static int gguf_skip_value(gguf_ctx *g, uint32_t type, int depth, const char *what) {
+    if (type >= GGUF_T_COUNT)
+        return gguf_fail(g, "%s has unknown value type %u", what, type);
+    if (type == GGUF_T_STRING) {
+        gguf_str s;
+        return gguf_rdstr(g, what, &s);
+    }
+    if (type != GGUF_T_ARRAY) {
+        if (!gguf_need(g, gguf_type_size[type], what)) return 0;
+        g->pos += gguf_type_size[type];
+        return 1;
+    }
+    uint32_t et;
+    uint64_t n;
+    size_t at = g->pos;
+    if (!gguf_rd32(g, what, &et) || !gguf_rd64(g, what, &n)) return 0;
+    if (et >= GGUF_T_COUNT)
+        return gguf_fail(g, "%s: array at offset %zu has unknown element type %u", what, at, et);
+    if (et == GGUF_T_ARRAY && depth + 1 >= GGUF_MAX_ARRAY_DEPTH)
+        return gguf_fail(g, "%s: arrays nested deeper than %d levels", what, GGUF_MAX_ARRAY_DEPTH);
+    uint64_t min = et == GGUF_T_STRING ? 8 : et == GGUF_T_ARRAY ? 12 : gguf_type_size[et];
+    if (n > (g->size - g->pos) / min)
+        return gguf_fail(g, "%s: array of %llu %s elements at offset %zu runs past end of file (size %zu)",
+                         what, (unsigned long long)n, gguf_type_names[et], at, g->size);
+    if (et != GGUF_T_STRING && et != GGUF_T_ARRAY) {
+        g->pos += (size_t)(n * min);
+        return 1;
+    }
+    for (uint64_t i = 0; i < n; i++)
+        if (!gguf_skip_value(g, et, depth + 1, what)) return 0;
+    return 1;
+}
+
+static const gguf_kv *gguf_find_kv(const gguf_ctx *g, const char *key) {
+    gguf_str s = {(const uint8_t *)key, strlen(key)};
+    int64_t i = gguf_set_find(&g->kset, s);
+    return i < 0 ? NULL : &g->kv[i];
+}
+
+static gguf_tinfo *gguf_find_tensor(gguf_ctx *g, const char *name) {
+    gguf_str s = {(const uint8_t *)name, strlen(name)};
+    int64_t i = gguf_set_find(&g->tset, s);
+    return i < 0 ? NULL : &g->t[i];
+}
+
+/* Integer of a scalar integer type at p; 0 if the type is not an integer.
+ * u64 values above INT64_MAX read as INT64_MAX (always out of range). */
+static int gguf_int_at(const uint8_t *p, uint32_t type, int64_t *v) {
+    switch (type) {
+    case GGUF_T_U8:  *v = p[0]; return 1;
+    case GGUF_T_I8:  *v = (int8_t)p[0]; return 1;
+    case GGUF_T_U16: *v = gguf_le16(p); return 1;
+    case GGUF_T_I16: *v = (int16_t)gguf_le16(p); return 1;
+    case GGUF_T_U32: *v = gguf_le32(p); return 1;
+    case GGUF_T_I32: *v = (int32_t)gguf_le32(p); return 1;
+    case GGUF_T_U64: { uint64_t u = gguf_le64(p); *v = u > (uint64_t)INT64_MAX ? INT64_MAX : (int64_t)u; return 1; }
+    case GGUF_T_I64: *v = (int64_t)gguf_le64(p); return 1;
+    default: return 0;
+    }
+}
+
+static int gguf_is_int_type(uint32_t t) {
+    return t <= GGUF_T_I32 || t == GGUF_T_U64 || t == GGUF_T_I64;
+}
+
+/* The GGUF-level pass: header, metadata, tensor directory, data layout. */
+static int gguf_read(gguf_ctx *g) {
+    char what[192], nm[128];
+
+    if (!g->buf) return gguf_fail(g, "no GGUF image (NULL buffer)");
+    if (g->size < 4) return gguf_fail(g, "file too small for a GGUF header (%zu bytes)", g->size);
+    if (memcmp(g->buf, "GGUF", 4) != 0)
+        return gguf_fail(g, "bad magic: not a GGUF file (first bytes %02x %02x %02x %02x)",
+                         g->buf[0], g->buf[1], g->buf[2], g->buf[3]);
+    g->pos = 4;
+    uint32_t version;
+    uint64_t n_tensors, n_kv;
+    if (!gguf_rd32(g, "header version", &version)) return 0;
+    if (version != GGUF_VERSION)
+        return gguf_fail(g, "unsupported GGUF version %u (expected %d)", version, GGUF_VERSION);
+    if (!gguf_rd64(g, "header tensor count", &n_tensors) || !gguf_rd64(g, "header key-value count", &n_kv))
+        return 0;
+    size_t left = g->size - g->pos;
+    if (n_kv > left / GGUF_MIN_KV_BYTES)
+        return gguf_fail(g, "key-value count %llu is impossible for a file of %zu bytes",
+                         (unsigned long long)n_kv, g->size);
+    if (n_tensors > left / GGUF_MIN_TINFO_BYTES ||
+        n_kv * GGUF_MIN_KV_BYTES + n_tensors * GGUF_MIN_TINFO_BYTES > left)
+        return gguf_fail(g, "tensor count %llu is impossible for a file of %zu bytes",
+                         (unsigned long long)n_tensors, g->size);
+
+    /* ---- metadata ---- */
+    for (uint64_t i = 0; i < n_kv; i++) {
+        gguf_kv kv;
+        memset(&kv, 0, sizeof kv);
+        snprintf(what, sizeof what, "key #%llu name", (unsigned long long)i);
+        if (!gguf_rdstr(g, what, &kv.key)) return 0;
+        snprintf(what, sizeof what, "key '%s'", gguf_show(nm, sizeof nm, kv.key));
+        if (!gguf_rd32(g, what, &kv.type)) return 0;
+        kv.val = g->pos;
+        if (kv.type == GGUF_T_ARRAY && g->size - g->pos >= 12) {
+            kv.arr_type = gguf_le32(g->buf + g->pos);
+            kv.arr_n = gguf_le64(g->buf + g->pos + 4);
+            kv.arr_data = g->pos + 12;
+        }
+        if (!gguf_skip_value(g, kv.type, 0, what)) return 0;
+        if (g->n_kv == g->cap_kv) {
+            size_t nc = g->cap_kv ? g->cap_kv * 2 : 64;
+            gguf_kv *nk = realloc(g->kv, nc * sizeof *nk);
+            if (!nk) return gguf_fail(g, "out of memory reading metadata");
+            g->kv = nk;
+            g->cap_kv = nc;
+        }
+        int64_t dup = gguf_set_add(&g->kset, kv.key, (int64_t)g->n_kv);
+        if (dup == -2) return gguf_fail(g, "out of memory reading metadata");
+        if (dup >= 0) return gguf_fail(g, "duplicate key '%s'", nm);
+        g->kv[g->n_kv++] = kv;
+    }
+
+    /* ---- alignment ---- */
+    g->alignment = GGUF_DEFAULT_ALIGNMENT;
+    const gguf_kv *akv = gguf_find_kv(g, K_ALIGNMENT);
+    if (akv) {
+        int64_t a;
+        if (!gguf_int_at(g->buf + akv->val, akv->type, &a))
+            return gguf_fail(g, "key '%s' has type %s, expected u32", K_ALIGNMENT, gguf_type_names[akv->type]);
+        if (a <= 0 || a > (int64_t)UINT32_MAX || (a & (a - 1)) != 0)
+            return gguf_fail(g, "key '%s' = %lld is not a power of two", K_ALIGNMENT, (long long)a);
+        g->alignment = (uint64_t)a;
+    }
+
+    /* ---- tensor directory ---- */
+    for (uint64_t i = 0; i < n_tensors; i++) {
+        gguf_tinfo t;
+        memset(&t, 0, sizeof t);
+        snprintf(what, sizeof what, "tensor #%llu name", (unsigned long long)i);
+        if (!gguf_rdstr(g, what, &t.name)) return 0;
+        if (t.name.n == 0 || t.name.n > GGUF_MAX_NAME)
+            return gguf_fail(g, "tensor #%llu has a name of %llu bytes (expected 1..%d)",
+                             (unsigned long long)i, (unsigned long long)t.name.n, GGUF_MAX_NAME);
+        gguf_show(nm, sizeof nm, t.name);
+        snprintf(what, sizeof what, "tensor '%s' info", nm);
+        if (!gguf_rd32(g, what, &t.n_dims)) return 0;
+        if (t.n_dims < 1 || t.n_dims > 4)
+            return gguf_fail(g, "tensor '%s' has n_dims %u (expected 1..4)", nm, t.n_dims);
+        t.ne[0] = t.ne[1] = t.ne[2] = t.ne[3] = 1;
+        uint64_t nel = 1;
+        for (uint32_t j = 0; j < t.n_dims; j++) {
+            uint64_t u;
+            if (!gguf_rd64(g, what, &u)) return 0;
+            int64_t v = (int64_t)u;
+            if (v < 1)
+                return gguf_fail(g, "tensor '%s' has invalid dimension ne[%u] = %lld", nm, j, (long long)v);
+            if ((uint64_t)v > (uint64_t)INT64_MAX / nel)
+                return gguf_fail(g, "tensor '%s' element count overflows (ne[%u] = %lld)", nm, j, (long long)v);
+            nel *= (uint64_t)v;
+            t.ne[j] = v;
+        }
+        if (!gguf_rd32(g, what, &t.type)) return 0;
+        if (!gguf_tensor_type_ok(t.type))
+            return gguf_fail(g, "tensor '%s' has unsupported type %u (ds4 reads F32, F16, BF16, Q8_0, I32)",
+                             nm, t.type);
+        if (t.type == DS4_TYPE_Q8_0 && t.ne[0] % DS4_QK8_0 != 0)
+            return gguf_fail(g, "tensor '%s' has type Q8_0 but ne[0] = %lld is not a multiple of %d",
+                             nm, (long long)t.ne[0], DS4_QK8_0);
+        t.nbytes = gguf_tensor_bytes(t.type, nel);
+        if (t.nbytes == 0 || t.nbytes > (uint64_t)SIZE_MAX)
+            return gguf_fail(g, "tensor '%s' byte size overflows", nm);
+        if (!gguf_rd64(g, what, &t.offset)) return 0;
+        if (g->n_t == g->cap_t) {
+            size_t nc = g->cap_t ? g->cap_t * 2 : 256;
+            gguf_tinfo *nt = realloc(g->t, nc * sizeof *nt);
+            if (!nt) return gguf_fail(g, "out of memory reading tensor infos");
+            g->t = nt;
+            g->cap_t = nc;
+        }
+        int64_t dup = gguf_set_add(&g->tset, t.name, (int64_t)g->n_t);
+        if (dup == -2) return gguf_fail(g, "out of memory reading tensor infos");
+        if (dup >= 0) return gguf_fail(g, "duplicate tensor '%s'", nm);
+        g->t[g->n_t++] = t;
+    }
+
+    /* ---- data section ---- */
+    uint64_t pad = (g->alignment - (uint64_t)g->pos % g->alignment) % g->alignment;
+    g->data_start = (uint64_t)g->pos + pad;
+    if (g->n_t > 0 && g->data_start > g->size)
+        return gguf_fail(g, "data section starts at offset %llu, past end of file (size %zu)",
+                         (unsigned long long)g->data_start, g->size);
+    for (size_t i = 0; i < g->n_t; i++) {
+        const gguf_tinfo *t = &g->t[i];
+        gguf_show(nm, sizeof nm, t->name);
+        if (t->offset % g->alignment != 0)
+            return gguf_fail(g, "tensor '%s' data offset %llu is not a multiple of the alignment %llu",
+                             nm, (unsigned long long)t->offset, (unsigned long long)g->alignment);
+        uint64_t room = g->size - g->data_start;
+        if (t->offset > room || t->nbytes > room - t->offset) {
+            uint64_t a = t->offset > UINT64_MAX - g->data_start ? UINT64_MAX : g->data_start + t->offset;
+            uint64_t b = t->nbytes > UINT64_MAX - a ? UINT64_MAX : a + t->nbytes;
+            return gguf_fail(g, "tensor '%s' data [%llu, %llu) extends past end of file (size %zu)",
+                             nm, (unsigned long long)a, (unsigned long long)b, g->size);
+        }
+    }
+    return 1;
+}
+
+/* ======================================================================
+ * Reader: deepseek4 keys.
+ * ====================================================================== */
+
+enum { KEY_OPTIONAL = 0, KEY_REQUIRED = 1 };
+#define GGUF_I32MAX ((int64_t)INT32_MAX)
+
+/* Each key reader returns 1 (present, valid), 0 (absent and optional) or -1 (error written). */
+static int gguf_key_missing(gguf_ctx *g, const char *key, int req, const char *tname) {
+    if (!req) return 0;
+    gguf_fail(g, "missing key '%s' (%s)", key, tname);
+    return -1;
+}
+
+static int gguf_key_wrong_type(gguf_ctx *g, const char *key, const gguf_kv *kv, const char *expected) {
+    if (kv->type == GGUF_T_ARRAY && kv->arr_type < GGUF_T_COUNT)
+        gguf_fail(g, "key '%s' has type array of %s, expected %s", key, gguf_type_names[kv->arr_type], expected);
+    else
+        gguf_fail(g, "key '%s' has type %s, expected %s", key,
+                  kv->type < GGUF_T_COUNT ? gguf_type_names[kv->type] : "?", expected);
+    return -1;
+}
+
+static int gguf_range_fail(gguf_ctx *g, const char *key, int64_t v, int64_t lo, int64_t hi) {
+    if (lo == hi)
+        gguf_fail(g, "key '%s' = %lld, expected %lld", key, (long long)v, (long long)lo);
+    else
+        gguf_fail(g, "key '%s' = %lld is out of range (expected %lld..%lld)", key,
+                  (long long)v, (long long)lo, (long long)hi);
+    return -1;
+}
+
+static int gguf_key_int(gguf_ctx *g, const char *key, int req, int64_t lo, int64_t hi, int64_t *out) {
+    const gguf_kv *kv = gguf_find_kv(g, key);
+    if (!kv) return gguf_key_missing(g, key, req, "u32");
+    int64_t v;
+    if (!gguf_int_at(g->buf + kv->val, kv->type, &v)) return gguf_key_wrong_type(g, key, kv, "u32");
+    if (v < lo || v > hi) return gguf_range_fail(g, key, v, lo, hi);
+    *out = v;
+    return 1;
+}
+
+static int gguf_key_f32(gguf_ctx *g, const char *key, int req, float *out) {
+    const gguf_kv *kv = gguf_find_kv(g, key);
+    if (!kv) return gguf_key_missing(g, key, req, "f32");
+    if (kv->type != GGUF_T_F32) return gguf_key_wrong_type(g, key, kv, "f32");
+    float f = gguf_lef32(g->buf + kv->val);
+    if (!gguf_f32_finite(f)) {
+        gguf_fail(g, "key '%s' = %g is not finite", key, (double)f);
+        return -1;
+    }
+    *out = f;
+    return 1;
+}
+
+static int gguf_key_bool(gguf_ctx *g, const char *key, int req, int *out) {
+    const gguf_kv *kv = gguf_find_kv(g, key);
+    if (!kv) return gguf_key_missing(g, key, req, "bool");
+    if (kv->type != GGUF_T_BOOL) return gguf_key_wrong_type(g, key, kv, "bool");
+    *out = g->buf[kv->val] != 0;
+    return 1;
+}
+
+static int gguf_key_str(gguf_ctx *g, const char *key, int req, gguf_str *out) {
+    const gguf_kv *kv = gguf_find_kv(g, key);
+    if (!kv) return gguf_key_missing(g, key, req, "string");
+    if (kv->type != GGUF_T_STRING) return gguf_key_wrong_type(g, key, kv, "string");
+    out->n = gguf_le64(g->buf + kv->val);
+    out->s = g->buf + kv->val + 8;
+    return 1;
+}
+
+/* f32 or array of f32 (>= n entries): per-layer values into out[0..n_out). */
+static int gguf_key_f32_or_arr(gguf_ctx *g, const char *key, int req, int n_need, int n_out, float *out) {
+    const gguf_kv *kv = gguf_find_kv(g, key);
+    if (!kv) return gguf_key_missing(g, key, req, "f32 or array of f32");
+    if (kv->type == GGUF_T_F32) {
+        float f = gguf_lef32(g->buf + kv->val);
+        if (!gguf_f32_finite(f) || f < 0) {
+            gguf_fail(g, "key '%s' = %g is out of range (expected a finite value >= 0)", key, (double)f);
+            return -1;
+        }
+        for (int i = 0; i < n_out; i++) out[i] = f;
+        return 1;
+    }
+    if (kv->type != GGUF_T_ARRAY || kv->arr_type != GGUF_T_F32)
+        return gguf_key_wrong_type(g, key, kv, "f32 or array of f32");
+    if (kv->arr_n < (uint64_t)n_need) {
+        gguf_fail(g, "key '%s' has %llu entries, expected at least %d (block_count)", key,
+                  (unsigned long long)kv->arr_n, n_need);
+        return -1;
+    }
+    for (int i = 0; i < n_out; i++) {
+        float f = gguf_lef32(g->buf + kv->arr_data + (size_t)i * 4);
+        if (!gguf_f32_finite(f) || f < 0) {
+            gguf_fail(g, "key '%s'[%d] = %g is out of range (expected a finite value >= 0)", key, i, (double)f);
+            return -1;
+        }
+        out[i] = f;
+    }
+    return 1;
+}
+
+static int gguf_float_fail(gguf_ctx *g, const char *key, float v, const char *expected) {
+    gguf_fail(g, "key '%s' = %g is out of range (expected %s)", key, (double)v, expected);
+    return 0;
+}
+
+/* Reads and checks every deepseek4 key into hp.  Returns 1 / 0 (error written). */
+static int gguf_hparams(gguf_ctx *g, ds4_hparams *hp) {
+    gguf_str s;
+    int64_t v;
+    float f;
+    int r;
+    char shown[128];
+
+#define GG_INT(key, lo, hi, dst) do { \
+        if (gguf_key_int(g, key, KEY_REQUIRED, lo, hi, &v) < 0) return 0; \
+        dst = v; \
+    } while (0)
+#define GG_F32(key, dst) do { \
+        if (gguf_key_f32(g, key, KEY_REQUIRED, &f) < 0) return 0; \
+        dst = f; \
+    } while (0)
+
+    memset(hp, 0, sizeof *hp);
+
+    if (gguf_key_str(g, K_ARCH, KEY_REQUIRED, &s) < 0) return 0;
+    if (!gguf_streq(s, "deepseek4"))
+        return gguf_fail(g, "key '%s' is '%s', expected 'deepseek4'", K_ARCH, gguf_show(shown, sizeof shown, s));
+
+    GG_INT(K_CTX, 1, INT64_MAX, hp->n_ctx_train);
+    GG_INT(K_EMBD, 1, GGUF_I32MAX, hp->n_embd);
+
+    int64_t n_block, nextn = 0;
+    GG_INT(K_BLOCKS, 1, 1 << 16, n_block);
+    if (gguf_key_int(g, K_NEXTN, KEY_OPTIONAL, 0, n_block - 1, &nextn) < 0) return 0;
+    if (nextn > 0) {
+        /* as llama.cpp: the MTP blocks only count when their tensors are present */
+        char probe[96];
+        snprintf(probe, sizeof probe, "blk.%lld.nextn.eh_proj.weight", (long long)(n_block - nextn));
+        if (!gguf_find_tensor(g, probe)) nextn = 0;
+    }
+    if (n_block - nextn > DS4_MAX_LAYERS)
+        return gguf_fail(g, "key '%s' = %lld exceeds the ds4 limit of %d layers", K_BLOCKS,
+                         (long long)(n_block - nextn), DS4_MAX_LAYERS);
+    g->n_block = (int)n_block;
+    hp->n_layer = (int)(n_block - nextn);
+    const int L = hp->n_layer;
+
+    r = gguf_key_int(g, K_VOCAB, KEY_OPTIONAL, 1, GGUF_I32MAX, &v);
+    if (r < 0) return 0;
+    if (r > 0) {
+        hp->n_vocab = (int)v;
+    } else {
+        /* no vocab_size key: take it from token_embd {n_embd, n_vocab} */
+        const gguf_tinfo *te = gguf_find_tensor(g, "token_embd.weight");
+        if (!te || te->n_dims < 2 || te->ne[1] > GGUF_I32MAX)
+            return gguf_fail(g, "missing key '%s' (u32) and no token_embd.weight to take it from", K_VOCAB);
+        hp->n_vocab = (int)te->ne[1];
+    }
+
+    /* ---- attention ---- */
+    GG_INT(K_HEADS, 1, GGUF_I32MAX, hp->n_head);
+    if (gguf_key_int(g, K_HEADS_KV, KEY_OPTIONAL, 1, 1, &v) < 0) return 0;
+    GG_INT(K_KEY_LEN, 2, GGUF_I32MAX, hp->head_dim);
+    if (hp->head_dim % 2 != 0)
+        return gguf_fail(g, "key '%s' = %d must be even", K_KEY_LEN, hp->head_dim);
+    if (gguf_key_int(g, K_VAL_LEN, KEY_OPTIONAL, hp->head_dim, hp->head_dim, &v) < 0) return 0;
+    GG_F32(K_RMS_EPS, hp->rms_eps);
+    if (!(hp->rms_eps > 0)) return gguf_float_fail(g, K_RMS_EPS, hp->rms_eps, "> 0");
+    GG_INT(K_Q_LORA, 1, GGUF_I32MAX, hp->q_lora);
+    GG_INT(K_SWA, 1, GGUF_I32MAX, hp->n_swa);
+    GG_INT(K_O_GROUPS, 1, GGUF_I32MAX, hp->o_groups);
+    if (hp->n_head % hp->o_groups != 0)
+        return gguf_fail(g, "key '%s' = %d does not divide %s = %d", K_O_GROUPS, hp->o_groups, K_HEADS, hp->n_head);
+    GG_INT(K_O_LORA, 1, GGUF_I32MAX, hp->o_lora);
+    GG_F32(K_COMP_BASE, hp->compress_rope_base);
+    if (!(hp->compress_rope_base > 0)) return gguf_float_fail(g, K_COMP_BASE, hp->compress_rope_base, "> 0");
+
+    /* compress_ratios: integer array, >= block_count entries, each 0, 4 or 128 */
+    {
+        const gguf_kv *kv = gguf_find_kv(g, K_RATIOS);
+        if (!kv) return gguf_key_missing(g, K_RATIOS, KEY_REQUIRED, "array of u32"), 0;
+        if (kv->type != GGUF_T_ARRAY || !gguf_is_int_type(kv->arr_type))
+            return gguf_key_wrong_type(g, K_RATIOS, kv, "array of u32"), 0;
+        if (kv->arr_n < (uint64_t)n_block)
+            return gguf_fail(g, "key '%s' has %llu entries, expected at least %lld (block_count)",
+                             K_RATIOS, (unsigned long long)kv->arr_n, (long long)n_block);
+        size_t es = gguf_type_size[kv->arr_type];
+        for (int64_t i = 0; i < n_block; i++) {
+            gguf_int_at(g->buf + kv->arr_data + (size_t)i * es, kv->arr_type, &v);
+            if (v != 0 && v != 4 && v != 128)
+                return gguf_fail(g, "key '%s'[%lld] = %lld (expected 0, 4 or 128)", K_RATIOS,
+                                 (long long)i, (long long)v);
+            if (i < L) hp->ratio[i] = (int)v;
+        }
+    }
+    int any4 = 0;
+    for (int i = 0; i < L; i++) any4 |= hp->ratio[i] == 4;
+
+    GG_INT(K_IDX_HEADS, any4 ? 1 : 0, GGUF_I32MAX, hp->idx_heads);
+    GG_INT(K_IDX_DIM, any4 ? 2 : 0, GGUF_I32MAX, hp->idx_dim);
+    GG_INT(K_IDX_TOPK, any4 ? 1 : 0, GGUF_I32MAX, hp->idx_topk);
+
+    /* ---- RoPE ---- */
+    GG_INT(K_ROPE_DIM, 2, GGUF_I32MAX, hp->n_rot);
+    if (hp->n_rot % 2 != 0) return gguf_fail(g, "key '%s' = %d must be even", K_ROPE_DIM, hp->n_rot);
+    if (hp->n_rot > hp->head_dim)
+        return gguf_fail(g, "key '%s' = %d exceeds %s = %d", K_ROPE_DIM, hp->n_rot, K_KEY_LEN, hp->head_dim);
+    if (any4) {
+        if (hp->idx_dim % 2 != 0) return gguf_fail(g, "key '%s' = %d must be even", K_IDX_DIM, hp->idx_dim);
+        if (hp->n_rot > hp->idx_dim)
+            return gguf_fail(g, "key '%s' = %d exceeds %s = %d", K_ROPE_DIM, hp->n_rot, K_IDX_DIM, hp->idx_dim);
+    }
+    hp->rope_base = 10000.0f;
+    if ((r = gguf_key_f32(g, K_ROPE_BASE, KEY_OPTIONAL, &f)) < 0) return 0;
+    if (r > 0) {
+        if (!(f > 0)) return gguf_float_fail(g, K_ROPE_BASE, f, "> 0");
+        hp->rope_base = f;
+    }
+    hp->rope_yarn = 0;
+    if ((r = gguf_key_str(g, K_ROPE_TYPE, KEY_OPTIONAL, &s)) < 0) return 0;
+    if (r > 0) {
+        if (gguf_streq(s, "yarn")) hp->rope_yarn = 1;
+        else if (!gguf_streq(s, "none"))
+            return gguf_fail(g, "key '%s' is '%s', expected 'yarn' or 'none'", K_ROPE_TYPE,
+                             gguf_show(shown, sizeof shown, s));
+    }
+    hp->rope_factor = 1.0f;
+    if ((r = gguf_key_f32(g, K_ROPE_FACTOR, KEY_OPTIONAL, &f)) < 0) return 0;
+    if (r > 0 && f != 0.0f) {              /* 0 means "not set", as in llama.cpp */
+        if (!(f > 0)) return gguf_float_fail(g, K_ROPE_FACTOR, f, "> 0");
+        hp->rope_factor = f;
+    }
+    hp->rope_orig_ctx = hp->n_ctx_train > GGUF_I32MAX ? INT32_MAX : (int)hp->n_ctx_train;
+    if ((r = gguf_key_int(g, K_ROPE_ORIG, KEY_OPTIONAL, 1, GGUF_I32MAX, &v)) < 0) return 0;
+    if (r > 0) hp->rope_orig_ctx = (int)v;
+    hp->yarn_beta_fast = 32.0f;
+    hp->yarn_beta_slow = 1.0f;
+    if ((r = gguf_key_f32(g, K_BETA_FAST, KEY_OPTIONAL, &f)) < 0) return 0;
+    if (r > 0) hp->yarn_beta_fast = f;
+    if ((r = gguf_key_f32(g, K_BETA_SLOW, KEY_OPTIONAL, &f)) < 0) return 0;
+    if (r > 0) hp->yarn_beta_slow = f;
+
+    /* ---- MoE ---- */
+    GG_INT(K_EXPERTS, 1, GGUF_I32MAX, hp->n_expert);
+    if (gguf_key_int(g, K_EXPERTS_USED, KEY_REQUIRED, 1, GGUF_I32MAX, &v) < 0) return 0;
+    if (v > hp->n_expert)
+        return gguf_fail(g, "key '%s' = %lld exceeds %s = %d", K_EXPERTS_USED, (long long)v, K_EXPERTS, hp->n_expert);
+    hp->n_expert_used = (int)v;
+    GG_INT(K_EXPERTS_SHARED, 1, GGUF_I32MAX, hp->n_expert_shared);
+    {
+        /* expert_feed_forward_length: integer, or per-layer integer array with one value */
+        const gguf_kv *kv = gguf_find_kv(g, K_FF_EXP);
+        if (!kv) return gguf_key_missing(g, K_FF_EXP, KEY_REQUIRED, "u32"), 0;
+        if (kv->type == GGUF_T_ARRAY) {
+            if (!gguf_is_int_type(kv->arr_type))
+                return gguf_key_wrong_type(g, K_FF_EXP, kv, "u32"), 0;
+            if (kv->arr_n < (uint64_t)L)
+                return gguf_fail(g, "key '%s' has %llu entries, expected at least %d (block_count)",
+                                 K_FF_EXP, (unsigned long long)kv->arr_n, L);
+            size_t es = gguf_type_size[kv->arr_type];
+            int64_t v0 = 0;
+            for (int i = 0; i < L; i++) {
+                gguf_int_at(g->buf + kv->arr_data + (size_t)i * es, kv->arr_type, &v);
+                if (i == 0) v0 = v;
+                if (v != v0)
+                    return gguf_fail(g, "key '%s' differs between layers (%lld at layer 0, %lld at layer %d); "
+                                     "ds4 needs one expert width", K_FF_EXP, (long long)v0, (long long)v, i);
+            }
+            v = v0;
+            if (v < 1 || v > GGUF_I32MAX) return gguf_range_fail(g, K_FF_EXP, v, 1, GGUF_I32MAX), 0;
+        } else if (gguf_key_int(g, K_FF_EXP, KEY_REQUIRED, 1, GGUF_I32MAX, &v) < 0) {
+            return 0;
+        }
+        hp->n_ff_exp = (int)v;
+    }
+    GG_F32(K_EXP_SCALE, hp->expert_weights_scale);
+    if (gguf_key_bool(g, K_EXP_NORM, KEY_REQUIRED, &hp->expert_weights_norm) < 0) return 0;
+    GG_INT(K_GATING, 4, 4, hp->expert_gating_func);
+    if (gguf_key_f32_or_arr(g, K_CLAMP_EXP, KEY_REQUIRED, (int)n_block, L, hp->clamp_exp) < 0) return 0;
+    if ((r = gguf_key_f32_or_arr(g, K_CLAMP_SHEXP, KEY_OPTIONAL, (int)n_block, L, hp->clamp_shexp)) < 0) return 0;
+    if (r == 0) memcpy(hp->clamp_shexp, hp->clamp_exp, sizeof hp->clamp_shexp);
+
+    /* ---- hyper-connections, hash routing ---- */
+    GG_INT(K_HC_COUNT, DS4_HC_MAX, DS4_HC_MAX, hp->n_hc);
+    GG_INT(K_HC_ITERS, 1, 1000000, hp->sinkhorn_iters);
+    GG_F32(K_HC_EPS, hp->hc_eps);
+    if (!(hp->hc_eps >= 0)) return gguf_float_fail(g, K_HC_EPS, hp->hc_eps, ">= 0");
+    GG_INT(K_HASH_LAYERS, 0, L, hp->n_hash_layers);
+
+    /* ---- tokenizer ---- */
+    hp->has_vocab = 0;
+    if ((r = gguf_key_str(g, K_TOK_MODEL, KEY_OPTIONAL, &s)) < 0) return 0;
+    if (r > 0) hp->has_vocab = !gguf_streq(s, "no_vocab");
+
+#undef GG_INT
+#undef GG_F32
+    return 1;
+}
+
+/* ======================================================================
+ * Reader: deepseek4 tensors.
+ * ====================================================================== */
+
+static void gguf_fmt_shape(char *out, size_t n, int n_dims, const int64_t *ne) {
+    size_t p = 0;
+    p += (size_t)snprintf(out + p, n - p, "{");
+    for (int i = 0; i < n_dims && p < n; i++)
+        p += (size_t)snprintf(out + p, n - p, "%s%lld", i ? ", " : "", (long long)ne[i]);
+    if (p < n) snprintf(out + p, n - p, "}");
+}
+
+/* Finds, checks and binds one tensor of the convention. */
+static int gguf_bind_one(gguf_ctx *g, const char *name, const char *wname, const gguf_tspec *sp,
+                         int n_dims, const int64_t ne[4], ds4_weight *w) {
+    gguf_tinfo *t = gguf_find_tensor(g, name);
+    if (!t) return gguf_fail(g, "missing tensor '%s'", name);
+    if (t->ne[0] != ne[0] || t->ne[1] != ne[1] || t->ne[2] != ne[2] || t->ne[3] != ne[3]) {
+        char a[96], b[96];
+        gguf_fmt_shape(a, sizeof a, (int)t->n_dims, t->ne);
+        gguf_fmt_shape(b, sizeof b, n_dims, ne);
+        return gguf_fail(g, "tensor '%s' has shape %s, expected %s", name, a, b);
+    }
+    int ok;
+    const char *expected;
+    switch (sp->cls) {
+    case TC_MAT:
+        ok = t->type == DS4_TYPE_F32 || t->type == DS4_TYPE_F16 || t->type == DS4_TYPE_BF16 ||
+             t->type == DS4_TYPE_Q8_0;
+        expected = "F32, F16, BF16 or Q8_0";
+        break;
+    case TC_I32:
+        ok = t->type == DS4_TYPE_I32;
+        expected = "I32";
+        break;
+    default:
+        ok = t->type == DS4_TYPE_F32;
+        expected = "F32";
+        break;
+    }
+    if (!ok)
+        return gguf_fail(g, "tensor '%s' has type %s, expected %s", name, gguf_tensor_type_name(t->type), expected);
+    t->used = 1;
+    w->name = wname;
+    w->type = (int)t->type;
+    w->n_dims = n_dims;
+    w->ne[0] = ne[0];
+    w->ne[1] = ne[1];
+    w->ne[2] = ne[2];
+    w->nbytes = (size_t)t->nbytes;
+    w->host = g->buf + g->data_start + t->offset;
+    w->dev = NULL;
+    return 1;
+}
+
+/* Parses "blk.N." at the start of a name; returns N or -1. */
+static int64_t gguf_block_index(gguf_str s, uint64_t *after) {
+    if (s.n < 6 || memcmp(s.s, "blk.", 4) != 0) return -1;
+    uint64_t i = 4;
+    int64_t n = 0;
+    while (i < s.n && s.s[i] >= '0' && s.s[i] <= '9' && i < 14) n = n * 10 + (s.s[i++] - '0');
+    if (i == 4 || i >= s.n || s.s[i] != '.') return -1;
+    *after = i + 1;
+    return n;
+}
+
+static int gguf_bind(gguf_ctx *g, ds4_model *m) {
+    const ds4_hparams *hp = &m->hp;
+    char name[128];
+    int64_t ne[4];
+
+    for (int id = 0; id < GT_COUNT; id++) {
+        const gguf_tspec *sp = &gguf_global_specs[id];
+        int nd = gguf_global_shape(id, hp, ne);
+        if (!gguf_bind_one(g, sp->name, sp->name, sp, nd, ne, (ds4_weight *)((char *)m + sp->off))) return 0;
+    }
+    for (int il = 0; il < hp->n_layer; il++) {
+        for (int id = 0; id < LT_COUNT; id++) {
+            const gguf_tspec *sp = &gguf_layer_specs[id];
+            if (!gguf_layer_has(sp->when, hp, il)) continue;
+            snprintf(name, sizeof name, "blk.%d.%s", il, sp->name);
+            int nd = gguf_layer_shape(id, hp, il, ne);
+            ds4_weight *w = (ds4_weight *)((char *)&m->layers[il] + sp->off);
+            if (!gguf_bind_one(g, name, sp->name, sp, nd, ne, w)) return 0;
+        }
+        /* hash routing table: every id must name an expert */
+        const ds4_weight *tw = &m->layers[il].tid2eid;
+        if (tw->host) {
+            const uint8_t *p = tw->host;
+            int64_t k = tw->ne[0], rows = tw->ne[1];
+            for (int64_t row = 0; row < rows; row++)
+                for (int64_t j = 0; j < k; j++) {
+                    int32_t e = (int32_t)gguf_le32(p + (size_t)(row * k + j) * 4);
+                    if (e < 0 || e >= hp->n_expert)
+                        return gguf_fail(g, "tensor 'blk.%d.ffn_gate_tid2eid.weight' row %lld has expert id %d "
+                                         "(expected 0..%d)", il, (long long)row, e, hp->n_expert - 1);
+                }
+        }
+    }
+
+    /* anything else is an error, except MTP blocks and the vision routing bias */
+    for (size_t i = 0; i < g->n_t; i++) {
+        gguf_tinfo *t = &g->t[i];
+        if (t->used) continue;
+        uint64_t after = 0;
+        int64_t blk = gguf_block_index(t->name, &after);
+        if (blk >= 0) {
+            gguf_str rest = {t->name.s + after, t->name.n - after};
+            int mtp_block = blk >= hp->n_layer && blk < g->n_block;           /* nextn_predict_layers */
+            int nextn = blk >= hp->n_layer && rest.n >= 6 && memcmp(rest.s, "nextn.", 6) == 0;
+            int vl = blk < hp->n_layer && gguf_streq(rest, "exp_probs_b_vl.bias");
+            if (mtp_block || nextn || vl) continue;
+        }
+        return gguf_fail(g, "unexpected tensor '%s'", gguf_show(name, sizeof name, t->name));
+    }
+
+    m->weight_bytes = 0;
+    m->n_tensors = 0;
+    for (size_t i = 0; i < g->n_t; i++)
+        if (g->t[i].used) {
+            m->weight_bytes += (size_t)g->t[i].nbytes;
+            m->n_tensors++;
+        }
+    return 1;
+}
+
+int ds4_gguf_parse(ds4_model *m, const uint8_t *buf, size_t size, char *err, size_t errlen) {
+    if (err && errlen) err[0] = 0;
+    gguf_ctx g;
+    memset(&g, 0, sizeof g);
+    g.buf = buf;
+    g.size = size;
+    g.err = err;
+    g.errlen = errlen;
+
+    ds4_model *tm = calloc(1, sizeof *tm);
+    int ok = 0;
+    if (!m) gguf_fail(&g, "no model to fill (NULL)");
+    else if (!tm) gguf_fail(&g, "out of memory");
+    else ok = gguf_read(&g) && gguf_hparams(&g, &tm->hp) && gguf_bind(&g, tm);
+    if (ok) {
+        int owned = m->owned_kind;
+        *m = *tm;
+        m->owned_kind = owned;
+        m->base = buf;
+        m->size = size;
+    }
+    free(tm);
+    free(g.kv);
+    free(g.t);
+    gguf_set_free(&g.kset);
+    gguf_set_free(&g.tset);
+    return ok ? 0 : -1;
+}
+
+/* ======================================================================
+ * Writer: a "plan" (keys + tensor directory) serialised to GGUF.
+ * ====================================================================== */
+
+#define GGUF_PLAN_MAX_KV 64
+
+typedef struct {
+    char        key[96];
+    uint32_t    type;        /* GGUF_T_* */
+    uint64_t    u;           /* integer / bool value (two's complement for signed) */
+    double      f;           /* f32 / f64 value */
+    const char *s;           /* string value (not owned) */
+    uint32_t    arr_type;    /* arrays of fixed-size elements, host layout */
+    uint64_t    arr_n;
+    const void *arr;
+} gguf_wkv;
+
+typedef struct {
+    char     name[96];
+    uint32_t n_dims;
+    int64_t  ne[4];
+    uint32_t type;
+    uint8_t  fill;           /* SF_* */
+    float    mean, std;
+    int32_t  tid_e;          /* SF_TID2EID: number of experts */
+    uint64_t offset;         /* relative to the data section (set by gguf_plan_layout) */
+    uint64_t nbytes;
+} gguf_wtensor;
+
+typedef struct {
+    ds4_hparams   hp;
+    char          model_name[64];
+    uint32_t      ratios[DS4_MAX_LAYERS];
+    gguf_wkv      kv[GGUF_PLAN_MAX_KV];
+    int           n_kv;
+    gguf_wtensor *t;
+    int           n_t, cap_t;
+    uint32_t      alignment;
+    uint64_t      header_bytes, data_start, total;
+} gguf_plan;
+
+typedef struct { uint8_t *buf; size_t cap; size_t pos; } gguf_wout;   /* buf NULL: measure only */
+
+static void gguf_w_bytes(gguf_wout *o, const void *p, size_t n) {
+    if (o->buf && n <= o->cap && o->pos <= o->cap - n) memcpy(o->buf + o->pos, p, n);
+    o->pos += n;
+}
+static void gguf_w_le(gguf_wout *o, uint64_t v, int n) {
+    uint8_t b[8];
+    for (int i = 0; i < n; i++) b[i] = (uint8_t)(v >> (8 * i));
+    gguf_w_bytes(o, b, (size_t)n);
+}
+static void gguf_w_u32(gguf_wout *o, uint32_t v) { gguf_w_le(o, v, 4); }
+static void gguf_w_u64(gguf_wout *o, uint64_t v) { gguf_w_le(o, v, 8); }
+static void gguf_w_f32(gguf_wout *o, float f) {
+    uint32_t b;
+    memcpy(&b, &f, 4);
+    gguf_w_le(o, b, 4);
+}
+static void gguf_w_str(gguf_wout *o, const char *s) {
+    size_t n = s ? strlen(s) : 0;
+    gguf_w_u64(o, n);
+    gguf_w_bytes(o, s, n);
+}
+
+static void gguf_w_kv(gguf_wout *o, const gguf_wkv *kv) {
+    gguf_w_str(o, kv->key);
+    gguf_w_u32(o, kv->type);
+    switch (kv->type) {
+    case GGUF_T_F32: gguf_w_f32(o, (float)kv->f); break;
+    case GGUF_T_F64: { uint64_t b; memcpy(&b, &kv->f, 8); gguf_w_u64(o, b); break; }
+    case GGUF_T_STRING: gguf_w_str(o, kv->s); break;
+    case GGUF_T_ARRAY: {
+        gguf_w_u32(o, kv->arr_type);
+        gguf_w_u64(o, kv->arr_n);
+        size_t es = kv->arr_type < GGUF_T_COUNT ? gguf_type_size[kv->arr_type] : 0;
+        const uint8_t *p = kv->arr;
+        for (uint64_t i = 0; p && es && i < kv->arr_n; i++) {
+            uint64_t v = 0;
+            if (es == 1) v = p[i];
+            else if (es == 2) { uint16_t x; memcpy(&x, p + i * 2, 2); v = x; }
+            else if (es == 4) { uint32_t x; memcpy(&x, p + i * 4, 4); v = x; }
+            else { memcpy(&v, p + i * 8, 8); }
+            gguf_w_le(o, v, (int)es);
+        }
+        break;
+    }
+    default:
+        if (kv->type < GGUF_T_COUNT) gguf_w_le(o, kv->u, gguf_type_size[kv->type]);
+        break;
+    }
+}
+
+/* Header, metadata and tensor directory (not the alignment padding). */
+static void gguf_plan_write_meta(const gguf_plan *p, gguf_wout *o) {
+    gguf_w_bytes(o, "GGUF", 4);
+    gguf_w_u32(o, GGUF_VERSION);
+    gguf_w_u64(o, (uint64_t)p->n_t);
+    gguf_w_u64(o, (uint64_t)p->n_kv);
+    for (int i = 0; i < p->n_kv; i++) gguf_w_kv(o, &p->kv[i]);
+    for (int i = 0; i < p->n_t; i++) {
+        const gguf_wtensor *t = &p->t[i];
+        gguf_w_str(o, t->name);
+        gguf_w_u32(o, t->n_dims);
+        for (uint32_t j = 0; j < t->n_dims && j < 4; j++) gguf_w_u64(o, (uint64_t)t->ne[j]);
+        gguf_w_u32(o, t->type);
+        gguf_w_u64(o, t->offset);
+    }
+}
+
+static uint64_t gguf_align_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
+
+/* Assigns tensor offsets in order; returns the total image size (0 on overflow). */
+static uint64_t gguf_plan_layout(gguf_plan *p) {
+    gguf_wout o = {NULL, 0, 0};
+    uint64_t a = p->alignment ? p->alignment : GGUF_DEFAULT_ALIGNMENT;
+    gguf_plan_write_meta(p, &o);
+    p->header_bytes = o.pos;
+    p->data_start = gguf_align_up(o.pos, a);
+    uint64_t off = 0;
+    for (int i = 0; i < p->n_t; i++) {
+        gguf_wtensor *t = &p->t[i];
+        uint64_t nel = 1;
+        for (uint32_t j = 0; j < t->n_dims && j < 4; j++) {
+            if (t->ne[j] < 1 || (uint64_t)t->ne[j] > (uint64_t)INT64_MAX / nel) return p->total = 0;
+            nel *= (uint64_t)t->ne[j];
+        }
+        t->nbytes = gguf_tensor_bytes(t->type, nel);
+        off = gguf_align_up(off, a);
+        t->offset = off;
+        if (t->nbytes > (uint64_t)1 << 56) return p->total = 0;
+        off += t->nbytes;
+    }
+    p->total = p->data_start + gguf_align_up(off, a);
+    return p->total;
+}
+
+static void gguf_plan_free(gguf_plan *p) {
+    free(p->t);
+    p->t = NULL;
+    p->n_t = p->cap_t = 0;
+}
+
+static gguf_wkv *gguf_plan_kv(gguf_plan *p, const char *key, uint32_t type) {
+    if (p->n_kv >= GGUF_PLAN_MAX_KV) return NULL;
+    gguf_wkv *kv = &p->kv[p->n_kv++];
+    memset(kv, 0, sizeof *kv);
+    snprintf(kv->key, sizeof kv->key, "%s", key);
+    kv->type = type;
+    return kv;
+}
+static void gguf_plan_kv_u32(gguf_plan *p, const char *key, uint32_t v) {
+    gguf_wkv *kv = gguf_plan_kv(p, key, GGUF_T_U32);
+    if (kv) kv->u = v;
+}
+static void gguf_plan_kv_f32(gguf_plan *p, const char *key, float v) {
+    gguf_wkv *kv = gguf_plan_kv(p, key, GGUF_T_F32);
+    if (kv) kv->f = v;
+}
+static void gguf_plan_kv_bool(gguf_plan *p, const char *key, int v) {
+    gguf_wkv *kv = gguf_plan_kv(p, key, GGUF_T_BOOL);
+    if (kv) kv->u = v != 0;
+}
+static void gguf_plan_kv_str(gguf_plan *p, const char *key, const char *s) {
+    gguf_wkv *kv = gguf_plan_kv(p, key, GGUF_T_STRING);
+    if (kv) kv->s = s;
+}
+static void gguf_plan_kv_arr(gguf_plan *p, const char *key, uint32_t arr_type, uint64_t n, const void *data) {
+    gguf_wkv *kv = gguf_plan_kv(p, key, GGUF_T_ARRAY);
+    if (kv) {
+        kv->arr_type = arr_type;
+        kv->arr_n = n;
+        kv->arr = data;
+    }
+}
+
+static gguf_wtensor *gguf_plan_tensor(gguf_plan *p, const char *name, int n_dims, const int64_t ne[4], uint32_t type) {
+    if (p->n_t == p->cap_t) {
+        int nc = p->cap_t ? p->cap_t * 2 : 256;
+        gguf_wtensor *nt = realloc(p->t, (size_t)nc * sizeof *nt);
+        if (!nt) return NULL;
+        p->t = nt;
+        p->cap_t = nc;
+    }
+    gguf_wtensor *t = &p->t[p->n_t++];
+    memset(t, 0, sizeof *t);
+    snprintf(t->name, sizeof t->name, "%s", name);
+    t->n_dims = (uint32_t)n_dims;
+    for (int j = 0; j < 4; j++) t->ne[j] = ne[j];
+    t->type = type;
+    return t;
+}
+
+/* ======================================================================
+ * Synthetic models.
+ * ====================================================================== */
+
+typedef struct {
+    const char *name;
+    int n_vocab, n_embd, n_layer, n_hash, n_head, head_dim, n_rot, q_lora, o_groups, o_lora, n_swa;
+    int idx_heads, idx_dim, idx_topk, n_expert, n_used, n_shared, n_ff, n_ctx;
+    float yarn_factor;
+    int yarn_orig;
+} synth_config;
+
+/* compress_ratios of every config: 0, 0, then 4, 128, 4, 128, ... */
+static const synth_config synth_configs[] = {
+    /* name      vocab   D    L  hash H   d    rot  q    g  r     swa  Hi  di   topk E   k  S  f     ctx    yarn  orig */
+    {"tiny",     512,    128, 6, 2,   8,  64,  16,  64,  2, 32,   32,  32, 64,  8,   8,  2, 1, 64,   4096,  4.0f, 256},
+    {"small",    1024,   256, 8, 3,   16, 128, 32,  128, 4, 64,   64,  32, 64,  16,  16, 4, 1, 128,  8192,  8.0f, 1024},
+    {"flash16",  129280, 4096, 43, 3, 64, 512, 64,  1024, 8, 1024, 128, 64, 128, 512, 16, 6, 1, 2048, 65536, 16.0f, 65536},
+};
+
+static const synth_config *synth_find(const char *config) {
+    if (!config) return NULL;
+    for (size_t i = 0; i < sizeof synth_configs / sizeof synth_configs[0]; i++)
+        if (strcmp(config, synth_configs[i].name) == 0) return &synth_configs[i];
+    return NULL;
+}
+
+/* Synthetic weight statistics -- THE place to tune them.  Every element is
+ * mean + std * u, with u uniform on [-sqrt(3), sqrt(3)) (unit variance);
+ * ne0 is the tensor's fan-in. */
+static void synth_stats(int fill, int64_t ne0, const ds4_hparams *hp, float *mean, float *std) {
+    double m = 0.0, s = 0.0;
+    switch (fill) {
+    case SF_EMBD:     s = 1.0; break;                            /* token_embd */
+    case SF_LINEAR:   s = 1.0 / sqrt((double)ne0); break;        /* every matmul weight (incl. router, experts) */
+    case SF_OUTPUT:   s = 1.0 / sqrt((double)hp->n_embd); break; /* output head */
+    case SF_NORM:     m = 1.0; s = 0.1; break;                   /* RMSNorm weights, compressor norms */
+    case SF_SINK:     s = 1.0; break;                            /* attention sink logits */
+    case SF_HC_FN:    s = 0.1 / sqrt((double)ne0); break;        /* mHC mix projections */
+    case SF_HC_BASE:  s = 0.5; break;                            /* mHC biases */
+    case SF_HC_SCALE: m = 1.0; s = 0.1; break;                   /* mHC scales (positive) */
+    case SF_APE:      s = 0.5; break;                            /* compressor position bias */
+    case SF_BIAS:     s = 0.1; break;                            /* exp_probs_b routing bias */
+    default: break;                                              /* SF_TID2EID: integers */
+    }
+    *mean = (float)m;
+    *std = (float)s;
+}
+
+static void synth_hparams(const synth_config *c, ds4_hparams *hp) {
+    memset(hp, 0, sizeof *hp);
+    hp->n_ctx_train = c->n_ctx;
+    hp->n_embd = c->n_embd;
+    hp->n_layer = c->n_layer;
+    hp->n_vocab = c->n_vocab;
+    hp->n_head = c->n_head;
+    hp->head_dim = c->head_dim;
+    hp->rms_eps = 1e-6f;
+    hp->q_lora = c->q_lora;
+    hp->n_swa = c->n_swa;
+    hp->o_groups = c->o_groups;
+    hp->o_lora = c->o_lora;
+    hp->compress_rope_base = 160000.0f;
+    for (int i = 0; i < c->n_layer; i++) hp->ratio[i] = i < 2 ? 0 : (i % 2 == 0 ? 4 : 128);
+    hp->idx_heads = c->idx_heads;
+    hp->idx_dim = c->idx_dim;
+    hp->idx_topk = c->idx_topk;
+    hp->n_rot = c->n_rot;
+    hp->rope_base = 10000.0f;
+    hp->rope_yarn = 1;
+    hp->rope_factor = c->yarn_factor;
+    hp->rope_orig_ctx = c->yarn_orig;
+    hp->yarn_beta_fast = 32.0f;
+    hp->yarn_beta_slow = 1.0f;
+    hp->n_expert = c->n_expert;
+    hp->n_expert_used = c->n_used;
+    hp->n_expert_shared = c->n_shared;
+    hp->n_ff_exp = c->n_ff;
+    hp->expert_weights_scale = 1.5f;
+    hp->expert_weights_norm = 1;
+    hp->expert_gating_func = 4;
+    for (int i = 0; i < c->n_layer; i++) hp->clamp_exp[i] = hp->clamp_shexp[i] = 10.0f;
+    hp->n_hc = 4;
+    hp->sinkhorn_iters = 20;
+    hp->hc_eps = 1e-6f;
+    hp->n_hash_layers = c->n_hash;
+    hp->has_vocab = 0;
+}
+
+static int synth_add_tensor(gguf_plan *p, const char *name, const gguf_tspec *sp, int n_dims,
+                            const int64_t ne[4], int wtype) {
+    uint32_t type = sp->cls == TC_I32 ? DS4_TYPE_I32
+                  : sp->cls == TC_F32 || sp->synth_f32 ? DS4_TYPE_F32 : (uint32_t)wtype;
+    gguf_wtensor *t = gguf_plan_tensor(p, name, n_dims, ne, type);
+    if (!t) return 0;
+    t->fill = sp->fill;
+    t->tid_e = p->hp.n_expert;
+    synth_stats(sp->fill, ne[0], &p->hp, &t->mean, &t->std);
+    return 1;
+}
+
+/* Builds the full plan of a synthetic config (keys, tensors, layout). */
+static int synth_plan_init(gguf_plan *p, const char *config, int wtype, char *err, size_t errlen) {
+    memset(p, 0, sizeof *p);
+    const synth_config *c = synth_find(config);
+    if (!c) {
+        if (err && errlen) snprintf(err, errlen, "unknown synth config '%s' (expected tiny, small or flash16)",
+                                    config ? config : "(null)");
+        return 0;
+    }
+    if (wtype != DS4_TYPE_F32 && wtype != DS4_TYPE_F16 && wtype != DS4_TYPE_BF16 && wtype != DS4_TYPE_Q8_0) {
+        if (err && errlen) snprintf(err, errlen, "unsupported synth weight type %d (expected F32, F16, BF16 or Q8_0)", wtype);
+        return 0;
+    }
+    ds4_hparams *hp = &p->hp;
+    synth_hparams(c, hp);
+    snprintf(p->model_name, sizeof p->model_name, "ds4-synth-%s", c->name);
+    for (int i = 0; i < hp->n_layer; i++) p->ratios[i] = (uint32_t)hp->ratio[i];
+    p->alignment = GGUF_DEFAULT_ALIGNMENT;
+
+    gguf_plan_kv_str(p, K_ARCH, "deepseek4");
+    gguf_plan_kv_str(p, K_NAME, p->model_name);
+    gguf_plan_kv_u32(p, K_ALIGNMENT, p->alignment);
+    gguf_plan_kv_u32(p, K_CTX, (uint32_t)hp->n_ctx_train);
+    gguf_plan_kv_u32(p, K_EMBD, (uint32_t)hp->n_embd);
+    gguf_plan_kv_u32(p, K_BLOCKS, (uint32_t)hp->n_layer);
+    gguf_plan_kv_u32(p, K_VOCAB, (uint32_t)hp->n_vocab);
+    gguf_plan_kv_u32(p, K_HEADS, (uint32_t)hp->n_head);
+    gguf_plan_kv_u32(p, K_HEADS_KV, 1);
+    gguf_plan_kv_u32(p, K_KEY_LEN, (uint32_t)hp->head_dim);
+    gguf_plan_kv_u32(p, K_VAL_LEN, (uint32_t)hp->head_dim);
+    gguf_plan_kv_f32(p, K_RMS_EPS, hp->rms_eps);
+    gguf_plan_kv_u32(p, K_Q_LORA, (uint32_t)hp->q_lora);
+    gguf_plan_kv_u32(p, K_SWA, (uint32_t)hp->n_swa);
+    gguf_plan_kv_u32(p, K_O_GROUPS, (uint32_t)hp->o_groups);
+    gguf_plan_kv_u32(p, K_O_LORA, (uint32_t)hp->o_lora);
+    gguf_plan_kv_f32(p, K_COMP_BASE, hp->compress_rope_base);
+    gguf_plan_kv_arr(p, K_RATIOS, GGUF_T_U32, (uint64_t)hp->n_layer, p->ratios);
+    gguf_plan_kv_u32(p, K_IDX_HEADS, (uint32_t)hp->idx_heads);
+    gguf_plan_kv_u32(p, K_IDX_DIM, (uint32_t)hp->idx_dim);
+    gguf_plan_kv_u32(p, K_IDX_TOPK, (uint32_t)hp->idx_topk);
+    gguf_plan_kv_u32(p, K_ROPE_DIM, (uint32_t)hp->n_rot);
+    gguf_plan_kv_f32(p, K_ROPE_BASE, hp->rope_base);
+    gguf_plan_kv_str(p, K_ROPE_TYPE, "yarn");
+    gguf_plan_kv_f32(p, K_ROPE_FACTOR, hp->rope_factor);
+    gguf_plan_kv_u32(p, K_ROPE_ORIG, (uint32_t)hp->rope_orig_ctx);
+    gguf_plan_kv_u32(p, K_EXPERTS, (uint32_t)hp->n_expert);
+    gguf_plan_kv_u32(p, K_EXPERTS_USED, (uint32_t)hp->n_expert_used);
+    gguf_plan_kv_u32(p, K_EXPERTS_SHARED, (uint32_t)hp->n_expert_shared);
+    gguf_plan_kv_u32(p, K_FF_EXP, (uint32_t)hp->n_ff_exp);
+    gguf_plan_kv_f32(p, K_EXP_SCALE, hp->expert_weights_scale);
+    gguf_plan_kv_bool(p, K_EXP_NORM, hp->expert_weights_norm);
+    gguf_plan_kv_u32(p, K_GATING, (uint32_t)hp->expert_gating_func);
+    gguf_plan_kv_f32(p, K_CLAMP_EXP, hp->clamp_exp[0]);
+    gguf_plan_kv_f32(p, K_CLAMP_SHEXP, hp->clamp_shexp[0]);
+    gguf_plan_kv_u32(p, K_HC_COUNT, (uint32_t)hp->n_hc);
+    gguf_plan_kv_u32(p, K_HC_ITERS, (uint32_t)hp->sinkhorn_iters);
+    gguf_plan_kv_f32(p, K_HC_EPS, hp->hc_eps);
+    gguf_plan_kv_u32(p, K_HASH_LAYERS, (uint32_t)hp->n_hash_layers);
+    gguf_plan_kv_str(p, K_TOK_MODEL, "no_vocab");
+
+    char name[128];
+    int64_t ne[4];
+    int nd, ok = 1;
+    /* order: token_embd, blk.0 .. blk.L-1, output_hc_*, output_norm, output */
+    nd = gguf_global_shape(GT_TOKEN_EMBD, hp, ne);
+    ok &= synth_add_tensor(p, gguf_global_specs[GT_TOKEN_EMBD].name, &gguf_global_specs[GT_TOKEN_EMBD], nd, ne, wtype);
+    for (int il = 0; il < hp->n_layer; il++)
+        for (int id = 0; id < LT_COUNT; id++) {
+            const gguf_tspec *sp = &gguf_layer_specs[id];
+            if (!gguf_layer_has(sp->when, hp, il)) continue;
+            snprintf(name, sizeof name, "blk.%d.%s", il, sp->name);
+            nd = gguf_layer_shape(id, hp, il, ne);
+            ok &= synth_add_tensor(p, name, sp, nd, ne, wtype);
+        }
+    for (int id = GT_TOKEN_EMBD + 1; id < GT_COUNT; id++) {
+        nd = gguf_global_shape(id, hp, ne);
+        ok &= synth_add_tensor(p, gguf_global_specs[id].name, &gguf_global_specs[id], nd, ne, wtype);
+    }
+    if (!ok || !gguf_plan_layout(p)) {
+        if (err && errlen) snprintf(err, errlen, "out of memory building synth config '%s'", c->name);
+        gguf_plan_free(p);
+        return 0;
+    }
+    return 1;
+}
+
+/* Writes header, metadata, tensor directory and zero padding up to the data section. */
+static void gguf_plan_write_header(const gguf_plan *p, uint8_t *buf, size_t size) {
+    gguf_wout o = {buf, size, 0};
+    gguf_plan_write_meta(p, &o);
+    if (o.pos < size) memset(buf + o.pos, 0, (size_t)((p->data_start < size ? p->data_start : size) - o.pos));
+}
+
+/* ---- deterministic data ---- */
+
+#define SYNTH_CHUNK ((uint64_t)1 << 16)   /* elements per PRNG stream (multiple of 32) */
+#define SYNTH_TID_ROWS ((uint64_t)4096)   /* tid2eid rows per PRNG stream */
+
+static uint64_t synth_mix(uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+static uint64_t synth_next(uint64_t *s) {
+    *s += 0x9e3779b97f4a7c15ull;
+    return synth_mix(*s);
+}
+
+/* Start state of the stream of one (seed, tensor, chunk). */
+static uint64_t synth_stream(uint64_t seed, uint64_t tensor, uint64_t chunk) {
+    uint64_t s = synth_mix(seed ^ 0x6473345f73796e74ull);
+    s = synth_mix(s + (tensor + 1) * 0x9e3779b97f4a7c15ull);
+    s = synth_mix(s ^ ((chunk + 1) * 0xd1b54a32d192ed03ull));
+    return s;
+}
+
+/* n consecutive values of a stream, written so that the compiler can
+ * vectorise it.  Exactly reproducible: k is a 24-bit integer and step a float
+ * (24-bit mantissa), so k*step is exact in double; then one rounding for
+ * + mean (the same with or without FMA contraction) and one for the cast. */
+static void synth_values(uint64_t *s, float step, float mean, float *out, int n) {
+    uint64_t st = *s;
+    for (int i = 0; i < n; i++) {
+        uint64_t z = synth_mix(st + (uint64_t)(i + 1) * 0x9e3779b97f4a7c15ull);
+        int32_t k = (int32_t)(z >> 40) - (1 << 23);
+        out[i] = (float)((double)k * (double)step + (double)mean);
+    }
+    *s = st + (uint64_t)n * 0x9e3779b97f4a7c15ull;
+}
+
+static void synth_put32(uint8_t *p, uint32_t v) {
+    p[0] = (uint8_t)v; p[1] = (uint8_t)(v >> 8); p[2] = (uint8_t)(v >> 16); p[3] = (uint8_t)(v >> 24);
+}
+static void synth_put16(uint8_t *p, uint16_t v) {
+    p[0] = (uint8_t)v; p[1] = (uint8_t)(v >> 8);
+}
+
+/* One Q8_0 block: d = amax/127 stored as f16; q = round-half-away(x / d) with
+ * d read back from f16, clamped to [-127, 127]; d == 0 gives q = 0. */
+static void synth_q8_0_block(const float *x, uint8_t *out) {
+    float amax = 0.0f;
+    for (int i = 0; i < DS4_QK8_0; i++) {
+        float a = fabsf(x[i]);
+        amax = a > amax ? a : amax;
+    }
+    uint16_t dh = ds4_f32_to_f16(amax / 127.0f);
+    float d = ds4_f16_to_f32(dh);
+    synth_put16(out, dh);
+    if (d == 0.0f) {
+        memset(out + 2, 0, DS4_QK8_0);
+        return;
+    }
+    int8_t q8[DS4_QK8_0];
+    for (int i = 0; i < DS4_QK8_0; i++) {      /* branch-free and exact: vectorises */
+        float v = x[i] / d;
+        float a = fabsf(v);                     /* |v| <= ~127.1 */
+        int q = (int)a;                         /* truncation */
+        q += (a - (float)q) >= 0.5f;            /* the fraction is exact: half away from zero */
+        q = q > 127 ? 127 : q;
+        q = v < 0.0f ? -q : q;
+        q8[i] = (int8_t)q;
+    }
+    memcpy(out + 2, q8, DS4_QK8_0);
+}
+
+/* The synthetic bytes rely on IEEE float semantics (exact division, no
+ * reciprocal or reassociation tricks).  A build with -ffast-math would write
+ * different Q8_0 bytes; this recomputes a few known results and refuses to
+ * fill if they differ.  (The inputs pass through volatile so the compiler
+ * cannot fold them at build time.) */
+static int synth_selfcheck(void) {
+    static const uint32_t xbits[2] = {0x3fe43400u, 0xbfab9a00u};  /* 127*d and a value whose x/d is exactly -95.5 */
+    static const uint32_t vbits[4] = {0x3f58c0f2u, 0x3f9387a3u, 0x3f82ededu, 0x3f5efd12u};
+    volatile uint32_t vb[2] = {xbits[0], xbits[1]};
+    volatile float vstd = 0.1f, vmean = 1.0f;
+    float x[DS4_QK8_0];
+    memset(x, 0, sizeof x);
+    uint32_t b0 = vb[0], b1 = vb[1];
+    memcpy(&x[0], &b0, 4);
+    memcpy(&x[1], &b1, 4);
+    uint8_t out[DS4_Q8_0_BLOCK_BYTES];
+    synth_q8_0_block(x, out);
+    if (out[0] != 0x30 || out[1] != 0x23 || out[2] != 127 || (int8_t)out[3] != -96) return 0;
+    uint64_t s = synth_stream(1, 0, 0);
+    float step = vstd * 1.7320508f;
+    step *= 0x1p-23f;
+    float v[4];
+    synth_values(&s, step, vmean, v, 4);
+    for (int i = 0; i < 4; i++) {
+        uint32_t bits;
+        memcpy(&bits, &v[i], 4);
+        if (bits != vbits[i]) return 0;
+    }
+    return 1;
+}
+
+static uint64_t synth_nel(const gguf_wtensor *t) {
+    uint64_t n = 1;
+    for (uint32_t j = 0; j < t->n_dims && j < 4; j++) n *= (uint64_t)t->ne[j];
+    return n;
+}
+
+static uint64_t synth_chunks(const gguf_wtensor *t) {
+    if (t->fill == SF_TID2EID) {
+        uint64_t rows = synth_nel(t) / (uint64_t)t->ne[0];
+        return (rows + SYNTH_TID_ROWS - 1) / SYNTH_TID_ROWS;
+    }
+    return (synth_nel(t) + SYNTH_CHUNK - 1) / SYNTH_CHUNK;
+}
+
+static void synth_fill_chunk(const gguf_plan *p, int ti, uint64_t chunk, uint64_t seed, uint8_t *buf) {
+    const gguf_wtensor *t = &p->t[ti];
+    uint8_t *dst = buf + p->data_start + t->offset;
+    uint64_t s = synth_stream(seed, (uint64_t)ti, chunk);
+
+    if (t->fill == SF_TID2EID) {
+        /* each row: ne0 distinct expert ids in [0, E) (rejection sampling) */
+        int64_t k = t->ne[0];
+        uint64_t E = t->tid_e > 0 ? (uint64_t)t->tid_e : 1;
+        uint64_t rows = synth_nel(t) / (uint64_t)k;
+        uint64_t r0 = chunk * SYNTH_TID_ROWS, r1 = r0 + SYNTH_TID_ROWS < rows ? r0 + SYNTH_TID_ROWS : rows;
+        int32_t ids[64];
+        for (uint64_t row = r0; row < r1; row++) {
+            for (int64_t j = 0; j < k; j++) {
+                uint32_t id;
+                if ((uint64_t)k > E || k > 64) {
+                    id = (uint32_t)((row + (uint64_t)j) % E);
+                } else {
+                    int dup;
+                    do {
+                        id = (uint32_t)(((synth_next(&s) >> 32) * E) >> 32);
+                        dup = 0;
+                        for (int64_t q = 0; q < j; q++) dup |= ids[q] == (int32_t)id;
+                    } while (dup);
+                    ids[j] = (int32_t)id;
+                }
+                synth_put32(dst + (row * (uint64_t)k + (uint64_t)j) * 4, id);
+            }
+        }
+        return;
+    }
+
+    uint64_t nel = synth_nel(t);
+    uint64_t e0 = chunk * SYNTH_CHUNK, e1 = e0 + SYNTH_CHUNK < nel ? e0 + SYNTH_CHUNK : nel;
+    float step = t->std * 1.7320508f;   /* sqrt(3): unit-variance uniform */
+    step *= 0x1p-23f;
+    float x[256];
+    switch (t->type) {
+    case DS4_TYPE_F32: case DS4_TYPE_F16: case DS4_TYPE_BF16:
+        for (uint64_t e = e0; e < e1; e += 256) {
+            int n = e1 - e < 256 ? (int)(e1 - e) : 256;
+            synth_values(&s, step, t->mean, x, n);
+            for (int i = 0; i < n; i++) {
+                uint32_t b;
+                if (t->type == DS4_TYPE_F32) {
+                    memcpy(&b, &x[i], 4);
+                    synth_put32(dst + (e + (uint64_t)i) * 4, b);
+                } else {
+                    b = t->type == DS4_TYPE_F16 ? ds4_f32_to_f16(x[i]) : ds4_f32_to_bf16(x[i]);
+                    synth_put16(dst + (e + (uint64_t)i) * 2, (uint16_t)b);
+                }
+            }
+        }
+        break;
+    case DS4_TYPE_Q8_0:
+        for (uint64_t e = e0; e + DS4_QK8_0 <= e1; e += DS4_QK8_0) {
+            synth_values(&s, step, t->mean, x, DS4_QK8_0);
+            synth_q8_0_block(x, dst + (e / DS4_QK8_0) * DS4_Q8_0_BLOCK_BYTES);
+        }
+        break;
+    default:   /* I32 without a fill rule: zeros */
+        memset(dst + e0 * 4, 0, (size_t)(e1 - e0) * 4);
+        break;
+    }
+}
+
+typedef struct {
+    const gguf_plan *p;
+    uint8_t *buf;
+    uint64_t seed;
+    const uint64_t *first;   /* first[i] = first work item of tensor i; first[n_t] = total */
+    uint64_t n_items;
+    atomic_uint_fast64_t next;
+} synth_job;
+
+static void *synth_worker(void *arg) {
+    synth_job *j = arg;
+    for (;;) {
+        uint64_t it = atomic_fetch_add(&j->next, 1);
+        if (it >= j->n_items) break;
+        int lo = 0, hi = j->p->n_t;          /* largest lo with first[lo] <= it */
+        while (hi - lo > 1) {
+            int mid = lo + (hi - lo) / 2;
+            if (j->first[mid] <= it) lo = mid;
+            else hi = mid;
+        }
+        synth_fill_chunk(j->p, lo, it - j->first[lo], j->seed, j->buf);
+    }
+    return NULL;
+}
+
+/* Fills every tensor that lies inside buf, and zeroes all padding. */
+static int gguf_plan_fill(const gguf_plan *p, uint64_t seed, uint8_t *buf, size_t size, int n_threads) {
+    if (p->data_start > size) return 0;
+    uint64_t room = size - p->data_start;
+    int monotone = 1;
+    uint64_t end = 0;
+    for (int i = 0; i < p->n_t; i++) {
+        if (p->t[i].offset < end) monotone = 0;
+        end = p->t[i].offset + p->t[i].nbytes;
+    }
+    if (monotone) {
+        uint64_t at = 0;
+        for (int i = 0; i < p->n_t; i++) {
+            const gguf_wtensor *t = &p->t[i];
+            uint64_t a = t->offset < room ? t->offset : room;
+            if (a > at) memset(buf + p->data_start + at, 0, (size_t)(a - at));
+            uint64_t b = t->offset + t->nbytes;
+            if (b > at) at = b < room ? b : room;
+        }
+        if (at < room) memset(buf + p->data_start + at, 0, (size_t)(room - at));
+    } else {
+        memset(buf + p->data_start, 0, (size_t)room);
+    }
+
+    uint64_t *first = malloc(((size_t)p->n_t + 1) * sizeof *first);
+    if (!first) return 0;
+    uint64_t n = 0;
+    for (int i = 0; i < p->n_t; i++) {
+        const gguf_wtensor *t = &p->t[i];
+        first[i] = n;
+        if (t->offset <= room && t->nbytes <= room - t->offset) n += synth_chunks(t);
+    }
+    first[p->n_t] = n;
+
+    synth_job job;
+    job.p = p;
+    job.buf = buf;
+    job.seed = seed;
+    job.first = first;
+    job.n_items = n;
+    atomic_init(&job.next, 0);
+    if (n_threads < 1) n_threads = 1;
+    if (n_threads > 256) n_threads = 256;
+    pthread_t th[256];
+    int started = 0;
+    for (int i = 1; i < n_threads; i++) {
+        if (pthread_create(&th[started], NULL, synth_worker, &job) != 0) break;
+        started++;
+    }
+    synth_worker(&job);
+    for (int i = 0; i < started; i++) pthread_join(th[i], NULL);
+    free(first);
+    return 1;
+}
+
+int ds4_synth_config_ok(const char *config) {
+    return synth_find(config) != NULL;
+}
+
+size_t ds4_synth_size(const char *config, int wtype) {
+    gguf_plan p;
+    if (!synth_plan_init(&p, config, wtype, NULL, 0)) return 0;
+    uint64_t total = p.total;
+    gguf_plan_free(&p);
+    return total > (uint64_t)SIZE_MAX ? 0 : (size_t)total;
+}
+
+int ds4_synth_fill(const char *config, uint64_t seed, int wtype, uint8_t *buf, size_t size,
+                   int n_threads, char *err, size_t errlen) {
+    if (err && errlen) err[0] = 0;
+    if (!synth_selfcheck()) {
+        if (err && errlen)
+            snprintf(err, errlen, "synth self-check failed: this build does not follow IEEE float semantics "
+                                  "(-ffast-math?), so synthetic bytes would differ from other builds");
+        return -1;
+    }
+    gguf_plan p;
+    if (!synth_plan_init(&p, config, wtype, err, errlen)) return -1;
+    int rc = 0;
+    if (!buf || size != p.total) {
+        if (err && errlen)
+            snprintf(err, errlen, "synth config '%s' needs a buffer of %llu bytes, got %zu%s", config,
+                     (unsigned long long)p.total, size, buf ? "" : " (NULL)");
+        rc = -1;
+    } else {
+        gguf_plan_write_header(&p, buf, size);
+        if (!gguf_plan_fill(&p, seed, buf, size, n_threads)) {
+            if (err && errlen) snprintf(err, errlen, "out of memory filling synth config '%s'", config);
+            rc = -1;
+        }
+    }
+    gguf_plan_free(&p);
+    return rc;
+}
+
+/* ---------------------------------------------------------------------------
+ * Thread pool
+ *
+ * The CPU backend splits every op into independent items (matrix rows,
+ * (token, head) pairs, tokens) and hands contiguous ranges of items to a
+ * fixed set of worker threads.  Each item's arithmetic does not depend on how
+ * the items were split, so results are identical for any thread count.
+ * ------------------------------------------------------------------------- */
+
+typedef void (*ds4_task_fn)(void *arg, int64_t i0, int64_t i1);
+
+#define DS4_MAX_THREADS 64
+
+static struct {
+    int             n;            /* threads including the caller */
+    int             started;
+    pthread_t       th[DS4_MAX_THREADS];
+    pthread_mutex_t mu;
+    pthread_cond_t  cv_work, cv_done;
+    uint64_t        gen;
+    int             pending;
+    ds4_task_fn     fn;
+    void           *arg;
+    int64_t         n_items;
+} g_pool = { .n = 0, .mu = PTHREAD_MUTEX_INITIALIZER,
+             .cv_work = PTHREAD_COND_INITIALIZER, .cv_done = PTHREAD_COND_INITIALIZER };
+
+static void pool_range(int idx, int n, int64_t n_items, int64_t *i0, int64_t *i1) {
+    *i0 = n_items * idx / n;
+    *i1 = n_items * (idx + 1) / n;
+}
+
+static void *pool_worker(void *p) {
+    int idx = (int)(intptr_t)p;
+    uint64_t seen = 0;
+    for (;;) {
+        pthread_mutex_lock(&g_pool.mu);
+        while (g_pool.gen == seen) pthread_cond_wait(&g_pool.cv_work, &g_pool.mu);
+        seen = g_pool.gen;
+        ds4_task_fn fn = g_pool.fn;
+        void *arg = g_pool.arg;
+        int64_t n_items = g_pool.n_items;
+        int n = g_pool.n;
+        pthread_mutex_unlock(&g_pool.mu);
+
+        int64_t i0, i1;
+        pool_range(idx, n, n_items, &i0, &i1);
+        if (i1 > i0) fn(arg, i0, i1);
+
+        pthread_mutex_lock(&g_pool.mu);
+        if (--g_pool.pending == 0) pthread_cond_signal(&g_pool.cv_done);
+        pthread_mutex_unlock(&g_pool.mu);
+    }
+    return NULL;
+}
+
+static int g_cpu_threads_wanted = 0;
+
+void ds4_cpu_set_threads(int n) { g_cpu_threads_wanted = n; }
+
+static void pool_start(void) {
+    if (g_pool.started) return;
+    int n = g_cpu_threads_wanted;
+    if (n <= 0) {
+        long c = sysconf(_SC_NPROCESSORS_ONLN);
+        n = c > 0 ? (int)c : 1;
+    }
+    if (n > DS4_MAX_THREADS) n = DS4_MAX_THREADS;
+    g_pool.n = n;
+    for (int i = 1; i < n; i++) {
+        if (pthread_create(&g_pool.th[i], NULL, pool_worker, (void *)(intptr_t)i) != 0) {
+            g_pool.n = i;   /* run with the threads we got */
+            break;
+        }
+    }
+    g_pool.started = 1;
+}
+
+/* Run fn over [0, n_items) split across the pool; small jobs run inline. */
+static void parallel_for(int64_t n_items, int64_t min_per_thread, ds4_task_fn fn, void *arg) {
+    if (n_items <= 0) return;
+    pool_start();
+    if (g_pool.n <= 1 || n_items < 2 * min_per_thread) { fn(arg, 0, n_items); return; }
+    pthread_mutex_lock(&g_pool.mu);
+    g_pool.fn = fn;
+    g_pool.arg = arg;
+    g_pool.n_items = n_items;
+    g_pool.pending = g_pool.n - 1;
+    g_pool.gen++;
+    pthread_cond_broadcast(&g_pool.cv_work);
+    pthread_mutex_unlock(&g_pool.mu);
+
+    int64_t i0, i1;
+    pool_range(0, g_pool.n, n_items, &i0, &i1);
+    if (i1 > i0) fn(arg, i0, i1);
+
+    pthread_mutex_lock(&g_pool.mu);
+    while (g_pool.pending > 0) pthread_cond_wait(&g_pool.cv_done, &g_pool.mu);
+    pthread_mutex_unlock(&g_pool.mu);
+}
+
+/* ---------------------------------------------------------------------------
+ * CPU backend: the specification
+ *
+ * Plain f32 loops.  Every op here is the definition the CUDA backend is
+ * tested against (tests/test_backend_ops.c).  Dot products use eight float
+ * partial sums (vectorisable without fast-math, and well within the 1e-5
+ * agreement the references show); norms accumulate squares in double as
+ * ggml does.
+ * ------------------------------------------------------------------------- */
+
+static float dot_f32(const float *a, const float *b, int64_t n) {
+    float s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) s[j] += a[i + j] * b[i + j];
+    float r = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+    for (; i < n; i++) r += a[i] * b[i];
+    return r;
+}
+
+/* Dequantize row `row` (counting across experts) of weight w into out[ne0]. */
+static void dequant_row(const ds4_weight *w, int64_t row, float *out) {
+    const int64_t K = w->ne[0];
+    const uint8_t *p = (const uint8_t *)w->dev + (size_t)row * ds4_row_bytes(w->type, K);
+    switch (w->type) {
+    case DS4_TYPE_F32: memcpy(out, p, (size_t)K * 4); break;
+    case DS4_TYPE_F16: {
+        const uint16_t *h = (const uint16_t *)p;
+        for (int64_t i = 0; i < K; i++) out[i] = ds4_f16_to_f32(h[i]);
+    } break;
+    case DS4_TYPE_BF16: {
+        const uint16_t *h = (const uint16_t *)p;
+        for (int64_t i = 0; i < K; i++) out[i] = ds4_bf16_to_f32(h[i]);
+    } break;
+    case DS4_TYPE_Q8_0: {
+        for (int64_t b = 0; b < K / DS4_QK8_0; b++) {
+            const uint8_t *blk = p + b * DS4_Q8_0_BLOCK_BYTES;
+            uint16_t dh;
+            memcpy(&dh, blk, 2);
+            const float d = ds4_f16_to_f32(dh);
+            const int8_t *q = (const int8_t *)(blk + 2);
+            for (int j = 0; j < DS4_QK8_0; j++) out[b * DS4_QK8_0 + j] = d * (float)q[j];
+        }
+    } break;
+    default: memset(out, 0, (size_t)K * 4); break;
+    }
+}
+
+static void *cpu_alloc(size_t bytes) {
+    void *p = NULL;
+    if (bytes == 0) bytes = 64;
+    if (posix_memalign(&p, 64, (bytes + 63) & ~(size_t)63) != 0) {
+        fprintf(stderr, "ds4: out of host memory allocating %zu bytes\n", bytes);
+        return NULL;
+    }
+    memset(p, 0, bytes);
+    return p;
+}
+static void cpu_free(void *p) { free(p); }
+static void cpu_memcpy(void *dst, const void *src, size_t bytes) { memmove(dst, src, bytes); }
+static int  cpu_init(void) { pool_start(); return 0; }
+static int  cpu_upload_weight(ds4_weight *w) { w->dev = (void *)w->host; return 0; }
+static void cpu_release_weight(ds4_weight *w) { w->dev = NULL; }
+static void cpu_synchronize(void) {}
+
+/* -- embed -- */
+typedef struct { const ds4_weight *w; const int32_t *tok; int n_hc; float *x; } embed_args;
+static void embed_task(void *a_, int64_t i0, int64_t i1) {
+    embed_args *a = a_;
+    const int64_t D = a->w->ne[0];
+    for (int64_t t = i0; t < i1; t++) {
+        float *x = a->x + t * a->n_hc * D;
+        dequant_row(a->w, a->tok[t], x);
+        for (int s = 1; s < a->n_hc; s++) memcpy(x + s * D, x, (size_t)D * 4);
+    }
+}
+static void cpu_embed(const ds4_weight *w, const int32_t *tok, int nt, int n_hc, float *x) {
+    embed_args a = { w, tok, n_hc, x };
+    parallel_for(nt, 4, embed_task, &a);
+}
+
+/* -- rmsnorm -- */
+typedef struct { const float *x, *w; float *y; int n; float eps; } rms_args;
+static void rms_task(void *a_, int64_t i0, int64_t i1) {
+    rms_args *a = a_;
+    for (int64_t r = i0; r < i1; r++) {
+        const float *x = a->x + r * a->n;
+        float *y = a->y + r * a->n;
+        double ss = 0.0;
+        for (int i = 0; i < a->n; i++) ss += (double)(x[i] * x[i]);
+        const float scale = 1.0f / sqrtf((float)(ss / a->n) + a->eps);
+        if (a->w) for (int i = 0; i < a->n; i++) y[i] = x[i] * scale * a->w[i];
+        else      for (int i = 0; i < a->n; i++) y[i] = x[i] * scale;
+    }
+}
+static void cpu_rmsnorm(const float *x, const float *w, float *y, int rows, int n, float eps) {
+    rms_args a = { x, w, y, n, eps };
+    parallel_for(rows, 16, rms_task, &a);
+}
+
+/* -- matmul -- */
+typedef struct { const ds4_weight *w; int64_t row0; const float *x; float *y; int nt;
+                 int64_t N, K; int groups; int64_t R; } mm_args;
+static void mm_task(void *a_, int64_t i0, int64_t i1) {
+    mm_args *a = a_;
+    float *row = NULL;
+    if (a->w->type != DS4_TYPE_F32) row = malloc((size_t)a->K * 4);
+    for (int64_t n = i0; n < i1; n++) {
+        const float *wr;
+        if (row) { dequant_row(a->w, a->row0 + n, row); wr = row; }
+        else wr = (const float *)a->w->dev + (size_t)(a->row0 + n) * a->K;
+        /* grouped projections read the slice of x that belongs to row n's group */
+        const int64_t xoff = a->groups > 1 ? (n / a->R) * a->K : 0;
+        const int64_t xstride = a->groups > 1 ? a->groups * a->K : a->K;
+        for (int t = 0; t < a->nt; t++)
+            a->y[(size_t)t * a->N + n] = dot_f32(wr, a->x + (size_t)t * xstride + xoff, a->K);
+    }
+    free(row);
+}
+static void cpu_matmul(const ds4_weight *w, int expert, const float *x, float *y, int nt) {
+    mm_args a = { w, (int64_t)expert * w->ne[1], x, y, nt, w->ne[1], w->ne[0], 1, 0 };
+    parallel_for(a.N, 8, mm_task, &a);
+}
+static void cpu_matmul_grouped(const ds4_weight *w, int groups, const float *x, float *y, int nt) {
+    mm_args a = { w, 0, x, y, nt, w->ne[1], w->ne[0], groups, w->ne[1] / groups };
+    parallel_for(a.N, 8, mm_task, &a);
+}
+
+/* -- mHC -- */
+static float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+typedef struct { const float *mix, *scale, *base, *x; int D, h, head; float eps; int iters;
+                 float *y, *post, *comb; int n_mix; } hc_args;
+static void hc_mix_task(void *a_, int64_t i0, int64_t i1) {
+    hc_args *a = a_;
+    const int h = a->h;
+    for (int64_t t = i0; t < i1; t++) {
+        const float *m = a->mix + t * a->n_mix;
+        float pre[DS4_HC_MAX];
+        for (int s = 0; s < h; s++) pre[s] = sigmoidf_(m[s] * a->scale[0] + a->base[s]) + a->eps;
+        float *y = a->y + t * a->D;
+        const float *x = a->x + t * h * a->D;
+        for (int i = 0; i < a->D; i++) {
+            float acc = 0.0f;
+            for (int s = 0; s < h; s++) acc += pre[s] * x[s * a->D + i];
+            y[i] = acc;
+        }
+        if (a->head) continue;
+        for (int s = 0; s < h; s++)
+            a->post[t * h + s] = 2.0f * sigmoidf_(m[h + s] * a->scale[1] + a->base[h + s]);
+        float C[DS4_HC_MAX][DS4_HC_MAX];   /* C[a][b]: a destination, b source */
+        for (int b = 0; b < h; b++) {
+            float mx = -INFINITY;
+            for (int d = 0; d < h; d++) {
+                C[d][b] = m[2 * h + d + h * b] * a->scale[2] + a->base[2 * h + d + h * b];
+                if (C[d][b] > mx) mx = C[d][b];
+            }
+            float sum = 0.0f;
+            for (int d = 0; d < h; d++) { C[d][b] = expf(C[d][b] - mx); sum += C[d][b]; }
+            for (int d = 0; d < h; d++) C[d][b] = C[d][b] / sum + a->eps;
+        }
+        for (int it = 0; it < a->iters; it++) {
+            if (it > 0) {            /* row: normalise over destinations for each source */
+                for (int b = 0; b < h; b++) {
+                    float s = 0.0f;
+                    for (int d = 0; d < h; d++) s += C[d][b];
+                    s += a->eps;
+                    for (int d = 0; d < h; d++) C[d][b] /= s;
+                }
+            }
+            for (int d = 0; d < h; d++) {   /* col: normalise over sources for each destination */
+                float s = 0.0f;
+                for (int b = 0; b < h; b++) s += C[d][b];
+                s += a->eps;
+                for (int b = 0; b < h; b++) C[d][b] /= s;
+            }
+        }
+        for (int d = 0; d < h; d++)
+            for (int b = 0; b < h; b++) a->comb[t * h * h + d + h * b] = C[d][b];
+    }
+}
+static void cpu_hc_mix(const float *mix, const float *scale, const float *base, const float *x,
+                       int nt, int D, int n_hc, int head, float hc_eps, int iters,
+                       float *y, float *post, float *comb) {
+    hc_args a = { mix, scale, base, x, D, n_hc, head, hc_eps, iters, y, post, comb,
+                  head ? n_hc : (2 + n_hc) * n_hc };
+    parallel_for(nt, 4, hc_mix_task, &a);
+}
+
+typedef struct { const float *f, *xr, *post, *comb; int D, h; float *xo; } hcp_args;
+static void hc_post_task(void *a_, int64_t i0, int64_t i1) {
+    hcp_args *a = a_;
+    const int h = a->h;
+    for (int64_t t = i0; t < i1; t++) {
+        const float *f = a->f + t * a->D, *xr = a->xr + t * h * a->D;
+        const float *post = a->post + t * h, *comb = a->comb + t * h * h;
+        float *xo = a->xo + t * h * a->D;
+        for (int d = 0; d < h; d++)
+            for (int i = 0; i < a->D; i++) {
+                float acc = post[d] * f[i];
+                for (int b = 0; b < h; b++) acc += comb[d + h * b] * xr[b * a->D + i];
+                xo[d * a->D + i] = acc;
+            }
+    }
+}
+static void cpu_hc_post(const float *f, const float *x_res, const float *post, const float *comb,
+                        int nt, int D, int n_hc, float *x_out) {
+    hcp_args a = { f, x_res, post, comb, D, n_hc, x_out };
+    parallel_for(nt, 4, hc_post_task, &a);
+}
+
+/* -- RoPE -- */
+static void rope_cos_sin(const ds4_rope *rp, int p, float *cs /* [n_rot] cos,sin pairs */) {
+    const float theta_scale = powf(rp->freq_base, -2.0f / (float)rp->n_rot);
+    float theta = (float)p;
+    for (int i = 0; i < rp->n_rot / 2; i++) {
+        const float te = theta;
+        const float ti = rp->freq_scale * te;
+        float th = ti;
+        if (rp->ext_factor != 0.0f) {
+            const float y = ((float)i - rp->corr_lo) / fmaxf(0.001f, rp->corr_hi - rp->corr_lo);
+            const float ramp = (1.0f - fminf(1.0f, fmaxf(0.0f, y))) * rp->ext_factor;
+            th = ti * (1.0f - ramp) + te * ramp;
+        }
+        cs[2 * i] = cosf(th);
+        cs[2 * i + 1] = sinf(th);
+        theta *= theta_scale;
+    }
+}
+typedef struct { float *x; int nh, dh, pos0, step, inv; const ds4_rope *rp; } rope_args;
+static void rope_task(void *a_, int64_t i0, int64_t i1) {
+    rope_args *a = a_;
+    float cs[1024];
+    const int off = a->dh - a->rp->n_rot;
+    for (int64_t t = i0; t < i1; t++) {
+        rope_cos_sin(a->rp, a->pos0 + (int)t * a->step, cs);
+        for (int hh = 0; hh < a->nh; hh++) {
+            float *v = a->x + (t * a->nh + hh) * a->dh + off;
+            for (int i = 0; i < a->rp->n_rot / 2; i++) {
+                const float c = cs[2 * i], s = a->inv ? -cs[2 * i + 1] : cs[2 * i + 1];
+                const float x0 = v[2 * i], x1 = v[2 * i + 1];
+                v[2 * i] = x0 * c - x1 * s;
+                v[2 * i + 1] = x0 * s + x1 * c;
+            }
+        }
+    }
+}
+static void cpu_rope(float *x, int nt, int nh, int dh, int pos0, int pos_step, const ds4_rope *rp, int inverse) {
+    rope_args a = { x, nh, dh, pos0, pos_step, inverse, rp };
+    parallel_for(nt, 4, rope_task, &a);
+}
+
+/* -- attention -- */
+typedef struct { const float *q, *kv, *ring; int W, pos0, nt, H, d; const float *comp; int ratio;
+                 const int32_t *topk; int k; const float *sinks; float scale; float *out; int cap; } att_args;
+static void att_task(void *a_, int64_t i0, int64_t i1) {
+    att_args *a = a_;
+    float *s = malloc((size_t)a->cap * sizeof(float));
+    const float **rows = malloc((size_t)a->cap * sizeof(*rows));
+    for (int64_t it = i0; it < i1; it++) {
+        const int t = (int)(it / a->H), hh = (int)(it % a->H);
+        const int P = a->pos0 + t;
+        const float *q = a->q + ((size_t)t * a->H + hh) * a->d;
+        int n = 0;
+        for (int p = P - a->W + 1 < 0 ? 0 : P - a->W + 1; p <= P; p++)
+            rows[n++] = p >= a->pos0 ? a->kv + (size_t)(p - a->pos0) * a->d
+                                     : a->ring + (size_t)(p % a->W) * a->d;
+        if (a->ratio == 128) {
+            for (int w = 0; w < (P + 1) / 128; w++) rows[n++] = a->comp + (size_t)w * a->d;
+        } else if (a->ratio == 4) {
+            for (int j = 0; j < a->k; j++) {
+                const int32_t w = a->topk[(size_t)t * a->k + j];
+                if (w >= 0) rows[n++] = a->comp + (size_t)w * a->d;
+            }
+        }
+        float m = a->sinks[hh];
+        for (int i = 0; i < n; i++) {
+            s[i] = a->scale * dot_f32(q, rows[i], a->d);
+            if (s[i] > m) m = s[i];
+        }
+        double sum = exp((double)(a->sinks[hh] - m));
+        for (int i = 0; i < n; i++) { s[i] = expf(s[i] - m); sum += s[i]; }
+        const float inv = (float)(1.0 / sum);
+        float *o = a->out + ((size_t)t * a->H + hh) * a->d;
+        for (int c = 0; c < a->d; c++) o[c] = 0.0f;
+        for (int i = 0; i < n; i++) {
+            const float w = s[i] * inv;
+            for (int c = 0; c < a->d; c++) o[c] += w * rows[i][c];
+        }
+    }
+    free(s);
+    free(rows);
+}
+static void cpu_attention(const float *q, const float *kv, const float *ring, int W,
+                          int pos0, int nt, int H, int d,
+                          const float *comp, int ratio, const int32_t *topk, int k,
+                          const float *sinks, float scale, float *out) {
+    int cap = W + k + 1;
+    if (ratio == 128) cap += (pos0 + nt) / 128;
+    att_args a = { q, kv, ring, W, pos0, nt, H, d, comp, ratio, topk, k, sinks, scale, out, cap };
+    parallel_for((int64_t)nt * H, 4, att_task, &a);
+}
+
+static void cpu_ring_store(float *ring, const float *rows, int slots, int width, int pos0, int nt) {
+    for (int t = nt - slots < 0 ? 0 : nt - slots; t < nt; t++)
+        memcpy(ring + (size_t)((pos0 + t) % slots) * width, rows + (size_t)t * width, (size_t)width * 4);
+}
+
+static void cpu_add_cyclic(float *x, const float *table, int pos0, int nt, int period, int n) {
+    for (int t = 0; t < nt; t++) {
+        const float *r = table + (size_t)((pos0 + t) % period) * n;
+        float *xr = x + (size_t)t * n;
+        for (int i = 0; i < n; i++) xr[i] += r[i];
+    }
+}
+
+/* -- compressor pooling -- */
+typedef struct { const float *kv, *sc, *skv, *ssc; int pos0, nt, ratio, c, dc, w0; float *out; } cp_args;
+static void cp_task(void *a_, int64_t i0, int64_t i1) {
+    cp_args *a = a_;
+    const int width = a->c * a->dc, slots = a->c * a->ratio;
+    for (int64_t i = i0; i < i1; i++) {
+        const int s = (a->w0 + (int)i) * a->ratio;
+        float *o = a->out + (size_t)i * a->dc;
+        for (int ch = 0; ch < a->dc; ch++) {
+            float ev[2 * 128], kvv[2 * 128];
+            int n = 0;
+            for (int half = (a->c == 2 ? 0 : 1); half < 2; half++) {
+                const int start = half == 0 ? s - a->ratio : s;
+                const int col = (a->c == 2 && half == 1) ? a->dc + ch : ch;
+                for (int j = 0; j < a->ratio; j++) {
+                    const int p = start + j;
+                    if (p < 0) { ev[n] = -INFINITY; kvv[n] = 0.0f; n++; continue; }
+                    const float *rk = p >= a->pos0 ? a->kv + (size_t)(p - a->pos0) * width
+                                                   : a->skv + (size_t)(p % slots) * width;
+                    const float *rs = p >= a->pos0 ? a->sc + (size_t)(p - a->pos0) * width
+                                                   : a->ssc + (size_t)(p % slots) * width;
+                    ev[n] = rs[col];
+                    kvv[n] = rk[col];
+                    n++;
+                }
+            }
+            float mx = -INFINITY;
+            for (int e = 0; e < n; e++) if (ev[e] > mx) mx = ev[e];
+            float sum = 0.0f, acc = 0.0f;
+            for (int e = 0; e < n; e++) {
+                const float w = expf(ev[e] - mx);
+                sum += w;
+                acc += w * kvv[e];
+            }
+            o[ch] = acc / sum;
+        }
+    }
+}
+static void cpu_compress_pool(const float *kv, const float *sc, const float *st_kv, const float *st_sc,
+                              int pos0, int nt, int ratio, int c, int dc, float *out) {
+    const int w0 = pos0 / ratio, w1 = (pos0 + nt) / ratio;
+    cp_args a = { kv, sc, st_kv, st_sc, pos0, nt, ratio, c, dc, w0, out };
+    parallel_for(w1 - w0, 1, cp_task, &a);
+}
+
+/* -- lightning indexer -- */
+typedef struct { float s; int32_t i; } scored;
+static int scored_cmp(const void *x, const void *y) {
+    const scored *a = x, *b = y;
+    if (a->s > b->s) return -1;
+    if (a->s < b->s) return 1;
+    return a->i < b->i ? -1 : a->i > b->i;
+}
+typedef struct { const float *q, *w, *rows; int pos0, Hi, di, ratio, k; int32_t *out; } ix_args;
+static void ix_task(void *a_, int64_t i0, int64_t i1) {
+    ix_args *a = a_;
+    for (int64_t t = i0; t < i1; t++) {
+        const int n_vis = (a->pos0 + (int)t + 1) / a->ratio;
+        scored *sc = malloc((size_t)(n_vis > 0 ? n_vis : 1) * sizeof(scored));
+        for (int r = 0; r < n_vis; r++) {
+            float acc = 0.0f;
+            for (int h = 0; h < a->Hi; h++) {
+                const float qk = dot_f32(a->q + ((size_t)t * a->Hi + h) * a->di, a->rows + (size_t)r * a->di, a->di);
+                acc += a->w[(size_t)t * a->Hi + h] * (qk > 0.0f ? qk : 0.0f);
+            }
+            sc[r].s = acc;
+            sc[r].i = r;
+        }
+        qsort(sc, (size_t)n_vis, sizeof(scored), scored_cmp);
+        for (int j = 0; j < a->k; j++) a->out[(size_t)t * a->k + j] = j < n_vis ? sc[j].i : -1;
+        free(sc);
+    }
+}
+static void cpu_indexer_topk(const float *q, const float *w, const float *rows,
+                             int pos0, int nt, int Hi, int di, int ratio, int k, int32_t *out) {
+    ix_args a = { q, w, rows, pos0, Hi, di, ratio, k, out };
+    parallel_for(nt, 1, ix_task, &a);
+}
+
+/* -- MoE -- */
+static float softplusf_(float x) { return x > 20.0f ? x : logf(1.0f + expf(x)); }
+
+static void cpu_moe_route(const float *logits, const float *bias, const ds4_weight *tid2eid,
+                          const int32_t *tokens, int nt, int E, int k, int norm, float wscale,
+                          int32_t *sel, float *wts) {
+    float probs[1024], selp[1024];
+    for (int t = 0; t < nt; t++) {
+        const float *l = logits + (size_t)t * E;
+        for (int e = 0; e < E; e++) {
+            probs[e] = sqrtf(softplusf_(l[e]));
+            selp[e] = bias ? probs[e] + bias[e] : probs[e];
+        }
+        int32_t *st = sel + (size_t)t * k;
+        if (tid2eid) {
+            const int32_t *row = (const int32_t *)tid2eid->dev + (size_t)tokens[t] * tid2eid->ne[0];
+            for (int j = 0; j < k; j++) st[j] = row[j];
+        } else {
+            for (int j = 0; j < k; j++) {
+                int best = -1;
+                for (int e = 0; e < E; e++) {
+                    int taken = 0;
+                    for (int q = 0; q < j; q++) if (st[q] == e) taken = 1;
+                    if (taken) continue;
+                    if (best < 0 || selp[e] > selp[best]) best = e;
+                }
+                st[j] = best;
+            }
+        }
+        float *wt = wts + (size_t)t * k;
+        float sum = 0.0f;
+        for (int j = 0; j < k; j++) { wt[j] = probs[st[j]]; sum += wt[j]; }
+        if (norm) {
+            if (sum < 6.103515625e-5f) sum = 6.103515625e-5f;
+            for (int j = 0; j < k; j++) wt[j] /= sum;
+        }
+        if (wscale != 0.0f)
+            for (int j = 0; j < k; j++) wt[j] *= wscale;
+    }
+}
+
+static void swiglu_range(const float *g, const float *u, float *y, int64_t i0, int64_t i1, float L) {
+    for (int64_t i = i0; i < i1; i++) {
+        float gg = g[i], uu = u[i];
+        if (L > 1e-6f) {
+            gg = fminf(gg, L);
+            uu = fminf(fmaxf(uu, -L), L);
+        }
+        y[i] = gg / (1.0f + expf(-gg)) * uu;
+    }
+}
+typedef struct { const float *g, *u; float *y; float L; } sw_args;
+static void sw_task(void *a_, int64_t i0, int64_t i1) {
+    sw_args *a = a_;
+    swiglu_range(a->g, a->u, a->y, i0, i1, a->L);
+}
+static void cpu_swiglu(const float *g, const float *u, float *y, int64_t n, float limit) {
+    sw_args a = { g, u, y, limit };
+    parallel_for(n, 4096, sw_task, &a);
+}
+
+typedef struct { const float *x; const int32_t *sel; const float *wts; const ds4_weight *g, *u, *d;
+                 int k; float L; float *out; } moe_args;
+static void moe_task(void *a_, int64_t i0, int64_t i1) {
+    moe_args *a = a_;
+    const int64_t D = a->g->ne[0], F = a->g->ne[1];
+    float *g = malloc((size_t)F * 4), *u = malloc((size_t)F * 4), *o = malloc((size_t)D * 4);
+    for (int64_t t = i0; t < i1; t++) {
+        float *out = a->out + t * D;
+        for (int64_t i = 0; i < D; i++) out[i] = 0.0f;
+        for (int j = 0; j < a->k; j++) {
+            const int e = a->sel[t * a->k + j];
+            const float w = a->wts[t * a->k + j];
+            mm_args ga = { a->g, (int64_t)e * F, a->x + t * D, g, 1, F, D, 1, 0 };
+            mm_task(&ga, 0, F);
+            mm_args ua = { a->u, (int64_t)e * F, a->x + t * D, u, 1, F, D, 1, 0 };
+            mm_task(&ua, 0, F);
+            swiglu_range(g, u, g, 0, F, a->L);
+            mm_args da = { a->d, (int64_t)e * D, g, o, 1, D, F, 1, 0 };
+            mm_task(&da, 0, D);
+            for (int64_t i = 0; i < D; i++) out[i] += w * o[i];
+        }
+    }
+    free(g); free(u); free(o);
+}
+static void cpu_moe_experts(const float *x, const int32_t *sel, const float *wts,
+                            const ds4_weight *gate, const ds4_weight *up, const ds4_weight *down,
+                            int nt, int k, float clamp, float *out) {
+    if (nt == 1) {
+        /* one token: parallelise inside each projection instead of over tokens;
+         * every element is computed by the same dot product either way */
+        const int64_t D = gate->ne[0], F = gate->ne[1];
+        float *g = malloc((size_t)F * 4), *u = malloc((size_t)F * 4), *o = malloc((size_t)D * 4);
+        for (int64_t i = 0; i < D; i++) out[i] = 0.0f;
+        for (int j = 0; j < k; j++) {
+            cpu_matmul(gate, sel[j], x, g, 1);
+            cpu_matmul(up, sel[j], x, u, 1);
+            swiglu_range(g, u, g, 0, F, clamp);
+            cpu_matmul(down, sel[j], g, o, 1);
+            for (int64_t i = 0; i < D; i++) out[i] += wts[j] * o[i];
+        }
+        free(g); free(u); free(o);
+        return;
+    }
+    moe_args a = { x, sel, wts, gate, up, down, k, clamp, out };
+    parallel_for(nt, 1, moe_task, &a);
+}
+
+typedef struct { const float *a, *b; float *y; float s; } ew_args;
+static void add_task(void *a_, int64_t i0, int64_t i1) {
+    ew_args *a = a_;
+    for (int64_t i = i0; i < i1; i++) a->y[i] = a->a[i] + a->b[i];
+}
+static void cpu_add(const float *x, const float *b, float *y, int64_t n) {
+    ew_args a = { x, b, y, 0 };
+    parallel_for(n, 8192, add_task, &a);
+}
+static void scale_task(void *a_, int64_t i0, int64_t i1) {
+    ew_args *a = a_;
+    for (int64_t i = i0; i < i1; i++) a->y[i] *= a->s;
+}
+static void cpu_scale(float *x, float s, int64_t n) {
+    ew_args a = { NULL, NULL, x, s };
+    parallel_for(n, 8192, scale_task, &a);
+}
+
+static const ds4_backend g_cpu_backend = {
+    .name = "cpu",
+    .init = cpu_init, .alloc = cpu_alloc, .free = cpu_free,
+    .upload = cpu_memcpy, .download = cpu_memcpy, .copy = cpu_memcpy,
+    .upload_weight = cpu_upload_weight, .release_weight = cpu_release_weight,
+    .synchronize = cpu_synchronize,
+    .embed = cpu_embed, .rmsnorm = cpu_rmsnorm, .matmul = cpu_matmul,
+    .matmul_grouped = cpu_matmul_grouped, .hc_mix = cpu_hc_mix, .hc_post = cpu_hc_post,
+    .rope = cpu_rope, .attention = cpu_attention, .ring_store = cpu_ring_store,
+    .add_cyclic = cpu_add_cyclic, .compress_pool = cpu_compress_pool,
+    .indexer_topk = cpu_indexer_topk, .moe_route = cpu_moe_route,
+    .moe_experts = cpu_moe_experts, .swiglu = cpu_swiglu, .add = cpu_add, .scale = cpu_scale,
+};
+
+const ds4_backend *ds4_backend_cpu(void) { return &g_cpu_backend; }
+
+/* ---------------------------------------------------------------------------
+ * Models: mapping a file, enumerating weights, uploading them
+ * ------------------------------------------------------------------------- */
+
+uint8_t *ds4_alloc_huge(size_t size) {
+    void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    return p == MAP_FAILED ? NULL : (uint8_t *)p;
+}
+void ds4_free_huge(uint8_t *p, size_t size) { if (p) munmap(p, size); }
+
+static void errf(char *err, size_t errlen, const char *fmt, ...) {
+    if (!err || errlen == 0) return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, errlen, fmt, ap);
+    va_end(ap);
+}
+
+static ds4_model *model_finish_open(ds4_model *m, const uint8_t *buf, size_t size, int kind,
+                                    char *err, size_t errlen) {
+    if (ds4_gguf_parse(m, buf, size, err, errlen) != 0) {
+        free(m);
+        return NULL;
+    }
+    m->base = buf;
+    m->size = size;
+    m->owned_kind = kind;
+    return m;
+}
+
+ds4_model *ds4_model_open(const char *path, char *err, size_t errlen) {
+    int fd = open(path, O_RDONLY);
+    if (fd < 0) { errf(err, errlen, "cannot open model '%s': %s", path, strerror(errno)); return NULL; }
+    struct stat st;
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+        errf(err, errlen, "model '%s' is not a regular file", path);
+        close(fd);
+        return NULL;
+    }
+    size_t size = (size_t)st.st_size;
+    if (size == 0) { errf(err, errlen, "model '%s' is empty (0 bytes)", path); close(fd); return NULL; }
+    void *p = mmap(NULL, size, PROT_READ, MAP_PRIVATE, fd, 0);
+    close(fd);
+    if (p == MAP_FAILED) { errf(err, errlen, "cannot map model '%s': %s", path, strerror(errno)); return NULL; }
+    ds4_model *m = calloc(1, sizeof(*m));
+    if (!m) { munmap(p, size); errf(err, errlen, "out of memory"); return NULL; }
+    char e2[512];
+    ds4_model *r = model_finish_open(m, p, size, 0, e2, sizeof(e2));
+    if (!r) { munmap(p, size); errf(err, errlen, "%s: %s", path, e2); }
+    return r;
+}
+
+ds4_model *ds4_model_open_memory(uint8_t *buf, size_t size, int take_ownership, char *err, size_t errlen) {
+    ds4_model *m = calloc(1, sizeof(*m));
+    if (!m) { errf(err, errlen, "out of memory"); return NULL; }
+    return model_finish_open(m, buf, size, take_ownership ? 1 : 2, err, errlen);
+}
+
+/* Every weight of the model, in file order of importance; NULL-host entries are absent tensors. */
+static int model_weights(ds4_model *m, ds4_weight **out, int cap) {
+    int n = 0;
+#define W_(w) do { if ((w).host && n < cap) out[n++] = &(w); } while (0)
+    W_(m->tok_embd); W_(m->output); W_(m->output_norm);
+    W_(m->output_hc_fn); W_(m->output_hc_base); W_(m->output_hc_scale);
+    for (int il = 0; il < m->hp.n_layer; il++) {
+        ds4_layer_w *L = &m->layers[il];
+        W_(L->attn_norm); W_(L->ffn_norm); W_(L->attn_sinks);
+        W_(L->q_a); W_(L->q_a_norm); W_(L->q_b); W_(L->kv); W_(L->kv_a_norm); W_(L->out_a); W_(L->out_b);
+        W_(L->hc_attn_fn); W_(L->hc_attn_base); W_(L->hc_attn_scale);
+        W_(L->hc_ffn_fn); W_(L->hc_ffn_base); W_(L->hc_ffn_scale);
+        W_(L->comp_kv); W_(L->comp_gate); W_(L->comp_ape); W_(L->comp_norm);
+        W_(L->idx_proj); W_(L->idx_q_b); W_(L->idx_comp_kv); W_(L->idx_comp_gate);
+        W_(L->idx_comp_ape); W_(L->idx_comp_norm);
+        W_(L->gate_inp); W_(L->tid2eid); W_(L->exp_probs_b);
+        W_(L->gate_exps); W_(L->up_exps); W_(L->down_exps);
+        W_(L->gate_shexp); W_(L->up_shexp); W_(L->down_shexp);
+    }
+#undef W_
+    return n;
+}
+
+#define DS4_MAX_WEIGHTS (8 + DS4_MAX_LAYERS * 40)
+
+static void model_release_weights(ds4_model *m) {
+    if (!m->weights_backend) return;
+    const ds4_backend *be = m->weights_backend;
+    ds4_weight **ws = malloc(sizeof(*ws) * DS4_MAX_WEIGHTS);
+    int n = ws ? model_weights(m, ws, DS4_MAX_WEIGHTS) : 0;
+    for (int i = 0; i < n; i++) if (ws[i]->dev) be->release_weight(ws[i]);
+    free(ws);
+    m->weights_backend = NULL;
+}
+
+static int model_upload_weights(ds4_model *m, const ds4_backend *be, char *err, size_t errlen) {
+    if (m->weights_backend == be) return 0;
+    if (m->weights_backend) {
+        errf(err, errlen, "model weights already live on backend '%s'; one backend per model",
+             m->weights_backend->name);
+        return -1;
+    }
+    ds4_weight **ws = malloc(sizeof(*ws) * DS4_MAX_WEIGHTS);
+    if (!ws) { errf(err, errlen, "out of memory"); return -1; }
+    int n = model_weights(m, ws, DS4_MAX_WEIGHTS);
+    m->weights_backend = be;
+    for (int i = 0; i < n; i++) {
+        if (be->upload_weight(ws[i]) != 0) {
+            errf(err, errlen, "cannot upload weight '%s' (%zu bytes) to backend '%s'",
+                 ws[i]->name ? ws[i]->name : "?", ws[i]->nbytes, be->name);
+            free(ws);
+            model_release_weights(m);
+            return -1;
+        }
+    }
+    free(ws);
+    return 0;
+}
+
+void ds4_model_close(ds4_model *m) {
+    if (!m) return;
+    model_release_weights(m);
+    if (m->owned_kind == 0) munmap((void *)m->base, m->size);
+    else if (m->owned_kind == 1) ds4_free_huge((uint8_t *)m->base, m->size);
+    free(m);
+}
+
+int    ds4_model_n_vocab(const ds4_model *m) { return m->hp.n_vocab; }
+int    ds4_model_has_vocab(const ds4_model *m) { return m->hp.has_vocab; }
+size_t ds4_model_weight_bytes(const ds4_model *m) { return m->weight_bytes; }
+
+size_t ds4_model_decode_bytes(const ds4_model *m) {
+    /* what one decode step must stream: every dense weight once, one row of
+     * the embedding and of tid2eid, and k of E routed experts per layer */
+    size_t total = 0;
+    ds4_weight **ws = malloc(sizeof(*ws) * DS4_MAX_WEIGHTS);
+    if (!ws) return 0;
+    int n = model_weights((ds4_model *)m, ws, DS4_MAX_WEIGHTS);
+    for (int i = 0; i < n; i++) {
+        const ds4_weight *w = ws[i];
+        if (w == &m->tok_embd) { total += ds4_row_bytes(w->type, w->ne[0]); continue; }
+        int expert = 0, tid = 0;
+        for (int il = 0; il < m->hp.n_layer; il++) {
+            const ds4_layer_w *L = &m->layers[il];
+            if (w == &L->gate_exps || w == &L->up_exps || w == &L->down_exps) expert = 1;
+            if (w == &L->tid2eid) tid = 1;
+        }
+        if (tid) total += ds4_row_bytes(w->type, w->ne[0]);
+        else if (expert) total += w->nbytes / (size_t)m->hp.n_expert * (size_t)m->hp.n_expert_used;
+        else total += w->nbytes;
+    }
+    free(ws);
+    return total;
+}
+
+static const char *type_name(int t) {
+    switch (t) {
+    case DS4_TYPE_F32: return "f32"; case DS4_TYPE_F16: return "f16";
+    case DS4_TYPE_BF16: return "bf16"; case DS4_TYPE_Q8_0: return "q8_0";
+    case DS4_TYPE_I32: return "i32"; default: return "?";
+    }
+}
+
+void ds4_model_describe(const ds4_model *m, FILE *f) {
+    const ds4_hparams *h = &m->hp;
+    int n4 = 0, n128 = 0;
+    for (int i = 0; i < h->n_layer; i++) { n4 += h->ratio[i] == 4; n128 += h->ratio[i] == 128; }
+    fprintf(f, "ds4: model: %d layers (%d ratio-4, %d ratio-128), hidden %d, vocab %d, %d heads x %d, "
+               "window %d, %d experts top-%d, %s matrices, %.2f GB\n",
+            h->n_layer, n4, n128, h->n_embd, h->n_vocab, h->n_head, h->head_dim, h->n_swa,
+            h->n_expert, h->n_expert_used, type_name(m->layers[0].q_b.type), m->weight_bytes / 1e9);
+}
+
+int ds4_parse_wtype(const char *s) {
+    if (!strcmp(s, "f32")) return DS4_TYPE_F32;
+    if (!strcmp(s, "f16")) return DS4_TYPE_F16;
+    if (!strcmp(s, "bf16")) return DS4_TYPE_BF16;
+    if (!strcmp(s, "q8_0")) return DS4_TYPE_Q8_0;
+    return -1;
+}
+
+int ds4_synth_write(const char *config, uint64_t seed, int wtype, const char *path,
+                    int n_threads, char *err, size_t errlen) {
+    if (!ds4_synth_config_ok(config)) {
+        errf(err, errlen, "unknown synthetic config '%s' (known: tiny, small, flash16)", config);
+        return -1;
+    }
+    size_t size = ds4_synth_size(config, wtype);
+    uint8_t *buf = ds4_alloc_huge(size);
+    if (!buf) { errf(err, errlen, "cannot allocate %zu bytes for the model image", size); return -1; }
+    if (ds4_synth_fill(config, seed, wtype, buf, size, n_threads, err, errlen) != 0) {
+        ds4_free_huge(buf, size);
+        return -1;
+    }
+    char tmp[4096];
+    snprintf(tmp, sizeof(tmp), "%s.tmp", path);
+    FILE *f = fopen(tmp, "wb");
+    if (!f) { errf(err, errlen, "cannot write '%s': %s", tmp, strerror(errno)); ds4_free_huge(buf, size); return -1; }
+    size_t done = 0;
+    while (done < size) {
+        size_t n = fwrite(buf + done, 1, size - done > (64u << 20) ? (64u << 20) : size - done, f);
+        if (n == 0) break;
+        done += n;
+    }
+    int ok = done == size && fclose(f) == 0;
+    if (!ok && done != size) fclose(f);
+    ds4_free_huge(buf, size);
+    if (!ok || rename(tmp, path) != 0) {
+        errf(err, errlen, "cannot write '%s': %s", path, strerror(errno));
+        unlink(tmp);
+        return -1;
+    }
+    return 0;
+}
+
+ds4_model *ds4_synth_open(const char *config, uint64_t seed, int wtype, int n_threads,
+                          char *err, size_t errlen) {
+    if (!ds4_synth_config_ok(config)) {
+        errf(err, errlen, "unknown synthetic config '%s' (known: tiny, small, flash16)", config);
+        return NULL;
+    }
+    size_t size = ds4_synth_size(config, wtype);
+    uint8_t *buf = ds4_alloc_huge(size);
+    if (!buf) { errf(err, errlen, "cannot allocate %zu bytes for the model image", size); return NULL; }
+    if (ds4_synth_fill(config, seed, wtype, buf, size, n_threads, err, errlen) != 0) {
+        ds4_free_huge(buf, size);
+        return NULL;
+    }
+    ds4_model *m = ds4_model_open_memory(buf, size, 1, err, errlen);
+    if (!m) ds4_free_huge(buf, size);
+    return m;
+}
+
+/* ---------------------------------------------------------------------------
+ * Contexts: KV window ring, compressed rows, compressor state, activations
+ *
+ * Per layer (d = head_dim, W = sliding window, r = ratio, c = 2 for ratio 4):
+ *   ring     [W][d]            window rows; position p at slot p % W
+ *   comp     [n_ctx/r + 1][d]  compressed rows, row w covers positions [w*r, w*r + r)
+ *   st_kv/sc [c*r][c*d]        compressor inputs of the last c*r positions
+ *   irows    [n_ctx/4 + 1][di] indexer compressed rows (ratio 4)
+ *   ist_kv/sc[8][2*di]         indexer compressor state (ratio 4)
+ * ------------------------------------------------------------------------- */
+
+typedef struct ds4_layer_state {
+    float *ring;
+    float *comp, *st_kv, *st_sc;
+    float *irows, *ist_kv, *ist_sc;
+} ds4_layer_state;
+
+struct ds4_ctx {
+    ds4_model         *m;
+    const ds4_backend *be;
+    int                n_ctx, max_batch, pos;
+    ds4_rope           rope_window;   /* ratio-0 layers: plain RoPE */
+    ds4_rope           rope_comp;     /* compressed layers, compressor rows, indexer: YaRN */
+    ds4_layer_state    L[DS4_MAX_LAYERS];
+    /* activations, all [B][...] with B = max_batch */
+    int32_t *tok;                 /* [B] */
+    float   *x, *x2;              /* [B][hc][D] residual streams */
+    float   *flat;                /* [B][hc*D] */
+    float   *mix;                 /* [B][(2+hc)*hc] */
+    float   *post, *comb;         /* [B][hc], [B][hc*hc] */
+    float   *h;                   /* [B][D] sublayer input */
+    float   *qr;                  /* [B][q_lora] */
+    float   *q, *o;               /* [B][H*d] */
+    float   *kv;                  /* [B][d] */
+    float   *oa;                  /* [B][G*R] */
+    float   *f;                   /* [B][D] sublayer output */
+    float   *ckv, *csc;           /* [B][2*d] compressor rows */
+    float   *ikv, *isc;           /* [B][2*di] indexer compressor rows */
+    float   *iq;                  /* [B][Hi*di] */
+    float   *iw;                  /* [B][Hi] */
+    int32_t *topk;                /* [B][top_k] */
+    float   *rlog;                /* [B][E] */
+    int32_t *sel;                 /* [B][k] */
+    float   *wts;                 /* [B][k] */
+    float   *sg, *su;             /* [B][F*n_shared] */
+    float   *sd;                  /* [B][D] */
+    float   *logits;              /* [B][V] */
+    void    *allocs[64 + 8 * DS4_MAX_LAYERS];
+    int      n_allocs;
+};
+
+static void *ctx_alloc(ds4_ctx *c, size_t bytes, int *fail) {
+    if (*fail) return NULL;
+    void *p = c->be->alloc(bytes);
+    if (!p) { *fail = 1; return NULL; }
+    c->allocs[c->n_allocs++] = p;
+    return p;
+}
+
+/* YaRN correction range, computed as ggml does (float arithmetic). */
+static float yarn_corr_dim(int n_dims, int n_ctx_orig, float n_rot, float base) {
+    return n_dims * logf((float)n_ctx_orig / (n_rot * 2.0f * (float)M_PI)) / (2.0f * logf(base));
+}
+
+static void ctx_init_rope(ds4_ctx *c) {
+    const ds4_hparams *h = &c->m->hp;
+    c->rope_window = (ds4_rope){ h->n_rot, h->rope_base, 1.0f, 0.0f, 0.0f, 0.0f };
+    ds4_rope r = { h->n_rot, h->compress_rope_base, 1.0f, 0.0f, 0.0f, 0.0f };
+    if (h->rope_yarn) {
+        r.freq_scale = 1.0f / h->rope_factor;
+        r.ext_factor = 1.0f;
+        const int octx = h->rope_orig_ctx > 0 ? h->rope_orig_ctx : (int)h->n_ctx_train;
+        /* llama.cpp fixes beta_fast = 32, beta_slow = 1 for this architecture */
+        const float lo = floorf(yarn_corr_dim(h->n_rot, octx, 32.0f, h->compress_rope_base));
+        const float hi = ceilf(yarn_corr_dim(h->n_rot, octx, 1.0f, h->compress_rope_base));
+        r.corr_lo = fmaxf(0.0f, lo);
+        r.corr_hi = fminf((float)(h->n_rot - 1), hi);
+    } else if (h->rope_factor > 0.0f && h->rope_factor != 1.0f) {
+        r.freq_scale = 1.0f / h->rope_factor;   /* linear scaling */
+    }
+    c->rope_comp = r;
+}
+
+ds4_ctx *ds4_ctx_new(ds4_model *m, const ds4_backend *be, int n_ctx, int max_batch,
+                     char *err, size_t errlen) {
+    const ds4_hparams *hp = &m->hp;
+    if (n_ctx <= 0) { errf(err, errlen, "context size must be positive (got %d)", n_ctx); return NULL; }
+    if (max_batch <= 0) max_batch = 1;
+    if (max_batch > n_ctx) max_batch = n_ctx;
+    if (hp->n_rot > 1024 || hp->n_expert > 1024) {
+        errf(err, errlen, "model exceeds ds4's limits (rope dims %d and experts %d must be <= 1024)",
+             hp->n_rot, hp->n_expert);
+        return NULL;
+    }
+    if (be->init() != 0) { errf(err, errlen, "backend '%s' failed to initialise", be->name); return NULL; }
+    if (model_upload_weights(m, be, err, errlen) != 0) return NULL;
+
+    ds4_ctx *c = calloc(1, sizeof(*c));
+    if (!c) { errf(err, errlen, "out of memory"); return NULL; }
+    c->m = m; c->be = be; c->n_ctx = n_ctx; c->max_batch = max_batch;
+    ctx_init_rope(c);
+
+    const size_t B = (size_t)max_batch, D = hp->n_embd, hc = hp->n_hc, d = hp->head_dim;
+    const size_t di = hp->idx_dim, Hi = hp->idx_heads, E = hp->n_expert, k = hp->n_expert_used;
+    const size_t F = (size_t)hp->n_ff_exp * (hp->n_expert_shared > 0 ? hp->n_expert_shared : 1);
+    const size_t topk = hp->idx_topk > 0 ? hp->idx_topk : 1;
+    int fail = 0;
+    for (int il = 0; il < hp->n_layer; il++) {
+        ds4_layer_state *S = &c->L[il];
+        const int r = hp->ratio[il];
+        S->ring = ctx_alloc(c, (size_t)hp->n_swa * d * 4, &fail);
+        if (r) {
+            const size_t cc = r == 4 ? 2 : 1;
+            S->comp = ctx_alloc(c, ((size_t)n_ctx / r + 1) * d * 4, &fail);
+            S->st_kv = ctx_alloc(c, cc * r * cc * d * 4, &fail);
+            S->st_sc = ctx_alloc(c, cc * r * cc * d * 4, &fail);
+        }
+        if (r == 4) {
+            S->irows = ctx_alloc(c, ((size_t)n_ctx / 4 + 1) * di * 4, &fail);
+            S->ist_kv = ctx_alloc(c, 8 * 2 * di * 4, &fail);
+            S->ist_sc = ctx_alloc(c, 8 * 2 * di * 4, &fail);
+        }
+    }
+    c->tok  = ctx_alloc(c, B * 4, &fail);
+    c->x    = ctx_alloc(c, B * hc * D * 4, &fail);
+    c->x2   = ctx_alloc(c, B * hc * D * 4, &fail);
+    c->flat = ctx_alloc(c, B * hc * D * 4, &fail);
+    c->mix  = ctx_alloc(c, B * (2 + hc) * hc * 4, &fail);
+    c->post = ctx_alloc(c, B * hc * 4, &fail);
+    c->comb = ctx_alloc(c, B * hc * hc * 4, &fail);
+    c->h    = ctx_alloc(c, B * D * 4, &fail);
+    c->qr   = ctx_alloc(c, B * hp->q_lora * 4, &fail);
+    c->q    = ctx_alloc(c, B * hp->n_head * d * 4, &fail);
+    c->o    = ctx_alloc(c, B * hp->n_head * d * 4, &fail);
+    c->kv   = ctx_alloc(c, B * d * 4, &fail);
+    c->oa   = ctx_alloc(c, B * (size_t)hp->o_groups * hp->o_lora * 4, &fail);
+    c->f    = ctx_alloc(c, B * D * 4, &fail);
+    c->ckv  = ctx_alloc(c, B * 2 * d * 4, &fail);
+    c->csc  = ctx_alloc(c, B * 2 * d * 4, &fail);
+    c->ikv  = ctx_alloc(c, B * 2 * (di ? di : 1) * 4, &fail);
+    c->isc  = ctx_alloc(c, B * 2 * (di ? di : 1) * 4, &fail);
+    c->iq   = ctx_alloc(c, B * ((Hi * di) != 0 ? Hi * di : 1) * 4, &fail);
+    c->iw   = ctx_alloc(c, B * (Hi ? Hi : 1) * 4, &fail);
+    c->topk = ctx_alloc(c, B * topk * 4, &fail);
+    c->rlog = ctx_alloc(c, B * E * 4, &fail);
+    c->sel  = ctx_alloc(c, B * k * 4, &fail);
+    c->wts  = ctx_alloc(c, B * k * 4, &fail);
+    c->sg   = ctx_alloc(c, B * F * 4, &fail);
+    c->su   = ctx_alloc(c, B * F * 4, &fail);
+    c->sd   = ctx_alloc(c, B * D * 4, &fail);
+    c->logits = ctx_alloc(c, B * (size_t)hp->n_vocab * 4, &fail);
+    if (fail) {
+        errf(err, errlen, "cannot allocate context buffers on backend '%s' (n_ctx %d, batch %d)",
+             be->name, n_ctx, max_batch);
+        ds4_ctx_free(c);
+        return NULL;
+    }
+    return c;
+}
+
+void ds4_ctx_free(ds4_ctx *c) {
+    if (!c) return;
+    for (int i = 0; i < c->n_allocs; i++) c->be->free(c->allocs[i]);
+    free(c);
+}
+
+int ds4_ctx_pos(const ds4_ctx *c) { return c->pos; }
+void ds4_ctx_reset(ds4_ctx *c) { c->pos = 0; }
+
+/* ---------------------------------------------------------------------------
+ * Forward pass
+ *
+ * One call processes nt tokens at positions pos0 .. pos0+nt-1 through every
+ * layer, in the order of the architecture doc:
+ *   mHC pre (attention site) -> RMSNorm -> attention (q/kv, compressors,
+ *   indexer, sinks softmax, de-rotation, grouped output) -> mHC post ->
+ *   mHC pre (FFN site) -> RMSNorm -> MoE (routing, experts, shared expert) ->
+ *   mHC post; then the mHC head, RMSNorm and the output projection.
+ * ------------------------------------------------------------------------- */
+
+/* mHC pre: h = sum_s pre[s] x[s]; fills post/comb for the matching hc_post. */
+static void fwd_hc_pre(ds4_ctx *c, const float *x, const ds4_weight *fn, const ds4_weight *scale,
+                       const ds4_weight *base, int nt, int head, float *y) {
+    const ds4_backend *be = c->be;
+    const ds4_hparams *hp = &c->m->hp;
+    const int D = hp->n_embd, hc = hp->n_hc;
+    be->rmsnorm(x, NULL, c->flat, nt, hc * D, hp->rms_eps);
+    be->matmul(fn, 0, c->flat, c->mix, nt);
+    be->hc_mix(c->mix, scale->dev, base->dev, x, nt, D, hc, head, hp->hc_eps, hp->sinkhorn_iters,
+               y, c->post, c->comb);
+}
+
+/* Compressor of one layer: project, add ape, pool finished blocks into rows,
+ * normalise and rotate them, then remember the batch in the state ring. */
+static void fwd_compressor(ds4_ctx *c, const float *hn, int pos0, int nt, int ratio, int coff, int dc,
+                           const ds4_weight *wkv, const ds4_weight *wgate, const ds4_weight *ape,
+                           const ds4_weight *norm, float *kvb, float *scb,
+                           float *st_kv, float *st_sc, float *rows) {
+    const ds4_backend *be = c->be;
+    const ds4_hparams *hp = &c->m->hp;
+    be->matmul(wkv, 0, hn, kvb, nt);
+    be->matmul(wgate, 0, hn, scb, nt);
+    be->add_cyclic(scb, ape->dev, pos0, nt, ratio, coff * dc);
+    const int w0 = pos0 / ratio, n_emit = (pos0 + nt) / ratio - w0;
+    if (n_emit > 0) {
+        float *out = rows + (size_t)w0 * dc;
+        be->compress_pool(kvb, scb, st_kv, st_sc, pos0, nt, ratio, coff, dc, out);
+        be->rmsnorm(out, norm->dev, out, n_emit, dc, hp->rms_eps);
+        be->rope(out, n_emit, 1, dc, w0 * ratio, ratio, &c->rope_comp, 0);
+    }
+    be->ring_store(st_kv, kvb, coff * ratio, coff * dc, pos0, nt);
+    be->ring_store(st_sc, scb, coff * ratio, coff * dc, pos0, nt);
+}
+
+static void fwd_attention(ds4_ctx *c, int il, const float *hn, int pos0, int nt, float *out) {
+    const ds4_backend *be = c->be;
+    const ds4_hparams *hp = &c->m->hp;
+    const ds4_layer_w *L = &c->m->layers[il];
+    ds4_layer_state *S = &c->L[il];
+    const int H = hp->n_head, d = hp->head_dim, ratio = hp->ratio[il];
+    const ds4_rope *rp = ratio ? &c->rope_comp : &c->rope_window;
+
+    /* queries through the low-rank latent, one unweighted norm per head */
+    be->matmul(&L->q_a, 0, hn, c->qr, nt);
+    be->rmsnorm(c->qr, L->q_a_norm.dev, c->qr, nt, hp->q_lora, hp->rms_eps);
+    be->matmul(&L->q_b, 0, c->qr, c->q, nt);
+    be->rmsnorm(c->q, NULL, c->q, nt * H, d, hp->rms_eps);
+    be->rope(c->q, nt, H, d, pos0, 1, rp, 0);
+
+    /* the shared key/value row */
+    be->matmul(&L->kv, 0, hn, c->kv, nt);
+    be->rmsnorm(c->kv, L->kv_a_norm.dev, c->kv, nt, d, hp->rms_eps);
+    be->rope(c->kv, nt, 1, d, pos0, 1, rp, 0);
+
+    int k = 0;
+    if (ratio) {
+        fwd_compressor(c, hn, pos0, nt, ratio, ratio == 4 ? 2 : 1, d, &L->comp_kv, &L->comp_gate,
+                       &L->comp_ape, &L->comp_norm, c->ckv, c->csc, S->st_kv, S->st_sc, S->comp);
+    }
+    if (ratio == 4) {
+        const int Hi = hp->idx_heads, di = hp->idx_dim;
+        fwd_compressor(c, hn, pos0, nt, 4, 2, di, &L->idx_comp_kv, &L->idx_comp_gate,
+                       &L->idx_comp_ape, &L->idx_comp_norm, c->ikv, c->isc, S->ist_kv, S->ist_sc, S->irows);
+        be->matmul(&L->idx_q_b, 0, c->qr, c->iq, nt);
+        be->rope(c->iq, nt, Hi, di, pos0, 1, &c->rope_comp, 0);
+        be->matmul(&L->idx_proj, 0, hn, c->iw, nt);
+        be->scale(c->iw, 1.0f / sqrtf((float)di * (float)Hi), (int64_t)nt * Hi);
+        k = hp->idx_topk;
+        be->indexer_topk(c->iq, c->iw, S->irows, pos0, nt, Hi, di, 4, k, c->topk);
+    }
+
+    be->attention(c->q, c->kv, S->ring, hp->n_swa, pos0, nt, H, d, S->comp, ratio,
+                  ratio == 4 ? c->topk : NULL, k, L->attn_sinks.dev, 1.0f / sqrtf((float)d), c->o);
+    be->ring_store(S->ring, c->kv, hp->n_swa, d, pos0, nt);
+
+    /* undo the query-position rotation, then the grouped low-rank output */
+    be->rope(c->o, nt, H, d, pos0, 1, rp, 1);
+    be->matmul_grouped(&L->out_a, hp->o_groups, c->o, c->oa, nt);
+    be->matmul(&L->out_b, 0, c->oa, out, nt);
+}
+
+static void fwd_moe(ds4_ctx *c, int il, const float *hn, int nt, float *out) {
+    const ds4_backend *be = c->be;
+    const ds4_hparams *hp = &c->m->hp;
+    const ds4_layer_w *L = &c->m->layers[il];
+    const int hash = il < hp->n_hash_layers;
+    be->matmul(&L->gate_inp, 0, hn, c->rlog, nt);
+    be->moe_route(c->rlog, hash ? NULL : L->exp_probs_b.dev, hash ? &L->tid2eid : NULL, c->tok,
+                  nt, hp->n_expert, hp->n_expert_used, hp->expert_weights_norm,
+                  hp->expert_weights_scale, c->sel, c->wts);
+    be->moe_experts(hn, c->sel, c->wts, &L->gate_exps, &L->up_exps, &L->down_exps,
+                    nt, hp->n_expert_used, hp->clamp_exp[il], out);
+    if (hp->n_expert_shared > 0) {
+        const int64_t F = L->gate_shexp.ne[1];
+        be->matmul(&L->gate_shexp, 0, hn, c->sg, nt);
+        be->matmul(&L->up_shexp, 0, hn, c->su, nt);
+        be->swiglu(c->sg, c->su, c->sg, F * nt, hp->clamp_shexp[il]);
+        be->matmul(&L->down_shexp, 0, c->sg, c->sd, nt);
+        be->add(out, c->sd, out, (int64_t)nt * hp->n_embd);
+    }
+}
+
+static void fwd_batch(ds4_ctx *c, int nt, int all_rows) {
+    const ds4_backend *be = c->be;
+    const ds4_model *m = c->m;
+    const ds4_hparams *hp = &m->hp;
+    const int D = hp->n_embd, pos0 = c->pos;
+
+    be->embed(&m->tok_embd, c->tok, nt, hp->n_hc, c->x);
+    for (int il = 0; il < hp->n_layer; il++) {
+        const ds4_layer_w *L = &m->layers[il];
+        fwd_hc_pre(c, c->x, &L->hc_attn_fn, &L->hc_attn_scale, &L->hc_attn_base, nt, 0, c->h);
+        be->rmsnorm(c->h, L->attn_norm.dev, c->h, nt, D, hp->rms_eps);
+        fwd_attention(c, il, c->h, pos0, nt, c->f);
+        be->hc_post(c->f, c->x, c->post, c->comb, nt, D, hp->n_hc, c->x2);
+
+        fwd_hc_pre(c, c->x2, &L->hc_ffn_fn, &L->hc_ffn_scale, &L->hc_ffn_base, nt, 0, c->h);
+        be->rmsnorm(c->h, L->ffn_norm.dev, c->h, nt, D, hp->rms_eps);
+        fwd_moe(c, il, c->h, nt, c->f);
+        be->hc_post(c->f, c->x2, c->post, c->comb, nt, D, hp->n_hc, c->x);
+    }
+    /* head: collapse the streams, normalise, project to the vocabulary */
+    fwd_hc_pre(c, c->x, &m->output_hc_fn, &m->output_hc_scale, &m->output_hc_base, nt, 1, c->h);
+    be->rmsnorm(c->h, m->output_norm.dev, c->h, nt, D, hp->rms_eps);
+    if (all_rows) be->matmul(&m->output, 0, c->h, c->logits, nt);
+    else be->matmul(&m->output, 0, c->h + (size_t)(nt - 1) * D, c->logits, 1);
+}
+
+int ds4_eval(ds4_ctx *c, const int32_t *tokens, int n, float *logits, int all_rows,
+             char *err, size_t errlen) {
+    const ds4_hparams *hp = &c->m->hp;
+    if (n <= 0) { errf(err, errlen, "no tokens to evaluate"); return -1; }
+    if (n > c->max_batch) { errf(err, errlen, "batch of %d tokens exceeds the context's batch limit %d", n, c->max_batch); return -1; }
+    if (c->pos + n > c->n_ctx) {
+        errf(err, errlen, "context full: position %d + %d tokens exceeds --ctx %d", c->pos, n, c->n_ctx);
+        return -1;
+    }
+    for (int i = 0; i < n; i++)
+        if (tokens[i] < 0 || tokens[i] >= hp->n_vocab) {
+            errf(err, errlen, "token id %d out of range [0, %d)", tokens[i], hp->n_vocab);
+            return -1;
+        }
+    c->be->upload(c->tok, tokens, (size_t)n * 4);
+    fwd_batch(c, n, all_rows);
+    if (logits)
+        c->be->download(logits, c->logits, (size_t)(all_rows ? n : 1) * hp->n_vocab * 4);
+    c->be->synchronize();
+    c->pos += n;
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------
+ * Sampling
+ * ------------------------------------------------------------------------- */
+
+static uint64_t rng_next(uint64_t *s) {          /* splitmix64 */
+    uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+void ds4_sampler_init(ds4_sampler *s, float temp, float top_p, uint64_t seed) {
+    s->temp = temp; s->top_p = top_p; s->state = seed;
+}
+
+int ds4_argmax(const float *l, int n) {
+    int best = 0;
+    for (int i = 1; i < n; i++) if (l[i] > l[best]) best = i;
+    return best;
+}
+
+static const float *g_sort_p;
+static int prob_desc(const void *a, const void *b) {
+    const int i = *(const int *)a, j = *(const int *)b;
+    if (g_sort_p[i] > g_sort_p[j]) return -1;
+    if (g_sort_p[i] < g_sort_p[j]) return 1;
+    return i - j;
+}
+
+int ds4_sample(ds4_sampler *s, const float *l, int n, void *scratch) {
+    if (s->temp <= 0.0f) return ds4_argmax(l, n);
+    float *p = scratch;
+    int *idx = (int *)(p + n);
+    float mx = l[ds4_argmax(l, n)];
+    double sum = 0.0;
+    for (int i = 0; i < n; i++) { p[i] = expf((l[i] - mx) / s->temp); sum += p[i]; idx[i] = i; }
+    for (int i = 0; i < n; i++) p[i] = (float)(p[i] / sum);
+    g_sort_p = p;
+    qsort(idx, (size_t)n, sizeof(int), prob_desc);
+    int keep = n;
+    if (s->top_p > 0.0f && s->top_p < 1.0f) {
+        double c = 0.0;
+        for (int i = 0; i < n; i++) { c += p[idx[i]]; if (c >= s->top_p) { keep = i + 1; break; } }
+    }
+    double tot = 0.0;
+    for (int i = 0; i < keep; i++) tot += p[idx[i]];
+    const double r = (double)(rng_next(&s->state) >> 11) * (1.0 / 9007199254740992.0) * tot;
+    double c = 0.0;
+    for (int i = 0; i < keep; i++) { c += p[idx[i]]; if (r < c) return idx[i]; }
+    return idx[keep - 1];
+}
+
+/* ---------------------------------------------------------------------------
+ * Environment: every DS4_* variable is read once, here
+ * ------------------------------------------------------------------------- */
+
+extern char **environ;
+
+int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
+    static const char *known[] = { "DS4_THREADS" };
+    memset(env, 0, sizeof(*env));
+    for (char **e = environ; e && *e; e++) {
+        if (strncmp(*e, "DS4_", 4) != 0) continue;
+        const char *eq = strchr(*e, '=');
+        size_t nl = eq ? (size_t)(eq - *e) : strlen(*e);
+        int ok = 0;
+        for (size_t i = 0; i < sizeof(known) / sizeof(known[0]); i++)
+            if (strlen(known[i]) == nl && !strncmp(known[i], *e, nl)) ok = 1;
+        if (!ok) {
+            errf(err, errlen, "unknown environment variable %.*s (ds4 reads: DS4_THREADS; see README)", (int)nl, *e);
+            return -1;
+        }
+    }
+    const char *t = getenv("DS4_THREADS");
+    if (t) {
+        char *end;
+        errno = 0;
+        long v = strtol(t, &end, 10);
+        if (errno || end == t || *end || v < 0 || v > DS4_MAX_THREADS) {
+            errf(err, errlen, "DS4_THREADS='%s' is not an integer in [0, %d] (0 = all cores)", t, DS4_MAX_THREADS);
+            return -1;
+        }
+        env->threads = (int)v;
+    }
+    return 0;
+}

@@ -1,0 +1,104 @@
+/* ds4.h -- the public API of the ds4 engine.
+ *
+ * ds4 runs DeepSeek V4 (Flash-architecture) models stored as deepseek4 GGUF
+ * files.  The API is deliberately narrow: open a model, make a context bound
+ * to a backend, feed tokens, read logits, sample.
+ *
+ * Return convention (everywhere in this header): 0 = success; -1 = failure,
+ * with one line describing the problem written into the caller's err buffer
+ * (or, where no err buffer is taken, printed to stderr).  Pointer-returning
+ * calls return NULL on failure.
+ */
+#ifndef DS4_H
+#define DS4_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "ds4_gpu.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct ds4_model ds4_model;
+typedef struct ds4_ctx ds4_ctx;
+
+/* ---- models ---- */
+
+/* Map and validate a deepseek4 GGUF file. */
+ds4_model *ds4_model_open(const char *path, char *err, size_t errlen);
+/* Validate a GGUF image already in memory.  With take_ownership the model
+ * frees buf (which must come from malloc or ds4_alloc_huge) when closed. */
+ds4_model *ds4_model_open_memory(uint8_t *buf, size_t size, int take_ownership, char *err, size_t errlen);
+void       ds4_model_close(ds4_model *m);
+
+int    ds4_model_n_vocab(const ds4_model *m);
+int    ds4_model_has_vocab(const ds4_model *m);
+size_t ds4_model_weight_bytes(const ds4_model *m);
+/* Bytes of weights read by one decoded token (dense tensors + the routed
+ * experts actually used + one embedding row). */
+size_t ds4_model_decode_bytes(const ds4_model *m);
+void   ds4_model_describe(const ds4_model *m, FILE *f);
+
+/* Large page-aligned host allocation (mmap) for model images; free with ds4_free_huge. */
+uint8_t *ds4_alloc_huge(size_t size);
+void     ds4_free_huge(uint8_t *p, size_t size);
+
+/* ---- synthetic models ---- */
+
+/* Parse "f32", "f16", "bf16", "q8_0"; -1 if unknown. */
+int ds4_parse_wtype(const char *s);
+/* Write a synthetic deepseek4 GGUF (configs: tiny, small, flash16) to path. */
+int ds4_synth_write(const char *config, uint64_t seed, int wtype, const char *path,
+                    int n_threads, char *err, size_t errlen);
+/* Build the same image in memory and open it (no file). */
+ds4_model *ds4_synth_open(const char *config, uint64_t seed, int wtype, int n_threads,
+                          char *err, size_t errlen);
+
+/* ---- contexts ---- */
+
+/* A context holds the KV window ring, compressed rows, compressor state and
+ * activation buffers on the backend.  n_ctx bounds the positions; max_batch
+ * bounds the tokens of one ds4_eval call.  Weights are uploaded to the
+ * backend on the first context (and released with the model). */
+ds4_ctx *ds4_ctx_new(ds4_model *m, const ds4_backend *be, int n_ctx, int max_batch,
+                     char *err, size_t errlen);
+void     ds4_ctx_free(ds4_ctx *c);
+int      ds4_ctx_pos(const ds4_ctx *c);   /* tokens consumed so far */
+/* Start over at position 0 (the state is overwritten before it is read again). */
+void     ds4_ctx_reset(ds4_ctx *c);
+
+/* Feed n tokens at the current position: one prefill batch when n > 1, one
+ * decode step when n == 1.  logits (host, may be NULL) receives [n][n_vocab]
+ * when all_rows, else only the last row [n_vocab]. */
+int ds4_eval(ds4_ctx *c, const int32_t *tokens, int n, float *logits, int all_rows,
+             char *err, size_t errlen);
+
+/* ---- sampling ---- */
+
+typedef struct ds4_sampler {
+    float    temp;    /* 0 = greedy */
+    float    top_p;   /* 1 = off */
+    uint64_t state;   /* RNG state, from the seed */
+} ds4_sampler;
+
+void ds4_sampler_init(ds4_sampler *s, float temp, float top_p, uint64_t seed);
+int  ds4_argmax(const float *logits, int n);   /* first maximum */
+/* Deterministic for a given state; scratch must hold n floats + n ints. */
+int  ds4_sample(ds4_sampler *s, const float *logits, int n, void *scratch);
+
+/* ---- environment ---- */
+
+/* Validate every DS4_* environment variable once at start-up: unknown names
+ * and malformed values are errors.  Fills the config read by the engine. */
+typedef struct ds4_env {
+    int threads;      /* DS4_THREADS: CPU threads, 0 = all online cores */
+} ds4_env;
+int ds4_env_read(ds4_env *env, char *err, size_t errlen);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* DS4_H */

@@ -1,0 +1,243 @@
+/* ds4_gpu.h -- the contract between the ds4 core (ds4.c) and a compute backend.
+ *
+ * The core owns the model, the forward-pass orchestration (which op runs when,
+ * on which buffers, with which positions) and the host-side bookkeeping (how
+ * many compressed rows exist, which positions a batch covers).  A backend owns
+ * memory and arithmetic: it allocates buffers, uploads weights, and runs the
+ * ops below.  The CPU backend in ds4.c is the specification: every op here is
+ * defined by its CPU implementation, and the CUDA backend (ds4_cuda.cu) must
+ * compute the same function (bit-identity is not required across backends;
+ * the tolerance is stated in the tests).
+ *
+ * Pointers passed to ops are backend pointers (host memory for the CPU
+ * backend, device memory for CUDA) obtained from ->alloc() or from a weight's
+ * ->dev field.  The core never dereferences them.
+ *
+ * Conventions, written down once:
+ *  - Activations are f32, token-major: x[t][...] for t < nt.
+ *  - A weight W with ggml shape {K, N} (ne0 = K, contiguous) holds N rows of K
+ *    elements; "matmul" computes y[t][n] = sum_k W[n][k] * x[t][k].  A 3-D
+ *    weight {K, N, E} holds E such matrices (experts).
+ *  - Small tensors (norms, biases, sinks, mHC parameters, ape tables) are F32.
+ *  - Return convention: lifetime calls that can fail (init, alloc,
+ *    upload_weight) return 0 / non-NULL on success and -1 / NULL after
+ *    printing one line to stderr.  Ops return nothing: a backend error inside
+ *    an op is unrecoverable, so the backend's error macro prints the failing
+ *    statement with file and line and exits the process.
+ *  - Ops that take "in place allowed" may be called with y == x.
+ *  - No op reads host state that the core changes between calls other than
+ *    through its arguments (positions and counts are passed as arguments).
+ */
+#ifndef DS4_GPU_H
+#define DS4_GPU_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Tensor element types, numbered as in GGUF/ggml. */
+enum {
+    DS4_TYPE_F32  = 0,
+    DS4_TYPE_F16  = 1,
+    DS4_TYPE_Q8_0 = 8,   /* blocks of 32: f16 scale d, int8 q[32]; value = d*q */
+    DS4_TYPE_I32  = 26,
+    DS4_TYPE_BF16 = 30,
+};
+#define DS4_QK8_0 32
+#define DS4_Q8_0_BLOCK_BYTES 34
+
+/* One weight tensor.  host points into the mapped model (always valid while
+ * the model is open); dev is the backend's copy (== host on the CPU backend). */
+typedef struct ds4_weight {
+    const char *name;
+    int         type;          /* DS4_TYPE_* */
+    int         n_dims;
+    int64_t     ne[3];         /* ggml order, ne[0] contiguous; unused dims = 1 */
+    size_t      nbytes;
+    const void *host;
+    void       *dev;
+} ds4_weight;
+
+/* Bytes of one row of ne0 elements of the given type (ne0 % 32 == 0 for Q8_0). */
+static inline size_t ds4_row_bytes(int type, int64_t ne0) {
+    switch (type) {
+    case DS4_TYPE_F32: case DS4_TYPE_I32: return (size_t)ne0 * 4;
+    case DS4_TYPE_F16: case DS4_TYPE_BF16: return (size_t)ne0 * 2;
+    case DS4_TYPE_Q8_0: return (size_t)(ne0 / DS4_QK8_0) * DS4_Q8_0_BLOCK_BYTES;
+    default: return 0;
+    }
+}
+
+/* Exact f16/bf16 <-> f32 conversions (round-to-nearest-even), from ds4.c. */
+float    ds4_f16_to_f32(uint16_t h);
+uint16_t ds4_f32_to_f16(float f);
+float    ds4_bf16_to_f32(uint16_t h);
+uint16_t ds4_f32_to_bf16(float f);
+
+/* RoPE parameters for one use site (GPT-J style: adjacent pairs).
+ * The rotated part is the LAST n_rot dims of each head of width dh.  For pair
+ * i (0 <= i < n_rot/2) at position p, as ggml computes it:
+ *   theta_scale = powf(freq_base, -2.0f/n_rot)
+ *   te = p * theta_scale^i, accumulated in float: t = (float)p; t *= theta_scale per pair
+ *   ti = freq_scale * te
+ *   if ext_factor != 0:  r = (1 - clamp((i - corr_lo)/max(0.001f, corr_hi - corr_lo), 0, 1)) * ext_factor
+ *                        theta = ti*(1-r) + te*r
+ *   else                 theta = ti
+ *   (x0, x1) -> (x0*cos - x1*sin, x0*sin + x1*cos); inverse rotation negates sin.
+ * YaRN's magnitude scaling is cancelled in DeepSeek V4, so no mscale. */
+typedef struct ds4_rope {
+    int   n_rot;
+    float freq_base;
+    float freq_scale;   /* 1/scaling factor with YaRN, 1 otherwise */
+    float ext_factor;   /* 1 with YaRN, 0 otherwise */
+    float corr_lo;      /* YaRN ramp, precomputed by the core */
+    float corr_hi;
+} ds4_rope;
+
+typedef struct ds4_backend {
+    const char *name;
+
+    /* ---- lifetime ---- */
+    int   (*init)(void);
+    void *(*alloc)(size_t bytes);                          /* zero-filled */
+    void  (*free)(void *p);
+    void  (*upload)(void *dst, const void *src, size_t bytes);    /* host -> backend */
+    void  (*download)(void *dst, const void *src, size_t bytes);  /* backend -> host, complete on return */
+    void  (*copy)(void *dst, const void *src, size_t bytes);      /* backend -> backend */
+    int   (*upload_weight)(ds4_weight *w);                 /* sets w->dev */
+    void  (*release_weight)(ds4_weight *w);
+    void  (*synchronize)(void);
+
+    /* ---- ops ---- */
+
+    /* x[t][s][:] = row tokens[t] of tok_embd ({D, V}), for every stream s < n_hc. */
+    void (*embed)(const ds4_weight *tok_embd, const int32_t *tokens, int nt, int n_hc, float *x);
+
+    /* y[r][i] = x[r][i] / sqrt(mean_i(x[r][i]^2) + eps) * (w ? w[i] : 1).  In place allowed. */
+    void (*rmsnorm)(const float *x, const float *w, float *y, int rows, int n, float eps);
+
+    /* y[t][n] = sum_k W_e[n][k] x[t][k]; expert e selects the matrix of a 3-D weight (0 for 2-D). */
+    void (*matmul)(const ds4_weight *w, int expert, const float *x, float *y, int nt);
+
+    /* Block-diagonal projection: W is {K, G*R}; x is [nt][G*K]; y is [nt][G*R];
+     * y[t][j] = sum_k W[j][k] * x[t][(j/R)*K + k]. */
+    void (*matmul_grouped)(const ds4_weight *w, int groups, const float *x, float *y, int nt);
+
+    /* mHC mixing.  mix is [nt][n_mix] (the fn projection of the rms-normed
+     * flattened streams).  With h = n_hc:
+     *   pre[s]  = sigmoid(mix[s]*scale[0] + base[s]) + hc_eps                 (s < h)
+     *   y[t][:] = sum_s pre[s] * x[t][s][:]
+     * Unless head != 0 (then n_mix == h and only the above is computed):
+     *   post[t][s] = 2*sigmoid(mix[h+s]*scale[1] + base[h+s])
+     *   C[a][b] = mix[2h + a + h*b]*scale[2] + base[2h + a + h*b]   (a = destination, b = source stream)
+     *   C[:][b] = softmax over a of C[:][b], then C += hc_eps
+     *   "col":  for each a: C[a][b] /= (sum_b C[a][b] + hc_eps)
+     *   "row":  for each b: C[a][b] /= (sum_a C[a][b] + hc_eps)
+     *   col once, then (iters-1) times: row, col
+     *   comb[t][a + h*b] = C[a][b] */
+    void (*hc_mix)(const float *mix, const float *scale, const float *base, const float *x,
+                   int nt, int D, int n_hc, int head, float hc_eps, int sinkhorn_iters,
+                   float *y, float *post, float *comb);
+
+    /* x_out[t][a][:] = post[t][a]*f[t][:] + sum_b comb[t][a + h*b] * x_res[t][b][:]. */
+    void (*hc_post)(const float *f, const float *x_res, const float *post, const float *comb,
+                    int nt, int D, int n_hc, float *x_out);
+
+    /* Rotate the last rp->n_rot dims of x[t][h][0:dh] (nh heads) in place, at
+     * position pos0 + t*pos_step; inverse != 0 rotates by -theta. */
+    void (*rope)(float *x, int nt, int nh, int dh, int pos0, int pos_step, const ds4_rope *rp, int inverse);
+
+    /* Attention with sinks for nt queries at positions P = pos0 + t.
+     *   q       [nt][H][d]
+     *   kv      [nt][d]      this batch's key/value rows (one shared head, key == value)
+     *   ring    [W][d]       window ring: the row of position p < pos0 sits at slot p % W
+     *   comp    [*][d]       compressed rows (NULL when ratio == 0)
+     *   topk    [nt][k]      for ratio 4: compressed-row ids to attend, -1 = none
+     * Rows attended by query t: window positions p in [max(0, P-W+1), P] (row =
+     * p >= pos0 ? kv[p-pos0] : ring[p % W]), in increasing p; then for ratio 128
+     * the compressed rows w < (P+1)/128 in increasing w; for ratio 4 the rows
+     * topk[t][j] != -1 in j order.  s_i = scale * q.row_i; the head's sink
+     * logit joins the softmax denominator only:
+     *   out[t][h] = sum_i exp(s_i - m) row_i / (sum_i exp(s_i - m) + exp(sink[h] - m)),
+     *   m = max(max_i s_i, sink[h]). */
+    void (*attention)(const float *q, const float *kv, const float *ring, int W,
+                      int pos0, int nt, int H, int d,
+                      const float *comp, int ratio, const int32_t *topk, int k,
+                      const float *sinks, float scale, float *out);
+
+    /* Ring update after a batch: for each t with pos0+t >= pos0+nt-slots:
+     * ring[(pos0+t) % slots][:] = rows[t][:] (width floats per row). */
+    void (*ring_store)(float *ring, const float *rows, int slots, int width, int pos0, int nt);
+
+    /* x[t][:] += table[(pos0+t) % period][:], rows of width n (ape positional bias). */
+    void (*add_cyclic)(float *x, const float *table, int pos0, int nt, int period, int n);
+
+    /* Compressor pooling.  kv, sc: [nt][c*dc] this batch's compressor rows
+     * (scores with ape already added); st_kv, st_sc: state rings of c*ratio
+     * slots, the row of position p < pos0 at slot p % (c*ratio).  For every
+     * block w with pos0 <= w*ratio + ratio - 1 < pos0 + nt, in increasing w,
+     * writes one pooled row out[i][0:dc] (i counts emitted blocks from 0), with
+     * s = w*ratio and row(p) = p >= pos0 ? batch[p-pos0] : state[p % (c*ratio)]:
+     *   c == 1: entries j < ratio: (kv, score) = row(s+j)[ch]
+     *   c == 2: entries j < ratio: row(s-ratio+j)[ch] (kv 0, score -inf if s-ratio+j < 0),
+     *           then entries j < ratio: row(s+j)[dc + ch]
+     *   out[ch] = sum_e softmax_e(score_e) * kv_e   (per channel, over the entries). */
+    void (*compress_pool)(const float *kv, const float *sc, const float *st_kv, const float *st_sc,
+                          int pos0, int nt, int ratio, int c, int dc, float *out);
+
+    /* Lightning indexer.  q [nt][Hi][di] (rope applied), w [nt][Hi] head
+     * weights (already scaled by 1/sqrt(di*Hi)), rows [*][di] indexer
+     * compressed rows.  For query t at P = pos0+t, n_vis = (P+1)/ratio rows are
+     * visible; score(r) = sum_h w[t][h] * max(0, q[t][h].rows[r]).  out[t][0:k]
+     * = the min(k, n_vis) visible rows of highest score (ties: lower r first),
+     * in descending score order, then -1 padding. */
+    void (*indexer_topk)(const float *q, const float *w, const float *rows,
+                         int pos0, int nt, int Hi, int di, int ratio, int k, int32_t *out);
+
+    /* MoE routing.  probs = sqrt(softplus(logits)) with softplus(x) = x > 20 ? x : logf(1+expf(x)).
+     * Scored layers (tid2eid == NULL): sel = top-k of probs + bias (ties: lower expert first,
+     * in descending order).  Hash layers: sel[t][j] = tid2eid row tokens[t] (I32 {k, V}).
+     * wts[t][j] = probs[t][sel[t][j]]; if norm: wts /= max(sum_j wts, 6.103515625e-5);
+     * then, when wscale != 0, wts *= wscale (as llama.cpp: a zero scale means "unscaled"). */
+    void (*moe_route)(const float *logits, const float *bias, const ds4_weight *tid2eid,
+                      const int32_t *tokens, int nt, int E, int k, int norm, float wscale,
+                      int32_t *sel, float *wts);
+
+    /* Routed experts: out[t][:] = sum_j wts[t][j] * down_e(swiglu(gate_e x[t], up_e x[t], clamp)),
+     * e = sel[t][j]; gate/up {D, F, E}, down {F, D, E}. */
+    void (*moe_experts)(const float *x, const int32_t *sel, const float *wts,
+                        const ds4_weight *gate, const ds4_weight *up, const ds4_weight *down,
+                        int nt, int k, float clamp, float *out);
+
+    /* y = silu(g') * u' with g' = min(g, L), u' = clamp(u, -L, L) when L > 1e-6,
+     * plain silu(g)*u otherwise; n elements.  In place (y == g) allowed. */
+    void (*swiglu)(const float *g, const float *u, float *y, int64_t n, float limit);
+
+    /* y = a + b, n elements.  In place allowed. */
+    void (*add)(const float *a, const float *b, float *y, int64_t n);
+
+    /* x *= s, n elements. */
+    void (*scale)(float *x, float s, int64_t n);
+} ds4_backend;
+
+/* The CPU backend (ds4.c): the specification. */
+const ds4_backend *ds4_backend_cpu(void);
+/* Threads used by the CPU backend (default: online cores). */
+void ds4_cpu_set_threads(int n);
+
+#ifdef DS4_CUDA
+/* The CUDA backend (ds4_cuda.cu). */
+const ds4_backend *ds4_backend_cuda(void);
+/* Benchmark instrumentation: kernel launches and cuBLAS calls made since the
+ * last reset, and the host time spent inside those launch calls. */
+void ds4_cuda_stats(uint64_t *launches, double *launch_host_seconds);
+void ds4_cuda_stats_reset(void);
+#endif
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* DS4_GPU_H */

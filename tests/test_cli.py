@@ -1,0 +1,112 @@
+"""Bad input to the ds4 program: every case exits non-zero with ONE line naming the problem,
+never a crash (no signal, no sanitizer report).  `make sanitize` runs this file against an
+ASan+UBSan build (TEST_DS4_BIN)."""
+import os
+import shutil
+
+import pytest
+
+from conftest import OUT, REPO, ds4_run, make_model, run, DS4
+
+
+def expect_error(args, needle, env=None, binary=None):
+    e = dict(os.environ)
+    for k in list(e):
+        if k.startswith("DS4_"):
+            del e[k]
+    if env:
+        e.update(env)
+    r = run([binary or DS4] + args, env=e)
+    assert 0 < r.returncode < 128, f"exit {r.returncode} for {args}: {r.stderr}"
+    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1, f"expected one error line for {args}, got: {r.stderr!r}"
+    assert lines[0].startswith("ds4: "), lines[0]
+    assert needle in lines[0], f"{needle!r} not in {lines[0]!r}"
+    assert "AddressSanitizer" not in r.stderr and "runtime error" not in r.stderr
+
+
+FLAG_CASES = [
+    (["--bogus"], "unknown option '--bogus'"),
+    (["-n"], "needs a value"),
+    (["-n", "abc"], "-n expects"),
+    (["-n", "-3"], "-n expects"),
+    (["--temp", "x"], "--temp expects"),
+    (["--temp", "-1"], "--temp expects"),
+    (["--top-p", "0"], "--top-p expects"),
+    (["--top-p", "1.5"], "--top-p expects"),
+    (["--seed", "-1"], "--seed expects"),
+    (["--backend", "tpu"], "unknown --backend 'tpu'"),
+    (["--tokens", "1,,2"], "--tokens expects"),
+    (["--tokens", "1,2,"], "trailing comma"),
+    (["--tokens", "-5"], "--tokens expects"),
+    (["--tokens", "999999"], "out of range"),
+    (["--tokens", "1,2", "-p", "x"], "either -p or --tokens"),
+    (["-p", ""], "prompt is empty"),
+    (["-c", "4", "-p", "Once upon a time"], "exceed --ctx 4"),
+    (["-c", "0"], "-c expects"),
+    (["--threads", "0"], "--threads expects"),
+    (["--force", "1,2", "-n", "5"], "fewer ids"),
+    (["--dump-logits", "/nonexistent-dir/x.bin", "-n", "1"], "cannot write"),
+    (["synth"], "synth needs --config"),
+    (["synth", "--config", "huge", "-o", "/tmp/x.gguf"], "unknown synthetic config 'huge'"),
+    (["synth", "--config", "tiny", "--type", "q4_0", "-o", "/tmp/x.gguf"], "unknown --type 'q4_0'"),
+    (["synth", "--config", "tiny"], "synth needs -o"),
+    (["synth", "--config", "tiny", "--seed", "x", "-o", "/tmp/x.gguf"], "--seed expects"),
+]
+
+
+@pytest.mark.parametrize("args,needle", FLAG_CASES, ids=[" ".join(a) or "-" for a, _ in FLAG_CASES])
+def test_bad_flags(args, needle):
+    if not any(a in ("-m", "synth") for a in args):
+        args = ["-m", make_model("tiny")] + args
+    expect_error(args, needle)
+
+
+ENV_CASES = [
+    ({"DS4_THREADS": "abc"}, "DS4_THREADS='abc'"),
+    ({"DS4_THREADS": "-1"}, "DS4_THREADS='-1'"),
+    ({"DS4_THREADS": "100000"}, "DS4_THREADS='100000'"),
+    ({"DS4_NOPE": "1"}, "unknown environment variable DS4_NOPE"),
+]
+
+
+@pytest.mark.parametrize("env,needle", ENV_CASES, ids=[list(e)[0] + "=" + list(e.values())[0] for e, _ in ENV_CASES])
+def test_bad_env(env, needle):
+    expect_error(["-m", make_model("tiny"), "-n", "1"], needle, env=env)
+
+
+def bad_model(name, data):
+    p = os.path.join(OUT, f"bad-{name}.gguf")
+    with open(p, "wb") as f:
+        f.write(data)
+    return p
+
+
+def test_bad_model_files():
+    good = open(make_model("tiny"), "rb").read()
+    cases = {
+        "empty": (b"", "empty"),
+        "magic": (b"GGUX" + good[4:], "magic"),
+        "version": (good[:4] + (2).to_bytes(4, "little") + good[8:], "version"),
+        "trunc-header": (good[:10], ""),
+        "trunc-kv": (good[:200], ""),
+        "trunc-data": (good[:len(good) // 2], ""),
+        "trunc-last-byte": (good[:-1], ""),
+        "garbage": (bytes(range(256)) * 64, ""),
+    }
+    for name, (data, needle) in cases.items():
+        expect_error(["-m", bad_model(name, data), "-n", "1"], needle)
+    expect_error(["-m", "/nonexistent/model.gguf"], "cannot open model")
+    expect_error(["-m", OUT], "not a regular file")
+
+
+def test_help_and_default_model():
+    r = run([DS4, "--help"])
+    assert r.returncode == 0 and "usage: ds4" in r.stdout
+    default = os.path.join(os.path.dirname(DS4), "models", "ds4-tiny.gguf")
+    if not os.path.exists(default):
+        pytest.skip("no embedded default model beside this binary")
+    r = run([DS4, "-p", "Once upon a time", "-n", "8", "--backend", "cpu"])
+    assert r.returncode == 0, r.stderr
+    assert "generated ids:" in r.stdout and "tok/s" in r.stdout
+    assert "byte-level ids" in r.stderr
