@@ -2,20 +2,23 @@
 #
 #   make                         CPU engine ./ds4 + the embedded default model models/ds4-tiny.gguf
 #   make cpu                     the same
-#   make test                    every test
+#   make cuda CUDA_ARCH=sm_90    CUDA engine ./ds4 (cuBLAS); CUDA_ARCH is required (sm_89, sm_120, ...)
+#   make test                    every CPU test, the CUDA compile+link check, GPU tests where a GPU exists
 #   make sanitize                malformed-input tests under -fsanitize=address,undefined
 #   make clean
 
 CC      ?= cc
+NVCC    ?= nvcc
 CFLAGS  ?= -O2 -g
 CFLAGS  += -std=c11 -Wall -Wextra -Wno-unused-parameter -pthread
 LDLIBS  += -lm -lpthread
 PYTHON  ?= python3
+CUDA_HOME ?= /usr/local/cuda
 B       := build
 
 CORE_SRC := ds4.c ds4.h ds4_gpu.h
 
-.PHONY: all cpu test test-c test-py sanitize clean models
+.PHONY: all cpu cuda cuda-check test test-c test-py test-gpu sanitize clean models
 
 all: cpu
 
@@ -43,6 +46,60 @@ models/ds4-tiny.gguf: $(B)/cpu/ds4
 
 models: models/ds4-tiny.gguf
 
+# ---- CUDA ----
+# Never guess the GPU architecture: say what is built, and how to change it.
+cuda:
+	@if ! command -v $(NVCC) >/dev/null 2>&1; then \
+	  echo "make cuda: nvcc not found (install the CUDA toolkit or set NVCC=/path/to/nvcc)"; exit 2; fi
+	@if [ -z "$(CUDA_ARCH)" ]; then \
+	  echo "make cuda: set CUDA_ARCH to your GPU's architecture, e.g. make cuda CUDA_ARCH=sm_90 (H100/H200), sm_89 (L4/4090), sm_120 (RTX 50xx)"; exit 2; fi
+	@echo "make cuda: building for $(CUDA_ARCH) with $$($(NVCC) --version | tail -1)"
+	$(MAKE) --no-print-directory $(B)/cuda-$(CUDA_ARCH)/ds4 CUDA_ARCH=$(CUDA_ARCH)
+	cp $(B)/cuda-$(CUDA_ARCH)/ds4 ds4
+	$(MAKE) --no-print-directory models/ds4-tiny.gguf
+	@echo "built ./ds4 (CUDA backend, $(CUDA_ARCH); --backend cpu still available)"
+
+NVCCFLAGS ?= -O3 -std=c++17 -lineinfo
+CUDA_CFLAGS = $(CFLAGS) -DDS4_CUDA
+
+$(B)/cuda-%/ds4.o: $(CORE_SRC)
+	@mkdir -p $(dir $@)
+	$(CC) $(CUDA_CFLAGS) -c ds4.c -o $@
+
+$(B)/cuda-%/ds4_cli.o: ds4_cli.c ds4.h ds4_gpu.h
+	@mkdir -p $(dir $@)
+	$(CC) $(CUDA_CFLAGS) -c ds4_cli.c -o $@
+
+$(B)/cuda-%/ds4_cuda.o: ds4_cuda.cu ds4_gpu.h
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVCCFLAGS) -arch=$* -DDS4_CUDA -c ds4_cuda.cu -o $@
+
+CUDA_LIBS = -L$(CUDA_HOME)/lib64 -lcublas -lcudart $(LDLIBS) -lstdc++
+
+$(B)/cuda-%/ds4: $(B)/cuda-%/ds4.o $(B)/cuda-%/ds4_cli.o $(B)/cuda-%/ds4_cuda.o
+	$(CC) $(CFLAGS) $^ -o $@ $(CUDA_LIBS)
+
+$(B)/cuda-%/test_backend_ops: tests/test_backend_ops.c $(B)/cuda-%/ds4.o $(B)/cuda-%/ds4_cuda.o
+	$(CC) $(CUDA_CFLAGS) -I. tests/test_backend_ops.c $(B)/cuda-$*/ds4.o $(B)/cuda-$*/ds4_cuda.o -o $@ $(CUDA_LIBS)
+
+$(B)/cuda-%/ds4_bench: bench/ds4_bench.c $(B)/cuda-%/ds4.o $(B)/cuda-%/ds4_cuda.o
+	$(CC) $(CUDA_CFLAGS) -I. bench/ds4_bench.c $(B)/cuda-$*/ds4.o $(B)/cuda-$*/ds4_cuda.o -o $@ $(CUDA_LIBS)
+
+$(B)/cuda-%/bandwidth: bench/bandwidth.cu
+	@mkdir -p $(dir $@)
+	$(NVCC) -O3 -arch=$* bench/bandwidth.cu -o $@
+
+# keep the per-architecture objects: the test and bench programs link them too
+.SECONDARY:
+
+# CI has nvcc and cuBLAS but no GPU: compile and link everything for sm_90.
+CHECK_ARCH ?= sm_90
+cuda-check:
+	@if ! command -v $(NVCC) >/dev/null 2>&1; then echo "skipped: CUDA compile check (nvcc not found)"; exit 0; fi; \
+	 echo "cuda-check: compiling and linking the CUDA build for $(CHECK_ARCH)"; \
+	 $(MAKE) --no-print-directory $(B)/cuda-$(CHECK_ARCH)/ds4 $(B)/cuda-$(CHECK_ARCH)/test_backend_ops \
+	   $(B)/cuda-$(CHECK_ARCH)/ds4_bench $(B)/cuda-$(CHECK_ARCH)/bandwidth CUDA_ARCH=$(CHECK_ARCH)
+
 # ---- tests ----
 include tests/oracle/Makefile.inc
 
@@ -61,7 +118,12 @@ test-c: $(B)/tests/test_gguf $(B)/tests/test_kernels
 test-py: cpu
 	bash tests/run_pytest.sh
 
-test: cpu test-c test-py
+test-gpu: cuda-check
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+	  $(B)/cuda-$(CHECK_ARCH)/test_backend_ops && TEST_DS4_CUDA_BIN=$(B)/cuda-$(CHECK_ARCH)/ds4 bash tests/run_pytest.sh -m gpu; \
+	else echo "skipped: no GPU (GPU tests: backend ops, CUDA vs CPU logits)"; fi
+
+test: cpu test-c cuda-check test-py test-gpu
 	@echo "make test: all done"
 
 # ---- sanitizers: the malformed-input tests under ASan + UBSan ----

@@ -1,0 +1,83 @@
+/* bandwidth.cu -- the device's copy bandwidth, the yardstick for decode.
+ *
+ * Decode reads every active weight once per token, so its speed is best
+ * reported as a fraction of what the memory system can move.  This program
+ * measures a plain device-to-device cudaMemcpy of 2 GiB (large against the
+ * L2 cache), counts the bytes read plus the bytes written, and prints the
+ * median of 10 timed copies after 3 warm-up copies:
+ *
+ *   copy_bw_GBps <value>
+ *
+ * Build: nvcc -O3 -arch=sm_90 bench/bandwidth.cu -o build/bandwidth
+ * Usage: bandwidth [MiB]          (default 2048)
+ */
+#include <cuda_runtime.h>
+
+#include <stdio.h>
+#include <stdlib.h>
+
+#define CHECK(stmt) do {                                                            \
+        cudaError_t e_ = (stmt);                                                    \
+        if (e_ != cudaSuccess) {                                                    \
+            fprintf(stderr, "bandwidth: %s in `%s` at %s:%d\n", cudaGetErrorString(e_), \
+                    #stmt, __FILE__, __LINE__);                                     \
+            exit(1);                                                                \
+        }                                                                           \
+    } while (0)
+
+#define WARMUP 3
+#define RUNS   10
+
+static int cmp_float(const void *a, const void *b) {
+    const float x = *(const float *)a, y = *(const float *)b;
+    return (x > y) - (x < y);
+}
+
+int main(int argc, char **argv) {
+    size_t mib = argc > 1 ? (size_t)strtoull(argv[1], NULL, 10) : 2048;
+    if (mib == 0) mib = 2048;
+    const size_t bytes = mib << 20;
+
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
+        fprintf(stderr, "bandwidth: no CUDA device available\n");
+        return 1;
+    }
+    cudaDeviceProp prop;
+    CHECK(cudaGetDeviceProperties(&prop, 0));
+    CHECK(cudaSetDevice(0));
+
+    void *src = NULL, *dst = NULL;
+    CHECK(cudaMalloc(&src, bytes));
+    CHECK(cudaMalloc(&dst, bytes));
+    CHECK(cudaMemset(src, 1, bytes));
+    CHECK(cudaMemset(dst, 0, bytes));
+
+    cudaEvent_t e0, e1;
+    CHECK(cudaEventCreate(&e0));
+    CHECK(cudaEventCreate(&e1));
+    for (int i = 0; i < WARMUP; i++) CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToDevice));
+    CHECK(cudaDeviceSynchronize());
+
+    float ms[RUNS];
+    for (int i = 0; i < RUNS; i++) {
+        CHECK(cudaEventRecord(e0));
+        CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToDevice));
+        CHECK(cudaEventRecord(e1));
+        CHECK(cudaEventSynchronize(e1));
+        CHECK(cudaEventElapsedTime(&ms[i], e0, e1));
+    }
+    qsort(ms, RUNS, sizeof ms[0], cmp_float);
+    const double med = 0.5 * (ms[RUNS / 2 - 1] + ms[RUNS / 2]);   /* RUNS is even */
+    const double gbps = 2.0 * (double)bytes / (med * 1e-3) / 1e9;  /* read + write */
+
+    fprintf(stderr, "bandwidth: %s, %zu MiB copy, median %.3f ms (min %.3f, max %.3f)\n",
+            prop.name, mib, med, ms[0], ms[RUNS - 1]);
+    printf("copy_bw_GBps %.1f\n", gbps);
+
+    CHECK(cudaEventDestroy(e0));
+    CHECK(cudaEventDestroy(e1));
+    CHECK(cudaFree(src));
+    CHECK(cudaFree(dst));
+    return 0;
+}

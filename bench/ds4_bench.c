@@ -1,0 +1,176 @@
+/* ds4_bench.c -- decode and prefill throughput of ds4 on one backend.
+ *
+ *   ds4_bench --model tiny|small|flash16|FILE [--type q8_0] [--backend cuda|cpu]
+ *             [--reps 5] [--decode 32] [--prefill 512,4096] [--copy-bw GBps]
+ *
+ * Synthetic configs are built in memory from the seed (no file), through the
+ * same GGUF parser and weight upload as a file would take.  For each prefill
+ * length: one warm-up, then --reps timed prefills (context reset between
+ * them).  Decode: after a 512-token prefill and 4 warm-up steps, --reps runs
+ * of --decode steps; tok/s is the median over runs.  Weight bytes per decoded
+ * token are what one step must stream (dense weights + k of E experts); with
+ * --copy-bw (device copy bandwidth, read+write, from bench/bandwidth) the
+ * achieved fraction is printed.  On CUDA the kernel launches and the host
+ * time spent launching them are counted over one timed run and reported per
+ * token.  Output: human lines plus one `RESULT key=value ...` line per metric.
+ */
+#define _GNU_SOURCE
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "../ds4.h"
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static int cmp_d(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+static double median(double *v, int n) {
+    qsort(v, (size_t)n, sizeof(double), cmp_d);
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+static void fail(const char *what, const char *err) {
+    fprintf(stderr, "ds4_bench: %s: %s\n", what, err);
+    exit(1);
+}
+
+int main(int argc, char **argv) {
+    const char *model = "tiny", *type = NULL, *backend = NULL, *prefill_list = "512,4096";
+    int reps = 5, n_decode = 32, threads = 0;
+    double copy_bw = 0.0;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!v) { fprintf(stderr, "ds4_bench: %s needs a value\n", a); return 2; }
+        if (!strcmp(a, "--model")) model = v;
+        else if (!strcmp(a, "--type")) type = v;
+        else if (!strcmp(a, "--backend")) backend = v;
+        else if (!strcmp(a, "--reps")) reps = atoi(v);
+        else if (!strcmp(a, "--decode")) n_decode = atoi(v);
+        else if (!strcmp(a, "--prefill")) prefill_list = v;
+        else if (!strcmp(a, "--copy-bw")) copy_bw = atof(v);
+        else if (!strcmp(a, "--threads")) threads = atoi(v);
+        else { fprintf(stderr, "ds4_bench: unknown option %s\n", a); return 2; }
+        i++;
+    }
+    if (reps < 1 || n_decode < 1) { fprintf(stderr, "ds4_bench: --reps and --decode must be >= 1\n"); return 2; }
+    if (threads > 0) ds4_cpu_set_threads(threads);
+
+    const ds4_backend *be = ds4_backend_cpu();
+#ifdef DS4_CUDA
+    if (!backend || !strcmp(backend, "cuda")) be = ds4_backend_cuda();
+#endif
+    if (backend && strcmp(backend, be->name) != 0) fail("backend", "not available in this build");
+
+    char err[1024];
+    double t0 = now_s();
+    ds4_model *m;
+    if (!strcmp(model, "tiny") || !strcmp(model, "small") || !strcmp(model, "flash16")) {
+        const char *ty = type ? type : (!strcmp(model, "flash16") ? "q8_0" : "f32");
+        int wt = ds4_parse_wtype(ty);
+        if (wt < 0) fail("--type", ty);
+        m = ds4_synth_open(model, 1, wt, 0, err, sizeof(err));
+    } else {
+        m = ds4_model_open(model, err, sizeof(err));
+    }
+    if (!m) fail("model", err);
+    const double t_synth = now_s() - t0;
+    ds4_model_describe(m, stderr);
+
+    /* prefill lengths */
+    int pl[8], n_pl = 0, max_p = 512;
+    for (const char *p = prefill_list; *p && n_pl < 8;) {
+        pl[n_pl] = atoi(p);
+        if (pl[n_pl] > max_p) max_p = pl[n_pl];
+        n_pl++;
+        p = strchr(p, ',');
+        if (!p) break;
+        p++;
+    }
+    const int V = ds4_model_n_vocab(m);
+    const int n_ctx = max_p + n_decode + 8;
+    t0 = now_s();
+    ds4_ctx *c = ds4_ctx_new(m, be, n_ctx, max_p, err, sizeof(err));
+    if (!c) fail("context", err);
+    const double t_upload = now_s() - t0;
+    printf("model %s: %.2f GB of weights, built in %.1f s, uploaded to %s in %.1f s\n", model,
+           ds4_model_weight_bytes(m) / 1e9, t_synth, be->name, t_upload);
+
+    int32_t *tok = malloc(sizeof(int32_t) * (size_t)n_ctx);
+    for (int i = 0; i < n_ctx; i++) tok[i] = (int32_t)((i * 2654435761u) % (unsigned)V);
+    float *logits = malloc(sizeof(float) * (size_t)V);
+    double *v = malloc(sizeof(double) * (size_t)(reps > n_decode ? reps : n_decode));
+
+    /* decode: after a 512-token (or shorter) prefill */
+    const int P0 = max_p < 512 ? max_p : 512;
+    const size_t bytes_tok = ds4_model_decode_bytes(m);
+    double launches_tok = 0, launch_s_tok = 0;
+    for (int r = -1; r < reps; r++) {
+        ds4_ctx_reset(c);
+        if (ds4_eval(c, tok, P0, logits, 0, err, sizeof(err)) != 0) fail("prefill", err);
+        for (int w = 0; w < 4; w++)
+            if (ds4_eval(c, tok + P0 + w, 1, logits, 0, err, sizeof(err)) != 0) fail("decode", err);
+#ifdef DS4_CUDA
+        if (r == 0 && !strcmp(be->name, "cuda")) ds4_cuda_stats_reset();
+#endif
+        double s = now_s();
+        for (int j = 0; j < n_decode; j++)
+            if (ds4_eval(c, tok + P0 + 4 + j, 1, logits, 0, err, sizeof(err)) != 0) fail("decode", err);
+        const double dt = now_s() - s;
+#ifdef DS4_CUDA
+        if (r == 0 && !strcmp(be->name, "cuda")) {
+            uint64_t n;
+            double hs;
+            ds4_cuda_stats(&n, &hs);
+            launches_tok = (double)n / n_decode;
+            launch_s_tok = hs / n_decode;
+        }
+#endif
+        if (r >= 0) v[r] = n_decode / dt;
+    }
+    const double tps = median(v, reps);
+    const double gbs = bytes_tok * tps / 1e9;
+    printf("decode: median %.2f tok/s (%.3f ms/token, %d reps x %d tokens after a %d-token prefill)\n",
+           tps, 1e3 / tps, reps, n_decode, P0);
+    printf("decode: %.3f GB of weights per token -> %.1f GB/s", bytes_tok / 1e9, gbs);
+    if (copy_bw > 0) printf(" = %.1f%% of the %.0f GB/s copy bandwidth", 100.0 * gbs / copy_bw, copy_bw);
+    printf("\n");
+    printf("RESULT model=%s backend=%s metric=decode_tok_s value=%.3f\n", model, be->name, tps);
+    printf("RESULT model=%s backend=%s metric=decode_weight_GBps value=%.1f bytes_per_token=%zu\n",
+           model, be->name, gbs, bytes_tok);
+    if (copy_bw > 0)
+        printf("RESULT model=%s backend=%s metric=decode_bw_fraction value=%.3f copy_bw_GBps=%.0f\n",
+               model, be->name, gbs / copy_bw, copy_bw);
+    if (launches_tok > 0) {
+        printf("decode: %.0f kernel launches per token, %.1f us of host time launching them per token\n",
+               launches_tok, launch_s_tok * 1e6);
+        printf("RESULT model=%s backend=%s metric=launches_per_token value=%.0f host_launch_us_per_token=%.1f\n",
+               model, be->name, launches_tok, launch_s_tok * 1e6);
+    }
+
+    for (int i = 0; i < n_pl; i++) {
+        const int P = pl[i];
+        if (P > max_p || P < 1) continue;
+        for (int r = -1; r < reps; r++) {      /* r = -1 is the warm-up */
+            ds4_ctx_reset(c);
+            double s = now_s();
+            if (ds4_eval(c, tok, P, logits, 0, err, sizeof(err)) != 0) fail("prefill", err);
+            if (r >= 0) v[r] = now_s() - s;
+        }
+        const double med = median(v, reps);
+        printf("prefill %5d tokens: median %.4f s = %.1f tok/s (%d reps)\n", P, med, P / med, reps);
+        printf("RESULT model=%s backend=%s metric=prefill_tok_s prompt=%d value=%.2f\n", model, be->name, P, P / med);
+    }
+
+    free(v); free(logits); free(tok);
+    ds4_ctx_free(c);
+    ds4_model_close(m);
+    return 0;
+}

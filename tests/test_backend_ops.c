@@ -1,0 +1,875 @@
+/* test_backend_ops.c -- every op of ds4_gpu.h on the CUDA backend against the
+ * CPU backend (the specification), on fresh random inputs.
+ *
+ * For each op and each of several shapes (single token, odd token counts,
+ * prefill-sized batches; widths that are and are not multiples of 256; every
+ * weight type, Q8_0 built from valid blocks) the same inputs go to both
+ * backends, the CUDA outputs are pre-filled with NaN so an element the kernel
+ * never writes shows up, and the outputs are compared:
+ *
+ *   max|d|      the largest absolute difference
+ *   rel         ||cuda - cpu|| / ||cpu|| over the whole output
+ *
+ * An op passes when rel is within the tolerance stated (and justified) at
+ * the call, and no NaN appears where the CPU has a number.  Integer outputs
+ * (routing, indexer selections) must match exactly, except that the indexer
+ * may swap rows whose scores tie to within float rounding (see test_indexer).
+ * Finally the reduction-heavy CUDA paths run twice and must agree bit for bit.
+ * The last line is "N passed, M failed"; the exit status is non-zero on any
+ * failure.  Without a GPU the program prints "skipped: no GPU" and exits 0.
+ *
+ * Build: cc -DDS4_CUDA -I. tests/test_backend_ops.c ds4.o ds4_cuda.o
+ *        -lcublas -lcudart -lm -lpthread -lstdc++
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ds4_gpu.h"
+#include "ds4.h"
+
+/* ---- tolerances (relative, ||d|| / ||ref||) ------------------------------
+ * EXACT:   pure data movement, or one IEEE operation per element done the
+ *          same way on both sides (copies, dequantization d*q, x + b, x * s).
+ * ULP:     a few correctly or nearly correctly rounded operations per element
+ *          whose order may differ, or libm-vs-CUDA transcendentals (expf,
+ *          sinf, cosf: CUDA's are within 2 ulp, glibc's within 1).
+ * DOT:     f32 dot products of up to 4096 terms summed in a different order
+ *          (CPU: 8 strided partials; GPU: per-lane partials and a butterfly,
+ *          or cuBLAS tiles), plus FMA contraction on the GPU.  The rounding
+ *          error of each order is ~sqrt(K) * 2^-24 relative to sum|w x|; on
+ *          random data that is below 1e-6 of the norm, so 1e-5 leaves a
+ *          decade of margin while still catching any indexing error (which
+ *          shows up as rel ~ 1).
+ * CHAIN:   two dependent projections (MoE gate/up -> SwiGLU -> down), each
+ *          with DOT error, and the attention softmax over hundreds of rows
+ *          (exp of scores that already carry DOT error): 3e-5.
+ */
+#define TOL_EXACT 0.0
+#define TOL_ULP   2e-6
+#define TOL_DOT   1e-5
+#define TOL_CHAIN 3e-5
+
+static const ds4_backend *B[2];   /* 0: CPU (reference), 1: CUDA */
+static int g_pass, g_fail;
+
+/* ---- random inputs ---- */
+static uint64_t g_rng = 0x9e3779b97f4a7c15ull;
+static uint64_t rnd_u64(void) {
+    g_rng ^= g_rng >> 12; g_rng ^= g_rng << 25; g_rng ^= g_rng >> 27;
+    return g_rng * 2685821657736338717ull;
+}
+static float rnd_f(void) { return (float)((rnd_u64() >> 40) * (1.0 / 16777216.0)) * 2.0f - 1.0f; }
+static int rnd_int(int n) { return (int)(rnd_u64() % (uint64_t)n); }
+
+static float *rnd_vec(size_t n, float scale) {
+    float *v = malloc((n ? n : 1) * sizeof(float));
+    for (size_t i = 0; i < n; i++) v[i] = rnd_f() * scale;
+    return v;
+}
+
+/* ---- backend buffers: every allocation of a test is freed at its end ---- */
+#define MAX_BUFS 64
+static void *g_bufs[2][MAX_BUFS];
+static int g_nbufs[2];
+
+static void *dev_alloc(int bi, size_t bytes) {
+    void *p = B[bi]->alloc(bytes ? bytes : 4);
+    if (!p) { fprintf(stderr, "test: allocation of %zu bytes failed\n", bytes); exit(2); }
+    if (g_nbufs[bi] == MAX_BUFS) { fprintf(stderr, "test: too many buffers\n"); exit(2); }
+    g_bufs[bi][g_nbufs[bi]++] = p;
+    return p;
+}
+static void *dev_put(int bi, const void *host, size_t bytes) {
+    void *p = dev_alloc(bi, bytes);
+    if (bytes) B[bi]->upload(p, host, bytes);
+    return p;
+}
+/* Output buffer pre-filled with NaN (on both backends: the CPU too must write
+ * everything, or the reference itself would be NaN and the test would say so). */
+static float *dev_poison(int bi, size_t n) {
+    float *h = malloc((n ? n : 1) * sizeof(float));
+    for (size_t i = 0; i < n; i++) h[i] = NAN;
+    float *p = dev_put(bi, h, n * sizeof(float));
+    free(h);
+    return p;
+}
+static int32_t *dev_poison_i32(int bi, size_t n) {
+    int32_t *h = malloc((n ? n : 1) * sizeof(int32_t));
+    for (size_t i = 0; i < n; i++) h[i] = 0x7fffffff;
+    int32_t *p = dev_put(bi, h, n * sizeof(int32_t));
+    free(h);
+    return p;
+}
+static void *dev_get(int bi, const void *dev, size_t bytes) {
+    void *h = malloc(bytes ? bytes : 4);
+    B[bi]->synchronize();
+    if (bytes) B[bi]->download(h, dev, bytes);
+    return h;
+}
+static void dev_free_all(int bi) {
+    for (int i = 0; i < g_nbufs[bi]; i++) B[bi]->free(g_bufs[bi][i]);
+    g_nbufs[bi] = 0;
+}
+
+/* ---- weights built in memory ---- */
+static ds4_weight make_weight(int type, int64_t K, int64_t N, int64_t E, float scale) {
+    ds4_weight w;
+    memset(&w, 0, sizeof w);
+    w.name = "test";
+    w.type = type;
+    w.n_dims = E > 1 ? 3 : 2;
+    w.ne[0] = K; w.ne[1] = N; w.ne[2] = E;
+    const int64_t rows = N * E;
+    w.nbytes = ds4_row_bytes(type, K) * (size_t)rows;
+    uint8_t *p = malloc(w.nbytes);
+    for (int64_t r = 0; r < rows; r++) {
+        uint8_t *row = p + ds4_row_bytes(type, K) * (size_t)r;
+        if (type == DS4_TYPE_Q8_0) {
+            for (int64_t b = 0; b < K / DS4_QK8_0; b++) {
+                uint8_t *blk = row + b * DS4_Q8_0_BLOCK_BYTES;
+                /* a valid scale (normal f16) and quants in [-127, 127] */
+                const uint16_t d = ds4_f32_to_f16(scale * (0.5f + 0.5f * (rnd_f() + 1.0f) * 0.5f) / 127.0f);
+                memcpy(blk, &d, 2);
+                for (int j = 0; j < DS4_QK8_0; j++) blk[2 + j] = (uint8_t)(int8_t)(rnd_int(255) - 127);
+            }
+        } else {
+            for (int64_t k = 0; k < K; k++) {
+                const float v = rnd_f() * scale;
+                if (type == DS4_TYPE_F32) memcpy(row + 4 * k, &v, 4);
+                else {
+                    const uint16_t h = type == DS4_TYPE_F16 ? ds4_f32_to_f16(v) : ds4_f32_to_bf16(v);
+                    memcpy(row + 2 * k, &h, 2);
+                }
+            }
+        }
+    }
+    w.host = p;
+    return w;
+}
+static void free_weight(ds4_weight *w) { free((void *)w->host); w->host = NULL; }
+
+/* A backend's copy of w (CPU: dev == host). */
+static ds4_weight weight_on(int bi, const ds4_weight *w) {
+    ds4_weight c = *w;
+    if (B[bi]->upload_weight(&c) != 0) { fprintf(stderr, "test: upload_weight failed\n"); exit(2); }
+    return c;
+}
+
+static const char *type_name(int t) {
+    switch (t) {
+    case DS4_TYPE_F32: return "f32"; case DS4_TYPE_F16: return "f16";
+    case DS4_TYPE_BF16: return "bf16"; case DS4_TYPE_Q8_0: return "q8_0"; case DS4_TYPE_I32: return "i32";
+    default: return "?";
+    }
+}
+
+/* ---- comparison ---- */
+static void check_f32(const char *op, const char *shape, const float *ref, const float *got, size_t n,
+                      double tol) {
+    double max_abs = 0.0, d2 = 0.0, r2 = 0.0;
+    size_t bad_nan = 0, ref_nan = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (isnan(ref[i])) { ref_nan++; continue; }
+        if (isnan(got[i]) || isinf(got[i]) != isinf(ref[i])) { bad_nan++; continue; }
+        if (isinf(ref[i])) continue;
+        const double d = (double)got[i] - (double)ref[i];
+        if (fabs(d) > max_abs) max_abs = fabs(d);
+        d2 += d * d;
+        r2 += (double)ref[i] * ref[i];
+    }
+    const double rel = r2 > 0 ? sqrt(d2 / r2) : sqrt(d2);
+    const int ok = bad_nan == 0 && ref_nan == 0 && rel <= tol;
+    printf("%-15s %-44s max|d| %9.2e  rel %9.2e  tol %7.1e  %s", op, shape, max_abs, rel, tol,
+           ok ? "ok" : "FAIL");
+    if (bad_nan) printf("  (%zu unwritten/non-finite)", bad_nan);
+    if (ref_nan) printf("  (%zu NaN in the CPU reference)", ref_nan);
+    printf("\n");
+    if (ok) g_pass++; else g_fail++;
+}
+
+static void check_i32(const char *op, const char *shape, const int32_t *ref, const int32_t *got, size_t n) {
+    size_t bad = 0;
+    for (size_t i = 0; i < n; i++) bad += ref[i] != got[i];
+    printf("%-15s %-44s mismatches %zu / %zu  %s\n", op, shape, bad, n, bad ? "FAIL" : "ok");
+    if (bad) g_fail++; else g_pass++;
+}
+
+/* ========================================================================== */
+
+static void test_memory(void) {
+    const size_t n = 100003;
+    float *h = rnd_vec(n, 1.0f);
+    float *out[2];
+    for (int bi = 0; bi < 2; bi++) {
+        float *a = dev_put(bi, h, n * 4);
+        float *z = dev_alloc(bi, n * 4);            /* alloc must be zero-filled */
+        float *zh = dev_get(bi, z, n * 4);
+        size_t nz = 0;
+        for (size_t i = 0; i < n; i++) nz += zh[i] != 0.0f;
+        if (nz) { printf("alloc           %s: %zu non-zero elements  FAIL\n", B[bi]->name, nz); g_fail++; }
+        free(zh);
+        B[bi]->copy(z, a, n * 4);
+        out[bi] = dev_get(bi, z, n * 4);
+        dev_free_all(bi);
+    }
+    check_f32("upload/copy", "n=100003", h, out[1], n, TOL_EXACT);
+    free(h); free(out[0]); free(out[1]);
+}
+
+static void test_embed(int type, int64_t D, int V, int nt, int n_hc) {
+    ds4_weight w = make_weight(type, D, V, 1, 1.0f);
+    int32_t *tok = malloc(nt * sizeof(int32_t));
+    for (int t = 0; t < nt; t++) tok[t] = rnd_int(V);
+    const size_t n = (size_t)nt * n_hc * D;
+    float *out[2];
+    for (int bi = 0; bi < 2; bi++) {
+        ds4_weight wb = weight_on(bi, &w);
+        int32_t *dt = dev_put(bi, tok, nt * sizeof(int32_t));
+        float *x = dev_poison(bi, n);
+        B[bi]->embed(&wb, dt, nt, n_hc, x);
+        out[bi] = dev_get(bi, x, n * 4);
+        B[bi]->release_weight(&wb);
+        dev_free_all(bi);
+    }
+    char shape[96];
+    snprintf(shape, sizeof shape, "%s D=%lld V=%d nt=%d hc=%d", type_name(type), (long long)D, V, nt, n_hc);
+    check_f32("embed", shape, out[0], out[1], n, TOL_EXACT);   /* d*q or a plain conversion: exact */
+    free(out[0]); free(out[1]); free(tok); free_weight(&w);
+}
+
+static void test_rmsnorm(int rows, int n, int with_w, int in_place) {
+    float *x = rnd_vec((size_t)rows * n, 3.0f), *w = rnd_vec(n, 1.0f);
+    float *out[2];
+    for (int bi = 0; bi < 2; bi++) {
+        float *dx = dev_put(bi, x, (size_t)rows * n * 4);
+        float *dw = with_w ? dev_put(bi, w, (size_t)n * 4) : NULL;
+        float *dy = in_place ? dx : dev_poison(bi, (size_t)rows * n);
+        B[bi]->rmsnorm(dx, dw, dy, rows, n, 1e-6f);
+        out[bi] = dev_get(bi, dy, (size_t)rows * n * 4);
+        dev_free_all(bi);
+    }
+    char shape[96];
+    snprintf(shape, sizeof shape, "rows=%d n=%d%s%s", rows, n, with_w ? " w" : "", in_place ? " in-place" : "");
+    /* squares summed in double on both sides; differences are the final roundings */
+    check_f32("rmsnorm", shape, out[0], out[1], (size_t)rows * n, TOL_ULP);
+    free(out[0]); free(out[1]); free(x); free(w);
+}
+
+static void test_matmul(int type, int64_t K, int64_t N, int64_t E, int expert, int nt) {
+    ds4_weight w = make_weight(type, K, N, E, 1.0f / sqrtf((float)K));
+    float *x = rnd_vec((size_t)nt * K, 1.0f);
+    float *out[2];
+    for (int bi = 0; bi < 2; bi++) {
+        ds4_weight wb = weight_on(bi, &w);
+        float *dx = dev_put(bi, x, (size_t)nt * K * 4);
+        float *dy = dev_poison(bi, (size_t)nt * N);
+        B[bi]->matmul(&wb, expert, dx, dy, nt);
+        out[bi] = dev_get(bi, dy, (size_t)nt * N * 4);
+        B[bi]->release_weight(&wb);
+        dev_free_all(bi);
+    }
+    char shape[96];
+    snprintf(shape, sizeof shape, "%s K=%lld N=%lld E=%lld e=%d nt=%d", type_name(type), (long long)K,
+             (long long)N, (long long)E, expert, nt);
+    check_f32("matmul", shape, out[0], out[1], (size_t)nt * N, TOL_DOT);
+    free(out[0]); free(out[1]); free(x); free_weight(&w);
+}
+
+static void test_matmul_grouped(int type, int64_t K, int G, int64_t R, int nt) {
+    ds4_weight w = make_weight(type, K, (int64_t)G * R, 1, 1.0f / sqrtf((float)K));
+    float *x = rnd_vec((size_t)nt * G * K, 1.0f);
+    const size_t ny = (size_t)nt * G * R;
+    float *out[2];
+    for (int bi = 0; bi < 2; bi++) {
+        ds4_weight wb = weight_on(bi, &w);
+        float *dx = dev_put(bi, x, (size_t)nt * G * K * 4);
+        float *dy = dev_poison(bi, ny);
+        B[bi]->matmul_grouped(&wb, G, dx, dy, nt);
+        out[bi] = dev_get(bi, dy, ny * 4);
+        B[bi]->release_weight(&wb);
+        dev_free_all(bi);
+    }
+    char shape[96];
+    snprintf(shape, sizeof shape, "%s K=%lld G=%d R=%lld nt=%d", type_name(type), (long long)K, G,
+             (long long)R, nt);
+    check_f32("matmul_grouped", shape, out[0], out[1], ny, TOL_DOT);
+    free(out[0]); free(out[1]); free(x); free_weight(&w);
+}
+
+static void test_hc_mix(int nt, int D, int h, int head, int iters) {
+    const int n_mix = head ? h : (2 + h) * h;
+    float *mix = rnd_vec((size_t)nt * n_mix, 2.0f), *scale = rnd_vec(3, 1.0f), *base = rnd_vec(n_mix, 0.5f);
+    float *x = rnd_vec((size_t)nt * h * D, 1.0f);
+    float *y[2], *post[2], *comb[2];
+    for (int bi = 0; bi < 2; bi++) {
+        float *dm = dev_put(bi, mix, (size_t)nt * n_mix * 4);
+        float *ds = dev_put(bi, scale, 12), *db = dev_put(bi, base, (size_t)n_mix * 4);
+        float *dx = dev_put(bi, x, (size_t)nt * h * D * 4);
+        float *dy = dev_poison(bi, (size_t)nt * D);
+        float *dp = head ? NULL : dev_poison(bi, (size_t)nt * h);
+        float *dc = head ? NULL : dev_poison(bi, (size_t)nt * h * h);
+        B[bi]->hc_mix(dm, ds, db, dx, nt, D, h, head, 1e-6f, iters, dy, dp, dc);
+        y[bi] = dev_get(bi, dy, (size_t)nt * D * 4);
+        post[bi] = head ? NULL : dev_get(bi, dp, (size_t)nt * h * 4);
+        comb[bi] = head ? NULL : dev_get(bi, dc, (size_t)nt * h * h * 4);
+        dev_free_all(bi);
+    }
+    char shape[96];
+    snprintf(shape, sizeof shape, "nt=%d D=%d hc=%d head=%d iters=%d", nt, D, h, head, iters);
+    /* pre/post: sigmoid (expf) of an FMA-contracted affine map; y: 4-term sums */
+    check_f32("hc_mix y", shape, y[0], y[1], (size_t)nt * D, TOL_ULP);
+    if (!head) {
+        check_f32("hc_mix post", shape, post[0], post[1], (size_t)nt * h, TOL_ULP);
+        /* Sinkhorn: 2*iters normalisations, each a few roundings: still ~ulp-level */
+        check_f32("hc_mix comb", shape, comb[0], comb[1], (size_t)nt * h * h, TOL_DOT);
+    }
+    for (int bi = 0; bi < 2; bi++) { free(y[bi]); free(post[bi]); free(comb[bi]); }
+    free(mix); free(scale); free(base); free(x);
+}
+
+static void test_hc_post(int nt, int D, int h) {
+    float *f = rnd_vec((size_t)nt * D, 1.0f), *xr = rnd_vec((size_t)nt * h * D, 1.0f);
+    float *post = rnd_vec((size_t)nt * h, 1.0f), *comb = rnd_vec((size_t)nt * h * h, 1.0f);
+    const size_t n = (size_t)nt * h * D;
+    float *out[2];
+    for (int bi = 0; bi < 2; bi++) {
+        float *df = dev_put(bi, f, (size_t)nt * D * 4), *dx = dev_put(bi, xr, n * 4);
+        float *dp = dev_put(bi, post, (size_t)nt * h * 4), *dc = dev_put(bi, comb, (size_t)nt * h * h * 4);
+        float *dy = dev_poison(bi, n);
+        B[bi]->hc_post(df, dx, dp, dc, nt, D, h, dy);
+        out[bi] = dev_get(bi, dy, n * 4);
+        dev_free_all(bi);
+    }
+    char shape[96];
+    snprintf(shape, sizeof shape, "nt=%d D=%d hc=%d", nt, D, h);
+    /* five products summed in the same order; the GPU may fuse them into FMAs */
+    check_f32("hc_post", shape, out[0], out[1], n, TOL_ULP);
+    free(out[0]); free(out[1]); free(f); free(xr); free(post); free(comb);
+}
+
+static void test_rope(int nt, int nh, int dh, int n_rot, int pos0, int step, int yarn, int inverse) {
+    ds4_rope rp;
+    rp.n_rot = n_rot;
+    rp.freq_base = yarn ? 160000.0f : 10000.0f;
+    rp.freq_scale = yarn ? 1.0f / 16.0f : 1.0f;
+    rp.ext_factor = yarn ? 1.0f : 0.0f;
+    rp.corr_lo = yarn ? 5.0f : 0.0f;
+    rp.corr_hi = yarn ? 21.0f : 0.0f;
+    const size_t n = (size_t)nt * nh * dh;
+    float *x = rnd_vec(n, 1.0f);
+    float *out[2];
+    for (int bi = 0; bi < 2; bi++) {
+        float *dx = dev_put(bi, x, n * 4);
+        B[bi]->rope(dx, nt, nh, dh, pos0, step, &rp, inverse);
+        out[bi] = dev_get(bi, dx, n * 4);
+        dev_free_all(bi);
+    }
+    char shape[96];
+    snprintf(shape, sizeof shape, "nt=%d nh=%d dh=%d rot=%d pos0=%d step=%d%s%s", nt, nh, dh, n_rot, pos0, step,
+             yarn ? " yarn" : "", inverse ? " inv" : "");
+    /* identical angles (same float sequence); cosf/sinf within 2 ulp */
+    check_f32("rope", shape, out[0], out[1], n, TOL_ULP);
+    free(out[0]); free(out[1]); free(x);
+}
+
+/* Attention.  ratio 0: window only; 4: top-k picks (random visible ids, some
+ * -1, in random order); 128: every visible compressed row. */
+static void test_attention(int W, int pos0, int nt, int H, int d, int ratio, int k) {
+    const int P_last = pos0 + nt - 1;
+    const int n_comp = ratio ? (P_last + 1) / ratio + 1 : 0;
+    float *q = rnd_vec((size_t)nt * H * d, 1.0f), *kv = rnd_vec((size_t)nt * d, 1.0f);
+    float *ring = rnd_vec((size_t)W * d, 1.0f);
+    float *comp = ratio ? rnd_vec((size_t)n_comp * d, 1.0f) : NULL;
+    float *sinks = rnd_vec(H, 2.0f);
+    int32_t *topk = NULL;
+    if (ratio == 4) {
+        topk = malloc((size_t)nt * k * sizeof(int32_t));
+        for (int t = 0; t < nt; t++) {
+            const int vis = (pos0 + t + 1) / 4;
+            for (int j = 0; j < k; j++)
+                topk[(size_t)t * k + j] = (vis > 0 && rnd_int(8) != 0) ? rnd_int(vis) : -1;
+        }
+    }
+    const float scale = 1.0f / sqrtf((float)d);
+    const size_t n = (size_t)nt * H * d;
+    float *out[2];
+    for (int bi = 0; bi < 2; bi++) {
+        float *dq = dev_put(bi, q, n * 4), *dkv = dev_put(bi, kv, (size_t)nt * d * 4);
+        float *dr = dev_put(bi, ring, (size_t)W * d * 4);
+        float *dc = ratio ? dev_put(bi, comp, (size_t)n_comp * d * 4) : NULL;
+        int32_t *dt = topk ? dev_put(bi, topk, (size_t)nt * k * 4) : NULL;
+        float *ds = dev_put(bi, sinks, (size_t)H * 4);
+        float *dy = dev_poison(bi, n);
+        B[bi]->attention(dq, dkv, dr, W, pos0, nt, H, d, dc, ratio, dt, ratio == 4 ? k : 0, ds, scale, dy);
+        out[bi] = dev_get(bi, dy, n * 4);
+        dev_free_all(bi);
+    }
+    char shape[96];
+    snprintf(shape, sizeof shape, "W=%d pos0=%d nt=%d H=%d d=%d ratio=%d k=%d", W, pos0, nt, H, d, ratio,
+             ratio == 4 ? k : 0);
+    check_f32("attention", shape, out[0], out[1], n, TOL_CHAIN);
+    free(out[0]); free(out[1]); free(q); free(kv); free(ring); free(comp); free(sinks); free(topk);
+}
+
+static void test_ring_store(int slots, int width, int pos0, int nt) {
+    float *ring0 = rnd_vec((size_t)slots * width, 1.0f), *rows = rnd_vec((size_t)nt * width, 1.0f);
+    float *out[2];
+    for (int bi = 0; bi < 2; bi++) {
+        float *dr = dev_put(bi, ring0, (size_t)slots * width * 4);
+        float *dx = dev_put(bi, rows, (size_t)nt * width * 4);
+        B[bi]->ring_store(dr, dx, slots, width, pos0, nt);
+        out[bi] = dev_get(bi, dr, (size_t)slots * width * 4);
+        dev_free_all(bi);
+    }
+    char shape[96];
+    snprintf(shape, sizeof shape, "slots=%d width=%d pos0=%d nt=%d", slots, width, pos0, nt);
+    check_f32("ring_store", shape, out[0], out[1], (size_t)slots * width, TOL_EXACT);
+    free(out[0]); free(out[1]); free(ring0); free(rows);
+}
+
+static void test_add_cyclic(int pos0, int nt, int period, int n) {
+    float *x = rnd_vec((size_t)nt * n, 1.0f), *table = rnd_vec((size_t)period * n, 1.0f);
+    float *out[2];
+    for (int bi = 0; bi < 2; bi++) {
+        float *dx = dev_put(bi, x, (size_t)nt * n * 4);
+        float *dt = dev_put(bi, table, (size_t)period * n * 4);
+        B[bi]->add_cyclic(dx, dt, pos0, nt, period, n);
+        out[bi] = dev_get(bi, dx, (size_t)nt * n * 4);
+        dev_free_all(bi);
+    }
+    char shape[96];
+    snprintf(shape, sizeof shape, "pos0=%d nt=%d period=%d n=%d", pos0, nt, period, n);
+    check_f32("add_cyclic", shape, out[0], out[1], (size_t)nt * n, TOL_EXACT);   /* one add each */
+    free(out[0]); free(out[1]); free(x); free(table);
+}
+
+static void test_compress_pool(int pos0, int nt, int ratio, int c, int dc) {
+    const int width = c * dc, slots = c * ratio;
+    const int n_out = (pos0 + nt) / ratio - pos0 / ratio;
+    float *kv = rnd_vec((size_t)nt * width, 1.0f), *sc = rnd_vec((size_t)nt * width, 3.0f);
+    float *skv = rnd_vec((size_t)slots * width, 1.0f), *ssc = rnd_vec((size_t)slots * width, 3.0f);
+    const size_t n = (size_t)(n_out > 0 ? n_out : 0) * dc;
+    float *out[2];
+    for (int bi = 0; bi < 2; bi++) {
+        float *a = dev_put(bi, kv, (size_t)nt * width * 4), *b = dev_put(bi, sc, (size_t)nt * width * 4);
+        float *sa = dev_put(bi, skv, (size_t)slots * width * 4), *sb = dev_put(bi, ssc, (size_t)slots * width * 4);
+        float *dy = dev_poison(bi, n + 1);
+        B[bi]->compress_pool(a, b, sa, sb, pos0, nt, ratio, c, dc, dy);
+        out[bi] = dev_get(bi, dy, n * 4 + 4);
+        dev_free_all(bi);
+    }
+    char shape[96];
+    snprintf(shape, sizeof shape, "pos0=%d nt=%d ratio=%d c=%d dc=%d rows=%d", pos0, nt, ratio, c, dc, n_out);
+    /* softmax over at most 2*ratio entries: expf ulps and a short sum */
+    check_f32("compress_pool", shape, out[0], out[1], n, TOL_ULP);
+    /* the element after the last row must stay untouched (NaN) on both */
+    if (!isnan(out[1][n])) { printf("compress_pool   wrote past its %d rows  FAIL\n", n_out); g_fail++; }
+    free(out[0]); free(out[1]); free(kv); free(sc); free(skv); free(ssc);
+}
+
+/* Indexer: the selections must match, except where the two rows' scores tie
+ * to within float rounding (scores are f32 dot products summed in different
+ * orders on the two sides, so a near-tie can break either way).  Such swaps
+ * are checked against scores recomputed in double and accepted only when the
+ * two rows' true scores differ by less than 1e-5 of the largest score. */
+static double ix_score_d(const float *q, const float *w, const float *rows, int t, int r, int Hi, int di) {
+    double acc = 0.0;
+    for (int h = 0; h < Hi; h++) {
+        double dot = 0.0;
+        for (int c = 0; c < di; c++) dot += (double)q[((size_t)t * Hi + h) * di + c] * rows[(size_t)r * di + c];
+        acc += (double)w[(size_t)t * Hi + h] * (dot > 0 ? dot : 0);
+    }
+    return acc;
+}
+
+static void test_indexer(int pos0, int nt, int Hi, int di, int ratio, int k) {
+    const int n_rows = (pos0 + nt) / ratio + 1;
+    float *q = rnd_vec((size_t)nt * Hi * di, 1.0f), *w = rnd_vec((size_t)nt * Hi, 1.0f / sqrtf((float)(Hi * di)));
+    float *rows = rnd_vec((size_t)n_rows * di, 1.0f);
+    int32_t *out[2];
+    for (int bi = 0; bi < 2; bi++) {
+        float *dq = dev_put(bi, q, (size_t)nt * Hi * di * 4), *dw = dev_put(bi, w, (size_t)nt * Hi * 4);
+        float *dr = dev_put(bi, rows, (size_t)n_rows * di * 4);
+        int32_t *dy = dev_poison_i32(bi, (size_t)nt * k);
+        B[bi]->indexer_topk(dq, dw, dr, pos0, nt, Hi, di, ratio, k, dy);
+        out[bi] = dev_get(bi, dy, (size_t)nt * k * 4);
+        dev_free_all(bi);
+    }
+    char shape[96];
+    snprintf(shape, sizeof shape, "pos0=%d nt=%d Hi=%d di=%d ratio=%d k=%d", pos0, nt, Hi, di, ratio, k);
+    size_t exact_bad = 0, near_ties = 0;
+    for (int t = 0; t < nt; t++) {
+        for (int j = 0; j < k; j++) {
+            const int32_t a = out[0][(size_t)t * k + j], b = out[1][(size_t)t * k + j];
+            if (a == b) continue;
+            if (a < 0 || b < 0) { exact_bad++; continue; }
+            double smax = 1e-30;
+            for (int jj = 0; jj < k && out[0][(size_t)t * k + jj] >= 0; jj++) {
+                const double s = fabs(ix_score_d(q, w, rows, t, out[0][(size_t)t * k + jj], Hi, di));
+                if (s > smax) smax = s;
+            }
+            const double sa = ix_score_d(q, w, rows, t, a, Hi, di), sb = ix_score_d(q, w, rows, t, b, Hi, di);
+            if (fabs(sa - sb) <= 1e-5 * smax) near_ties++; else exact_bad++;
+        }
+    }
+    printf("%-15s %-44s mismatches %zu (+%zu near-tie swaps) / %zu  %s\n", "indexer_topk", shape,
+           exact_bad, near_ties, (size_t)nt * k, exact_bad ? "FAIL" : "ok");
+    if (exact_bad) g_fail++; else g_pass++;
+    free(out[0]); free(out[1]); free(q); free(w); free(rows);
+}
+
+static void test_moe_route(int nt, int E, int k, int hash, int norm, float wscale) {
+    const int V = 300;
+    float *logits = rnd_vec((size_t)nt * E, 4.0f), *bias = rnd_vec(E, 0.3f);
+    for (int i = 0; i < nt * E && nt * E > 8; i += 7) logits[i] = 25.0f + (float)(i % 3);  /* softplus x > 20 branch */
+    int32_t *tok = malloc(nt * sizeof(int32_t));
+    for (int t = 0; t < nt; t++) tok[t] = rnd_int(V);
+    ds4_weight tid;
+    memset(&tid, 0, sizeof tid);
+    int32_t *table = NULL;
+    if (hash) {
+        table = malloc((size_t)k * V * sizeof(int32_t));
+        for (int v = 0; v < V; v++)
+            for (int j = 0; j < k; j++) table[(size_t)v * k + j] = (v * 7 + j * 3) % E;
+        tid.name = "tid2eid"; tid.type = DS4_TYPE_I32; tid.n_dims = 2;
+        tid.ne[0] = k; tid.ne[1] = V; tid.ne[2] = 1;
+        tid.nbytes = (size_t)k * V * 4; tid.host = table;
+    }
+    int32_t *sel[2];
+    float *wts[2];
+    for (int bi = 0; bi < 2; bi++) {
+        ds4_weight tb;
+        if (hash) tb = weight_on(bi, &tid);
+        float *dl = dev_put(bi, logits, (size_t)nt * E * 4);
+        float *db = hash ? NULL : dev_put(bi, bias, (size_t)E * 4);
+        int32_t *dt = dev_put(bi, tok, (size_t)nt * 4);
+        int32_t *ds = dev_poison_i32(bi, (size_t)nt * k);
+        float *dw = dev_poison(bi, (size_t)nt * k);
+        B[bi]->moe_route(dl, db, hash ? &tb : NULL, dt, nt, E, k, norm, wscale, ds, dw);
+        sel[bi] = dev_get(bi, ds, (size_t)nt * k * 4);
+        wts[bi] = dev_get(bi, dw, (size_t)nt * k * 4);
+        if (hash) B[bi]->release_weight(&tb);
+        dev_free_all(bi);
+    }
+    char shape[96];
+    snprintf(shape, sizeof shape, "nt=%d E=%d k=%d %s norm=%d scale=%g", nt, E, k, hash ? "hash" : "scored",
+             norm, wscale);
+    check_i32("moe_route sel", shape, sel[0], sel[1], (size_t)nt * k);
+    /* sqrt(softplus) with libm vs CUDA logf/expf, a k-term sum, a division */
+    check_f32("moe_route wts", shape, wts[0], wts[1], (size_t)nt * k, TOL_ULP);
+    for (int bi = 0; bi < 2; bi++) { free(sel[bi]); free(wts[bi]); }
+    free(logits); free(bias); free(tok); free(table);
+}
+
+/* Routed experts.  sel/wts are a valid routing (k distinct experts per
+ * token); `skew` concentrates tokens on few experts, which moves a large
+ * batch from the per-token kernels to the grouped GEMM path. */
+static void test_moe_experts(int type, int64_t D, int64_t F, int E, int k, int nt, float clamp, int skew) {
+    ds4_weight g = make_weight(type, D, F, E, 1.0f / sqrtf((float)D));
+    ds4_weight u = make_weight(type, D, F, E, 1.0f / sqrtf((float)D));
+    ds4_weight dn = make_weight(type, F, D, E, 1.0f / sqrtf((float)F));
+    float *x = rnd_vec((size_t)nt * D, 2.0f);
+    int32_t *sel = malloc((size_t)nt * k * sizeof(int32_t));
+    float *wts = malloc((size_t)nt * k * sizeof(float));
+    for (int t = 0; t < nt; t++) {
+        const int start = skew ? 0 : rnd_int(E);
+        for (int j = 0; j < k; j++) {
+            sel[(size_t)t * k + j] = (start + j * (skew ? 1 : 3)) % E;
+            wts[(size_t)t * k + j] = 0.1f + 0.9f * (rnd_f() + 1.0f) * 0.5f;
+        }
+    }
+    /* make the per-token ids distinct even when 3*j wraps onto itself */
+    for (int t = 0; t < nt; t++)
+        for (int j = 0; j < k; j++)
+            for (int jj = 0; jj < j; jj++)
+                if (sel[(size_t)t * k + jj] == sel[(size_t)t * k + j]) {
+                    sel[(size_t)t * k + j] = (sel[(size_t)t * k + j] + 1) % E;
+                    jj = -1;
+                }
+    const size_t n = (size_t)nt * D;
+    float *out[2];
+    for (int bi = 0; bi < 2; bi++) {
+        ds4_weight gb = weight_on(bi, &g), ub = weight_on(bi, &u), db = weight_on(bi, &dn);
+        float *dx = dev_put(bi, x, n * 4);
+        int32_t *ds = dev_put(bi, sel, (size_t)nt * k * 4);
+        float *dw = dev_put(bi, wts, (size_t)nt * k * 4);
+        float *dy = dev_poison(bi, n);
+        B[bi]->moe_experts(dx, ds, dw, &gb, &ub, &db, nt, k, clamp, dy);
+        out[bi] = dev_get(bi, dy, n * 4);
+        B[bi]->release_weight(&gb); B[bi]->release_weight(&ub); B[bi]->release_weight(&db);
+        dev_free_all(bi);
+    }
+    char shape[96];
+    snprintf(shape, sizeof shape, "%s D=%lld F=%lld E=%d k=%d nt=%d L=%g%s", type_name(type), (long long)D,
+             (long long)F, E, k, nt, clamp, skew ? " skew" : "");
+    check_f32("moe_experts", shape, out[0], out[1], n, TOL_CHAIN);
+    free(out[0]); free(out[1]); free(x); free(sel); free(wts);
+    free_weight(&g); free_weight(&u); free_weight(&dn);
+}
+
+static void test_swiglu(int64_t n, float limit, int in_place) {
+    float *g = rnd_vec(n, 12.0f), *u = rnd_vec(n, 12.0f);   /* beyond the clamp on purpose */
+    float *out[2];
+    for (int bi = 0; bi < 2; bi++) {
+        float *dg = dev_put(bi, g, (size_t)n * 4), *du = dev_put(bi, u, (size_t)n * 4);
+        float *dy = in_place ? dg : dev_poison(bi, (size_t)n);
+        B[bi]->swiglu(dg, du, dy, n, limit);
+        out[bi] = dev_get(bi, dy, (size_t)n * 4);
+        dev_free_all(bi);
+    }
+    char shape[96];
+    snprintf(shape, sizeof shape, "n=%lld L=%g%s", (long long)n, limit, in_place ? " in-place" : "");
+    check_f32("swiglu", shape, out[0], out[1], (size_t)n, TOL_ULP);   /* expf ulps */
+    free(out[0]); free(out[1]); free(g); free(u);
+}
+
+static void test_add_scale(int64_t n) {
+    float *a = rnd_vec(n, 1.0f), *b = rnd_vec(n, 1.0f);
+    float *sum[2], *sc[2], *ip[2];
+    for (int bi = 0; bi < 2; bi++) {
+        float *da = dev_put(bi, a, (size_t)n * 4), *db = dev_put(bi, b, (size_t)n * 4);
+        float *dy = dev_poison(bi, (size_t)n);
+        B[bi]->add(da, db, dy, n);
+        sum[bi] = dev_get(bi, dy, (size_t)n * 4);
+        B[bi]->scale(dy, -0.37f, n);
+        sc[bi] = dev_get(bi, dy, (size_t)n * 4);
+        B[bi]->add(da, db, da, n);                    /* in place */
+        ip[bi] = dev_get(bi, da, (size_t)n * 4);
+        dev_free_all(bi);
+    }
+    char shape[96];
+    snprintf(shape, sizeof shape, "n=%lld", (long long)n);
+    check_f32("add", shape, sum[0], sum[1], (size_t)n, TOL_EXACT);
+    check_f32("scale", shape, sc[0], sc[1], (size_t)n, TOL_EXACT);
+    check_f32("add in-place", shape, ip[0], ip[1], (size_t)n, TOL_EXACT);
+    for (int bi = 0; bi < 2; bi++) { free(sum[bi]); free(sc[bi]); free(ip[bi]); }
+    free(a); free(b);
+}
+
+/* Run to run, the CUDA backend must give byte-identical outputs (no
+ * order-dependent atomics): the reduction-heavy paths run twice on the same
+ * inputs and are compared bit for bit. */
+static void check_same(const char *what, const void *a, const void *b, size_t bytes) {
+    const int ok = memcmp(a, b, bytes) == 0;
+    printf("%-15s %-44s %s\n", "deterministic", what, ok ? "ok" : "FAIL (outputs differ between runs)");
+    if (ok) g_pass++; else g_fail++;
+}
+
+static void test_determinism(void) {
+    const int bi = 1;
+    /* matmul: decode matvec and prefill GEMM */
+    {
+        ds4_weight w = make_weight(DS4_TYPE_Q8_0, 4096, 300, 1, 0.02f);
+        float *x = rnd_vec((size_t)64 * 4096, 1.0f);
+        ds4_weight wb = weight_on(bi, &w);
+        float *dx = dev_put(bi, x, (size_t)64 * 4096 * 4), *dy = dev_poison(bi, (size_t)64 * 300);
+        for (int nt = 1; nt <= 64; nt += 63) {
+            float *r[2];
+            for (int rep = 0; rep < 2; rep++) {
+                B[bi]->matmul(&wb, 0, dx, dy, nt);
+                r[rep] = dev_get(bi, dy, (size_t)nt * 300 * 4);
+            }
+            check_same(nt == 1 ? "matmul q8_0 4096x300 nt=1" : "matmul q8_0 4096x300 nt=64", r[0], r[1],
+                       (size_t)nt * 300 * 4);
+            free(r[0]); free(r[1]);
+        }
+        B[bi]->release_weight(&wb);
+        dev_free_all(bi);
+        free(x); free_weight(&w);
+    }
+    /* attention: decode with split rows (chunk partials + combine) */
+    {
+        const int H = 64, d = 512, W = 128, pos0 = 2000, k = 512;
+        float *q = rnd_vec((size_t)H * d, 1.0f), *kv = rnd_vec(d, 1.0f), *ring = rnd_vec((size_t)W * d, 1.0f);
+        float *comp = rnd_vec((size_t)600 * d, 1.0f), *sinks = rnd_vec(H, 1.0f);
+        int32_t *topk = malloc(k * sizeof(int32_t));
+        for (int j = 0; j < k; j++) topk[j] = rnd_int(500);
+        float *dq = dev_put(bi, q, (size_t)H * d * 4), *dkv = dev_put(bi, kv, (size_t)d * 4);
+        float *dr = dev_put(bi, ring, (size_t)W * d * 4), *dc = dev_put(bi, comp, (size_t)600 * d * 4);
+        float *ds = dev_put(bi, sinks, (size_t)H * 4), *dy = dev_poison(bi, (size_t)H * d);
+        int32_t *dt = dev_put(bi, topk, (size_t)k * 4);
+        float *r[2];
+        for (int rep = 0; rep < 2; rep++) {
+            B[bi]->attention(dq, dkv, dr, W, pos0, 1, H, d, dc, 4, dt, k, ds, 0.044f, dy);
+            r[rep] = dev_get(bi, dy, (size_t)H * d * 4);
+        }
+        check_same("attention decode ratio=4 k=512", r[0], r[1], (size_t)H * d * 4);
+        free(r[0]); free(r[1]);
+        dev_free_all(bi);
+        free(q); free(kv); free(ring); free(comp); free(sinks); free(topk);
+    }
+    /* experts: decode kernels and the grouped GEMM path */
+    {
+        const int D = 1024, F = 1024, E = 8, k = 4, nt = 64;
+        ds4_weight g = make_weight(DS4_TYPE_Q8_0, D, F, E, 0.03f), u = make_weight(DS4_TYPE_Q8_0, D, F, E, 0.03f);
+        ds4_weight dn = make_weight(DS4_TYPE_Q8_0, F, D, E, 0.03f);
+        float *x = rnd_vec((size_t)nt * D, 1.0f), *wts = rnd_vec((size_t)nt * k, 1.0f);
+        int32_t *sel = malloc((size_t)nt * k * sizeof(int32_t));
+        for (int i = 0; i < nt * k; i++) sel[i] = i % k;
+        ds4_weight gb = weight_on(bi, &g), ub = weight_on(bi, &u), db = weight_on(bi, &dn);
+        float *dx = dev_put(bi, x, (size_t)nt * D * 4), *dw = dev_put(bi, wts, (size_t)nt * k * 4);
+        int32_t *dsl = dev_put(bi, sel, (size_t)nt * k * 4);
+        float *dy = dev_poison(bi, (size_t)nt * D);
+        for (int n = 1; n <= nt; n += nt - 1) {
+            float *r[2];
+            for (int rep = 0; rep < 2; rep++) {
+                B[bi]->moe_experts(dx, dsl, dw, &gb, &ub, &db, n, k, 10.0f, dy);
+                r[rep] = dev_get(bi, dy, (size_t)n * D * 4);
+            }
+            check_same(n == 1 ? "moe_experts q8_0 nt=1" : "moe_experts q8_0 nt=64 (GEMM)", r[0], r[1],
+                       (size_t)n * D * 4);
+            free(r[0]); free(r[1]);
+        }
+        B[bi]->release_weight(&gb); B[bi]->release_weight(&ub); B[bi]->release_weight(&db);
+        dev_free_all(bi);
+        free(x); free(wts); free(sel); free_weight(&g); free_weight(&u); free_weight(&dn);
+    }
+}
+
+int main(void) {
+    B[0] = ds4_backend_cpu();
+    B[1] = ds4_backend_cuda();
+    if (B[1]->init() != 0) {
+        printf("skipped: no GPU\n");
+        return 0;
+    }
+    if (B[0]->init() != 0) { fprintf(stderr, "test: CPU backend init failed\n"); return 2; }
+
+    const int types[4] = { DS4_TYPE_F32, DS4_TYPE_F16, DS4_TYPE_BF16, DS4_TYPE_Q8_0 };
+    const int nts[3] = { 1, 3, 64 };
+
+    test_memory();
+
+    for (int ti = 0; ti < 4; ti++)
+        for (int ni = 0; ni < 3; ni++) test_embed(types[ti], 160, 50, nts[ni], 4);
+    test_embed(DS4_TYPE_Q8_0, 4096, 20, 2, 1);
+
+    for (int ni = 0; ni < 3; ni++) {
+        test_rmsnorm(nts[ni], 4096, 1, 0);
+        test_rmsnorm(nts[ni], 1000, 0, 0);
+    }
+    test_rmsnorm(3, 96, 1, 1);
+    test_rmsnorm(2, 1001, 1, 0);            /* not a multiple of 4: scalar path */
+    test_rmsnorm(1, 16384, 0, 1);           /* the flattened mHC state, in place */
+    test_rmsnorm(64, 512, 0, 0);            /* per-head norm shape */
+
+    /* matmul: fast-path shapes (K a multiple of 1024 with K/1024 in 1,2,4,8),
+     * generic shapes (K = 96, 160, 3072), every type, decode / small batch /
+     * prefill token counts, and an expert of a 3-D weight */
+    for (int ti = 0; ti < 4; ti++) {
+        const int t = types[ti];
+        test_matmul(t, 4096, 300, 1, 0, 1);
+        test_matmul(t, 4096, 300, 1, 0, 3);
+        test_matmul(t, 4096, 300, 1, 0, 64);
+        test_matmul(t, 1024, 515, 1, 0, 1);
+        test_matmul(t, 1024, 515, 1, 0, 8);
+        test_matmul(t, 2048, 77, 1, 0, 5);
+        test_matmul(t, 8192, 40, 1, 0, 1);
+        test_matmul(t, 96, 37, 1, 0, 1);
+        test_matmul(t, 160, 100, 1, 0, 3);
+        test_matmul(t, 160, 100, 1, 0, 64);
+        test_matmul(t, 3072, 50, 1, 0, 2);
+        test_matmul(t, 1024, 64, 3, 2, 1);
+        test_matmul(t, 1024, 64, 3, 1, 64);
+    }
+    test_matmul(DS4_TYPE_Q8_0, 4096, 4099, 1, 0, 1);    /* many rows: rows per warp > 1 */
+    test_matmul(DS4_TYPE_Q8_0, 2048, 4096, 1, 0, 2);
+
+    for (int ti = 0; ti < 4; ti++)
+        for (int ni = 0; ni < 3; ni++) {
+            test_matmul_grouped(types[ti], 1024, 4, 96, nts[ni]);
+            test_matmul_grouped(types[ti], 96, 3, 50, nts[ni]);
+        }
+    test_matmul_grouped(DS4_TYPE_Q8_0, 4096, 8, 128, 1);
+
+    for (int ni = 0; ni < 3; ni++) {
+        test_hc_mix(nts[ni], 4096, 4, 0, 20);
+        test_hc_mix(nts[ni], 100, 4, 1, 20);
+        test_hc_post(nts[ni], 4096, 4);
+        test_hc_post(nts[ni], 100, 4);
+    }
+    test_hc_mix(3, 96, 4, 0, 1);
+
+    for (int ni = 0; ni < 3; ni++) {
+        test_rope(nts[ni], 5, 512, 64, 0, 1, 0, 0);
+        test_rope(nts[ni], 5, 512, 64, 1000, 1, 1, 0);
+        test_rope(nts[ni], 3, 96, 32, 77, 4, 1, 1);
+    }
+    test_rope(16, 2, 128, 64, 3, 128, 0, 1);
+
+    /* attention: window only (ring/batch splits: pos0 > 0 with nt < W, nt > W,
+     * and a batch that starts inside the window), ratio 4 with top-k, ratio
+     * 128; decode (split rows) and prefill; d = 512, 128, 96; H = 64, 5, 3 */
+    test_attention(128, 0, 1, 64, 512, 0, 0);
+    test_attention(128, 300, 1, 64, 512, 0, 0);
+    test_attention(128, 37, 3, 64, 512, 0, 0);
+    test_attention(16, 200, 64, 5, 128, 0, 0);
+    test_attention(32, 5, 40, 3, 96, 0, 0);
+    test_attention(128, 2000, 1, 64, 512, 4, 512);
+    test_attention(128, 130, 3, 8, 512, 4, 16);
+    test_attention(32, 10, 64, 5, 128, 4, 40);
+    test_attention(128, 1000, 1, 64, 512, 128, 0);
+    test_attention(128, 700, 3, 5, 512, 128, 0);
+    test_attention(16, 300, 64, 3, 96, 128, 0);
+    test_attention(128, 20000, 1, 4, 128, 128, 0);   /* many compressed rows */
+
+    test_ring_store(16, 96, 14, 3);
+    test_ring_store(16, 96, 5, 40);
+    test_ring_store(128, 512, 0, 1);
+
+    test_add_cyclic(0, 1, 4, 1024);
+    test_add_cyclic(6, 64, 128, 96);
+
+    /* compressor: c = 1 (ratio 128) and c = 2 (ratio 4, overlapping windows),
+     * from position 0 and from inside a block (state ring rows in use) */
+    test_compress_pool(0, 64, 4, 2, 128);
+    test_compress_pool(7, 1, 4, 2, 128);
+    test_compress_pool(5, 3, 4, 2, 512);
+    test_compress_pool(0, 3, 4, 2, 96);
+    test_compress_pool(0, 256, 128, 1, 512);
+    test_compress_pool(127, 1, 128, 1, 96);
+    test_compress_pool(100, 64, 128, 1, 512);
+    test_compress_pool(6, 1, 4, 1, 96);
+
+    test_indexer(100, 1, 64, 128, 4, 512);    /* fewer visible rows than k: -1 padding */
+    test_indexer(4000, 1, 64, 128, 4, 512);
+    test_indexer(0, 64, 64, 128, 4, 16);
+    test_indexer(300, 3, 32, 64, 4, 40);
+    test_indexer(20000, 2, 64, 128, 4, 512);  /* 5000 visible rows: chunked selection */
+
+    for (int ni = 0; ni < 3; ni++) {
+        test_moe_route(nts[ni], 16, 6, 0, 1, 1.5f);
+        test_moe_route(nts[ni], 256, 6, 0, 1, 2.5f);
+        test_moe_route(nts[ni], 16, 6, 1, 1, 1.5f);
+    }
+    test_moe_route(3, 64, 8, 0, 0, 0.0f);
+
+    /* experts: decode kernels (nt <= 8), a batch with few tokens per expert
+     * (host count, decode kernels) and a skewed batch (grouped GEMMs);
+     * fast shapes (D, F multiples of 1024) and generic ones */
+    for (int ti = 0; ti < 4; ti++) {
+        test_moe_experts(types[ti], 1024, 1024, 8, 4, 1, 10.0f, 0);
+        test_moe_experts(types[ti], 1024, 1024, 8, 4, 3, 10.0f, 0);
+        test_moe_experts(types[ti], 96, 64, 4, 2, 3, 0.0f, 0);
+    }
+    test_moe_experts(DS4_TYPE_Q8_0, 4096, 2048, 16, 6, 1, 10.0f, 0);
+    test_moe_experts(DS4_TYPE_Q8_0, 1024, 1024, 32, 4, 12, 10.0f, 0);
+    test_moe_experts(DS4_TYPE_Q8_0, 1024, 1024, 8, 4, 64, 10.0f, 1);
+    test_moe_experts(DS4_TYPE_F16, 1024, 1024, 8, 4, 64, 10.0f, 1);
+    test_moe_experts(DS4_TYPE_Q8_0, 96, 64, 4, 2, 64, 0.0f, 1);
+
+    test_swiglu(1000, 10.0f, 0);
+    test_swiglu(3 * 4096, 0.0f, 0);
+    test_swiglu(4097, 7.0f, 1);
+
+    test_add_scale(1);
+    test_add_scale(100003);
+
+    test_determinism();
+
+    printf("%d passed, %d failed\n", g_pass, g_fail);
+    return g_fail ? 1 : 0;
+}
