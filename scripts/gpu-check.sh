@@ -73,7 +73,7 @@ if [ "$WHAT" = all ] || [ "$WHAT" = hf ]; then
   for m in tiny small; do
     [ -f build/carry/$m.llama.ds4logit ] || continue
     ./ds4 synth --config $m --seed 1 --type f32 -o build/test-out/$m.gguf > /dev/null 2>&1
-    PYTHONUNBUFFERED=1 timeout 240 $PY tests/oracle/hf_oracle.py -m build/test-out/$m.gguf \
+    PYTHONUNBUFFERED=1 timeout 100 $PY tests/oracle/hf_oracle.py -m build/test-out/$m.gguf \
        --tokens-from build/carry/$m.llama.ds4logit -o "$OUT/$m.hf.ds4logit" 2>&1 | tail -4 | tee "$OUT/hf-$m.log"
     row "hf $m:  $(grep -iE 'max' "$OUT/hf-$m.log" | tail -1)"
   done
