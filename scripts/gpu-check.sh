@@ -55,7 +55,7 @@ if [ "$WHAT" = all ] || [ "$WHAT" = bench ]; then
   row "copy bandwidth: $BW GB/s (read+write)"
   for m in ${BENCH_MODELS:-flash16}; do
     step "bench $m"
-    timeout 300 build/cuda-$ARCH/ds4_bench --model $m --backend cuda --reps 5 --decode 32 --prefill 512,4096 \
+    timeout 200 build/cuda-$ARCH/ds4_bench --model $m --backend cuda --reps 5 --decode 32 --prefill 512,4096 \
        --copy-bw "${BW:-0}" 2>&1 | tee "$OUT/bench-$m.log"
     grep RESULT "$OUT/bench-$m.log" | sed 's/^RESULT /bench: /' >> "$OUT/table.txt"
   done
@@ -63,7 +63,7 @@ fi
 
 if [ "$WHAT" = all ] || [ "$WHAT" = test ]; then
   step "GPU pytest (CUDA vs CPU logits, determinism)"
-  TEST_DS4_CUDA_BIN=$PWD/ds4 PYTHONUNBUFFERED=1 $PY -m pytest -q -rs -s tests/test_gpu.py 2>&1 | tee "$OUT/pytest-gpu.log" | tail -30
+  TEST_DS4_CUDA_BIN=$PWD/ds4 PYTHONUNBUFFERED=1 timeout 150 $PY -m pytest -q -rs -s tests/test_gpu.py 2>&1 | tee "$OUT/pytest-gpu.log" | tail -30
   row "pytest:  $(tail -1 "$OUT/pytest-gpu.log")"
   grep -E "max \|dlogit\|" "$OUT/pytest-gpu.log" | sed 's/^/gpu-vs-cpu: /' >> "$OUT/table.txt"
 fi
@@ -82,7 +82,7 @@ fi
 if [ "$WHAT" = all ] || [ "$WHAT" = bench ]; then
   for m in tiny small; do
     step "bench $m"
-    timeout 300 build/cuda-$ARCH/ds4_bench --model $m --backend cuda --reps 5 --decode 32 --prefill 512,4096 \
+    timeout 60 build/cuda-$ARCH/ds4_bench --model $m --backend cuda --reps 5 --decode 32 --prefill 512,4096 \
        --copy-bw "${BW:-0}" 2>&1 | tee "$OUT/bench-$m.log"
     grep RESULT "$OUT/bench-$m.log" | sed 's/^RESULT /bench: /' >> "$OUT/table.txt"
   done
