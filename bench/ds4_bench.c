@@ -19,6 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "../ds4.h"
 
@@ -62,6 +63,8 @@ int main(int argc, char **argv) {
     }
     if (reps < 1 || n_decode < 1) { fprintf(stderr, "ds4_bench: --reps and --decode must be >= 1\n"); return 2; }
     if (threads > 0) ds4_cpu_set_threads(threads);
+    setvbuf(stdout, NULL, _IOLBF, 0);   /* partial results survive a time limit */
+    const int fill_threads = threads > 0 ? threads : (int)sysconf(_SC_NPROCESSORS_ONLN);
 
     const ds4_backend *be = ds4_backend_cpu();
 #ifdef DS4_CUDA
@@ -76,7 +79,7 @@ int main(int argc, char **argv) {
         const char *ty = type ? type : (!strcmp(model, "flash16") ? "q8_0" : "f32");
         int wt = ds4_parse_wtype(ty);
         if (wt < 0) fail("--type", ty);
-        m = ds4_synth_open(model, 1, wt, 0, err, sizeof(err));
+        m = ds4_synth_open(model, 1, wt, fill_threads, err, sizeof(err));
     } else {
         m = ds4_model_open(model, err, sizeof(err));
     }
