@@ -3006,7 +3006,11 @@ ds4_ctx *ds4_ctx_new(ds4_model *m, const ds4_backend *be, int n_ctx, int max_bat
              hp->n_rot, hp->n_expert);
         return NULL;
     }
-    if (be->init() != 0) { errf(err, errlen, "backend '%s' failed to initialise", be->name); return NULL; }
+    if (be->init() != 0) {
+        /* the backend has printed its one line (ds4_gpu.h's convention); add nothing */
+        errf(err, errlen, "%s", "");
+        return NULL;
+    }
     if (model_upload_weights(m, be, err, errlen) != 0) return NULL;
 
     ds4_ctx *c = calloc(1, sizeof(*c));

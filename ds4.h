@@ -62,7 +62,9 @@ ds4_model *ds4_synth_open(const char *config, uint64_t seed, int wtype, int n_th
 /* A context holds the KV window ring, compressed rows, compressor state and
  * activation buffers on the backend.  n_ctx bounds the positions; max_batch
  * bounds the tokens of one ds4_eval call.  Weights are uploaded to the
- * backend on the first context (and released with the model). */
+ * backend on the first context (and released with the model).  If the
+ * backend itself fails to start it prints its own line and err is left
+ * empty. */
 ds4_ctx *ds4_ctx_new(ds4_model *m, const ds4_backend *be, int n_ctx, int max_batch,
                      char *err, size_t errlen);
 void     ds4_ctx_free(ds4_ctx *c);

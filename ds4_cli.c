@@ -293,7 +293,11 @@ int main(int argc, char **argv) {
         fprintf(stderr, "ds4: model has no vocabulary: prompt text is fed as byte-level ids (one id per byte)\n");
 
     ds4_ctx *c = ds4_ctx_new(m, be, n_ctx, P, err, sizeof(err));
-    if (!c) { fprintf(stderr, "ds4: %s\n", err); ds4_model_close(m); return 1; }
+    if (!c) {
+        if (err[0]) fprintf(stderr, "ds4: %s\n", err);   /* empty: the backend already said why */
+        ds4_model_close(m);
+        return 1;
+    }
     const double t_load = now_s() - t0;
 
     const int rows = P + n_gen;
