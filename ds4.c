@@ -3008,7 +3008,7 @@ ds4_ctx *ds4_ctx_new(ds4_model *m, const ds4_backend *be, int n_ctx, int max_bat
     }
     if (be->init() != 0) {
         /* the backend has printed its one line (ds4_gpu.h's convention); add nothing */
-        errf(err, errlen, "%s", "");
+        if (err && errlen) err[0] = 0;
         return NULL;
     }
     if (model_upload_weights(m, be, err, errlen) != 0) return NULL;

@@ -24,6 +24,13 @@ PY=python3
 declare -a TABLE
 row() { TABLE+=("$1"); }
 step() { echo; echo "=== $* ($(date -u +%H:%M:%S))"; }
+# bench_model MODEL LIMIT_S: one ds4_bench run, its RESULT lines appended to the table
+bench_model() {
+  step "bench $1"
+  timeout "$2" build/cuda-$ARCH/ds4_bench --model "$1" --backend cuda --reps 5 --decode 32 --prefill 512,4096 \
+     --copy-bw "${BW:-0}" 2>&1 | tee "$OUT/bench-$1.log"
+  grep RESULT "$OUT/bench-$1.log" | sed 's/^RESULT /bench: /' >> "$OUT/table.txt"
+}
 
 step "device"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/device.txt"
@@ -53,12 +60,7 @@ if [ "$WHAT" = all ] || [ "$WHAT" = bench ]; then
   build/cuda-$ARCH/bandwidth | tee "$OUT/bandwidth.log"
   BW=$(awk '/copy_bw_GBps/ {print $2}' "$OUT/bandwidth.log")
   row "copy bandwidth: $BW GB/s (read+write)"
-  for m in ${BENCH_MODELS:-flash16}; do
-    step "bench $m"
-    timeout 200 build/cuda-$ARCH/ds4_bench --model $m --backend cuda --reps 5 --decode 32 --prefill 512,4096 \
-       --copy-bw "${BW:-0}" 2>&1 | tee "$OUT/bench-$m.log"
-    grep RESULT "$OUT/bench-$m.log" | sed 's/^RESULT /bench: /' >> "$OUT/table.txt"
-  done
+  bench_model flash16 200      # first: the model the goals are about
 fi
 
 if [ "$WHAT" = all ] || [ "$WHAT" = test ]; then
@@ -75,17 +77,13 @@ if [ "$WHAT" = all ] || [ "$WHAT" = hf ]; then
     ./ds4 synth --config $m --seed 1 --type f32 -o build/test-out/$m.gguf > /dev/null 2>&1
     PYTHONUNBUFFERED=1 timeout 100 $PY tests/oracle/hf_oracle.py -m build/test-out/$m.gguf \
        --tokens-from build/carry/$m.llama.ds4logit -o "$OUT/$m.hf.ds4logit" 2>&1 | tail -4 | tee "$OUT/hf-$m.log"
-    row "hf $m:  $(grep -iE 'max' "$OUT/hf-$m.log" | tail -1)"
+    row "hf $m:  $(grep -F 'max |dlogit|' "$OUT/hf-$m.log" | tail -1)"
   done
 fi
 
 if [ "$WHAT" = all ] || [ "$WHAT" = bench ]; then
-  for m in tiny small; do
-    step "bench $m"
-    timeout 60 build/cuda-$ARCH/ds4_bench --model $m --backend cuda --reps 5 --decode 32 --prefill 512,4096 \
-       --copy-bw "${BW:-0}" 2>&1 | tee "$OUT/bench-$m.log"
-    grep RESULT "$OUT/bench-$m.log" | sed 's/^RESULT /bench: /' >> "$OUT/table.txt"
-  done
+  bench_model tiny 60
+  bench_model small 60
 fi
 
 echo
