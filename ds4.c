@@ -2513,7 +2513,7 @@ static int scored_cmp(const void *x, const void *y) {
     if (a->s < b->s) return 1;
     return a->i < b->i ? -1 : a->i > b->i;
 }
-typedef struct { const float *q, *w, *rows; int pos0, Hi, di, ratio, k; int32_t *out; } ix_args;
+typedef struct { const float *q, *w; float ws; const float *rows; int pos0, Hi, di, ratio, k; int32_t *out; } ix_args;
 static void ix_task(void *a_, int64_t i0, int64_t i1) {
     ix_args *a = a_;
     for (int64_t t = i0; t < i1; t++) {
@@ -2523,7 +2523,8 @@ static void ix_task(void *a_, int64_t i0, int64_t i1) {
             float acc = 0.0f;
             for (int h = 0; h < a->Hi; h++) {
                 const float qk = dot_f32(a->q + ((size_t)t * a->Hi + h) * a->di, a->rows + (size_t)r * a->di, a->di);
-                acc += a->w[(size_t)t * a->Hi + h] * (qk > 0.0f ? qk : 0.0f);
+                const float wv = a->w[(size_t)t * a->Hi + h] * a->ws;   /* as scale() would */
+                acc += wv * (qk > 0.0f ? qk : 0.0f);
             }
             sc[r].s = acc;
             sc[r].i = r;
@@ -2533,13 +2534,14 @@ static void ix_task(void *a_, int64_t i0, int64_t i1) {
         free(sc);
     }
 }
-static void cpu_indexer_topk(const float *q, const float *w, const float *rows,
+static void cpu_indexer_topk(const float *q, const float *w, float w_scale, const float *rows,
                              int pos0, int nt, int Hi, int di, int ratio, int k, int32_t *out) {
-    ix_args a = { q, w, rows, pos0, Hi, di, ratio, k, out };
+    ix_args a = { q, w, w_scale, rows, pos0, Hi, di, ratio, k, out };
     parallel_for(nt, 1, ix_task, &a);
 }
 
 /* -- MoE -- */
+static void cpu_add(const float *x, const float *b, float *y, int64_t n);
 static float softplusf_(float x) { return x > 20.0f ? x : logf(1.0f + expf(x)); }
 
 static void cpu_moe_route(const float *logits, const float *bias, const ds4_weight *tid2eid,
@@ -2626,7 +2628,8 @@ static void moe_task(void *a_, int64_t i0, int64_t i1) {
 }
 static void cpu_moe_experts(const float *x, const int32_t *sel, const float *wts,
                             const ds4_weight *gate, const ds4_weight *up, const ds4_weight *down,
-                            int nt, int k, float clamp, float *out) {
+                            int nt, int k, float clamp, const float *add, float *out) {
+    const int64_t Dm = gate->ne[0];
     if (nt == 1) {
         /* one token: parallelise inside each projection instead of over tokens;
          * every element is computed by the same dot product either way */
@@ -2641,10 +2644,11 @@ static void cpu_moe_experts(const float *x, const int32_t *sel, const float *wts
             for (int64_t i = 0; i < D; i++) out[i] += wts[j] * o[i];
         }
         free(g); free(u); free(o);
-        return;
+    } else {
+        moe_args a = { x, sel, wts, gate, up, down, k, clamp, out };
+        parallel_for(nt, 1, moe_task, &a);
     }
-    moe_args a = { x, sel, wts, gate, up, down, k, clamp, out };
-    parallel_for(nt, 1, moe_task, &a);
+    if (add) cpu_add(out, add, out, (int64_t)nt * Dm);
 }
 
 typedef struct { const float *a, *b; float *y; float s; } ew_args;
@@ -2665,6 +2669,40 @@ static void cpu_scale(float *x, float s, int64_t n) {
     parallel_for(n, 8192, scale_task, &a);
 }
 
+/* -- fused ops: the compositions ds4_gpu.h defines them as -- */
+static void cpu_hc_pre(const float *f, const float *x_res, float *x,
+                       const ds4_weight *fn, const float *scale, const float *base, const float *norm_w,
+                       int nt, int D, int n_hc, int head, float rms_eps, float hc_eps, int iters,
+                       float *flat, float *mix, float *y, float *post, float *comb) {
+    if (f) cpu_hc_post(f, x_res, post, comb, nt, D, n_hc, x);
+    cpu_rmsnorm(x, NULL, flat, nt, n_hc * D, rms_eps);
+    cpu_matmul(fn, 0, flat, mix, nt);
+    cpu_hc_mix(mix, scale, base, x, nt, D, n_hc, head, hc_eps, iters, y, post, comb);
+    cpu_rmsnorm(y, norm_w, y, nt, D, rms_eps);
+}
+
+static void cpu_matmul_multi(int n, const ds4_weight *const *w, float *const *y, float *x, int nt,
+                             const float *norm_w, float eps, const float *const *add_tab, int pos0, int period) {
+    if (norm_w) cpu_rmsnorm(x, norm_w, x, nt, (int)w[0]->ne[0], eps);
+    for (int i = 0; i < n; i++) {
+        cpu_matmul(w[i], 0, x, y[i], nt);
+        if (add_tab && add_tab[i]) cpu_add_cyclic(y[i], add_tab[i], pos0, nt, period, (int)w[i]->ne[1]);
+    }
+}
+
+static void cpu_head_norm_rope(float *x, const float *w, int nt, int nh, int dh, float eps,
+                               int pos0, const ds4_rope *rp) {
+    cpu_rmsnorm(x, w, x, nt * nh, dh, eps);
+    cpu_rope(x, nt, nh, dh, pos0, 1, rp, 0);
+}
+
+static void cpu_matmul_swiglu(const ds4_weight *gate, const ds4_weight *up, const float *x, float *y, int nt,
+                              float limit, float *g, float *u) {
+    cpu_matmul(gate, 0, x, g, nt);
+    cpu_matmul(up, 0, x, u, nt);
+    cpu_swiglu(g, u, y, (int64_t)nt * gate->ne[1], limit);
+}
+
 static const ds4_backend g_cpu_backend = {
     .name = "cpu",
     .init = cpu_init, .alloc = cpu_alloc, .free = cpu_free,
@@ -2677,6 +2715,8 @@ static const ds4_backend g_cpu_backend = {
     .add_cyclic = cpu_add_cyclic, .compress_pool = cpu_compress_pool,
     .indexer_topk = cpu_indexer_topk, .moe_route = cpu_moe_route,
     .moe_experts = cpu_moe_experts, .swiglu = cpu_swiglu, .add = cpu_add, .scale = cpu_scale,
+    .hc_pre = cpu_hc_pre, .matmul_multi = cpu_matmul_multi, .head_norm_rope = cpu_head_norm_rope,
+    .matmul_swiglu = cpu_matmul_swiglu,
 };
 
 const ds4_backend *ds4_backend_cpu(void) { return &g_cpu_backend; }
@@ -3096,29 +3136,15 @@ void ds4_ctx_reset(ds4_ctx *c) { c->pos = 0; }
  *   mHC post; then the mHC head, RMSNorm and the output projection.
  * ------------------------------------------------------------------------- */
 
-/* mHC pre: h = sum_s pre[s] x[s]; fills post/comb for the matching hc_post. */
-static void fwd_hc_pre(ds4_ctx *c, const float *x, const ds4_weight *fn, const ds4_weight *scale,
-                       const ds4_weight *base, int nt, int head, float *y) {
-    const ds4_backend *be = c->be;
-    const ds4_hparams *hp = &c->m->hp;
-    const int D = hp->n_embd, hc = hp->n_hc;
-    be->rmsnorm(x, NULL, c->flat, nt, hc * D, hp->rms_eps);
-    be->matmul(fn, 0, c->flat, c->mix, nt);
-    be->hc_mix(c->mix, scale->dev, base->dev, x, nt, D, hc, head, hp->hc_eps, hp->sinkhorn_iters,
-               y, c->post, c->comb);
-}
-
-/* Compressor of one layer: project, add ape, pool finished blocks into rows,
- * normalise and rotate them, then remember the batch in the state ring. */
-static void fwd_compressor(ds4_ctx *c, const float *hn, int pos0, int nt, int ratio, int coff, int dc,
-                           const ds4_weight *wkv, const ds4_weight *wgate, const ds4_weight *ape,
+/* Compressor of one layer, after its projections (kvb, scb = the batch's kv
+ * and gate rows, ape already added by matmul_multi): pool finished blocks
+ * into rows, normalise and rotate them, then remember the batch in the state
+ * ring. */
+static void fwd_compressor(ds4_ctx *c, int pos0, int nt, int ratio, int coff, int dc,
                            const ds4_weight *norm, float *kvb, float *scb,
                            float *st_kv, float *st_sc, float *rows) {
     const ds4_backend *be = c->be;
     const ds4_hparams *hp = &c->m->hp;
-    be->matmul(wkv, 0, hn, kvb, nt);
-    be->matmul(wgate, 0, hn, scb, nt);
-    be->add_cyclic(scb, ape->dev, pos0, nt, ratio, coff * dc);
     const int w0 = pos0 / ratio, n_emit = (pos0 + nt) / ratio - w0;
     if (n_emit > 0) {
         float *out = rows + (size_t)w0 * dc;
@@ -3136,35 +3162,49 @@ static void fwd_attention(ds4_ctx *c, int il, const float *hn, int pos0, int nt,
     const ds4_layer_w *L = &c->m->layers[il];
     ds4_layer_state *S = &c->L[il];
     const int H = hp->n_head, d = hp->head_dim, ratio = hp->ratio[il];
+    const int Hi = hp->idx_heads, di = hp->idx_dim;
     const ds4_rope *rp = ratio ? &c->rope_comp : &c->rope_window;
 
-    /* queries through the low-rank latent, one unweighted norm per head */
-    be->matmul(&L->q_a, 0, hn, c->qr, nt);
-    be->rmsnorm(c->qr, L->q_a_norm.dev, c->qr, nt, hp->q_lora, hp->rms_eps);
-    be->matmul(&L->q_b, 0, c->qr, c->q, nt);
-    be->rmsnorm(c->q, NULL, c->q, nt * H, d, hp->rms_eps);
-    be->rope(c->q, nt, H, d, pos0, 1, rp, 0);
+    /* every projection of the normed input hn in one call: the q latent, the
+     * shared key/value row, and the compressors' kv and gate rows (+ ape) */
+    const ds4_weight *pw[DS4_MULTI_MAX];
+    float *py[DS4_MULTI_MAX];
+    const float *pt[DS4_MULTI_MAX];
+    int n = 0;
+#define PROJ(w_, y_, t_) do { pw[n] = (w_); py[n] = (y_); pt[n] = (t_); n++; } while (0)
+    PROJ(&L->q_a, c->qr, NULL);
+    PROJ(&L->kv, c->kv, NULL);
+    if (ratio) {
+        PROJ(&L->comp_kv, c->ckv, NULL);
+        PROJ(&L->comp_gate, c->csc, L->comp_ape.dev);
+    }
+    if (ratio == 4) {
+        PROJ(&L->idx_comp_kv, c->ikv, NULL);
+        PROJ(&L->idx_comp_gate, c->isc, L->idx_comp_ape.dev);
+        PROJ(&L->idx_proj, c->iw, NULL);
+    }
+    be->matmul_multi(n, pw, py, (float *)hn, nt, NULL, 0.0f, pt, pos0, ratio ? ratio : 1);
 
-    /* the shared key/value row */
-    be->matmul(&L->kv, 0, hn, c->kv, nt);
-    be->rmsnorm(c->kv, L->kv_a_norm.dev, c->kv, nt, d, hp->rms_eps);
-    be->rope(c->kv, nt, 1, d, pos0, 1, rp, 0);
+    /* queries (and the indexer's) from the normed latent; one unweighted norm per head */
+    n = 0;
+    PROJ(&L->q_b, c->q, NULL);
+    if (ratio == 4) PROJ(&L->idx_q_b, c->iq, NULL);
+#undef PROJ
+    be->matmul_multi(n, pw, py, c->qr, nt, L->q_a_norm.dev, hp->rms_eps, NULL, 0, 1);
+    be->head_norm_rope(c->q, NULL, nt, H, d, hp->rms_eps, pos0, rp);
+    be->head_norm_rope(c->kv, L->kv_a_norm.dev, nt, 1, d, hp->rms_eps, pos0, rp);
 
     int k = 0;
     if (ratio) {
-        fwd_compressor(c, hn, pos0, nt, ratio, ratio == 4 ? 2 : 1, d, &L->comp_kv, &L->comp_gate,
-                       &L->comp_ape, &L->comp_norm, c->ckv, c->csc, S->st_kv, S->st_sc, S->comp);
+        fwd_compressor(c, pos0, nt, ratio, ratio == 4 ? 2 : 1, d, &L->comp_norm, c->ckv, c->csc,
+                       S->st_kv, S->st_sc, S->comp);
     }
     if (ratio == 4) {
-        const int Hi = hp->idx_heads, di = hp->idx_dim;
-        fwd_compressor(c, hn, pos0, nt, 4, 2, di, &L->idx_comp_kv, &L->idx_comp_gate,
-                       &L->idx_comp_ape, &L->idx_comp_norm, c->ikv, c->isc, S->ist_kv, S->ist_sc, S->irows);
-        be->matmul(&L->idx_q_b, 0, c->qr, c->iq, nt);
+        fwd_compressor(c, pos0, nt, 4, 2, di, &L->idx_comp_norm, c->ikv, c->isc, S->ist_kv, S->ist_sc, S->irows);
         be->rope(c->iq, nt, Hi, di, pos0, 1, &c->rope_comp, 0);
-        be->matmul(&L->idx_proj, 0, hn, c->iw, nt);
-        be->scale(c->iw, 1.0f / sqrtf((float)di * (float)Hi), (int64_t)nt * Hi);
         k = hp->idx_topk;
-        be->indexer_topk(c->iq, c->iw, S->irows, pos0, nt, Hi, di, 4, k, c->topk);
+        be->indexer_topk(c->iq, c->iw, 1.0f / sqrtf((float)di * (float)Hi), S->irows, pos0, nt, Hi, di, 4, k,
+                         c->topk);
     }
 
     be->attention(c->q, c->kv, S->ring, hp->n_swa, pos0, nt, H, d, S->comp, ratio,
@@ -3186,40 +3226,42 @@ static void fwd_moe(ds4_ctx *c, int il, const float *hn, int nt, float *out) {
     be->moe_route(c->rlog, hash ? NULL : L->exp_probs_b.dev, hash ? &L->tid2eid : NULL, c->tok,
                   nt, hp->n_expert, hp->n_expert_used, hp->expert_weights_norm,
                   hp->expert_weights_scale, c->sel, c->wts);
-    be->moe_experts(hn, c->sel, c->wts, &L->gate_exps, &L->up_exps, &L->down_exps,
-                    nt, hp->n_expert_used, hp->clamp_exp[il], out);
+    /* the shared expert first: the routed experts' op adds it at the end */
+    const float *shared = NULL;
     if (hp->n_expert_shared > 0) {
-        const int64_t F = L->gate_shexp.ne[1];
-        be->matmul(&L->gate_shexp, 0, hn, c->sg, nt);
-        be->matmul(&L->up_shexp, 0, hn, c->su, nt);
-        be->swiglu(c->sg, c->su, c->sg, F * nt, hp->clamp_shexp[il]);
+        be->matmul_swiglu(&L->gate_shexp, &L->up_shexp, hn, c->sg, nt, hp->clamp_shexp[il], c->sg, c->su);
         be->matmul(&L->down_shexp, 0, c->sg, c->sd, nt);
-        be->add(out, c->sd, out, (int64_t)nt * hp->n_embd);
+        shared = c->sd;
     }
+    be->moe_experts(hn, c->sel, c->wts, &L->gate_exps, &L->up_exps, &L->down_exps,
+                    nt, hp->n_expert_used, hp->clamp_exp[il], shared, out);
 }
 
+/* Each sublayer starts with hc_pre, which first applies the residual update
+ * of the sublayer before it (its output f, with the post/comb of its own mHC
+ * step): x --attention--> x2 --MoE--> x, and the head folds in the last one. */
 static void fwd_batch(ds4_ctx *c, int nt, int all_rows) {
     const ds4_backend *be = c->be;
     const ds4_model *m = c->m;
     const ds4_hparams *hp = &m->hp;
-    const int D = hp->n_embd, pos0 = c->pos;
+    const int D = hp->n_embd, hc = hp->n_hc, pos0 = c->pos;
+    const float eps = hp->rms_eps, heps = hp->hc_eps;
+    const int it = hp->sinkhorn_iters;
 
-    be->embed(&m->tok_embd, c->tok, nt, hp->n_hc, c->x);
+    be->embed(&m->tok_embd, c->tok, nt, hc, c->x);
     for (int il = 0; il < hp->n_layer; il++) {
         const ds4_layer_w *L = &m->layers[il];
-        fwd_hc_pre(c, c->x, &L->hc_attn_fn, &L->hc_attn_scale, &L->hc_attn_base, nt, 0, c->h);
-        be->rmsnorm(c->h, L->attn_norm.dev, c->h, nt, D, hp->rms_eps);
+        be->hc_pre(il > 0 ? c->f : NULL, c->x2, c->x, &L->hc_attn_fn, L->hc_attn_scale.dev,
+                   L->hc_attn_base.dev, L->attn_norm.dev, nt, D, hc, 0, eps, heps, it,
+                   c->flat, c->mix, c->h, c->post, c->comb);
         fwd_attention(c, il, c->h, pos0, nt, c->f);
-        be->hc_post(c->f, c->x, c->post, c->comb, nt, D, hp->n_hc, c->x2);
-
-        fwd_hc_pre(c, c->x2, &L->hc_ffn_fn, &L->hc_ffn_scale, &L->hc_ffn_base, nt, 0, c->h);
-        be->rmsnorm(c->h, L->ffn_norm.dev, c->h, nt, D, hp->rms_eps);
+        be->hc_pre(c->f, c->x, c->x2, &L->hc_ffn_fn, L->hc_ffn_scale.dev, L->hc_ffn_base.dev,
+                   L->ffn_norm.dev, nt, D, hc, 0, eps, heps, it, c->flat, c->mix, c->h, c->post, c->comb);
         fwd_moe(c, il, c->h, nt, c->f);
-        be->hc_post(c->f, c->x2, c->post, c->comb, nt, D, hp->n_hc, c->x);
     }
-    /* head: collapse the streams, normalise, project to the vocabulary */
-    fwd_hc_pre(c, c->x, &m->output_hc_fn, &m->output_hc_scale, &m->output_hc_base, nt, 1, c->h);
-    be->rmsnorm(c->h, m->output_norm.dev, c->h, nt, D, hp->rms_eps);
+    /* head: the last update, collapse the streams, normalise, project to the vocabulary */
+    be->hc_pre(c->f, c->x2, c->x, &m->output_hc_fn, m->output_hc_scale.dev, m->output_hc_base.dev,
+               m->output_norm.dev, nt, D, hc, 1, eps, heps, it, c->flat, c->mix, c->h, c->post, c->comb);
     if (all_rows) be->matmul(&m->output, 0, c->h, c->logits, nt);
     else be->matmul(&m->output, 0, c->h + (size_t)(nt - 1) * D, c->logits, 1);
 }

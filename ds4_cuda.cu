@@ -415,56 +415,65 @@ static void cuda_embed(const ds4_weight *w, const int32_t *tokens, int nt, int n
 __device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
 
 #define HC_TILE 1024   /* channels per hc_mix block (4 per thread) */
+#define HC_NMIX_MAX ((2 + HC_MAX) * HC_MAX)   /* mix logits per token: 24 */
 
-__global__ void k_hc_mix(const float *mix, const float *scale, const float *base, const float *x,
-                         int64_t D, int h, int head, float eps, int iters,
-                         float *y, float *post, float *comb) {
-    __shared__ float m_s[(2 + HC_MAX) * HC_MAX], sc_s[3], base_s[(2 + HC_MAX) * HC_MAX];
-    __shared__ float pre_s[HC_MAX];
-    const int t = blockIdx.y;
-    const int n_mix = head ? h : (2 + h) * h;
-    const float *m = mix + (int64_t)t * n_mix;
-    for (int i = threadIdx.x; i < n_mix; i += blockDim.x) { m_s[i] = m[i]; base_s[i] = base[i]; }
-    if (threadIdx.x < 3) sc_s[threadIdx.x] = scale[threadIdx.x];
-    __syncthreads();
-    if (threadIdx.x < h) pre_s[threadIdx.x] = sigmoid_f(m_s[threadIdx.x] * sc_s[0] + base_s[threadIdx.x]) + eps;
-    if (!head && blockIdx.x == 0 && threadIdx.x < 32) {
-        /* lane l holds C[a][b], l = a + h*b (the comb layout); every sum
-         * gathers the h entries by shuffles and adds them in the CPU's order */
-        const int l = threadIdx.x, a = l % h, b = l / h;
-        const bool act = l < h * h;
-        if (l < h) post[t * h + l] = 2.0f * sigmoid_f(m_s[h + l] * sc_s[1] + base_s[h + l]);
-        float c = act ? m_s[2 * h + l] * sc_s[2] + base_s[2 * h + l] : 0.0f;
-        float g[HC_MAX];
+/* post and the Sinkhorn-normalised comb of one token, by one warp: lane l
+ * holds C[a][b], l = a + h*b (the comb layout); every sum gathers the h
+ * entries by shuffles and adds them in the CPU's order.  m_s, base_s: the
+ * token's n_mix logits and the base; sc1, sc2: scale[1], scale[2]. */
+__device__ void hc_sinkhorn_warp(const float *m_s, const float *base_s, float sc1, float sc2, int h,
+                                 float eps, int iters, float *post, float *comb) {
+    const int l = threadIdx.x & 31, a = l % h, b = l / h;
+    const bool act = l < h * h;
+    if (l < h) post[l] = 2.0f * sigmoid_f(m_s[h + l] * sc1 + base_s[h + l]);
+    float c = act ? m_s[2 * h + l] * sc2 + base_s[2 * h + l] : 0.0f;
+    float g[HC_MAX];
 #define HC_GATHER(stride_, first_) do {                                                    \
-            for (int q = 0; q < HC_MAX; q++)                                               \
-                g[q] = __shfl_sync(FULL_MASK, c, ((first_) + (stride_) * q) & 31);          \
-        } while (0)
-        HC_GATHER(1, h * b);                        /* softmax over destinations a, per source b */
-        float mx = -INFINITY;
-        for (int q = 0; q < h; q++) mx = fmaxf(mx, g[q]);
-        c = expf(c - mx);
-        HC_GATHER(1, h * b);
-        float sum = 0.0f;
-        for (int q = 0; q < h; q++) sum += g[q];
-        c = c / sum + eps;
-        for (int it = 0; it < iters; it++) {
-            if (it > 0) {                           /* "row": over destinations, for each source */
-                HC_GATHER(1, h * b);
-                float r = 0.0f;
-                for (int q = 0; q < h; q++) r += g[q];
-                r += eps;
-                c /= r;
-            }
-            HC_GATHER(h, a);                        /* "col": over sources, for each destination */
+        for (int q = 0; q < HC_MAX; q++)                                                   \
+            g[q] = __shfl_sync(FULL_MASK, c, ((first_) + (stride_) * q) & 31);             \
+    } while (0)
+    HC_GATHER(1, h * b);                        /* softmax over destinations a, per source b */
+    float mx = -INFINITY;
+    for (int q = 0; q < h; q++) mx = fmaxf(mx, g[q]);
+    c = expf(c - mx);
+    HC_GATHER(1, h * b);
+    float sum = 0.0f;
+    for (int q = 0; q < h; q++) sum += g[q];
+    c = c / sum + eps;
+    for (int it = 0; it < iters; it++) {
+        if (it > 0) {                           /* "row": over destinations, for each source */
+            HC_GATHER(1, h * b);
             float r = 0.0f;
             for (int q = 0; q < h; q++) r += g[q];
             r += eps;
             c /= r;
         }
-#undef HC_GATHER
-        if (act) comb[(int64_t)t * h * h + l] = c;
+        HC_GATHER(h, a);                        /* "col": over sources, for each destination */
+        float r = 0.0f;
+        for (int q = 0; q < h; q++) r += g[q];
+        r += eps;
+        c /= r;
     }
+#undef HC_GATHER
+    if (act) comb[l] = c;
+}
+
+/* The standalone hc_mix op.  scale has 3 entries, or 1 in head mode (only
+ * scale[0] is read then). */
+__global__ void k_hc_mix(const float *mix, const float *scale, const float *base, const float *x,
+                         int64_t D, int h, int head, float eps, int iters,
+                         float *y, float *post, float *comb) {
+    __shared__ float m_s[HC_NMIX_MAX], base_s[HC_NMIX_MAX];
+    __shared__ float pre_s[HC_MAX];
+    const int t = blockIdx.y;
+    const int n_mix = head ? h : (2 + h) * h;
+    const float *m = mix + (int64_t)t * n_mix;
+    for (int i = threadIdx.x; i < n_mix; i += blockDim.x) { m_s[i] = m[i]; base_s[i] = base[i]; }
+    __syncthreads();
+    if (threadIdx.x < h) pre_s[threadIdx.x] = sigmoid_f(m_s[threadIdx.x] * scale[0] + base_s[threadIdx.x]) + eps;
+    if (!head && blockIdx.x == 0 && threadIdx.x < 32)
+        hc_sinkhorn_warp(m_s, base_s, scale[1], scale[2], h, eps, iters, post + (int64_t)t * h,
+                         comb + (int64_t)t * h * h);
     __syncthreads();
     const float *xt = x + (int64_t)t * h * D;
     float *yt = y + (int64_t)t * D;
@@ -527,6 +536,200 @@ static void launch_hc_post(const float *f, const float *x_res, const float *post
 static void cuda_hc_post(const float *f, const float *x_res, const float *post, const float *comb,
                          int nt, int D, int n_hc, float *x_out) {
     launch_hc_post(f, x_res, post, comb, nt, D, n_hc, x_out);
+}
+
+/* hc_pre: the whole mHC pre step of a sublayer in two launches.
+ *
+ * The projection it contains (mix = fn . rmsnorm(x), fn F32 {n_hc*D, n_mix},
+ * 24 rows of 16384 for Flash) is the shape that starved the matvec kernels:
+ * few rows, long K.  So K is spread over blocks instead of rows:
+ *
+ *  k_hc_pre_part: one block per (32 channels, token), one warp per stream.
+ *    It applies the previous sublayer's residual update to its elements (as
+ *    k_hc_post computes it) and writes them to x, then forms the block's
+ *    partial dot with each of the n_mix rows of fn and its partial sum of
+ *    squares (double, as the norm sums).  Warp butterflies, then the warps
+ *    in stream order: a fixed shape.
+ *  k_hc_pre_finish: one 1024-thread block per token.  Warp r adds row r's
+ *    partials in block order (lane-strided, then a butterfly), one more warp
+ *    the squares; mix = rms * dot (the norm's scale applied after the dot:
+ *    the same value up to rounding, ~1e-7 relative, well inside the tested
+ *    bound); then pre/post/comb and Sinkhorn as k_hc_mix, y = sum_s pre[s]
+ *    x[s], and the sublayer's RMSNorm of y.
+ * No atomics: the result does not depend on scheduling.  The partials live
+ * in the op's flat scratch (nt * n_hc * D floats; this needs 26 per 32
+ * channels), so the op allocates nothing.
+ * ------------------------------------------------------------------------- */
+
+#define HCP_CH      32                  /* channels per k_hc_pre_part block */
+#define HCP_THREADS (HC_MAX * 32)       /* one warp per stream */
+#define HCF_THREADS 1024
+#define HCF_CACHE   8                   /* y values per thread kept between the passes */
+
+__global__ void __launch_bounds__(HCP_THREADS) k_hc_pre_part(const float *f, const float *x_res, const float *post,
+                                                            const float *comb, float *x, const float *fn,
+                                                            int64_t D, int h, int n_mix, int nb,
+                                                            double *ss_part, float *dot_part) {
+    __shared__ float red[HC_MAX][HC_NMIX_MAX];
+    __shared__ double red_ss[HC_MAX];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int b = blockIdx.x, t = blockIdx.y;
+    const int64_t i = (int64_t)b * HCP_CH + lane;
+    const bool act = warp < h && i < D;
+    const int64_t K = (int64_t)h * D;
+    float w[HC_NMIX_MAX];
+#pragma unroll
+    for (int r = 0; r < HC_NMIX_MAX; r++)          /* every load in flight before the math */
+        w[r] = act && r < n_mix ? fn[(int64_t)r * K + (int64_t)warp * D + i] : 0.0f;
+    float v = 0.0f;
+    if (act) {
+        float *xe = x + ((int64_t)t * h + warp) * D + i;
+        if (f) {
+            const float *xr = x_res + (int64_t)t * h * D;
+            float acc = post[(int64_t)t * h + warp] * f[(int64_t)t * D + i];
+            for (int bb = 0; bb < h; bb++) acc += comb[(int64_t)t * h * h + warp + h * bb] * xr[bb * D + i];
+            *xe = acc;
+            v = acc;
+        } else {
+            v = *xe;
+        }
+    }
+    double ss = (double)(v * v);
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(FULL_MASK, ss, o);
+#pragma unroll
+    for (int r = 0; r < HC_NMIX_MAX; r++) {
+        if (r >= n_mix) break;
+        const float p = warp_sum(w[r] * v);
+        if (lane == 0) red[warp][r] = p;
+    }
+    if (lane == 0) red_ss[warp] = ss;
+    __syncthreads();
+    const int64_t pidx = (int64_t)t * nb + b;
+    if (threadIdx.x < n_mix) {
+        float acc = 0.0f;
+        for (int s = 0; s < h; s++) acc += red[s][threadIdx.x];
+        dot_part[pidx * n_mix + threadIdx.x] = acc;
+    } else if (threadIdx.x == HC_NMIX_MAX) {
+        double acc = 0.0;
+        for (int s = 0; s < h; s++) acc += red_ss[s];
+        ss_part[pidx] = acc;
+    }
+}
+
+__global__ void __launch_bounds__(HCF_THREADS) k_hc_pre_finish(const double *ss_part, const float *dot_part, int nb,
+                                                              const float *x, const float *scale, const float *base,
+                                                              const float *norm_w, int64_t D, int h, int head,
+                                                              float rms_eps, float hc_eps, int iters,
+                                                              float *y, float *post, float *comb) {
+    __shared__ float m_s[HC_NMIX_MAX], base_s[HC_NMIX_MAX], pre_s[HC_MAX];
+    __shared__ double ss_s, red[HCF_THREADS / 32];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int t = blockIdx.x;
+    const int n_mix = head ? h : (2 + h) * h;
+    const int64_t p0 = (int64_t)t * nb;
+    if (warp < n_mix) {
+        float acc = 0.0f;
+        for (int b = lane; b < nb; b += 32) acc += dot_part[(p0 + b) * n_mix + warp];
+        acc = warp_sum(acc);
+        if (lane == 0) m_s[warp] = acc;
+    } else if (warp == HC_NMIX_MAX) {
+        double acc = 0.0;
+        for (int b = lane; b < nb; b += 32) acc += ss_part[p0 + b];
+        for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(FULL_MASK, acc, o);
+        if (lane == 0) ss_s = acc;
+    } else if (warp == HC_NMIX_MAX + 1) {
+        for (int r = lane; r < n_mix; r += 32) base_s[r] = base[r];
+    }
+    __syncthreads();
+    if (threadIdx.x < n_mix) {
+        const float rs = 1.0f / sqrtf((float)(ss_s / (double)(h * D)) + rms_eps);
+        m_s[threadIdx.x] *= rs;
+    }
+    __syncthreads();
+    if (threadIdx.x < h) pre_s[threadIdx.x] = sigmoid_f(m_s[threadIdx.x] * scale[0] + base_s[threadIdx.x]) + hc_eps;
+    if (!head && warp == 0)
+        hc_sinkhorn_warp(m_s, base_s, scale[1], scale[2], h, hc_eps, iters, post + (int64_t)t * h,
+                         comb + (int64_t)t * h * h);
+    __syncthreads();
+
+    /* y = sum_s pre[s] x[s], then its RMSNorm (squares in double, as k_rmsnorm) */
+    const float *xt = x + (int64_t)t * h * D;
+    float *yt = y + (int64_t)t * D;
+    float yc[HCF_CACHE];
+    double ss = 0.0;
+#pragma unroll
+    for (int j = 0; j < HCF_CACHE; j++) {
+        const int64_t i = (int64_t)j * HCF_THREADS + threadIdx.x;
+        float acc = 0.0f;
+        if (i < D)
+            for (int s = 0; s < h; s++) acc += pre_s[s] * xt[s * D + i];
+        yc[j] = acc;
+        ss += (double)(acc * acc);
+    }
+    for (int64_t i = (int64_t)HCF_CACHE * HCF_THREADS + threadIdx.x; i < D; i += HCF_THREADS) {
+        float acc = 0.0f;
+        for (int s = 0; s < h; s++) acc += pre_s[s] * xt[s * D + i];
+        ss += (double)(acc * acc);
+    }
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(FULL_MASK, ss, o);
+    if (lane == 0) red[warp] = ss;
+    __syncthreads();
+    double tot = 0.0;
+    for (int wv = 0; wv < HCF_THREADS / 32; wv++) tot += red[wv];
+    const float sc = 1.0f / sqrtf((float)(tot / (double)D) + rms_eps);
+#pragma unroll
+    for (int j = 0; j < HCF_CACHE; j++) {
+        const int64_t i = (int64_t)j * HCF_THREADS + threadIdx.x;
+        if (i < D) yt[i] = norm_w ? yc[j] * sc * norm_w[i] : yc[j] * sc;
+    }
+    for (int64_t i = (int64_t)HCF_CACHE * HCF_THREADS + threadIdx.x; i < D; i += HCF_THREADS) {
+        float acc = 0.0f;
+        for (int s = 0; s < h; s++) acc += pre_s[s] * xt[s * D + i];
+        yt[i] = norm_w ? acc * sc * norm_w[i] : acc * sc;
+    }
+}
+
+static void launch_hc_pre_part(const float *f, const float *x_res, const float *post, const float *comb, float *x,
+                               const float *fn, int nt, int64_t D, int h, int n_mix, int nb,
+                               double *ss_part, float *dot_part) {
+    DS4_LAUNCH(k_hc_pre_part<<<dim3((unsigned)nb, (unsigned)nt), HCP_THREADS>>>(f, x_res, post, comb, x, fn, D, h,
+                                                                              n_mix, nb, ss_part, dot_part));
+}
+
+static void launch_hc_pre_finish(const double *ss_part, const float *dot_part, int nb, const float *x,
+                                 const float *scale, const float *base, const float *norm_w, int nt, int64_t D,
+                                 int h, int head, float rms_eps, float hc_eps, int iters,
+                                 float *y, float *post, float *comb) {
+    DS4_LAUNCH(k_hc_pre_finish<<<nt, HCF_THREADS>>>(ss_part, dot_part, nb, x, scale, base, norm_w, D, h, head,
+                                                    rms_eps, hc_eps, iters, y, post, comb));
+}
+
+static void cuda_hc_pre(const float *f, const float *x_res, float *x,
+                        const ds4_weight *fn, const float *scale, const float *base, const float *norm_w,
+                        int nt, int D, int n_hc, int head, float rms_eps, float hc_eps, int iters,
+                        float *flat, float *mix, float *y, float *post, float *comb) {
+    (void)mix;
+    if (nt <= 0 || D <= 0) return;
+    const int h = n_hc, n_mix = head ? h : (2 + h) * h;
+    if (h < 1 || h > HC_MAX) {
+        fprintf(stderr, "ds4: hc_pre: n_hc = %d outside 1..%d\n", h, HC_MAX);
+        exit(1);
+    }
+    if (fn->type != DS4_TYPE_F32 || fn->ne[0] != (int64_t)h * D || fn->ne[1] != n_mix) {
+        fprintf(stderr, "ds4: hc_pre: %s must be F32 {%d, %d}\n", fn->name ? fn->name : "fn", h * D, n_mix);
+        exit(1);
+    }
+    const int nb = (int)((D + HCP_CH - 1) / HCP_CH);
+    if ((int64_t)nb * (n_mix + 2) > (int64_t)h * D) {
+        fprintf(stderr, "ds4: hc_pre: %d streams of %d channels are too few for the partials\n", h, D);
+        exit(1);
+    }
+    /* flat holds nt*h*D floats: the squares (doubles) first, then the dots */
+    double *ss_part = (double *)flat;
+    float *dot_part = flat + 2 * (int64_t)nt * nb;
+    launch_hc_pre_part(f, x_res, post, comb, x, (const float *)fn->dev, nt, D, h, n_mix, nb, ss_part, dot_part);
+    launch_hc_pre_finish(ss_part, dot_part, nb, x, scale, base, norm_w, nt, D, h, head, rms_eps, hc_eps, iters,
+                         y, post, comb);
 }
 
 /* ---------------------------------------------------------------------------
@@ -677,9 +880,22 @@ typedef struct {
     int64_t  x_prob, x_tok;    /* float offsets of x per problem (blockIdx.y) and per token */
     float   *y;
     int64_t  y_prob, y_tok;
-    const int32_t *sel;        /* MoE: [nt][k] expert ids */
+    const int32_t *sel;        /* MoE: [nt][k] expert ids; NULL in gate|up mode = matrix 0 (shared expert) */
     int      k;
     float    clamp;            /* MV_GATE_UP: swiglu limit */
+    /* dense mode, several matrices of one K and type sharing x (matmul_multi):
+     * segment i owns blocks [seg_tile0[i], seg_tile0[i+1]) of blockIdx.x and
+     * writes y = seg_y[i] (token stride seg_ytok[i]), optionally adding row
+     * (pos0 + token) % period of seg_tab[i].  n_seg == 0: the single matrix above. */
+    int      n_seg;
+    int      seg_tile0[DS4_MULTI_MAX + 1];
+    int      seg_rows[DS4_MULTI_MAX];
+    const uint8_t *seg_w[DS4_MULTI_MAX];
+    float   *seg_y[DS4_MULTI_MAX];
+    const float *seg_tab[DS4_MULTI_MAX];
+    int      tok0, tab_pos0, tab_period;   /* tok0: first token of this launch's chunk */
+    const float *in_norm;      /* dense: use rmsnorm(x)*in_norm in place of x (NULL: x) */
+    float    in_eps;
 } mv_args;
 
 /* Shared-memory ring depth for Q8_0 staging: rows in flight per warp. */
@@ -793,17 +1009,30 @@ __global__ void __launch_bounds__(MV_THREADS, NT >= 4 ? 1 : 2) k_matvec(const mv
     float *xs = (float *)mv_smem;                                    /* [S][MV_XS_FLOATS] */
     uint8_t *stage = mv_smem + (size_t)S * MV_XS_FLOATS * sizeof(float);
 
-    const size_t mat = MODE == MV_DENSE ? (size_t)prob
-                                        : (size_t)a.sel[(int64_t)tok * a.k + prob];
+    const size_t mat = (MODE == MV_DENSE || !a.sel) ? (size_t)prob
+                                                    : (size_t)a.sel[(int64_t)tok * a.k + prob];
     const uint8_t *W[NMAT];
     W[0] = a.w + mat * a.mat_bytes;
     if (DUAL) W[NMAT - 1] = a.w2 + mat * a.mat_bytes;
     const float *x = a.x + (int64_t)tok * a.x_tok + (int64_t)prob * a.x_prob;
     float *y = a.y + (int64_t)tok * a.y_tok + (int64_t)prob * a.y_prob;
+    int rows = a.rows, bx = blockIdx.x;
+    int64_t y_tok = a.y_tok;
+    const float *tab = NULL;
+    if (MODE == MV_DENSE && a.n_seg > 0) {      /* matmul_multi: find this block's matrix */
+        int sg = 0;
+        while (sg + 1 < a.n_seg && bx >= a.seg_tile0[sg + 1]) sg++;
+        bx -= a.seg_tile0[sg];
+        rows = a.seg_rows[sg];
+        W[0] = a.seg_w[sg];
+        y = a.seg_y[sg];
+        y_tok = rows;
+        tab = a.seg_tab[sg];
+    }
 
     /* my rows: first + G*i, i < n_mine */
-    const int first = blockIdx.x * tile + g;
-    const int n_mine = first < a.rows ? min(a.rpg, (a.rows - 1 - first) / G + 1) : 0;
+    const int first = bx * tile + g;
+    const int n_mine = first < rows ? min(a.rpg, (rows - 1 - first) / G + 1) : 0;
 
     /* Q8_0: put the first rows in flight before anything else */
     constexpr int ST = mv_stages<MODE>::n;
@@ -827,17 +1056,38 @@ __global__ void __launch_bounds__(MV_THREADS, NT >= 4 ? 1 : 2) k_matvec(const mv
     /* activations: coalesced loads of all S slices by the block, one token
      * at a time, then each lane takes its 32 values in 16-byte reads */
     float xr[NT][32];
+    __shared__ double nred[MV_WARPS];
 #pragma unroll
     for (int u = 0; u < NT; u++) {
         const float *xu = x + (int64_t)u * a.x_tok;
+        double ss = 0.0;
 #pragma unroll 8
-        for (int e = threadIdx.x; e < S * MV_SLICE; e += MV_THREADS) xs[mv_xs_addr(e)] = xu[e];
+        for (int e = threadIdx.x; e < S * MV_SLICE; e += MV_THREADS) {
+            const float v = xu[e];
+            xs[mv_xs_addr(e)] = v;
+            if (a.in_norm) ss += (double)(v * v);
+        }
+        float nsc = 1.0f;
+        if (a.in_norm) {            /* the input's RMSNorm, as k_rmsnorm computes it */
+            for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(FULL_MASK, ss, o);
+            if (lane == 0) nred[warp] = ss;
+        }
         __syncthreads();
+        if (a.in_norm) {
+            double tot = 0.0;
+            for (int wv = 0; wv < MV_WARPS; wv++) tot += nred[wv];
+            nsc = 1.0f / sqrtf((float)(tot / (double)a.K) + a.in_eps);
+        }
         const float *xw = xs + s * MV_XS_FLOATS;
 #pragma unroll
         for (int m = 0; m < 32; m += 4) {
             const float4 v = *(const float4 *)(xw + mv_xs_addr(mv_xidx<TYPE>(lane, m)));
             xr[u][m] = v.x; xr[u][m + 1] = v.y; xr[u][m + 2] = v.z; xr[u][m + 3] = v.w;
+        }
+        if (a.in_norm) {
+#pragma unroll
+            for (int m = 0; m < 32; m++)
+                xr[u][m] = __fmul_rn(__fmul_rn(xr[u][m], nsc), a.in_norm[s * MV_SLICE + mv_xidx<TYPE>(lane, m)]);
         }
         __syncthreads();
     }
@@ -901,8 +1151,8 @@ __global__ void __launch_bounds__(MV_THREADS, NT >= 4 ? 1 : 2) k_matvec(const mv
     constexpr int NOUT = DUAL ? 1 : NT;
     for (int idx = threadIdx.x; idx < tile * NOUT; idx += MV_THREADS) {
         const int lr = idx % tile, u = idx / tile;
-        const int row = blockIdx.x * tile + lr;
-        if (row >= a.rows) continue;
+        const int row = bx * tile + lr;
+        if (row >= rows) continue;
         float v0 = 0.0f;
         for (int q = 0; q < S; q++) v0 += part[DUAL ? 0 : u][lr * S + q];
         if (DUAL) {
@@ -910,7 +1160,8 @@ __global__ void __launch_bounds__(MV_THREADS, NT >= 4 ? 1 : 2) k_matvec(const mv
             for (int q = 0; q < S; q++) v1 += part[NPLANE - 1][lr * S + q];
             y[row] = silu_mul(v0, v1, a.clamp);
         } else {
-            y[(int64_t)u * a.y_tok + row] = v0;
+            if (tab) v0 = __fadd_rn(v0, tab[(int64_t)((a.tab_pos0 + a.tok0 + u) % a.tab_period) * rows + row]);
+            y[(int64_t)u * y_tok + row] = v0;
         }
     }
 }
@@ -959,8 +1210,8 @@ __global__ void __launch_bounds__(MV_THREADS) k_matvec_generic(const mv_args a, 
     const int row = blockIdx.x * MV_WARPS + (threadIdx.x >> 5);
     if (row >= a.rows) return;
     const int prob = blockIdx.y, tok = blockIdx.z;
-    const size_t mat = MODE == MV_DENSE ? (size_t)prob
-                                        : (size_t)a.sel[(int64_t)tok * a.k + prob];
+    const size_t mat = (MODE == MV_DENSE || !a.sel) ? (size_t)prob
+                                                    : (size_t)a.sel[(int64_t)tok * a.k + prob];
     const uint8_t *r0 = a.w + mat * a.mat_bytes + (size_t)row * a.row_bytes;
     const float *x = a.x + (int64_t)tok * a.x_tok + (int64_t)prob * a.x_prob;
     float *y = a.y + (int64_t)tok * a.y_tok + (int64_t)prob * a.y_prob;
@@ -1000,14 +1251,28 @@ static void check_matrix_type(int type, const char *what) {
     }
 }
 
+static void launch_add_cyclic(float *x, const float *table, int pos0, int nt, int period, int n);
+static void launch_swiglu(const float *g, const float *u, float *y, int64_t rows, int64_t cols,
+                          int64_t ld_in, int64_t ld_out, float limit);
+
+/* Does the fast kernel take this shape?  K a multiple of 1024 with 1, 2, 4 or
+ * 8 slices; rows and matrices 16-byte aligned. */
+static bool mv_fast_ok(int64_t K, size_t row_bytes, size_t mat_bytes, const void *w, const void *w2) {
+    const int64_t S = K % MV_SLICE == 0 ? K / MV_SLICE : 0;
+    return (S == 1 || S == 2 || S == 4 || S == 8) && (uintptr_t)w % 16 == 0 &&
+           (!w2 || (uintptr_t)w2 % 16 == 0) && row_bytes % 16 == 0 && mat_bytes % 16 == 0;
+}
+
 /* Run a matvec problem set: n_prob problems (blockIdx.y) x n_tok_grid tokens
  * (blockIdx.z, MoE modes) x nt_dense tokens inside (dense mode). */
 static void matvec_run(int type, int mode, mv_args a, int n_prob, int n_tok_grid, int nt_dense) {
-    if (a.rows <= 0 || n_prob <= 0 || n_tok_grid <= 0 || nt_dense <= 0) return;
-    const int S = a.K % MV_SLICE == 0 ? a.K / MV_SLICE : 0;
-    const bool fast = (S == 1 || S == 2 || S == 4 || S == 8) &&
-                      ((uintptr_t)a.w % 16 == 0) && (!a.w2 || (uintptr_t)a.w2 % 16 == 0) &&
-                      a.row_bytes % 16 == 0 && a.mat_bytes % 16 == 0;
+    if ((a.n_seg == 0 && a.rows <= 0) || n_prob <= 0 || n_tok_grid <= 0 || nt_dense <= 0) return;
+    const bool fast = mv_fast_ok(a.K, a.row_bytes, a.mat_bytes, a.w, a.w2);
+    if (a.n_seg > 0 && !fast) {
+        fprintf(stderr, "ds4: matvec: a multi-matrix launch needs the fast kernel's shapes\n");
+        exit(1);
+    }
+    const int S = fast ? a.K / MV_SLICE : 0;
     if (!fast) {
         dim3 grid((unsigned)((a.rows + MV_WARPS - 1) / MV_WARPS), (unsigned)n_prob, (unsigned)n_tok_grid);
         switch (type) {
@@ -1024,14 +1289,28 @@ static void matvec_run(int type, int mode, mv_args a, int n_prob, int n_tok_grid
      * grow only once there are enough blocks to go round */
     const int64_t want_blocks = 4LL * g_cuda.n_sm;
     const int64_t probs = (int64_t)n_prob * n_tok_grid;
+    int64_t all_rows = a.rows;
+    if (a.n_seg > 0) {
+        all_rows = 0;
+        for (int i = 0; i < a.n_seg; i++) all_rows += a.seg_rows[i];
+    }
     int64_t per_prob = (want_blocks + probs - 1) / probs;
     if (per_prob < 1) per_prob = 1;
-    int64_t rpg = ((int64_t)a.rows + G * per_prob - 1) / (G * per_prob);
+    int64_t rpg = (all_rows + G * per_prob - 1) / (G * per_prob);
     if (rpg < 1) rpg = 1;
     if (rpg > MV_RPG_MAX) rpg = MV_RPG_MAX;
     a.rpg = (int)rpg;
     const int tile = G * a.rpg;
-    dim3 grid((unsigned)((a.rows + tile - 1) / tile), (unsigned)n_prob, (unsigned)n_tok_grid);
+    int64_t tiles = (a.rows + tile - 1) / tile;
+    if (a.n_seg > 0) {                /* each matrix gets whole tiles of its own */
+        tiles = 0;
+        for (int i = 0; i < a.n_seg; i++) {
+            a.seg_tile0[i] = (int)tiles;
+            tiles += (a.seg_rows[i] + tile - 1) / tile;
+        }
+        a.seg_tile0[a.n_seg] = (int)tiles;
+    }
+    dim3 grid((unsigned)tiles, (unsigned)n_prob, (unsigned)n_tok_grid);
     /* dense tokens in chunks of 4, 2, 1 (the activations of a chunk live in registers) */
     int done = 0;
     while (done < nt_dense) {
@@ -1040,6 +1319,8 @@ static void matvec_run(int type, int mode, mv_args a, int n_prob, int n_tok_grid
         mv_args c = a;
         c.x = a.x + (int64_t)done * a.x_tok;
         c.y = a.y + (int64_t)done * a.y_tok;
+        c.tok0 = done;
+        for (int i = 0; i < a.n_seg; i++) c.seg_y[i] = a.seg_y[i] + (int64_t)done * a.seg_rows[i];
         switch (type) {
         case DS4_TYPE_F32:  matvec_fast_type<DS4_TYPE_F32>(c, grid, mode, chunk); break;
         case DS4_TYPE_F16:  matvec_fast_type<DS4_TYPE_F16>(c, grid, mode, chunk); break;
@@ -1142,6 +1423,103 @@ static void cuda_matmul_grouped(const ds4_weight *w, int groups, const float *x,
     }
 }
 
+/* matmul_multi: the fast kernel takes every matrix of one type in one launch
+ * (decode: the seven projections of an attention input are one launch
+ * instead of seven), normalising x in each block when asked and adding the
+ * ape row in the epilogue.  Whatever it cannot take (prefill, other shapes)
+ * runs as the composition the contract defines, after the fast launches,
+ * since that path normalises x in place. */
+static void cuda_matmul_multi(int n, const ds4_weight *const *w, float *const *y, float *x, int nt,
+                              const float *norm_w, float eps, const float *const *add_tab, int pos0, int period) {
+    if (n <= 0 || nt <= 0) return;
+    if (n > DS4_MULTI_MAX) {
+        fprintf(stderr, "ds4: matmul_multi: %d matrices above %d\n", n, DS4_MULTI_MAX);
+        exit(1);
+    }
+    const int64_t K = w[0]->ne[0];
+    bool done[DS4_MULTI_MAX] = { false };
+    for (int i = 0; i < n; i++) {
+        check_matrix_type(w[i]->type, "matmul_multi");
+        if (w[i]->ne[0] != K) {
+            fprintf(stderr, "ds4: matmul_multi: %s has K = %lld, not %lld\n", w[i]->name ? w[i]->name : "?",
+                    (long long)w[i]->ne[0], (long long)K);
+            exit(1);
+        }
+    }
+    if (add_tab && period <= 0) {
+        fprintf(stderr, "ds4: matmul_multi: table period %d\n", period);
+        exit(1);
+    }
+    if (nt <= MV_MAX_NT) {
+        for (int i = 0; i < n; i++) {
+            if (done[i]) continue;
+            const int type = w[i]->type;
+            const size_t rb = ds4_row_bytes(type, K);
+            mv_args a;
+            memset(&a, 0, sizeof a);
+            for (int j = i; j < n; j++) {
+                const size_t mb = (size_t)w[j]->ne[1] * rb;
+                if (done[j] || w[j]->type != type || !mv_fast_ok(K, rb, mb, w[j]->dev, NULL)) continue;
+                a.seg_w[a.n_seg] = (const uint8_t *)w[j]->dev;
+                a.seg_y[a.n_seg] = y[j];
+                a.seg_rows[a.n_seg] = (int)w[j]->ne[1];
+                a.seg_tab[a.n_seg] = add_tab ? add_tab[j] : NULL;
+                a.n_seg++;
+                done[j] = true;
+            }
+            if (a.n_seg == 0) continue;
+            a.w = a.seg_w[0];
+            a.row_bytes = rb;
+            a.K = (int)K;
+            a.x = x; a.x_tok = K;
+            a.in_norm = norm_w; a.in_eps = eps;
+            a.tab_pos0 = pos0; a.tab_period = period > 0 ? period : 1;
+            matvec_run(type, MV_DENSE, a, 1, 1, nt);
+        }
+    }
+    bool normed = false;
+    for (int i = 0; i < n; i++) {
+        if (done[i]) continue;
+        if (norm_w && !normed) {
+            launch_rmsnorm(x, norm_w, x, nt, (int)K, eps);
+            normed = true;
+        }
+        cuda_matmul(w[i], 0, x, y[i], nt);
+        if (add_tab && add_tab[i]) launch_add_cyclic(y[i], add_tab[i], pos0, nt, period, (int)w[i]->ne[1]);
+    }
+}
+
+/* Shared expert: gate|up mode of the fast kernel with matrix 0 (sel NULL)
+ * for decode, the composition otherwise. */
+static void cuda_matmul_swiglu(const ds4_weight *gate, const ds4_weight *up, const float *x, float *y, int nt,
+                               float limit, float *g, float *u) {
+    if (nt <= 0) return;
+    check_matrix_type(gate->type, "matmul_swiglu");
+    if (up->type != gate->type || up->ne[0] != gate->ne[0] || up->ne[1] != gate->ne[1]) {
+        fprintf(stderr, "ds4: matmul_swiglu: gate and up weights differ in type or shape\n");
+        exit(1);
+    }
+    const int64_t K = gate->ne[0], F = gate->ne[1];
+    if (nt <= MV_MAX_NT) {
+        mv_args a;
+        memset(&a, 0, sizeof a);
+        a.w = (const uint8_t *)gate->dev;
+        a.w2 = (const uint8_t *)up->dev;
+        a.row_bytes = ds4_row_bytes(gate->type, K);
+        a.mat_bytes = (size_t)F * a.row_bytes;
+        a.K = (int)K;
+        a.rows = (int)F;
+        a.x = x; a.x_tok = K;
+        a.y = y; a.y_tok = F;
+        a.clamp = limit;
+        matvec_run(gate->type, MV_GATE_UP, a, 1, nt, 1);
+        return;
+    }
+    cuda_matmul(gate, 0, x, g, nt);
+    cuda_matmul(up, 0, x, u, nt);
+    launch_swiglu(g, u, y, 1, (int64_t)nt * F, (int64_t)nt * F, (int64_t)nt * F, limit);
+}
+
 /* ---------------------------------------------------------------------------
  * RoPE
  *
@@ -1157,6 +1535,24 @@ typedef struct {
     float theta_scale, freq_scale, ext_factor, corr_lo, corr_hi;
 } rope_args;
 
+/* Rotate pair i (v[0], v[1]) at position p, exactly as the CPU op does. */
+__device__ __forceinline__ void rope_pair(float *v, const rope_args &r, int p, int i, int inverse) {
+    float te = (float)p;
+    for (int j = 0; j < i; j++) te = __fmul_rn(te, r.theta_scale);
+    const float ti = __fmul_rn(r.freq_scale, te);
+    float theta = ti;
+    if (r.ext_factor != 0.0f) {
+        const float yv = ((float)i - r.corr_lo) / fmaxf(0.001f, r.corr_hi - r.corr_lo);
+        const float ramp = __fmul_rn(1.0f - fminf(1.0f, fmaxf(0.0f, yv)), r.ext_factor);
+        theta = __fadd_rn(__fmul_rn(ti, 1.0f - ramp), __fmul_rn(te, ramp));
+    }
+    const float c = cosf(theta);
+    const float s = inverse ? -sinf(theta) : sinf(theta);
+    const float x0 = v[0], x1 = v[1];
+    v[0] = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
+    v[1] = __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c));
+}
+
 __global__ void k_rope(float *x, int nt, int nh, int dh, int pos0, int pos_step, rope_args r, int inverse) {
     const int half = r.n_rot / 2;
     const int64_t n = (int64_t)nt * nh * half;
@@ -1165,28 +1561,11 @@ __global__ void k_rope(float *x, int nt, int nh, int dh, int pos0, int pos_step,
         const int i = (int)(idx % half);
         const int64_t th = idx / half;          /* t * nh + head */
         const int t = (int)(th / nh);
-        const int p = pos0 + t * pos_step;
-        float te = (float)p;
-        for (int j = 0; j < i; j++) te = __fmul_rn(te, r.theta_scale);
-        const float ti = __fmul_rn(r.freq_scale, te);
-        float theta = ti;
-        if (r.ext_factor != 0.0f) {
-            const float yv = ((float)i - r.corr_lo) / fmaxf(0.001f, r.corr_hi - r.corr_lo);
-            const float ramp = __fmul_rn(1.0f - fminf(1.0f, fmaxf(0.0f, yv)), r.ext_factor);
-            theta = __fadd_rn(__fmul_rn(ti, 1.0f - ramp), __fmul_rn(te, ramp));
-        }
-        const float c = cosf(theta);
-        const float s = inverse ? -sinf(theta) : sinf(theta);
-        float *v = x + th * dh + (dh - r.n_rot) + 2 * i;
-        const float x0 = v[0], x1 = v[1];
-        v[0] = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
-        v[1] = __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c));
+        rope_pair(x + th * dh + (dh - r.n_rot) + 2 * i, r, pos0 + t * pos_step, i, inverse);
     }
 }
 
-static void launch_rope(float *x, int nt, int nh, int dh, int pos0, int pos_step, const ds4_rope *rp,
-                        int inverse) {
-    if (nt <= 0 || nh <= 0 || rp->n_rot <= 0) return;
+static rope_args rope_args_of(const ds4_rope *rp) {
     rope_args r;
     r.n_rot = rp->n_rot;
     r.theta_scale = powf(rp->freq_base, -2.0f / (float)rp->n_rot);
@@ -1194,12 +1573,69 @@ static void launch_rope(float *x, int nt, int nh, int dh, int pos0, int pos_step
     r.ext_factor = rp->ext_factor;
     r.corr_lo = rp->corr_lo;
     r.corr_hi = rp->corr_hi;
+    return r;
+}
+
+static void launch_rope(float *x, int nt, int nh, int dh, int pos0, int pos_step, const ds4_rope *rp,
+                        int inverse) {
+    if (nt <= 0 || nh <= 0 || rp->n_rot <= 0) return;
+    const rope_args r = rope_args_of(rp);
     const int64_t n = (int64_t)nt * nh * (rp->n_rot / 2);
     DS4_LAUNCH(k_rope<<<grid_for(n), 256>>>(x, nt, nh, dh, pos0, pos_step, r, inverse));
 }
 
 static void cuda_rope(float *x, int nt, int nh, int dh, int pos0, int pos_step, const ds4_rope *rp, int inverse) {
     launch_rope(x, nt, nh, dh, pos0, pos_step, rp, inverse);
+}
+
+/* head_norm_rope: one block per (token, head) row: the row's RMSNorm (squares
+ * in double, a fixed-shape reduction) and then RoPE of its last n_rot dims,
+ * with the row held in shared memory between the two. */
+#define HNR_THREADS 128
+#define HNR_MAX_DH  4096
+
+__global__ void __launch_bounds__(HNR_THREADS) k_head_norm_rope(float *x, const float *w, int nh, int dh,
+                                                               float eps, int pos0, rope_args r) {
+    extern __shared__ float row_s[];
+    __shared__ double red[HNR_THREADS / 32];
+    const int64_t row = blockIdx.x;
+    const int t = (int)(row / nh);
+    float *xr = x + row * dh;
+    double ss = 0.0;
+    for (int i = threadIdx.x; i < dh; i += HNR_THREADS) {
+        const float v = xr[i];
+        row_s[i] = v;
+        ss += (double)(v * v);
+    }
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(FULL_MASK, ss, o);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
+    __syncthreads();
+    double tot = 0.0;
+    for (int i = 0; i < HNR_THREADS / 32; i++) tot += red[i];
+    const float scale = 1.0f / sqrtf((float)(tot / (double)dh) + eps);
+    for (int i = threadIdx.x; i < dh; i += HNR_THREADS)
+        row_s[i] = w ? row_s[i] * scale * w[i] : row_s[i] * scale;
+    __syncthreads();
+    for (int i = threadIdx.x; i < r.n_rot / 2; i += HNR_THREADS)
+        rope_pair(row_s + (dh - r.n_rot) + 2 * i, r, pos0 + t, i, 0);
+    __syncthreads();
+    for (int i = threadIdx.x; i < dh; i += HNR_THREADS) xr[i] = row_s[i];
+}
+
+static void launch_head_norm_rope(float *x, const float *w, int nt, int nh, int dh, float eps, int pos0,
+                                  const ds4_rope *rp) {
+    if (nt <= 0 || nh <= 0 || dh <= 0) return;
+    if (dh > HNR_MAX_DH || rp->n_rot > dh) {
+        fprintf(stderr, "ds4: head_norm_rope: head width %d (rope %d) outside 1..%d\n", dh, rp->n_rot, HNR_MAX_DH);
+        exit(1);
+    }
+    DS4_LAUNCH(k_head_norm_rope<<<(unsigned)((int64_t)nt * nh), HNR_THREADS, (size_t)dh * sizeof(float)>>>(
+        x, w, nh, dh, eps, pos0, rope_args_of(rp)));
+}
+
+static void cuda_head_norm_rope(float *x, const float *w, int nt, int nh, int dh, float eps, int pos0,
+                                const ds4_rope *rp) {
+    launch_head_norm_rope(x, w, nt, nh, dh, eps, pos0, rp);
 }
 
 /* ---------------------------------------------------------------------------
@@ -1651,7 +2087,8 @@ static size_t ix_smem_bytes(int Hi, int di) {
     return f * sizeof(float);
 }
 
-__global__ void __launch_bounds__(IX_THREADS) k_indexer_scores(const float *q, const float *w, const float *rows,
+__global__ void __launch_bounds__(IX_THREADS) k_indexer_scores(const float *q, const float *w, float w_scale,
+                                                               const float *rows,
                                                                int pos0, int t0, int Hi, int di, int ratio,
                                                                float *scores, int64_t ld) {
     extern __shared__ __align__(16) float ix_s[];
@@ -1683,7 +2120,7 @@ __global__ void __launch_bounds__(IX_THREADS) k_indexer_scores(const float *q, c
         qh += hs; qc += cs;
         if (qc >= di) { qc -= di; qh++; }
     }
-    for (int h = threadIdx.x; h < Hi; h += IX_THREADS) w_s[h] = w[(int64_t)t * Hi + h];
+    for (int h = threadIdx.x; h < Hi; h += IX_THREADS) w_s[h] = __fmul_rn(w[(int64_t)t * Hi + h], w_scale);
     int rr = threadIdx.x / di, rc = threadIdx.x % di;
 #pragma unroll 16
     for (int idx = threadIdx.x; idx < IX_RT * di; idx += IX_THREADS) {
@@ -1716,7 +2153,7 @@ __global__ void __launch_bounds__(IX_THREADS) k_indexer_scores(const float *q, c
     }
 }
 
-static void launch_indexer_scores(const float *q, const float *w, const float *rows, int pos0, int t0,
+static void launch_indexer_scores(const float *q, const float *w, float w_scale, const float *rows, int pos0, int t0,
                                   int n_q, int Hi, int di, int ratio, int nvis_max, float *scores) {
     const size_t smem = ix_smem_bytes(Hi, di);
     static size_t raised = 48 * 1024;
@@ -1731,7 +2168,7 @@ static void launch_indexer_scores(const float *q, const float *w, const float *r
         raised = smem;
     }
     dim3 grid((unsigned)((nvis_max + IX_RT - 1) / IX_RT), (unsigned)n_q);
-    DS4_LAUNCH(k_indexer_scores<<<grid, IX_THREADS, smem>>>(q, w, rows, pos0, t0, Hi, di, ratio,
+    DS4_LAUNCH(k_indexer_scores<<<grid, IX_THREADS, smem>>>(q, w, w_scale, rows, pos0, t0, Hi, di, ratio,
                                                             scores, nvis_max));
 }
 
@@ -1883,7 +2320,7 @@ static void launch_indexer_select(const float *scores, int64_t ld, int pos0, int
     DS4_LAUNCH(k_indexer_select<<<n_q, IX_SEL>>>(scores, ld, pos0, t0, ratio, k, out));
 }
 
-static void cuda_indexer_topk(const float *q, const float *w, const float *rows,
+static void cuda_indexer_topk(const float *q, const float *w, float w_scale, const float *rows,
                               int pos0, int nt, int Hi, int di, int ratio, int k, int32_t *out) {
     if (nt <= 0 || k <= 0) return;
     if (k > IX_SEL) {
@@ -1899,7 +2336,7 @@ static void cuda_indexer_topk(const float *q, const float *w, const float *rows,
     for (int t0 = 0; t0 < nt; t0 += (int)chunk) {
         const int n_q = nt - t0 < chunk ? nt - t0 : (int)chunk;
         const int nv = (pos0 + t0 + n_q) / ratio;   /* the chunk's last query sees the most */
-        if (nv > 0) launch_indexer_scores(q, w, rows, pos0, t0, n_q, Hi, di, ratio, nv, scores);
+        if (nv > 0) launch_indexer_scores(q, w, w_scale, rows, pos0, t0, n_q, Hi, di, ratio, nv, scores);
         launch_indexer_select(scores, nv > 0 ? nv : 1, pos0, t0, n_q, ratio, k, out);
     }
 }
@@ -1939,7 +2376,6 @@ __global__ void k_moe_route(const float *logits, const float *bias, const int32_
     extern __shared__ float rt_s[];
     float *probs = rt_s;                 /* [E] */
     float *selp = rt_s + E;              /* [E] probs + bias: what selects */
-    __shared__ int sel_s[ROUTE_MAX_K];
     const int t = blockIdx.x, lane = threadIdx.x;
     const float *l = logits + (int64_t)t * E;
     for (int e = lane; e < E; e += 32) {
@@ -1949,17 +2385,22 @@ __global__ void k_moe_route(const float *logits, const float *bias, const int32_
         selp[e] = bias ? probs[e] + bias[e] : probs[e];
     }
     __syncwarp();
+    /* The chosen ids live in registers: lane j keeps pick j (j < 32; pick
+     * 32 + j goes to mine_hi), and lane e % 32 marks expert e in its taken
+     * bits (bit e / 32; E <= 1024).  Nothing shared is written during the
+     * selection, so no lane can read a pick before it is made. */
+    int mine = -1, mine_hi = -1;
+    uint32_t taken = 0;
     if (tid2eid) {
-        if (lane == 0)
-            for (int j = 0; j < k; j++) sel_s[j] = tid2eid[(int64_t)tokens[t] * tid_ld + j];
+        const int32_t *row = tid2eid + (int64_t)tokens[t] * tid_ld;
+        if (lane < k) mine = row[lane];
+        if (lane + 32 < k) mine_hi = row[lane + 32];
     } else {
         for (int j = 0; j < k; j++) {
             float bv = 0.0f;
             int be = -1;
-            for (int e = lane; e < E; e += 32) {
-                bool taken = false;
-                for (int q = 0; q < j; q++) taken |= sel_s[q] == e;
-                if (taken) continue;
+            for (int e = lane, bit = 0; e < E; e += 32, bit++) {
+                if (taken >> bit & 1u) continue;
                 if (be < 0 || selp[e] > bv) { bv = selp[e]; be = e; }
             }
             for (int o = 16; o > 0; o >>= 1) {
@@ -1967,15 +2408,20 @@ __global__ void k_moe_route(const float *logits, const float *bias, const int32_
                 const int oe = __shfl_xor_sync(FULL_MASK, be, o);
                 if (oe >= 0 && (be < 0 || ov > bv || (ov == bv && oe < be))) { bv = ov; be = oe; }
             }
-            if (lane == 0) sel_s[j] = be;
-            __syncwarp();
+            /* every lane now holds the same be */
+            if (be >= 0 && lane == (be & 31)) taken |= 1u << (be >> 5);
+            if (lane == (j & 31)) { if (j < 32) mine = be; else mine_hi = be; }
         }
     }
-    __syncwarp();
+    /* weights by lane 0, in slot order, as the CPU does */
+    float wv[ROUTE_MAX_K];
+    int ids[ROUTE_MAX_K];
+    for (int j = 0; j < k; j++) {
+        ids[j] = __shfl_sync(FULL_MASK, j < 32 ? mine : mine_hi, j & 31);
+    }
     if (lane == 0) {
-        float wv[ROUTE_MAX_K];
         float sum = 0.0f;
-        for (int j = 0; j < k; j++) { wv[j] = probs[sel_s[j]]; sum += wv[j]; }
+        for (int j = 0; j < k; j++) { wv[j] = probs[ids[j]]; sum += wv[j]; }
         if (norm) {
             if (sum < 6.103515625e-5f) sum = 6.103515625e-5f;
             for (int j = 0; j < k; j++) wv[j] /= sum;
@@ -1983,7 +2429,7 @@ __global__ void k_moe_route(const float *logits, const float *bias, const int32_
         if (wscale != 0.0f)
             for (int j = 0; j < k; j++) wv[j] *= wscale;
         for (int j = 0; j < k; j++) {
-            sel[(int64_t)t * k + j] = sel_s[j];
+            sel[(int64_t)t * k + j] = ids[j];
             wts[(int64_t)t * k + j] = wv[j];
         }
     }
@@ -2033,7 +2479,7 @@ static void cuda_swiglu(const float *g, const float *u, float *y, int64_t n, flo
 /* out[t][:] = sum_j wts[t][j] * slot_out[row(t, j)][:], j in order; row is
  * t*k + j (decode layout) or pos[t*k + j] (prefill, grouped by expert). */
 __global__ void k_moe_combine(const float *slot_out, const int32_t *pos, const float *wts, int nt, int k,
-                              int64_t D, float *out) {
+                              int64_t D, const float *add, float *out) {
     const int64_t n = (int64_t)nt * D;
     for (int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; idx < n;
          idx += (int64_t)gridDim.x * blockDim.x) {
@@ -2044,13 +2490,13 @@ __global__ void k_moe_combine(const float *slot_out, const int32_t *pos, const f
             const int64_t row = pos ? pos[pr] : pr;
             acc += wts[pr] * slot_out[row * D + i];
         }
-        out[idx] = acc;
+        out[idx] = add ? __fadd_rn(acc, add[idx]) : acc;
     }
 }
 
 static void launch_moe_combine(const float *slot_out, const int32_t *pos, const float *wts, int nt, int k,
-                               int64_t D, float *out) {
-    DS4_LAUNCH(k_moe_combine<<<grid_for((int64_t)nt * D), 256>>>(slot_out, pos, wts, nt, k, D, out));
+                               int64_t D, const float *add, float *out) {
+    DS4_LAUNCH(k_moe_combine<<<grid_for((int64_t)nt * D), 256>>>(slot_out, pos, wts, nt, k, D, add, out));
 }
 
 /* xg[i][:] = x[perm[i] / k][:] */
@@ -2069,7 +2515,7 @@ static void launch_moe_gather(const float *x, const int32_t *perm, int k, int64_
 
 static void moe_decode(const float *x, const int32_t *sel, const float *wts,
                        const ds4_weight *gate, const ds4_weight *up, const ds4_weight *down,
-                       int nt, int k, float clamp, float *out) {
+                       int nt, int k, float clamp, const float *add, float *out) {
     const int64_t D = gate->ne[0], F = gate->ne[1];
     const size_t rb_g = ds4_row_bytes(gate->type, D), rb_d = ds4_row_bytes(down->type, F);
     const int64_t pairs = (int64_t)nt * k;
@@ -2101,12 +2547,12 @@ static void moe_decode(const float *x, const int32_t *sel, const float *wts,
     b.sel = sel; b.k = k;
     matvec_run(down->type, MV_DOWN, b, k, nt, 1);
 
-    launch_moe_combine(tmp, NULL, wts, nt, k, D, out);
+    launch_moe_combine(tmp, NULL, wts, nt, k, D, add, out);
 }
 
 static void cuda_moe_experts(const float *x, const int32_t *sel, const float *wts,
                              const ds4_weight *gate, const ds4_weight *up, const ds4_weight *down,
-                             int nt, int k, float clamp, float *out) {
+                             int nt, int k, float clamp, const float *add, float *out) {
     if (nt <= 0 || k <= 0) return;
     check_matrix_type(gate->type, "moe_experts gate");
     check_matrix_type(down->type, "moe_experts down");
@@ -2115,7 +2561,7 @@ static void cuda_moe_experts(const float *x, const int32_t *sel, const float *wt
         exit(1);
     }
     if (nt <= MOE_DECODE_MAX_NT) {
-        moe_decode(x, sel, wts, gate, up, down, nt, k, clamp, out);
+        moe_decode(x, sel, wts, gate, up, down, nt, k, clamp, add, out);
         return;
     }
     const int64_t D = gate->ne[0], F = gate->ne[1], E = gate->ne[2];
@@ -2137,7 +2583,7 @@ static void cuda_moe_experts(const float *x, const int32_t *sel, const float *wt
     for (int64_t e = 0; e < E; e++) { used += off[e + 1] > 0; off[e + 1] += off[e]; }
     if (pairs < (int64_t)MOE_GEMM_MIN_AVG * used) {
         /* too few tokens per expert for dequantization to pay */
-        moe_decode(x, sel, wts, gate, up, down, nt, k, clamp, out);
+        moe_decode(x, sel, wts, gate, up, down, nt, k, clamp, add, out);
         return;
     }
     for (int64_t i = 0; i < pairs; i++) {      /* stable: token order within an expert */
@@ -2173,7 +2619,7 @@ static void cuda_moe_experts(const float *x, const int32_t *sel, const float *wt
         if (cnt == 0) continue;
         gemm_rows(down, (size_t)e * dbytes, 0, D, h + r0 * F, F, tmp + r0 * D, D, (int)cnt);
     }
-    launch_moe_combine(tmp, dpos, wts, nt, k, D, out);
+    launch_moe_combine(tmp, dpos, wts, nt, k, D, add, out);
 }
 
 /* ---------------------------------------------------------------------------
@@ -2242,6 +2688,10 @@ static ds4_backend make_cuda_backend(void) {
     b.swiglu = cuda_swiglu;
     b.add = cuda_add;
     b.scale = cuda_scale;
+    b.hc_pre = cuda_hc_pre;
+    b.matmul_multi = cuda_matmul_multi;
+    b.head_norm_rope = cuda_head_norm_rope;
+    b.matmul_swiglu = cuda_matmul_swiglu;
     return b;
 }
 

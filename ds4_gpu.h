@@ -48,6 +48,7 @@ enum {
 };
 #define DS4_QK8_0 32
 #define DS4_Q8_0_BLOCK_BYTES 34
+#define DS4_MULTI_MAX 8    /* projections one matmul_multi call takes */
 
 /* One weight tensor.  host points into the mapped model (always valid while
  * the model is open); dev is the backend's copy (== host on the CPU backend). */
@@ -146,6 +147,43 @@ typedef struct ds4_backend {
     void (*hc_post)(const float *f, const float *x_res, const float *post, const float *comb,
                     int nt, int D, int n_hc, float *x_out);
 
+    /* ---- fused ops: each is defined as the composition of the ops above,
+     * in the order written (the CPU backend computes exactly that); a backend
+     * may fuse them into fewer kernels.  Scratch arguments hold unspecified
+     * contents afterwards. */
+
+    /* mHC pre step of a sublayer, with the residual update of the sublayer before it
+     * and the sublayer's input RMSNorm:
+     *   if f != NULL:  hc_post(f, x_res, post, comb, nt, D, n_hc, x)      (x: [nt][n_hc][D])
+     *   rmsnorm(x, NULL, flat, nt, n_hc*D, rms_eps)                        (flat: scratch [nt][n_hc*D])
+     *   matmul(fn, 0, flat, mix, nt)                                        (mix: scratch [nt][n_mix])
+     *   hc_mix(mix, scale, base, x, nt, D, n_hc, head, hc_eps, iters, y, post, comb)
+     *   rmsnorm(y, norm_w, y, nt, D, rms_eps)
+     * post and comb are read (the previous step's) before they are overwritten.
+     * scale has 3 entries (1 in head mode), base n_mix = head ? n_hc : (2+n_hc)*n_hc. */
+    void (*hc_pre)(const float *f, const float *x_res, float *x,
+                   const ds4_weight *fn, const float *scale, const float *base, const float *norm_w,
+                   int nt, int D, int n_hc, int head, float rms_eps, float hc_eps, int iters,
+                   float *flat, float *mix, float *y, float *post, float *comb);
+
+    /* Several projections of one input x [nt][K]: for i < n, all w[i] with ne[0] == K,
+     *   matmul(w[i], 0, xn, y[i], nt);  if add_tab[i]: add_cyclic(y[i], add_tab[i], pos0, nt, period, w[i]->ne[1])
+     * where xn = x, or, when norm_w != NULL, xn = rmsnorm(x, norm_w, eps) (x may be left
+     * normalised in place or unchanged: read it again only through this op).  add_tab may be
+     * NULL (no tables).  n <= DS4_MULTI_MAX. */
+    void (*matmul_multi)(int n, const ds4_weight *const *w, float *const *y, float *x, int nt,
+                         const float *norm_w, float eps, const float *const *add_tab, int pos0, int period);
+
+    /* Per-row RMSNorm then RoPE of nh heads of width dh per token (x [nt][nh][dh], in place):
+     *   rmsnorm(x, w, x, nt*nh, dh, eps); rope(x, nt, nh, dh, pos0, 1, rp, 0) */
+    void (*head_norm_rope)(float *x, const float *w, int nt, int nh, int dh, float eps,
+                           int pos0, const ds4_rope *rp);
+
+    /* Shared-expert style gated projection: y = swiglu(matmul(gate, x), matmul(up, x), limit),
+     * y [nt][F] with F = gate->ne[1]; g_scratch, u_scratch: [nt][F] scratch. */
+    void (*matmul_swiglu)(const ds4_weight *gate, const ds4_weight *up, const float *x, float *y, int nt,
+                          float limit, float *g_scratch, float *u_scratch);
+
     /* Rotate the last rp->n_rot dims of x[t][h][0:dh] (nh heads) in place, at
      * position pos0 + t*pos_step; inverse != 0 rotates by -theta. */
     void (*rope)(float *x, int nt, int nh, int dh, int pos0, int pos_step, const ds4_rope *rp, int inverse);
@@ -188,13 +226,14 @@ typedef struct ds4_backend {
     void (*compress_pool)(const float *kv, const float *sc, const float *st_kv, const float *st_sc,
                           int pos0, int nt, int ratio, int c, int dc, float *out);
 
-    /* Lightning indexer.  q [nt][Hi][di] (rope applied), w [nt][Hi] head
-     * weights (already scaled by 1/sqrt(di*Hi)), rows [*][di] indexer
+    /* Lightning indexer.  q [nt][Hi][di] (rope applied), w [nt][Hi] raw head
+     * weights, used as w' = w*w_scale (one float product, as scale() computes
+     * it; the forward pass passes 1/sqrt(di*Hi)), rows [*][di] indexer
      * compressed rows.  For query t at P = pos0+t, n_vis = (P+1)/ratio rows are
-     * visible; score(r) = sum_h w[t][h] * max(0, q[t][h].rows[r]).  out[t][0:k]
+     * visible; score(r) = sum_h w'[t][h] * max(0, q[t][h].rows[r]).  out[t][0:k]
      * = the min(k, n_vis) visible rows of highest score (ties: lower r first),
      * in descending score order, then -1 padding. */
-    void (*indexer_topk)(const float *q, const float *w, const float *rows,
+    void (*indexer_topk)(const float *q, const float *w, float w_scale, const float *rows,
                          int pos0, int nt, int Hi, int di, int ratio, int k, int32_t *out);
 
     /* MoE routing.  probs = sqrt(softplus(logits)) with softplus(x) = x > 20 ? x : logf(1+expf(x)).
@@ -207,10 +246,11 @@ typedef struct ds4_backend {
                       int32_t *sel, float *wts);
 
     /* Routed experts: out[t][:] = sum_j wts[t][j] * down_e(swiglu(gate_e x[t], up_e x[t], clamp)),
-     * e = sel[t][j]; gate/up {D, F, E}, down {F, D, E}. */
+     * e = sel[t][j], summed from 0 in slot order; then, when add != NULL, out += add
+     * (add [nt][D], e.g. the shared expert).  gate/up {D, F, E}, down {F, D, E}. */
     void (*moe_experts)(const float *x, const int32_t *sel, const float *wts,
                         const ds4_weight *gate, const ds4_weight *up, const ds4_weight *down,
-                        int nt, int k, float clamp, float *out);
+                        int nt, int k, float clamp, const float *add, float *out);
 
     /* y = silu(g') * u' with g' = min(g, L), u' = clamp(u, -L, L) when L > 1e-6,
      * plain silu(g)*u otherwise; n elements.  In place (y == g) allowed. */

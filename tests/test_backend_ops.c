@@ -350,7 +350,8 @@ static void test_hc_post(int nt, int D, int h) {
     free(out[0]); free(out[1]); free(f); free(xr); free(post); free(comb);
 }
 
-static void test_rope(int nt, int nh, int dh, int n_rot, int pos0, int step, int yarn, int inverse) {
+/* RoPE parameters of a window layer, or of a compressed layer with YaRN. */
+static ds4_rope test_rope_params(int n_rot, int yarn) {
     ds4_rope rp;
     rp.n_rot = n_rot;
     rp.freq_base = yarn ? 160000.0f : 10000.0f;
@@ -358,6 +359,142 @@ static void test_rope(int nt, int nh, int dh, int n_rot, int pos0, int step, int
     rp.ext_factor = yarn ? 1.0f : 0.0f;
     rp.corr_lo = yarn ? 5.0f : 0.0f;
     rp.corr_hi = yarn ? 21.0f : 0.0f;
+    return rp;
+}
+
+/* ---- fused ops: checked against the CPU backend's composition of the plain ops ---- */
+
+/* hc_pre: the previous sublayer's update (with_f), the flattened norm, the
+ * F32 projection (K = h*D: the long-K shape), hc_mix and the sublayer norm.
+ * Head mode gets a 1-entry scale buffer, as the model has, so a read past
+ * it is a sanitizer error. */
+static void test_hc_pre(int nt, int D, int h, int head, int with_f) {
+    const int n_mix = head ? h : (2 + h) * h;
+    const int64_t K = (int64_t)h * D;
+    ds4_weight fn = make_weight(DS4_TYPE_F32, K, n_mix, 1, 2.0f / sqrtf((float)K));
+    const int n_sc = head ? 1 : 3;
+    float *scale = rnd_vec(n_sc, 1.0f), *base = rnd_vec(n_mix, 0.5f), *nw = rnd_vec(D, 1.0f);
+    float *f = rnd_vec((size_t)nt * D, 1.0f), *xr = rnd_vec((size_t)nt * K, 1.0f), *x = rnd_vec((size_t)nt * K, 1.0f);
+    float *post = rnd_vec((size_t)nt * h, 1.0f), *comb = rnd_vec((size_t)nt * h * h, 0.5f);
+    float *ox[2], *oy[2], *op[2], *oc[2];
+    for (int bi = 0; bi < 2; bi++) {
+        ds4_weight fb = weight_on(bi, &fn);
+        float *ds = dev_put(bi, scale, (size_t)n_sc * 4), *db = dev_put(bi, base, (size_t)n_mix * 4);
+        float *dn = dev_put(bi, nw, (size_t)D * 4);
+        float *df = with_f ? dev_put(bi, f, (size_t)nt * D * 4) : NULL;
+        float *dxr = with_f ? dev_put(bi, xr, (size_t)nt * K * 4) : NULL;
+        float *dx = with_f ? dev_poison(bi, (size_t)nt * K) : dev_put(bi, x, (size_t)nt * K * 4);
+        float *dp = dev_put(bi, post, (size_t)nt * h * 4), *dc = dev_put(bi, comb, (size_t)nt * h * h * 4);
+        float *dflat = dev_poison(bi, (size_t)nt * K), *dmix = dev_poison(bi, (size_t)nt * n_mix);
+        float *dy = dev_poison(bi, (size_t)nt * D);
+        B[bi]->hc_pre(df, dxr, dx, &fb, ds, db, dn, nt, D, h, head, 1e-6f, 1e-6f, 20, dflat, dmix, dy, dp, dc);
+        ox[bi] = dev_get(bi, dx, (size_t)nt * K * 4);
+        oy[bi] = dev_get(bi, dy, (size_t)nt * D * 4);
+        op[bi] = dev_get(bi, dp, (size_t)nt * h * 4);
+        oc[bi] = dev_get(bi, dc, (size_t)nt * h * h * 4);
+        B[bi]->release_weight(&fb);
+        dev_free_all(bi);
+    }
+    char shape[96];
+    snprintf(shape, sizeof shape, "nt=%d D=%d hc=%d head=%d%s", nt, D, h, head, with_f ? " +update" : "");
+    /* the update: as hc_post (ULP); y, post, comb: sigmoids and a normalised
+     * sum of the mix logits, which carry the DOT error of a K = h*D product */
+    if (with_f) check_f32("hc_pre x", shape, ox[0], ox[1], (size_t)nt * K, TOL_ULP);
+    check_f32("hc_pre y", shape, oy[0], oy[1], (size_t)nt * D, TOL_DOT);
+    if (!head) {
+        check_f32("hc_pre post", shape, op[0], op[1], (size_t)nt * h, TOL_DOT);
+        check_f32("hc_pre comb", shape, oc[0], oc[1], (size_t)nt * h * h, TOL_DOT);
+    }
+    for (int bi = 0; bi < 2; bi++) { free(ox[bi]); free(oy[bi]); free(op[bi]); free(oc[bi]); }
+    free(scale); free(base); free(nw); free(f); free(xr); free(x); free(post); free(comb); free_weight(&fn);
+}
+
+/* matmul_multi: n projections of one x, optionally through the input norm and
+ * with ape tables on some of them.  types[i] lets one call mix types (the
+ * backend must split it); rows[i] the matrices' heights. */
+static void test_matmul_multi(int n, const int *types, const int *rows, int64_t K, int nt, int with_norm,
+                              int with_tab, int pos0, int period) {
+    ds4_weight w[DS4_MULTI_MAX];
+    float *tab[DS4_MULTI_MAX];
+    for (int i = 0; i < n; i++) {
+        w[i] = make_weight(types[i], K, rows[i], 1, 1.0f / sqrtf((float)K));
+        tab[i] = with_tab && i % 2 == 1 ? rnd_vec((size_t)period * rows[i], 1.0f) : NULL;
+    }
+    float *x = rnd_vec((size_t)nt * K, 2.0f), *nw = rnd_vec(K, 1.0f);
+    float *out[2][DS4_MULTI_MAX];
+    for (int bi = 0; bi < 2; bi++) {
+        ds4_weight wb[DS4_MULTI_MAX];
+        const ds4_weight *wp[DS4_MULTI_MAX];
+        float *dy[DS4_MULTI_MAX];
+        const float *dt[DS4_MULTI_MAX];
+        for (int i = 0; i < n; i++) {
+            wb[i] = weight_on(bi, &w[i]);
+            wp[i] = &wb[i];
+            dy[i] = dev_poison(bi, (size_t)nt * rows[i]);
+            dt[i] = tab[i] ? dev_put(bi, tab[i], (size_t)period * rows[i] * 4) : NULL;
+        }
+        float *dx = dev_put(bi, x, (size_t)nt * K * 4);
+        float *dn = with_norm ? dev_put(bi, nw, (size_t)K * 4) : NULL;
+        B[bi]->matmul_multi(n, wp, dy, dx, nt, dn, 1e-6f, with_tab ? dt : NULL, pos0, period);
+        for (int i = 0; i < n; i++) {
+            out[bi][i] = dev_get(bi, dy[i], (size_t)nt * rows[i] * 4);
+            B[bi]->release_weight(&wb[i]);
+        }
+        dev_free_all(bi);
+    }
+    for (int i = 0; i < n; i++) {
+        char shape[96];
+        snprintf(shape, sizeof shape, "%d/%d %s K=%lld N=%d nt=%d%s%s", i, n, type_name(types[i]), (long long)K,
+                 rows[i], nt, with_norm ? " norm" : "", tab[i] ? " +ape" : "");
+        check_f32("matmul_multi", shape, out[0][i], out[1][i], (size_t)nt * rows[i], TOL_DOT);
+        free(out[0][i]); free(out[1][i]); free(tab[i]); free_weight(&w[i]);
+    }
+    free(x); free(nw);
+}
+
+static void test_head_norm_rope(int nt, int nh, int dh, int n_rot, int pos0, int with_w, int yarn) {
+    const ds4_rope rp = test_rope_params(n_rot, yarn);
+    const size_t n = (size_t)nt * nh * dh;
+    float *x = rnd_vec(n, 3.0f), *w = rnd_vec(dh, 1.0f);
+    float *out[2];
+    for (int bi = 0; bi < 2; bi++) {
+        float *dx = dev_put(bi, x, n * 4);
+        float *dw = with_w ? dev_put(bi, w, (size_t)dh * 4) : NULL;
+        B[bi]->head_norm_rope(dx, dw, nt, nh, dh, 1e-6f, pos0, &rp);
+        out[bi] = dev_get(bi, dx, n * 4);
+        dev_free_all(bi);
+    }
+    char shape[96];
+    snprintf(shape, sizeof shape, "nt=%d nh=%d dh=%d rot=%d pos=%d%s%s", nt, nh, dh, n_rot, pos0,
+             with_w ? " w" : "", yarn ? " yarn" : "");
+    /* the norm's final roundings, then rope's libm-vs-CUDA sin/cos (as test_rope) */
+    check_f32("head_norm_rope", shape, out[0], out[1], n, TOL_ULP);
+    free(out[0]); free(out[1]); free(x); free(w);
+}
+
+static void test_matmul_swiglu(int type, int64_t K, int64_t F, int nt, float limit) {
+    ds4_weight g = make_weight(type, K, F, 1, 3.0f / sqrtf((float)K)), u = make_weight(type, K, F, 1, 3.0f / sqrtf((float)K));
+    float *x = rnd_vec((size_t)nt * K, 2.0f);
+    const size_t n = (size_t)nt * F;
+    float *out[2];
+    for (int bi = 0; bi < 2; bi++) {
+        ds4_weight gb = weight_on(bi, &g), ub = weight_on(bi, &u);
+        float *dx = dev_put(bi, x, (size_t)nt * K * 4);
+        float *dy = dev_poison(bi, n), *dg = dev_poison(bi, n), *du = dev_poison(bi, n);
+        B[bi]->matmul_swiglu(&gb, &ub, dx, dy, nt, limit, dg, du);
+        out[bi] = dev_get(bi, dy, n * 4);
+        B[bi]->release_weight(&gb); B[bi]->release_weight(&ub);
+        dev_free_all(bi);
+    }
+    char shape[96];
+    snprintf(shape, sizeof shape, "%s K=%lld F=%lld nt=%d L=%g", type_name(type), (long long)K, (long long)F, nt, limit);
+    /* two DOT-error products through silu(g)*u: relative error stays DOT-sized */
+    check_f32("matmul_swiglu", shape, out[0], out[1], n, TOL_DOT);
+    free(out[0]); free(out[1]); free(x); free_weight(&g); free_weight(&u);
+}
+
+static void test_rope(int nt, int nh, int dh, int n_rot, int pos0, int step, int yarn, int inverse) {
+    const ds4_rope rp = test_rope_params(n_rot, yarn);
     const size_t n = (size_t)nt * nh * dh;
     float *x = rnd_vec(n, 1.0f);
     float *out[2];
@@ -487,14 +624,16 @@ static double ix_score_d(const float *q, const float *w, const float *rows, int 
 
 static void test_indexer(int pos0, int nt, int Hi, int di, int ratio, int k) {
     const int n_rows = (pos0 + nt) / ratio + 1;
-    float *q = rnd_vec((size_t)nt * Hi * di, 1.0f), *w = rnd_vec((size_t)nt * Hi, 1.0f / sqrtf((float)(Hi * di)));
+    /* raw head weights and the forward pass's scale, applied inside the op */
+    const float w_scale = 1.0f / sqrtf((float)di * (float)Hi);
+    float *q = rnd_vec((size_t)nt * Hi * di, 1.0f), *w = rnd_vec((size_t)nt * Hi, 1.0f);
     float *rows = rnd_vec((size_t)n_rows * di, 1.0f);
     int32_t *out[2];
     for (int bi = 0; bi < 2; bi++) {
         float *dq = dev_put(bi, q, (size_t)nt * Hi * di * 4), *dw = dev_put(bi, w, (size_t)nt * Hi * 4);
         float *dr = dev_put(bi, rows, (size_t)n_rows * di * 4);
         int32_t *dy = dev_poison_i32(bi, (size_t)nt * k);
-        B[bi]->indexer_topk(dq, dw, dr, pos0, nt, Hi, di, ratio, k, dy);
+        B[bi]->indexer_topk(dq, dw, w_scale, dr, pos0, nt, Hi, di, ratio, k, dy);
         out[bi] = dev_get(bi, dy, (size_t)nt * k * 4);
         dev_free_all(bi);
     }
@@ -567,7 +706,8 @@ static void test_moe_route(int nt, int E, int k, int hash, int norm, float wscal
 /* Routed experts.  sel/wts are a valid routing (k distinct experts per
  * token); `skew` concentrates tokens on few experts, which moves a large
  * batch from the per-token kernels to the grouped GEMM path. */
-static void test_moe_experts(int type, int64_t D, int64_t F, int E, int k, int nt, float clamp, int skew) {
+static void test_moe_experts_add(int type, int64_t D, int64_t F, int E, int k, int nt, float clamp, int skew,
+                                 int with_add) {
     ds4_weight g = make_weight(type, D, F, E, 1.0f / sqrtf((float)D));
     ds4_weight u = make_weight(type, D, F, E, 1.0f / sqrtf((float)D));
     ds4_weight dn = make_weight(type, F, D, E, 1.0f / sqrtf((float)F));
@@ -590,24 +730,30 @@ static void test_moe_experts(int type, int64_t D, int64_t F, int E, int k, int n
                     jj = -1;
                 }
     const size_t n = (size_t)nt * D;
+    float *add = rnd_vec(n, 1.0f);
     float *out[2];
     for (int bi = 0; bi < 2; bi++) {
         ds4_weight gb = weight_on(bi, &g), ub = weight_on(bi, &u), db = weight_on(bi, &dn);
         float *dx = dev_put(bi, x, n * 4);
         int32_t *ds = dev_put(bi, sel, (size_t)nt * k * 4);
         float *dw = dev_put(bi, wts, (size_t)nt * k * 4);
+        float *da = with_add ? dev_put(bi, add, n * 4) : NULL;
         float *dy = dev_poison(bi, n);
-        B[bi]->moe_experts(dx, ds, dw, &gb, &ub, &db, nt, k, clamp, dy);
+        B[bi]->moe_experts(dx, ds, dw, &gb, &ub, &db, nt, k, clamp, da, dy);
         out[bi] = dev_get(bi, dy, n * 4);
         B[bi]->release_weight(&gb); B[bi]->release_weight(&ub); B[bi]->release_weight(&db);
         dev_free_all(bi);
     }
     char shape[96];
-    snprintf(shape, sizeof shape, "%s D=%lld F=%lld E=%d k=%d nt=%d L=%g%s", type_name(type), (long long)D,
-             (long long)F, E, k, nt, clamp, skew ? " skew" : "");
+    snprintf(shape, sizeof shape, "%s D=%lld F=%lld E=%d k=%d nt=%d L=%g%s%s", type_name(type), (long long)D,
+             (long long)F, E, k, nt, clamp, skew ? " skew" : "", with_add ? " +add" : "");
     check_f32("moe_experts", shape, out[0], out[1], n, TOL_CHAIN);
-    free(out[0]); free(out[1]); free(x); free(sel); free(wts);
+    free(out[0]); free(out[1]); free(x); free(sel); free(wts); free(add);
     free_weight(&g); free_weight(&u); free_weight(&dn);
+}
+
+static void test_moe_experts(int type, int64_t D, int64_t F, int E, int k, int nt, float clamp, int skew) {
+    test_moe_experts_add(type, D, F, E, k, nt, clamp, skew, 0);
 }
 
 static void test_swiglu(int64_t n, float limit, int in_place) {
@@ -701,6 +847,26 @@ static void test_determinism(void) {
         dev_free_all(bi);
         free(q); free(kv); free(ring); free(comp); free(sinks); free(topk);
     }
+    /* hc_pre: split-K partials and their fixed-order reduction */
+    {
+        const int D = 4096, h = 4, n_mix = 24, K = D * h;
+        ds4_weight fn = make_weight(DS4_TYPE_F32, K, n_mix, 1, 0.01f);
+        ds4_weight fb = weight_on(bi, &fn);
+        float *x = rnd_vec(K, 1.0f), *sc = rnd_vec(3, 1.0f), *ba = rnd_vec(n_mix, 0.5f), *nw = rnd_vec(D, 1.0f);
+        float *dx = dev_put(bi, x, (size_t)K * 4), *ds = dev_put(bi, sc, 12), *db = dev_put(bi, ba, n_mix * 4);
+        float *dn = dev_put(bi, nw, (size_t)D * 4), *dflat = dev_poison(bi, K), *dmix = dev_poison(bi, n_mix);
+        float *dy = dev_poison(bi, D), *dp = dev_poison(bi, h), *dc = dev_poison(bi, h * h);
+        float *r[2];
+        for (int rep = 0; rep < 2; rep++) {
+            B[bi]->hc_pre(NULL, NULL, dx, &fb, ds, db, dn, 1, D, h, 0, 1e-6f, 1e-6f, 20, dflat, dmix, dy, dp, dc);
+            r[rep] = dev_get(bi, dy, (size_t)D * 4);
+        }
+        check_same("hc_pre D=4096 nt=1", r[0], r[1], (size_t)D * 4);
+        free(r[0]); free(r[1]);
+        B[bi]->release_weight(&fb);
+        dev_free_all(bi);
+        free(x); free(sc); free(ba); free(nw); free_weight(&fn);
+    }
     /* experts: decode kernels and the grouped GEMM path */
     {
         const int D = 1024, F = 1024, E = 8, k = 4, nt = 64;
@@ -716,7 +882,7 @@ static void test_determinism(void) {
         for (int n = 1; n <= nt; n += nt - 1) {
             float *r[2];
             for (int rep = 0; rep < 2; rep++) {
-                B[bi]->moe_experts(dx, dsl, dw, &gb, &ub, &db, n, k, 10.0f, dy);
+                B[bi]->moe_experts(dx, dsl, dw, &gb, &ub, &db, n, k, 10.0f, NULL, dy);
                 r[rep] = dev_get(bi, dy, (size_t)n * D * 4);
             }
             check_same(n == 1 ? "moe_experts q8_0 nt=1" : "moe_experts q8_0 nt=64 (GEMM)", r[0], r[1],
@@ -867,6 +1033,50 @@ int main(void) {
 
     test_add_scale(1);
     test_add_scale(100003);
+
+    /* fused ops: decode and prefill token counts, Flash shapes and odd ones */
+    for (int ni = 0; ni < 3; ni++) {
+        test_hc_pre(nts[ni], 4096, 4, 0, 1);
+        test_hc_pre(nts[ni], 4096, 4, 0, 0);
+        test_hc_pre(nts[ni], 4096, 4, 1, 1);
+        test_hc_pre(nts[ni], 96, 4, 0, 1);
+    }
+    test_hc_pre(2, 100, 4, 1, 0);
+    test_hc_pre(1, 1000, 3, 0, 1);
+    test_hc_pre(5, 8192, 4, 0, 1);
+    {
+        /* the attention input's seven projections (ratio-4 layer of Flash) */
+        const int q8[7] = { DS4_TYPE_Q8_0, DS4_TYPE_Q8_0, DS4_TYPE_Q8_0, DS4_TYPE_Q8_0, DS4_TYPE_Q8_0,
+                            DS4_TYPE_Q8_0, DS4_TYPE_Q8_0 };
+        const int r7[7] = { 1024, 512, 1024, 1024, 256, 256, 64 };
+        const int mixed[4] = { DS4_TYPE_Q8_0, DS4_TYPE_F32, DS4_TYPE_F16, DS4_TYPE_Q8_0 };
+        const int r4[4] = { 300, 64, 515, 100 };
+        const int two[2] = { DS4_TYPE_Q8_0, DS4_TYPE_Q8_0 };
+        const int r2[2] = { 4096, 1024 };
+        for (int ni = 0; ni < 3; ni++) {
+            test_matmul_multi(7, q8, r7, 4096, nts[ni], 0, 1, 37, 4);
+            test_matmul_multi(4, mixed, r4, 2048, nts[ni], 0, 1, 5, 128);
+            test_matmul_multi(2, two, r2, 1024, nts[ni], 1, 0, 0, 1);   /* q_b + indexer q_b, normed input */
+            test_matmul_multi(4, mixed, r4, 96, nts[ni], 1, 1, 3, 4);   /* generic K: the composition */
+        }
+        test_matmul_multi(2, two, r2, 1024, 2, 1, 0, 0, 1);
+        test_matmul_multi(2, two, r2, 1024, 4, 1, 1, 126, 128);
+        test_matmul_multi(4, mixed, r4, 8192, 1, 1, 1, 1, 4);
+    }
+    for (int ni = 0; ni < 3; ni++) {
+        test_head_norm_rope(nts[ni], 64, 512, 64, 1000, 0, 1);
+        test_head_norm_rope(nts[ni], 1, 512, 64, 3, 1, 0);
+        test_head_norm_rope(nts[ni], 3, 96, 16, 77, 1, 1);
+    }
+    for (int ti = 0; ti < 4; ti++) {
+        test_matmul_swiglu(types[ti], 4096, 2048, 1, 10.0f);
+        test_matmul_swiglu(types[ti], 4096, 2048, 3, 10.0f);
+        test_matmul_swiglu(types[ti], 96, 48, 2, 0.0f);
+        test_matmul_swiglu(types[ti], 1024, 512, 64, 7.0f);
+    }
+    test_moe_experts_add(DS4_TYPE_Q8_0, 4096, 2048, 16, 6, 1, 10.0f, 0, 1);
+    test_moe_experts_add(DS4_TYPE_F32, 96, 64, 4, 2, 3, 0.0f, 0, 1);
+    test_moe_experts_add(DS4_TYPE_Q8_0, 1024, 1024, 8, 4, 64, 10.0f, 1, 1);
 
     test_determinism();
 

@@ -951,12 +951,16 @@ static void test_indexer(int Hi, int di, int ratio, int k, int pos0, int nt, int
         int a = rndi(nrows - 1), b = a + 1 + rndi(nrows - 1 - a);
         memcpy(rows + (size_t)b * di, rows + (size_t)a * di, (size_t)di * 4);
     }
-    float *dq = dev_from(q, nq), *dw = dev_from(w, nw), *drows = dev_from(rows, nrw);
+    /* the op scales w itself: feed 2w with w_scale 1/2 (exact) so the reference keeps w */
+    float *w2 = fbuf(nw);
+    for (size_t i = 0; i < nw; i++) w2[i] = 2.0f * w[i];
+    float *dq = dev_from(q, nq), *dw = dev_from(w2, nw), *drows = dev_from(rows, nrw);
+    free(w2);
     size_t no = (size_t)nt * k;
     int32_t *poison = xmalloc(no * 4);
     for (size_t i = 0; i < no; i++) poison[i] = 0x55555555;
     int32_t *dout = dev_from_i(poison, no);
-    be->indexer_topk(dq, dw, drows, pos0, nt, Hi, di, ratio, k, dout);
+    be->indexer_topk(dq, dw, 0.5f, drows, pos0, nt, Hi, di, ratio, k, dout);
     int32_t *out = xmalloc(no * 4), *ref = xmalloc(no * 4);
     be->synchronize();
     be->download(out, dout, no * 4);
@@ -1158,9 +1162,13 @@ static void test_moe_experts(int type, int D, int F, int E, int k, int nt, float
             } while (dup);
             sel[(size_t)t * k + j] = e;
         }
-    float *dx = dev_from(x, nx), *dw = dev_from(wts, ns), *dout = dev_nan(nx);
+    /* odd token counts also get the op's final "+ add" (the shared expert's slot) */
+    float *add = fbuf(nx);
+    fill(add, nx, -1, 1);
+    const int with_add = nt % 2;
+    float *dx = dev_from(x, nx), *dw = dev_from(wts, ns), *dout = dev_nan(nx), *dadd = dev_from(add, nx);
     int32_t *dsel = dev_from_i(sel, ns);
-    be->moe_experts(dx, dsel, dw, &g.w, &u.w, &dn.w, nt, k, clamp, dout);
+    be->moe_experts(dx, dsel, dw, &g.w, &u.w, &dn.w, nt, k, clamp, with_add ? dadd : NULL, dout);
     float *out = dl(dout, nx);
 
     double *ref = dbuf(nx), *tol = dbuf(nx), *hv = dbuf((size_t)F), *dh = dbuf((size_t)F);
@@ -1193,13 +1201,19 @@ static void test_moe_experts(int type, int D, int F, int E, int k, int nt, float
                 tol[(size_t)t * D + d] += fabs(wj) * (prop + 16.0 * U * sqrt((double)F) * m) + 8.0 * U * fabs(wj * s);
             }
         }
-        for (int d = 0; d < D; d++) tol[(size_t)t * D + d] += 1e-30;
+        for (int d = 0; d < D; d++) {
+            if (with_add) {   /* one more f32 rounding of the sum */
+                ref[(size_t)t * D + d] += add[(size_t)t * D + d];
+                tol[(size_t)t * D + d] += U * (fabs(ref[(size_t)t * D + d]) + fabs((double)add[(size_t)t * D + d]));
+            }
+            tol[(size_t)t * D + d] += 1e-30;
+        }
     }
     char name[200];
-    snprintf(name, sizeof name, "moe_experts %s D=%d F=%d E=%d k=%d nt=%d clamp=%g", tname(type), D, F, E, k, nt, (double)clamp);
+    snprintf(name, sizeof name, "moe_experts%s %s D=%d F=%d E=%d k=%d nt=%d clamp=%g", with_add ? "+add" : "", tname(type), D, F, E, k, nt, (double)clamp);
     report(name, out, ref, tol, nx);
-    be->free(dx); be->free(dw); be->free(dout); be->free(dsel);
-    free(x); free(wts); free(sel); free(out); free(ref); free(tol); free(hv); free(dh);
+    be->free(dx); be->free(dw); be->free(dout); be->free(dsel); be->free(dadd);
+    free(x); free(wts); free(sel); free(out); free(ref); free(tol); free(hv); free(dh); free(add);
     tw_free(&g); tw_free(&u); tw_free(&dn);
 }
 
