@@ -115,7 +115,13 @@ test-c: $(B)/tests/test_gguf $(B)/tests/test_kernels
 	$(B)/tests/test_gguf
 	$(B)/tests/test_kernels
 
-test-py: cpu
+# What the tests need beyond gcc and make: python3 with pytest and numpy, npm, git.
+# Installs the missing Debian packages as root; otherwise prints the command and stops.
+test-deps:
+	@bash scripts/test-deps.sh
+.PHONY: test-deps
+
+test-py: test-deps cpu
 	bash tests/run_pytest.sh
 
 test-gpu: cuda-check
@@ -123,7 +129,9 @@ test-gpu: cuda-check
 	  $(B)/cuda-$(CHECK_ARCH)/test_backend_ops && TEST_DS4_CUDA_BIN=$(B)/cuda-$(CHECK_ARCH)/ds4 bash tests/run_pytest.sh -m gpu; \
 	else echo "skipped: no GPU (GPU tests: backend ops, CUDA vs CPU logits)"; fi
 
-test: cpu test-c cuda-check test-py test-gpu
+# test-deps first, also under make -j: a bare machine installs (or stops) before any build.
+test: test-deps
+	@$(MAKE) --no-print-directory cpu test-c cuda-check test-py test-gpu
 	@echo "make test: all done"
 
 # ---- sanitizers: the malformed-input tests under ASan + UBSan ----

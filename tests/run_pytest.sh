@@ -10,7 +10,7 @@ for cand in /usr/bin/python3 python3; do
   if "$cand" -c "import pytest, numpy" >/dev/null 2>&1; then PY="$cand"; break; fi
 done
 if [ -z "$PY" ]; then
-  echo "run_pytest: no python3 with pytest and numpy (Debian: apt-get install python3-pytest python3-numpy)" >&2
+  echo "run_pytest: no python3 with pytest and numpy (run scripts/test-deps.sh: it installs them as root, else prints the command)" >&2
   exit 2
 fi
 if ! tests/oracle/fetch_llama.sh build/oracle; then
