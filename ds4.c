@@ -2696,6 +2696,28 @@ static void cpu_head_norm_rope(float *x, const float *w, int nt, int nh, int dh,
     cpu_rope(x, nt, nh, dh, pos0, 1, rp, 0);
 }
 
+static void cpu_attention_step(const float *q, const float *kv, float *ring, int W, int pos0, int nt, int H, int d,
+                               const float *comp, int ratio, const int32_t *topk, int k,
+                               const float *sinks, float scale, const ds4_rope *rp, float *out) {
+    cpu_attention(q, kv, ring, W, pos0, nt, H, d, comp, ratio, topk, k, sinks, scale, out);
+    cpu_ring_store(ring, kv, W, d, pos0, nt);
+    cpu_rope(out, nt, H, d, pos0, 1, rp, 1);
+}
+
+static void cpu_compressor_step(const float *kv, const float *sc, float *st_kv, float *st_sc,
+                                int pos0, int nt, int ratio, int c, int dc, const float *norm_w, float eps,
+                                const ds4_rope *rp, float *rows) {
+    const int w0 = pos0 / ratio, n_emit = (pos0 + nt) / ratio - w0;
+    if (n_emit > 0) {
+        float *out = rows + (size_t)w0 * dc;
+        cpu_compress_pool(kv, sc, st_kv, st_sc, pos0, nt, ratio, c, dc, out);
+        cpu_rmsnorm(out, norm_w, out, n_emit, dc, eps);
+        cpu_rope(out, n_emit, 1, dc, w0 * ratio, ratio, rp, 0);
+    }
+    cpu_ring_store(st_kv, kv, c * ratio, c * dc, pos0, nt);
+    cpu_ring_store(st_sc, sc, c * ratio, c * dc, pos0, nt);
+}
+
 static void cpu_matmul_swiglu(const ds4_weight *gate, const ds4_weight *up, const float *x, float *y, int nt,
                               float limit, float *g, float *u) {
     cpu_matmul(gate, 0, x, g, nt);
@@ -2716,7 +2738,8 @@ static const ds4_backend g_cpu_backend = {
     .indexer_topk = cpu_indexer_topk, .moe_route = cpu_moe_route,
     .moe_experts = cpu_moe_experts, .swiglu = cpu_swiglu, .add = cpu_add, .scale = cpu_scale,
     .hc_pre = cpu_hc_pre, .matmul_multi = cpu_matmul_multi, .head_norm_rope = cpu_head_norm_rope,
-    .matmul_swiglu = cpu_matmul_swiglu,
+    .matmul_swiglu = cpu_matmul_swiglu, .attention_step = cpu_attention_step,
+    .compressor_step = cpu_compressor_step,
 };
 
 const ds4_backend *ds4_backend_cpu(void) { return &g_cpu_backend; }
@@ -3136,26 +3159,6 @@ void ds4_ctx_reset(ds4_ctx *c) { c->pos = 0; }
  *   mHC post; then the mHC head, RMSNorm and the output projection.
  * ------------------------------------------------------------------------- */
 
-/* Compressor of one layer, after its projections (kvb, scb = the batch's kv
- * and gate rows, ape already added by matmul_multi): pool finished blocks
- * into rows, normalise and rotate them, then remember the batch in the state
- * ring. */
-static void fwd_compressor(ds4_ctx *c, int pos0, int nt, int ratio, int coff, int dc,
-                           const ds4_weight *norm, float *kvb, float *scb,
-                           float *st_kv, float *st_sc, float *rows) {
-    const ds4_backend *be = c->be;
-    const ds4_hparams *hp = &c->m->hp;
-    const int w0 = pos0 / ratio, n_emit = (pos0 + nt) / ratio - w0;
-    if (n_emit > 0) {
-        float *out = rows + (size_t)w0 * dc;
-        be->compress_pool(kvb, scb, st_kv, st_sc, pos0, nt, ratio, coff, dc, out);
-        be->rmsnorm(out, norm->dev, out, n_emit, dc, hp->rms_eps);
-        be->rope(out, n_emit, 1, dc, w0 * ratio, ratio, &c->rope_comp, 0);
-    }
-    be->ring_store(st_kv, kvb, coff * ratio, coff * dc, pos0, nt);
-    be->ring_store(st_sc, scb, coff * ratio, coff * dc, pos0, nt);
-}
-
 static void fwd_attention(ds4_ctx *c, int il, const float *hn, int pos0, int nt, float *out) {
     const ds4_backend *be = c->be;
     const ds4_hparams *hp = &c->m->hp;
@@ -3194,25 +3197,26 @@ static void fwd_attention(ds4_ctx *c, int il, const float *hn, int pos0, int nt,
     be->head_norm_rope(c->q, NULL, nt, H, d, hp->rms_eps, pos0, rp);
     be->head_norm_rope(c->kv, L->kv_a_norm.dev, nt, 1, d, hp->rms_eps, pos0, rp);
 
+    /* compressors: pool finished blocks into rows (normalised, rotated), then
+     * remember the batch's kv and gate rows in their state rings */
     int k = 0;
     if (ratio) {
-        fwd_compressor(c, pos0, nt, ratio, ratio == 4 ? 2 : 1, d, &L->comp_norm, c->ckv, c->csc,
-                       S->st_kv, S->st_sc, S->comp);
+        be->compressor_step(c->ckv, c->csc, S->st_kv, S->st_sc, pos0, nt, ratio, ratio == 4 ? 2 : 1, d,
+                            L->comp_norm.dev, hp->rms_eps, &c->rope_comp, S->comp);
     }
     if (ratio == 4) {
-        fwd_compressor(c, pos0, nt, 4, 2, di, &L->idx_comp_norm, c->ikv, c->isc, S->ist_kv, S->ist_sc, S->irows);
+        be->compressor_step(c->ikv, c->isc, S->ist_kv, S->ist_sc, pos0, nt, 4, 2, di,
+                            L->idx_comp_norm.dev, hp->rms_eps, &c->rope_comp, S->irows);
         be->rope(c->iq, nt, Hi, di, pos0, 1, &c->rope_comp, 0);
         k = hp->idx_topk;
         be->indexer_topk(c->iq, c->iw, 1.0f / sqrtf((float)di * (float)Hi), S->irows, pos0, nt, Hi, di, 4, k,
                          c->topk);
     }
 
-    be->attention(c->q, c->kv, S->ring, hp->n_swa, pos0, nt, H, d, S->comp, ratio,
-                  ratio == 4 ? c->topk : NULL, k, L->attn_sinks.dev, 1.0f / sqrtf((float)d), c->o);
-    be->ring_store(S->ring, c->kv, hp->n_swa, d, pos0, nt);
-
-    /* undo the query-position rotation, then the grouped low-rank output */
-    be->rope(c->o, nt, H, d, pos0, 1, rp, 1);
+    /* attention, the window ring update, and the query-position rotation
+     * undone; then the grouped low-rank output */
+    be->attention_step(c->q, c->kv, S->ring, hp->n_swa, pos0, nt, H, d, S->comp, ratio,
+                       ratio == 4 ? c->topk : NULL, k, L->attn_sinks.dev, 1.0f / sqrtf((float)d), rp, c->o);
     be->matmul_grouped(&L->out_a, hp->o_groups, c->o, c->oa, nt);
     be->matmul(&L->out_b, 0, c->oa, out, nt);
 }

@@ -1535,8 +1535,9 @@ typedef struct {
     float theta_scale, freq_scale, ext_factor, corr_lo, corr_hi;
 } rope_args;
 
-/* Rotate pair i (v[0], v[1]) at position p, exactly as the CPU op does. */
-__device__ __forceinline__ void rope_pair(float *v, const rope_args &r, int p, int i, int inverse) {
+/* cos and sin (negated for the inverse rotation) of pair i at position p,
+ * exactly as the CPU op builds them. */
+__device__ __forceinline__ void rope_cs(const rope_args &r, int p, int i, int inverse, float *c, float *s) {
     float te = (float)p;
     for (int j = 0; j < i; j++) te = __fmul_rn(te, r.theta_scale);
     const float ti = __fmul_rn(r.freq_scale, te);
@@ -1546,11 +1547,25 @@ __device__ __forceinline__ void rope_pair(float *v, const rope_args &r, int p, i
         const float ramp = __fmul_rn(1.0f - fminf(1.0f, fmaxf(0.0f, yv)), r.ext_factor);
         theta = __fadd_rn(__fmul_rn(ti, 1.0f - ramp), __fmul_rn(te, ramp));
     }
-    const float c = cosf(theta);
-    const float s = inverse ? -sinf(theta) : sinf(theta);
+    *c = cosf(theta);
+    *s = inverse ? -sinf(theta) : sinf(theta);
+}
+
+/* The rotated pair: element 0 and element 1 of (x0, x1). */
+__device__ __forceinline__ float rope_rot0(float x0, float x1, float c, float s) {
+    return __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
+}
+__device__ __forceinline__ float rope_rot1(float x0, float x1, float c, float s) {
+    return __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c));
+}
+
+/* Rotate pair i (v[0], v[1]) at position p, exactly as the CPU op does. */
+__device__ __forceinline__ void rope_pair(float *v, const rope_args &r, int p, int i, int inverse) {
+    float c, s;
+    rope_cs(r, p, i, inverse, &c, &s);
     const float x0 = v[0], x1 = v[1];
-    v[0] = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
-    v[1] = __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c));
+    v[0] = rope_rot0(x0, x1, c, s);
+    v[1] = rope_rot1(x0, x1, c, s);
 }
 
 __global__ void k_rope(float *x, int nt, int nh, int dh, int pos0, int pos_step, rope_args r, int inverse) {
@@ -1679,7 +1694,25 @@ typedef struct {
     float *out, *part_o, *part_ml;
     int W, pos0, H, d, ratio, k, chunks, chunk_rows;
     float scale;
+    int nt;
+    int derot;          /* attention_step: de-rotate the output (inverse RoPE at P) as it is written */
+    rope_args rope;
+    float *ring_out;    /* attention_step with split rows: k_attention_combine stores kv into the ring */
 } attn_args;
+
+/* Element e of an output head row as written: v, or, with a.derot, its
+ * inverse rotation at position P.  The partner of a pair sits in lane ^ 1
+ * (the rotated dims start at an even offset), so every lane of the warp
+ * must call this. */
+__device__ __forceinline__ float att_derot(const attn_args &a, float v, int e, int P) {
+    const float pv = __shfl_xor_sync(FULL_MASK, v, 1);
+    const int r0 = a.d - a.rope.n_rot;
+    if (!a.derot || e < r0 || e >= a.d) return v;
+    const int j = e - r0;
+    float c, s;
+    rope_cs(a.rope, P, j >> 1, 1, &c, &s);
+    return (j & 1) ? rope_rot1(pv, v, c, s) : rope_rot0(v, pv, c, s);
+}
 
 /* Row i of a query's list (window, then compressed), or NULL for a -1 pick;
  * ids_s holds the query's ratio-4 picks. */
@@ -1817,7 +1850,8 @@ __global__ void __launch_bounds__(ATT_THREADS) k_attention(const attn_args a) {
 #pragma unroll
             for (int m = 0; m < DM; m++) {
                 const int e = lane + 32 * m;
-                if (e < a.d) a.out[oh * a.d + e] = o[hb][m] * f / denom;
+                const float v = att_derot(a, o[hb][m] * f / denom, e, P);
+                if (e < a.d) a.out[oh * a.d + e] = v;
             }
         } else {
             const int64_t pidx = oh * a.chunks + c;
@@ -1838,18 +1872,21 @@ static void launch_attention_t(const attn_args &a, dim3 grid) {
 
 /* One block per (head, query), one thread per dim: merge the chunk partials
  * in chunk order.  Warp 0 turns the chunk maxima and sums into weights with
- * fixed butterflies; every thread then issues all its chunk loads at once. */
-__global__ void k_attention_combine(const float *part_o, const float *part_ml, const float *sinks,
-                                    int H, int d, int chunks, float *out) {
+ * fixed butterflies; every thread then issues all its chunk loads at once.
+ * For attention_step the output is de-rotated as it is written, and the
+ * head-0 blocks store the batch's kv rows into the window ring: every
+ * k_attention block has finished reading the ring by then. */
+__global__ void k_attention_combine(const attn_args a) {
     __shared__ float f_s[ATT_MAX_CHUNKS];
     __shared__ float denom_s;
     const int h = blockIdx.x, t = blockIdx.y;
+    const int H = a.H, d = a.d, chunks = a.chunks;
     const int64_t base = ((int64_t)t * H + h) * chunks;
     if (threadIdx.x < 32) {
         const int c = threadIdx.x;
-        const float mc = c < chunks ? part_ml[2 * (base + c)] : -INFINITY;
-        const float lc = c < chunks ? part_ml[2 * (base + c) + 1] : 0.0f;
-        const float sink = sinks[h];
+        const float mc = c < chunks ? a.part_ml[2 * (base + c)] : -INFINITY;
+        const float lc = c < chunks ? a.part_ml[2 * (base + c) + 1] : 0.0f;
+        const float sink = a.sinks[h];
         float M = mc;
         for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(FULL_MASK, M, o));
         M = fmaxf(M, sink);
@@ -1860,22 +1897,22 @@ __global__ void k_attention_combine(const float *part_o, const float *part_ml, c
     }
     __syncthreads();
     const float denom = denom_s;
-    for (int e = threadIdx.x; e < d; e += blockDim.x) {
-        float v[ATT_MAX_CHUNKS];
+    const int e = threadIdx.x;                  /* blockDim.x = d rounded up to a warp */
+    float v[ATT_MAX_CHUNKS];
 #pragma unroll
-        for (int c = 0; c < ATT_MAX_CHUNKS; c++) v[c] = c < chunks ? part_o[(base + c) * d + e] : 0.0f;
-        float acc = 0.0f;
+    for (int c = 0; c < ATT_MAX_CHUNKS; c++) v[c] = c < chunks && e < d ? a.part_o[(base + c) * d + e] : 0.0f;
+    float acc = 0.0f;
 #pragma unroll
-        for (int c = 0; c < ATT_MAX_CHUNKS; c++) acc = fmaf(v[c], c < chunks ? f_s[c] : 0.0f, acc);
-        out[((int64_t)t * H + h) * d + e] = acc / denom;
-    }
+    for (int c = 0; c < ATT_MAX_CHUNKS; c++) acc = fmaf(v[c], c < chunks ? f_s[c] : 0.0f, acc);
+    const float o = att_derot(a, acc / denom, e, a.pos0 + t);
+    if (e < d) a.out[((int64_t)t * H + h) * d + e] = o;
+    if (a.ring_out && h == 0 && e < d && t >= a.nt - a.W)
+        a.ring_out[(int64_t)((a.pos0 + t) % a.W) * d + e] = a.kv[(int64_t)t * d + e];
 }
 
-static void launch_attention_combine(const float *part_o, const float *part_ml, const float *sinks,
-                                     int nt, int H, int d, int chunks, float *out) {
-    const unsigned threads = (unsigned)((d + 31) / 32 * 32);
-    DS4_LAUNCH(k_attention_combine<<<dim3((unsigned)H, (unsigned)nt), threads>>>(part_o, part_ml, sinks,
-                                                                                H, d, chunks, out));
+static void launch_attention_combine(const attn_args &a) {
+    const unsigned threads = (unsigned)((a.d + 31) / 32 * 32);
+    DS4_LAUNCH(k_attention_combine<<<dim3((unsigned)a.H, (unsigned)a.nt), threads>>>(a));
 }
 
 /* Resident k_attention blocks per SM (registers and shared memory decide). */
@@ -1894,10 +1931,14 @@ static int attention_blocks_per_sm(int DM) {
     return cache[DM];
 }
 
-static void cuda_attention(const float *q, const float *kv, const float *ring, int W,
-                           int pos0, int nt, int H, int d,
-                           const float *comp, int ratio, const int32_t *topk, int k,
-                           const float *sinks, float scale, float *out) {
+static void launch_ring_store(float *ring, const float *rows, int slots, int width, int pos0, int nt);
+
+/* attention, and for attention_step (ring_out != NULL) the ring update and
+ * the de-rotation by rp, fused into the output writes where the shapes allow. */
+static void attention_run(const float *q, const float *kv, const float *ring, int W,
+                          int pos0, int nt, int H, int d,
+                          const float *comp, int ratio, const int32_t *topk, int k,
+                          const float *sinks, float scale, float *out, float *ring_out, const ds4_rope *rp) {
     if (nt <= 0 || H <= 0) return;
     if (d < 1 || d > ATT_MAX_D) {
         fprintf(stderr, "ds4: attention: head dim %d outside 1..%d\n", d, ATT_MAX_D);
@@ -1910,7 +1951,10 @@ static void cuda_attention(const float *q, const float *kv, const float *ring, i
     attn_args a;
     memset(&a, 0, sizeof a);
     a.q = q; a.kv = kv; a.ring = ring; a.comp = comp; a.sinks = sinks; a.topk = topk; a.out = out;
-    a.W = W; a.pos0 = pos0; a.H = H; a.d = d; a.ratio = ratio; a.k = k; a.scale = scale;
+    a.W = W; a.pos0 = pos0; a.H = H; a.d = d; a.ratio = ratio; a.k = k; a.scale = scale; a.nt = nt;
+    /* fused de-rotation needs the rotated dims to start at an even offset (pairs in lanes 2i, 2i+1) */
+    const bool derot_fused = rp && rp->n_rot > 0 && rp->n_rot <= d && (d - rp->n_rot) % 2 == 0;
+    if (derot_fused) { a.derot = 1; a.rope = rope_args_of(rp); }
     /* longest row list of any query in the batch (the last one's) */
     const int P_last = pos0 + nt - 1;
     const int64_t Lmax = (int64_t)(W < P_last + 1 ? W : P_last + 1) +
@@ -1949,7 +1993,27 @@ static void cuda_attention(const float *q, const float *kv, const float *ring, i
     case 8:  launch_attention_t<8>(a, grid); break;
     default: launch_attention_t<16>(a, grid); break;
     }
-    if (chunks > 1) launch_attention_combine(a.part_o, a.part_ml, sinks, nt, H, d, a.chunks, out);
+    if (chunks > 1) {
+        a.ring_out = ring_out;
+        launch_attention_combine(a);
+    } else if (ring_out) {
+        launch_ring_store(ring_out, kv, W, d, pos0, nt);
+    }
+    if (rp && !derot_fused) launch_rope(out, nt, H, d, pos0, 1, rp, 1);
+}
+
+static void cuda_attention(const float *q, const float *kv, const float *ring, int W,
+                           int pos0, int nt, int H, int d,
+                           const float *comp, int ratio, const int32_t *topk, int k,
+                           const float *sinks, float scale, float *out) {
+    attention_run(q, kv, ring, W, pos0, nt, H, d, comp, ratio, topk, k, sinks, scale, out, NULL, NULL);
+}
+
+static void cuda_attention_step(const float *q, const float *kv, float *ring, int W,
+                                int pos0, int nt, int H, int d,
+                                const float *comp, int ratio, const int32_t *topk, int k,
+                                const float *sinks, float scale, const ds4_rope *rp, float *out) {
+    attention_run(q, kv, ring, W, pos0, nt, H, d, comp, ratio, topk, k, sinks, scale, out, ring, rp);
 }
 
 /* Window ring update: the last min(nt, slots) rows of the batch. */
@@ -2005,41 +2069,46 @@ static void cuda_add_cyclic(float *x, const float *table, int pos0, int nt, int 
     launch_add_cyclic(x, table, pos0, nt, period, n);
 }
 
+/* Pooled value of channel ch of the block starting at position s. */
+__device__ __forceinline__ float pool_channel(const float *kv, const float *sc, const float *st_kv, const float *st_sc,
+                                              int pos0, int ratio, int c, int dc, int s, int ch) {
+    const int64_t width = (int64_t)c * dc;
+    const int slots = c * ratio;
+    const int n_e = c * ratio;
+    /* entry e: first the previous window (c == 2), then the current one */
+    float mx = -INFINITY;
+#pragma unroll 4
+    for (int e = 0; e < n_e; e++) {
+        const int half = c == 2 ? e / ratio : 1;
+        const int p = (half == 0 ? s - ratio : s) + e % ratio;
+        if (p < 0) continue;
+        const int64_t col = (c == 2 && half == 1) ? dc + ch : ch;
+        const float *rs = p >= pos0 ? sc + (int64_t)(p - pos0) * width : st_sc + (int64_t)(p % slots) * width;
+        mx = fmaxf(mx, rs[col]);
+    }
+    float sum = 0.0f, acc = 0.0f;
+#pragma unroll 4
+    for (int e = 0; e < n_e; e++) {
+        const int half = c == 2 ? e / ratio : 1;
+        const int p = (half == 0 ? s - ratio : s) + e % ratio;
+        if (p < 0) continue;             /* score -inf: weight exactly 0 */
+        const int64_t col = (c == 2 && half == 1) ? dc + ch : ch;
+        const int64_t ro = p >= pos0 ? (int64_t)(p - pos0) * width : (int64_t)(p % slots) * width;
+        const float *rs = p >= pos0 ? sc : st_sc;
+        const float *rk = p >= pos0 ? kv : st_kv;
+        const float w = expf(rs[ro + col] - mx);
+        sum += w;
+        acc += w * rk[ro + col];
+    }
+    return acc / sum;
+}
+
 __global__ void k_compress_pool(const float *kv, const float *sc, const float *st_kv, const float *st_sc,
                                 int pos0, int ratio, int c, int dc, int w0, float *out) {
     const int i = blockIdx.x;
     const int s = (w0 + i) * ratio;
-    const int64_t width = (int64_t)c * dc;
-    const int slots = c * ratio;
-    const int n_e = c * ratio;
-    for (int ch = threadIdx.x; ch < dc; ch += blockDim.x) {
-        /* entry e: first the previous window (c == 2), then the current one */
-        float mx = -INFINITY;
-#pragma unroll 4
-        for (int e = 0; e < n_e; e++) {
-            const int half = c == 2 ? e / ratio : 1;
-            const int p = (half == 0 ? s - ratio : s) + e % ratio;
-            if (p < 0) continue;
-            const int64_t col = (c == 2 && half == 1) ? dc + ch : ch;
-            const float *rs = p >= pos0 ? sc + (int64_t)(p - pos0) * width : st_sc + (int64_t)(p % slots) * width;
-            mx = fmaxf(mx, rs[col]);
-        }
-        float sum = 0.0f, acc = 0.0f;
-#pragma unroll 4
-        for (int e = 0; e < n_e; e++) {
-            const int half = c == 2 ? e / ratio : 1;
-            const int p = (half == 0 ? s - ratio : s) + e % ratio;
-            if (p < 0) continue;             /* score -inf: weight exactly 0 */
-            const int64_t col = (c == 2 && half == 1) ? dc + ch : ch;
-            const int64_t ro = p >= pos0 ? (int64_t)(p - pos0) * width : (int64_t)(p % slots) * width;
-            const float *rs = p >= pos0 ? sc : st_sc;
-            const float *rk = p >= pos0 ? kv : st_kv;
-            const float w = expf(rs[ro + col] - mx);
-            sum += w;
-            acc += w * rk[ro + col];
-        }
-        out[(int64_t)i * dc + ch] = acc / sum;
-    }
+    for (int ch = threadIdx.x; ch < dc; ch += blockDim.x)
+        out[(int64_t)i * dc + ch] = pool_channel(kv, sc, st_kv, st_sc, pos0, ratio, c, dc, s, ch);
 }
 
 static void launch_compress_pool(const float *kv, const float *sc, const float *st_kv, const float *st_sc,
@@ -2053,6 +2122,78 @@ static void launch_compress_pool(const float *kv, const float *sc, const float *
 static void cuda_compress_pool(const float *kv, const float *sc, const float *st_kv, const float *st_sc,
                                int pos0, int nt, int ratio, int c, int dc, float *out) {
     launch_compress_pool(kv, sc, st_kv, st_sc, pos0, nt, ratio, c, dc, out);
+}
+
+/* compressor_step for one token: one block does the whole step.  When the
+ * token closes a block (emit) it pools the row into shared memory, applies
+ * its RMSNorm (squares in double, fixed reduction) and RoPE at the row's
+ * position, and writes it; after a barrier it stores the token's kv and
+ * gate rows into the state rings (the slot it overwrites, position
+ * pos0 - c*ratio, is older than any entry the pool reads).  Batches run the
+ * composition. */
+#define CST_THREADS 512
+#define CST_MAX_DC  4096
+
+__global__ void __launch_bounds__(CST_THREADS) k_compressor_step(const float *kv, const float *sc, float *st_kv,
+                                                                float *st_sc, int pos0, int ratio, int c, int dc,
+                                                                int emit, const float *norm_w, float eps,
+                                                                rope_args r, float *rows) {
+    extern __shared__ float cst_row[];
+    __shared__ double red[CST_THREADS / 32];
+    const int w0 = pos0 / ratio;
+    if (emit) {
+        double ss = 0.0;
+        for (int ch = threadIdx.x; ch < dc; ch += CST_THREADS) {
+            const float v = pool_channel(kv, sc, st_kv, st_sc, pos0, ratio, c, dc, w0 * ratio, ch);
+            cst_row[ch] = v;
+            ss += (double)(v * v);
+        }
+        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(FULL_MASK, ss, o);
+        if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
+        __syncthreads();
+        double tot = 0.0;
+        for (int i = 0; i < CST_THREADS / 32; i++) tot += red[i];
+        const float scale = 1.0f / sqrtf((float)(tot / (double)dc) + eps);
+        for (int ch = threadIdx.x; ch < dc; ch += CST_THREADS)
+            cst_row[ch] = norm_w ? cst_row[ch] * scale * norm_w[ch] : cst_row[ch] * scale;
+        __syncthreads();
+        for (int i = threadIdx.x; i < r.n_rot / 2; i += CST_THREADS)
+            rope_pair(cst_row + (dc - r.n_rot) + 2 * i, r, w0 * ratio, i, 0);
+        __syncthreads();
+        for (int ch = threadIdx.x; ch < dc; ch += CST_THREADS) rows[(int64_t)w0 * dc + ch] = cst_row[ch];
+    }
+    __syncthreads();
+    const int width = c * dc, slot = pos0 % (c * ratio);
+    for (int i = threadIdx.x; i < width; i += CST_THREADS) {
+        st_kv[(int64_t)slot * width + i] = kv[i];
+        st_sc[(int64_t)slot * width + i] = sc[i];
+    }
+}
+
+static void launch_compressor_step(const float *kv, const float *sc, float *st_kv, float *st_sc, int pos0,
+                                   int ratio, int c, int dc, int emit, const float *norm_w, float eps,
+                                   const ds4_rope *rp, float *rows) {
+    DS4_LAUNCH(k_compressor_step<<<1, CST_THREADS, (size_t)dc * sizeof(float)>>>(
+        kv, sc, st_kv, st_sc, pos0, ratio, c, dc, emit, norm_w, eps, rope_args_of(rp), rows));
+}
+
+static void cuda_compressor_step(const float *kv, const float *sc, float *st_kv, float *st_sc,
+                                 int pos0, int nt, int ratio, int c, int dc, const float *norm_w, float eps,
+                                 const ds4_rope *rp, float *rows) {
+    if (nt <= 0 || ratio <= 0 || dc <= 0) return;
+    const int w0 = pos0 / ratio, n_emit = (pos0 + nt) / ratio - w0;
+    if (nt == 1 && dc <= CST_MAX_DC && rp->n_rot <= dc) {
+        launch_compressor_step(kv, sc, st_kv, st_sc, pos0, ratio, c, dc, n_emit > 0, norm_w, eps, rp, rows);
+        return;
+    }
+    if (n_emit > 0) {
+        float *out = rows + (size_t)w0 * dc;
+        launch_compress_pool(kv, sc, st_kv, st_sc, pos0, nt, ratio, c, dc, out);
+        launch_rmsnorm(out, norm_w, out, n_emit, dc, eps);
+        launch_rope(out, n_emit, 1, dc, w0 * ratio, ratio, rp, 0);
+    }
+    launch_ring_store(st_kv, kv, c * ratio, c * dc, pos0, nt);
+    launch_ring_store(st_sc, sc, c * ratio, c * dc, pos0, nt);
 }
 
 /* ---------------------------------------------------------------------------
@@ -2692,6 +2833,8 @@ static ds4_backend make_cuda_backend(void) {
     b.matmul_multi = cuda_matmul_multi;
     b.head_norm_rope = cuda_head_norm_rope;
     b.matmul_swiglu = cuda_matmul_swiglu;
+    b.attention_step = cuda_attention_step;
+    b.compressor_step = cuda_compressor_step;
     return b;
 }
 

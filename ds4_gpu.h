@@ -179,6 +179,26 @@ typedef struct ds4_backend {
     void (*head_norm_rope)(float *x, const float *w, int nt, int nh, int dh, float eps,
                            int pos0, const ds4_rope *rp);
 
+    /* Attention of a layer, then the window ring update and the de-rotation of the output:
+     *   attention(q, kv, ring, W, pos0, nt, H, d, comp, ratio, topk, k, sinks, scale, out)
+     *   ring_store(ring, kv, W, d, pos0, nt)
+     *   rope(out, nt, H, d, pos0, 1, rp, 1) */
+    void (*attention_step)(const float *q, const float *kv, float *ring, int W,
+                           int pos0, int nt, int H, int d,
+                           const float *comp, int ratio, const int32_t *topk, int k,
+                           const float *sinks, float scale, const ds4_rope *rp, float *out);
+
+    /* A compressor after its projections (kv, sc [nt][c*dc], ape added): with
+     * w0 = pos0/ratio and n_emit = (pos0+nt)/ratio - w0,
+     *   if n_emit > 0: out = rows + w0*dc;
+     *                  compress_pool(kv, sc, st_kv, st_sc, pos0, nt, ratio, c, dc, out)
+     *                  rmsnorm(out, norm_w, out, n_emit, dc, eps)
+     *                  rope(out, n_emit, 1, dc, w0*ratio, ratio, rp, 0)
+     *   ring_store(st_kv, kv, c*ratio, c*dc, pos0, nt); ring_store(st_sc, sc, c*ratio, c*dc, pos0, nt) */
+    void (*compressor_step)(const float *kv, const float *sc, float *st_kv, float *st_sc,
+                            int pos0, int nt, int ratio, int c, int dc, const float *norm_w, float eps,
+                            const ds4_rope *rp, float *rows);
+
     /* Shared-expert style gated projection: y = swiglu(matmul(gate, x), matmul(up, x), limit),
      * y [nt][F] with F = gate->ne[1]; g_scratch, u_scratch: [nt][F] scratch. */
     void (*matmul_swiglu)(const ds4_weight *gate, const ds4_weight *up, const float *x, float *y, int nt,

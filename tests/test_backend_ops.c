@@ -70,6 +70,17 @@ static float *rnd_vec(size_t n, float scale) {
     return v;
 }
 
+/* Ratio-4 picks for nt queries from pos0: visible rows, about 1 in 8 left at -1. */
+static int32_t *rnd_topk(int pos0, int nt, int k) {
+    int32_t *topk = malloc((size_t)nt * k * sizeof(int32_t));
+    for (int t = 0; t < nt; t++) {
+        const int vis = (pos0 + t + 1) / 4;
+        for (int j = 0; j < k; j++)
+            topk[(size_t)t * k + j] = (vis > 0 && rnd_int(8) != 0) ? rnd_int(vis) : -1;
+    }
+    return topk;
+}
+
 /* ---- backend buffers: every allocation of a test is freed at its end ---- */
 #define MAX_BUFS 64
 static void *g_bufs[2][MAX_BUFS];
@@ -472,6 +483,37 @@ static void test_head_norm_rope(int nt, int nh, int dh, int n_rot, int pos0, int
     free(out[0]); free(out[1]); free(x); free(w);
 }
 
+/* compressor_step: pooled, normalised, rotated rows at their place in the
+ * row buffer (every other row untouched), and both state rings. */
+static void test_compressor_step(int pos0, int nt, int ratio, int c, int dc, int n_rot) {
+    const ds4_rope rp = test_rope_params(n_rot, 1);
+    const int width = c * dc, slots = c * ratio;
+    const int n_rows = (pos0 + nt) / ratio + 2;
+    float *kv = rnd_vec((size_t)nt * width, 1.0f), *sc = rnd_vec((size_t)nt * width, 3.0f);
+    float *skv = rnd_vec((size_t)slots * width, 1.0f), *ssc = rnd_vec((size_t)slots * width, 3.0f);
+    float *rows = rnd_vec((size_t)n_rows * dc, 1.0f), *nw = rnd_vec(dc, 1.0f);
+    float *o_rows[2], *o_kv[2], *o_sc[2];
+    for (int bi = 0; bi < 2; bi++) {
+        float *a = dev_put(bi, kv, (size_t)nt * width * 4), *b = dev_put(bi, sc, (size_t)nt * width * 4);
+        float *sa = dev_put(bi, skv, (size_t)slots * width * 4), *sb = dev_put(bi, ssc, (size_t)slots * width * 4);
+        float *dr = dev_put(bi, rows, (size_t)n_rows * dc * 4), *dn = dev_put(bi, nw, (size_t)dc * 4);
+        B[bi]->compressor_step(a, b, sa, sb, pos0, nt, ratio, c, dc, dn, 1e-6f, &rp, dr);
+        o_rows[bi] = dev_get(bi, dr, (size_t)n_rows * dc * 4);
+        o_kv[bi] = dev_get(bi, sa, (size_t)slots * width * 4);
+        o_sc[bi] = dev_get(bi, sb, (size_t)slots * width * 4);
+        dev_free_all(bi);
+    }
+    char shape[96];
+    snprintf(shape, sizeof shape, "pos0=%d nt=%d ratio=%d c=%d dc=%d emit=%d", pos0, nt, ratio, c, dc,
+             (pos0 + nt) / ratio - pos0 / ratio);
+    /* compress_pool's ULP error, a norm and a rotation: still ULP-sized */
+    check_f32("compressor_step rows", shape, o_rows[0], o_rows[1], (size_t)n_rows * dc, TOL_ULP);
+    check_f32("compressor_step st", shape, o_kv[0], o_kv[1], (size_t)slots * width, TOL_EXACT);
+    check_f32("compressor_step st", shape, o_sc[0], o_sc[1], (size_t)slots * width, TOL_EXACT);
+    for (int bi = 0; bi < 2; bi++) { free(o_rows[bi]); free(o_kv[bi]); free(o_sc[bi]); }
+    free(kv); free(sc); free(skv); free(ssc); free(rows); free(nw);
+}
+
 static void test_matmul_swiglu(int type, int64_t K, int64_t F, int nt, float limit) {
     ds4_weight g = make_weight(type, K, F, 1, 3.0f / sqrtf((float)K)), u = make_weight(type, K, F, 1, 3.0f / sqrtf((float)K));
     float *x = rnd_vec((size_t)nt * K, 2.0f);
@@ -514,25 +556,20 @@ static void test_rope(int nt, int nh, int dh, int n_rot, int pos0, int step, int
 
 /* Attention.  ratio 0: window only; 4: top-k picks (random visible ids, some
  * -1, in random order); 128: every visible compressed row. */
-static void test_attention(int W, int pos0, int nt, int H, int d, int ratio, int k) {
+/* rp == NULL: the attention op.  Otherwise attention_step, which also stores
+ * the ring and de-rotates by rp (d - n_rot odd, e.g. d = 49, takes the
+ * unfused de-rotation). */
+static void test_attention_rp(int W, int pos0, int nt, int H, int d, int ratio, int k, const ds4_rope *rp) {
     const int P_last = pos0 + nt - 1;
     const int n_comp = ratio ? (P_last + 1) / ratio + 1 : 0;
     float *q = rnd_vec((size_t)nt * H * d, 1.0f), *kv = rnd_vec((size_t)nt * d, 1.0f);
     float *ring = rnd_vec((size_t)W * d, 1.0f);
     float *comp = ratio ? rnd_vec((size_t)n_comp * d, 1.0f) : NULL;
     float *sinks = rnd_vec(H, 2.0f);
-    int32_t *topk = NULL;
-    if (ratio == 4) {
-        topk = malloc((size_t)nt * k * sizeof(int32_t));
-        for (int t = 0; t < nt; t++) {
-            const int vis = (pos0 + t + 1) / 4;
-            for (int j = 0; j < k; j++)
-                topk[(size_t)t * k + j] = (vis > 0 && rnd_int(8) != 0) ? rnd_int(vis) : -1;
-        }
-    }
+    int32_t *topk = ratio == 4 ? rnd_topk(pos0, nt, k) : NULL;
     const float scale = 1.0f / sqrtf((float)d);
     const size_t n = (size_t)nt * H * d;
-    float *out[2];
+    float *out[2], *rg[2];
     for (int bi = 0; bi < 2; bi++) {
         float *dq = dev_put(bi, q, n * 4), *dkv = dev_put(bi, kv, (size_t)nt * d * 4);
         float *dr = dev_put(bi, ring, (size_t)W * d * 4);
@@ -540,15 +577,29 @@ static void test_attention(int W, int pos0, int nt, int H, int d, int ratio, int
         int32_t *dt = topk ? dev_put(bi, topk, (size_t)nt * k * 4) : NULL;
         float *ds = dev_put(bi, sinks, (size_t)H * 4);
         float *dy = dev_poison(bi, n);
-        B[bi]->attention(dq, dkv, dr, W, pos0, nt, H, d, dc, ratio, dt, ratio == 4 ? k : 0, ds, scale, dy);
+        if (rp) B[bi]->attention_step(dq, dkv, dr, W, pos0, nt, H, d, dc, ratio, dt, ratio == 4 ? k : 0, ds, scale, rp, dy);
+        else B[bi]->attention(dq, dkv, dr, W, pos0, nt, H, d, dc, ratio, dt, ratio == 4 ? k : 0, ds, scale, dy);
         out[bi] = dev_get(bi, dy, n * 4);
+        rg[bi] = dev_get(bi, dr, (size_t)W * d * 4);
         dev_free_all(bi);
     }
     char shape[96];
-    snprintf(shape, sizeof shape, "W=%d pos0=%d nt=%d H=%d d=%d ratio=%d k=%d", W, pos0, nt, H, d, ratio,
-             ratio == 4 ? k : 0);
-    check_f32("attention", shape, out[0], out[1], n, TOL_CHAIN);
-    free(out[0]); free(out[1]); free(q); free(kv); free(ring); free(comp); free(sinks); free(topk);
+    snprintf(shape, sizeof shape, "W=%d pos0=%d nt=%d H=%d d=%d ratio=%d k=%d%s", W, pos0, nt, H, d, ratio,
+             ratio == 4 ? k : 0, rp ? " step" : "");
+    /* softmax CHAIN error (then, for the step, one rotation: ULP) */
+    check_f32(rp ? "attention_step" : "attention", shape, out[0], out[1], n, TOL_CHAIN);
+    if (rp) check_f32("attention_step ring", shape, rg[0], rg[1], (size_t)W * d, TOL_EXACT);
+    for (int bi = 0; bi < 2; bi++) { free(out[bi]); free(rg[bi]); }
+    free(q); free(kv); free(ring); free(comp); free(sinks); free(topk);
+}
+
+static void test_attention(int W, int pos0, int nt, int H, int d, int ratio, int k) {
+    test_attention_rp(W, pos0, nt, H, d, ratio, k, NULL);
+}
+
+static void test_attention_step(int W, int pos0, int nt, int H, int d, int ratio, int k, int n_rot, int yarn) {
+    const ds4_rope rp = test_rope_params(n_rot, yarn);
+    test_attention_rp(W, pos0, nt, H, d, ratio, k, &rp);
 }
 
 static void test_ring_store(int slots, int width, int pos0, int nt) {
@@ -1074,6 +1125,27 @@ int main(void) {
         test_matmul_swiglu(types[ti], 96, 48, 2, 0.0f);
         test_matmul_swiglu(types[ti], 1024, 512, 64, 7.0f);
     }
+    /* decode (split rows: the combine kernel stores the ring and de-rotates),
+     * a batch (one chunk), the unfused de-rotation (d - n_rot odd) */
+    test_attention_step(128, 2000, 1, 64, 512, 4, 512, 64, 1);
+    test_attention_step(128, 1000, 1, 64, 512, 128, 0, 64, 1);
+    test_attention_step(128, 300, 1, 64, 512, 0, 0, 64, 0);
+    test_attention_step(128, 37, 3, 64, 512, 0, 0, 64, 0);
+    test_attention_step(16, 200, 64, 5, 128, 4, 40, 32, 1);
+    test_attention_step(32, 5, 40, 3, 96, 0, 0, 16, 0);
+    test_attention_step(16, 30, 1, 3, 49, 0, 0, 16, 0);
+    test_attention_step(16, 300, 2, 3, 49, 128, 0, 16, 1);
+    /* one token (fused kernel) with and without an emitted row, and batches */
+    test_compressor_step(7, 1, 4, 2, 512, 64);
+    test_compressor_step(8, 1, 4, 2, 512, 64);
+    test_compressor_step(3, 1, 4, 2, 128, 64);
+    test_compressor_step(127, 1, 128, 1, 512, 64);
+    test_compressor_step(300, 1, 128, 1, 512, 64);
+    test_compressor_step(255, 1, 128, 1, 96, 16);
+    test_compressor_step(0, 64, 4, 2, 128, 64);
+    test_compressor_step(100, 64, 128, 1, 512, 64);
+    test_compressor_step(5, 3, 4, 2, 96, 16);
+
     test_moe_experts_add(DS4_TYPE_Q8_0, 4096, 2048, 16, 6, 1, 10.0f, 0, 1);
     test_moe_experts_add(DS4_TYPE_F32, 96, 64, 4, 2, 3, 0.0f, 0, 1);
     test_moe_experts_add(DS4_TYPE_Q8_0, 1024, 1024, 8, 4, 64, 10.0f, 1, 1);
