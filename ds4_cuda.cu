@@ -562,10 +562,16 @@ static void cuda_hc_post(const float *f, const float *x_res, const float *post, 
  * ------------------------------------------------------------------------- */
 
 #define HCP_CH      32                  /* channels per k_hc_pre_part block */
-#define HCP_THREADS (HC_MAX * 32)       /* one warp per stream */
+#define HCP_GROUPS  4                   /* row groups: warp (stream s, group g) dots rows of group g */
+#define HCP_THREADS (HC_MAX * HCP_GROUPS * 32)
+#define HCP_RPG     ((HC_NMIX_MAX + HCP_GROUPS - 1) / HCP_GROUPS)
 #define HCF_THREADS 1024
 #define HCF_CACHE   8                   /* y values per thread kept between the passes */
 
+/* Warp (s, g) = (warp % HC_MAX, warp / HC_MAX) holds element (stream s,
+ * channel b*32 + lane) and dots it with rows [g*HCP_RPG, (g+1)*HCP_RPG) of
+ * fn: short butterfly chains, and 16 warps per block to hide the loads.
+ * Every group recomputes the element; group 0 writes it and its square. */
 __global__ void __launch_bounds__(HCP_THREADS) k_hc_pre_part(const float *f, const float *x_res, const float *post,
                                                             const float *comb, float *x, const float *fn,
                                                             int64_t D, int h, int n_mix, int nb,
@@ -573,36 +579,40 @@ __global__ void __launch_bounds__(HCP_THREADS) k_hc_pre_part(const float *f, con
     __shared__ float red[HC_MAX][HC_NMIX_MAX];
     __shared__ double red_ss[HC_MAX];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int sw = warp % HC_MAX, g = warp / HC_MAX;
     const int b = blockIdx.x, t = blockIdx.y;
     const int64_t i = (int64_t)b * HCP_CH + lane;
-    const bool act = warp < h && i < D;
+    const bool act = sw < h && i < D;
     const int64_t K = (int64_t)h * D;
-    float w[HC_NMIX_MAX];
+    const int r0 = g * HCP_RPG;
+    float w[HCP_RPG];
 #pragma unroll
-    for (int r = 0; r < HC_NMIX_MAX; r++)          /* every load in flight before the math */
-        w[r] = act && r < n_mix ? fn[(int64_t)r * K + (int64_t)warp * D + i] : 0.0f;
+    for (int j = 0; j < HCP_RPG; j++)             /* every load in flight before the math */
+        w[j] = act && r0 + j < n_mix ? fn[(int64_t)(r0 + j) * K + (int64_t)sw * D + i] : 0.0f;
     float v = 0.0f;
     if (act) {
-        float *xe = x + ((int64_t)t * h + warp) * D + i;
+        float *xe = x + ((int64_t)t * h + sw) * D + i;
         if (f) {
             const float *xr = x_res + (int64_t)t * h * D;
-            float acc = post[(int64_t)t * h + warp] * f[(int64_t)t * D + i];
-            for (int bb = 0; bb < h; bb++) acc += comb[(int64_t)t * h * h + warp + h * bb] * xr[bb * D + i];
-            *xe = acc;
+            float acc = post[(int64_t)t * h + sw] * f[(int64_t)t * D + i];
+            for (int bb = 0; bb < h; bb++) acc += comb[(int64_t)t * h * h + sw + h * bb] * xr[bb * D + i];
+            if (g == 0) *xe = acc;
             v = acc;
         } else {
             v = *xe;
         }
     }
-    double ss = (double)(v * v);
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(FULL_MASK, ss, o);
 #pragma unroll
-    for (int r = 0; r < HC_NMIX_MAX; r++) {
-        if (r >= n_mix) break;
-        const float p = warp_sum(w[r] * v);
-        if (lane == 0) red[warp][r] = p;
+    for (int j = 0; j < HCP_RPG; j++) {
+        if (r0 + j >= n_mix) break;
+        const float p = warp_sum(w[j] * v);
+        if (lane == 0) red[sw][r0 + j] = p;
     }
-    if (lane == 0) red_ss[warp] = ss;
+    if (g == 0) {
+        double ss = (double)(v * v);
+        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(FULL_MASK, ss, o);
+        if (lane == 0) red_ss[sw] = ss;
+    }
     __syncthreads();
     const int64_t pidx = (int64_t)t * nb + b;
     if (threadIdx.x < n_mix) {
@@ -616,16 +626,78 @@ __global__ void __launch_bounds__(HCP_THREADS) k_hc_pre_part(const float *f, con
     }
 }
 
+/* post and the Sinkhorn-normalised comb of one token by one thread, the
+ * h x h matrix in registers (H is a compile-time constant, so nothing goes
+ * to local memory), in the CPU op's order.  Each normalisation multiplies by
+ * one reciprocal of its sum (__fdividef(1, r): the hardware reciprocal, no
+ * branch) instead of dividing: an IEEE division carries a slow-path branch
+ * that serialises the chain, and forty dependent normalisations of sixteen
+ * divisions took 24 us on an H200 (2026-12-01), against ~1 us this way.  The
+ * result differs from the CPU's exact quotients by about 2 ulp per entry
+ * (far inside the tested bound), and is still the same bits on every run. */
+template <int H>
+__device__ void hc_sinkhorn_thread(const float *m, const float *base, float sc1, float sc2, float eps, int iters,
+                                   float *post, float *comb) {
+#pragma unroll
+    for (int s = 0; s < H; s++) post[s] = 2.0f * sigmoid_f(m[H + s] * sc1 + base[H + s]);
+    float C[H][H];                                  /* C[a][b]: a destination, b source */
+#pragma unroll
+    for (int b = 0; b < H; b++) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int a = 0; a < H; a++) {
+            C[a][b] = m[2 * H + a + H * b] * sc2 + base[2 * H + a + H * b];
+            mx = fmaxf(mx, C[a][b]);
+        }
+        float sum = 0.0f;
+#pragma unroll
+        for (int a = 0; a < H; a++) { C[a][b] = expf(C[a][b] - mx); sum += C[a][b]; }
+        const float inv = __fdividef(1.0f, sum);
+#pragma unroll
+        for (int a = 0; a < H; a++) C[a][b] = C[a][b] * inv + eps;
+    }
+    for (int it = 0; it < iters; it++) {
+        if (it > 0) {                               /* "row": over destinations, for each source */
+#pragma unroll
+            for (int b = 0; b < H; b++) {
+                float r = 0.0f;
+#pragma unroll
+                for (int a = 0; a < H; a++) r += C[a][b];
+                const float inv = __fdividef(1.0f, r + eps);
+#pragma unroll
+                for (int a = 0; a < H; a++) C[a][b] *= inv;
+            }
+        }
+#pragma unroll
+        for (int a = 0; a < H; a++) {               /* "col": over sources, for each destination */
+            float r = 0.0f;
+#pragma unroll
+            for (int b = 0; b < H; b++) r += C[a][b];
+            const float inv = __fdividef(1.0f, r + eps);
+#pragma unroll
+            for (int b = 0; b < H; b++) C[a][b] *= inv;
+        }
+    }
+#pragma unroll
+    for (int a = 0; a < H; a++)
+#pragma unroll
+        for (int b = 0; b < H; b++) comb[a + H * b] = C[a][b];
+}
+
+/* Warp 0's first lane runs post and Sinkhorn (a serial chain of ~40
+ * normalisations) while warps 1..31 form y and its norm: the block takes
+ * the longer of the two, not their sum. */
+template <int H>
 __global__ void __launch_bounds__(HCF_THREADS) k_hc_pre_finish(const double *ss_part, const float *dot_part, int nb,
                                                               const float *x, const float *scale, const float *base,
-                                                              const float *norm_w, int64_t D, int h, int head,
+                                                              const float *norm_w, int64_t D, int head,
                                                               float rms_eps, float hc_eps, int iters,
                                                               float *y, float *post, float *comb) {
-    __shared__ float m_s[HC_NMIX_MAX], base_s[HC_NMIX_MAX], pre_s[HC_MAX];
+    __shared__ float m_s[HC_NMIX_MAX], base_s[HC_NMIX_MAX];
     __shared__ double ss_s, red[HCF_THREADS / 32];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int t = blockIdx.x;
-    const int n_mix = head ? h : (2 + h) * h;
+    const int n_mix = head ? H : (2 + H) * H;
     const int64_t p0 = (int64_t)t * nb;
     if (warp < n_mix) {
         float acc = 0.0f;
@@ -641,50 +713,61 @@ __global__ void __launch_bounds__(HCF_THREADS) k_hc_pre_finish(const double *ss_
         for (int r = lane; r < n_mix; r += 32) base_s[r] = base[r];
     }
     __syncthreads();
-    if (threadIdx.x < n_mix) {
-        const float rs = 1.0f / sqrtf((float)(ss_s / (double)(h * D)) + rms_eps);
-        m_s[threadIdx.x] *= rs;
-    }
-    __syncthreads();
-    if (threadIdx.x < h) pre_s[threadIdx.x] = sigmoid_f(m_s[threadIdx.x] * scale[0] + base_s[threadIdx.x]) + hc_eps;
-    if (!head && warp == 0)
-        hc_sinkhorn_warp(m_s, base_s, scale[1], scale[2], h, hc_eps, iters, post + (int64_t)t * h,
-                         comb + (int64_t)t * h * h);
-    __syncthreads();
+    /* mix = rms * dot, and pre, computed the same way by every thread */
+    const float rs = 1.0f / sqrtf((float)(ss_s / (double)(H * D)) + rms_eps);
+    float pre[H];
+#pragma unroll
+    for (int s = 0; s < H; s++) pre[s] = sigmoid_f((m_s[s] * rs) * scale[0] + base_s[s]) + hc_eps;
 
-    /* y = sum_s pre[s] x[s], then its RMSNorm (squares in double, as k_rmsnorm) */
-    const float *xt = x + (int64_t)t * h * D;
+    const float *xt = x + (int64_t)t * H * D;
     float *yt = y + (int64_t)t * D;
+    constexpr int YT = HCF_THREADS - 32;          /* the threads of warps 1..31 */
+    const int yi = threadIdx.x - 32;
     float yc[HCF_CACHE];
     double ss = 0.0;
+    if (warp == 0) {
+        if (!head && lane == 0) {
+            float m[HC_NMIX_MAX];
 #pragma unroll
-    for (int j = 0; j < HCF_CACHE; j++) {
-        const int64_t i = (int64_t)j * HCF_THREADS + threadIdx.x;
-        float acc = 0.0f;
-        if (i < D)
-            for (int s = 0; s < h; s++) acc += pre_s[s] * xt[s * D + i];
-        yc[j] = acc;
-        ss += (double)(acc * acc);
-    }
-    for (int64_t i = (int64_t)HCF_CACHE * HCF_THREADS + threadIdx.x; i < D; i += HCF_THREADS) {
-        float acc = 0.0f;
-        for (int s = 0; s < h; s++) acc += pre_s[s] * xt[s * D + i];
-        ss += (double)(acc * acc);
+            for (int r = 0; r < (2 + H) * H; r++) m[r] = m_s[r] * rs;
+            hc_sinkhorn_thread<H>(m, base_s, scale[1], scale[2], hc_eps, iters, post + (int64_t)t * H,
+                                  comb + (int64_t)t * H * H);
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < HCF_CACHE; j++) {
+            const int64_t i = (int64_t)j * YT + yi;
+            float acc = 0.0f;
+            if (i < D) {
+#pragma unroll
+                for (int s = 0; s < H; s++) acc += pre[s] * xt[s * D + i];
+            }
+            yc[j] = acc;
+            ss += (double)(acc * acc);
+        }
+        for (int64_t i = (int64_t)HCF_CACHE * YT + yi; i < D; i += YT) {
+            float acc = 0.0f;
+#pragma unroll
+            for (int s = 0; s < H; s++) acc += pre[s] * xt[s * D + i];
+            ss += (double)(acc * acc);
+        }
     }
     for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(FULL_MASK, ss, o);
     if (lane == 0) red[warp] = ss;
     __syncthreads();
+    if (warp == 0) return;
     double tot = 0.0;
     for (int wv = 0; wv < HCF_THREADS / 32; wv++) tot += red[wv];
     const float sc = 1.0f / sqrtf((float)(tot / (double)D) + rms_eps);
 #pragma unroll
     for (int j = 0; j < HCF_CACHE; j++) {
-        const int64_t i = (int64_t)j * HCF_THREADS + threadIdx.x;
+        const int64_t i = (int64_t)j * YT + yi;
         if (i < D) yt[i] = norm_w ? yc[j] * sc * norm_w[i] : yc[j] * sc;
     }
-    for (int64_t i = (int64_t)HCF_CACHE * HCF_THREADS + threadIdx.x; i < D; i += HCF_THREADS) {
+    for (int64_t i = (int64_t)HCF_CACHE * YT + yi; i < D; i += YT) {
         float acc = 0.0f;
-        for (int s = 0; s < h; s++) acc += pre_s[s] * xt[s * D + i];
+#pragma unroll
+        for (int s = 0; s < H; s++) acc += pre[s] * xt[s * D + i];
         yt[i] = norm_w ? acc * sc * norm_w[i] : acc * sc;
     }
 }
@@ -696,12 +779,25 @@ static void launch_hc_pre_part(const float *f, const float *x_res, const float *
                                                                               n_mix, nb, ss_part, dot_part));
 }
 
+template <int H>
+static void launch_hc_pre_finish_t(const double *ss_part, const float *dot_part, int nb, const float *x,
+                                   const float *scale, const float *base, const float *norm_w, int nt, int64_t D,
+                                   int head, float rms_eps, float hc_eps, int iters,
+                                   float *y, float *post, float *comb) {
+    DS4_LAUNCH(k_hc_pre_finish<H><<<nt, HCF_THREADS>>>(ss_part, dot_part, nb, x, scale, base, norm_w, D, head,
+                                                       rms_eps, hc_eps, iters, y, post, comb));
+}
+
 static void launch_hc_pre_finish(const double *ss_part, const float *dot_part, int nb, const float *x,
                                  const float *scale, const float *base, const float *norm_w, int nt, int64_t D,
                                  int h, int head, float rms_eps, float hc_eps, int iters,
                                  float *y, float *post, float *comb) {
-    DS4_LAUNCH(k_hc_pre_finish<<<nt, HCF_THREADS>>>(ss_part, dot_part, nb, x, scale, base, norm_w, D, h, head,
-                                                    rms_eps, hc_eps, iters, y, post, comb));
+    switch (h) {
+    case 1: launch_hc_pre_finish_t<1>(ss_part, dot_part, nb, x, scale, base, norm_w, nt, D, head, rms_eps, hc_eps, iters, y, post, comb); break;
+    case 2: launch_hc_pre_finish_t<2>(ss_part, dot_part, nb, x, scale, base, norm_w, nt, D, head, rms_eps, hc_eps, iters, y, post, comb); break;
+    case 3: launch_hc_pre_finish_t<3>(ss_part, dot_part, nb, x, scale, base, norm_w, nt, D, head, rms_eps, hc_eps, iters, y, post, comb); break;
+    default: launch_hc_pre_finish_t<4>(ss_part, dot_part, nb, x, scale, base, norm_w, nt, D, head, rms_eps, hc_eps, iters, y, post, comb); break;
+    }
 }
 
 static void cuda_hc_pre(const float *f, const float *x_res, float *x,
@@ -907,12 +1003,17 @@ template <int MODE> struct mv_stages { static const int n = (MODE == MV_GATE_UP)
 #define MV_XS_FLOATS (MV_SLICE + MV_SLICE / 8)
 __host__ __device__ __forceinline__ int mv_xs_addr(int e) { return e + 4 * (e >> 5); }
 
+/* Dynamic shared memory: [S][MV_XS_FLOATS] activations, then the Q8_0 ring,
+ * then (in_norm only) the norm weights staged like the activations. */
 template <int TYPE, int MODE>
-static size_t mv_smem_bytes(int S) {
-    const size_t ring = TYPE == DS4_TYPE_Q8_0
+__host__ __device__ constexpr size_t mv_ring_bytes() {
+    return TYPE == DS4_TYPE_Q8_0
         ? (size_t)MV_WARPS * mv_stages<MODE>::n * (MODE == MV_GATE_UP ? 2 : 1) * MV_Q8_SLICE
         : 0;
-    return (size_t)S * MV_XS_FLOATS * sizeof(float) + ring;
+}
+template <int TYPE, int MODE>
+static size_t mv_smem_bytes(int S, bool in_norm) {
+    return (size_t)S * MV_XS_FLOATS * sizeof(float) * (in_norm ? 2 : 1) + mv_ring_bytes<TYPE, MODE>();
 }
 
 /* Which element of its slice lane `lane` multiplies into its m-th product:
@@ -1008,6 +1109,7 @@ __global__ void __launch_bounds__(MV_THREADS, NT >= 4 ? 1 : 2) k_matvec(const mv
     const int prob = blockIdx.y, tok = blockIdx.z;
     float *xs = (float *)mv_smem;                                    /* [S][MV_XS_FLOATS] */
     uint8_t *stage = mv_smem + (size_t)S * MV_XS_FLOATS * sizeof(float);
+    float *ws = (float *)(stage + mv_ring_bytes<TYPE, MODE>());      /* in_norm: [S][MV_XS_FLOATS] */
 
     const size_t mat = (MODE == MV_DENSE || !a.sel) ? (size_t)prob
                                                     : (size_t)a.sel[(int64_t)tok * a.k + prob];
@@ -1065,7 +1167,10 @@ __global__ void __launch_bounds__(MV_THREADS, NT >= 4 ? 1 : 2) k_matvec(const mv
         for (int e = threadIdx.x; e < S * MV_SLICE; e += MV_THREADS) {
             const float v = xu[e];
             xs[mv_xs_addr(e)] = v;
-            if (a.in_norm) ss += (double)(v * v);
+            if (a.in_norm) {
+                ss += (double)(v * v);
+                if (u == 0) ws[mv_xs_addr(e)] = a.in_norm[e];   /* coalesced, like x */
+            }
         }
         float nsc = 1.0f;
         if (a.in_norm) {            /* the input's RMSNorm, as k_rmsnorm computes it */
@@ -1085,9 +1190,15 @@ __global__ void __launch_bounds__(MV_THREADS, NT >= 4 ? 1 : 2) k_matvec(const mv
             xr[u][m] = v.x; xr[u][m + 1] = v.y; xr[u][m + 2] = v.z; xr[u][m + 3] = v.w;
         }
         if (a.in_norm) {
+            const float *ww = ws + s * MV_XS_FLOATS;
 #pragma unroll
-            for (int m = 0; m < 32; m++)
-                xr[u][m] = __fmul_rn(__fmul_rn(xr[u][m], nsc), a.in_norm[s * MV_SLICE + mv_xidx<TYPE>(lane, m)]);
+            for (int m = 0; m < 32; m += 4) {
+                const float4 g = *(const float4 *)(ww + mv_xs_addr(mv_xidx<TYPE>(lane, m)));
+                xr[u][m]     = __fmul_rn(__fmul_rn(xr[u][m], nsc), g.x);
+                xr[u][m + 1] = __fmul_rn(__fmul_rn(xr[u][m + 1], nsc), g.y);
+                xr[u][m + 2] = __fmul_rn(__fmul_rn(xr[u][m + 2], nsc), g.z);
+                xr[u][m + 3] = __fmul_rn(__fmul_rn(xr[u][m + 3], nsc), g.w);
+            }
         }
         __syncthreads();
     }
@@ -1166,26 +1277,69 @@ __global__ void __launch_bounds__(MV_THREADS, NT >= 4 ? 1 : 2) k_matvec(const mv
     }
 }
 
-/* The one launcher of k_matvec (a template over its instantiations). */
+/* Rows per warp and the grid of a fast launch.  One wave: aim for as many
+ * blocks as fit on the device at once (blocks_per_sm, from the occupancy of
+ * this instantiation and its shared memory), since a launch of 1.3 waves
+ * takes two block times; rows per warp grow only once every resident slot
+ * has a block.  Segments (matmul_multi) get whole tiles of their own. */
+static dim3 mv_plan(mv_args &a, int n_prob, int n_tok_grid, int blocks_per_sm) {
+    const int G = MV_WARPS / a.S;
+    const int64_t want_blocks = (int64_t)blocks_per_sm * g_cuda.n_sm;
+    const int64_t probs = (int64_t)n_prob * n_tok_grid;
+    int64_t all_rows = a.rows;
+    if (a.n_seg > 0) {
+        all_rows = 0;
+        for (int i = 0; i < a.n_seg; i++) all_rows += a.seg_rows[i];
+    }
+    int64_t per_prob = (want_blocks + probs - 1) / probs;
+    if (per_prob < 1) per_prob = 1;
+    int64_t rpg = (all_rows + G * per_prob - 1) / (G * per_prob);
+    if (rpg < 1) rpg = 1;
+    if (rpg > MV_RPG_MAX) rpg = MV_RPG_MAX;
+    a.rpg = (int)rpg;
+    const int tile = G * a.rpg;
+    int64_t tiles = (a.rows + tile - 1) / tile;
+    if (a.n_seg > 0) {
+        tiles = 0;
+        for (int i = 0; i < a.n_seg; i++) {
+            a.seg_tile0[i] = (int)tiles;
+            tiles += (a.seg_rows[i] + tile - 1) / tile;
+        }
+        a.seg_tile0[a.n_seg] = (int)tiles;
+    }
+    return dim3((unsigned)tiles, (unsigned)n_prob, (unsigned)n_tok_grid);
+}
+
+/* The one launcher of k_matvec (a template over its instantiations).  The
+ * shared-memory limit is raised once per instantiation (for the largest S,
+ * with the norm buffer), and the occupancy of each (S, norm) is asked once. */
 template <int TYPE, int NT, int MODE>
-static void launch_matvec_fast_t(const mv_args &a, dim3 grid) {
-    const size_t smem = mv_smem_bytes<TYPE, MODE>(a.S);
-    static bool raised = false;           /* once per instantiation, for the largest S */
+static void launch_matvec_fast_t(mv_args a, int n_prob, int n_tok_grid) {
+    const bool norm = a.in_norm != NULL;
+    const size_t smem = mv_smem_bytes<TYPE, MODE>(a.S, norm);
+    static bool raised = false;
+    static int occ[MV_WARPS + 1][2];
     if (!raised) {
         DS4_CUDA_CHECK(cudaFuncSetAttribute(k_matvec<TYPE, NT, MODE>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            (int)mv_smem_bytes<TYPE, MODE>(MV_WARPS)));
+                                            (int)mv_smem_bytes<TYPE, MODE>(MV_WARPS, MODE == MV_DENSE)));
         raised = true;
     }
+    int &bps = occ[a.S][norm];
+    if (!bps) {
+        DS4_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&bps, k_matvec<TYPE, NT, MODE>, MV_THREADS, smem));
+        if (bps < 1) bps = 1;
+    }
+    const dim3 grid = mv_plan(a, n_prob, n_tok_grid, bps);
     DS4_LAUNCH(k_matvec<TYPE, NT, MODE><<<grid, MV_THREADS, smem>>>(a));
 }
 
 template <int TYPE>
-static void matvec_fast_type(const mv_args &a, dim3 grid, int mode, int nt) {
-    if (mode == MV_GATE_UP) launch_matvec_fast_t<TYPE, 1, MV_GATE_UP>(a, grid);
-    else if (mode == MV_DOWN) launch_matvec_fast_t<TYPE, 1, MV_DOWN>(a, grid);
-    else if (nt == 4) launch_matvec_fast_t<TYPE, 4, MV_DENSE>(a, grid);
-    else if (nt == 2) launch_matvec_fast_t<TYPE, 2, MV_DENSE>(a, grid);
-    else launch_matvec_fast_t<TYPE, 1, MV_DENSE>(a, grid);
+static void matvec_fast_type(const mv_args &a, int n_prob, int n_tok_grid, int mode, int nt) {
+    if (mode == MV_GATE_UP) launch_matvec_fast_t<TYPE, 1, MV_GATE_UP>(a, n_prob, n_tok_grid);
+    else if (mode == MV_DOWN) launch_matvec_fast_t<TYPE, 1, MV_DOWN>(a, n_prob, n_tok_grid);
+    else if (nt == 4) launch_matvec_fast_t<TYPE, 4, MV_DENSE>(a, n_prob, n_tok_grid);
+    else if (nt == 2) launch_matvec_fast_t<TYPE, 2, MV_DENSE>(a, n_prob, n_tok_grid);
+    else launch_matvec_fast_t<TYPE, 1, MV_DENSE>(a, n_prob, n_tok_grid);
 }
 
 /* Generic fallback: one warp per row, any K (multiple of 32 for Q8_0). */
@@ -1284,33 +1438,6 @@ static void matvec_run(int type, int mode, mv_args a, int n_prob, int n_tok_grid
         return;
     }
     a.S = S;
-    const int G = MV_WARPS / S;
-    /* aim for ~4 resident blocks per SM over the whole launch; rows per warp
-     * grow only once there are enough blocks to go round */
-    const int64_t want_blocks = 4LL * g_cuda.n_sm;
-    const int64_t probs = (int64_t)n_prob * n_tok_grid;
-    int64_t all_rows = a.rows;
-    if (a.n_seg > 0) {
-        all_rows = 0;
-        for (int i = 0; i < a.n_seg; i++) all_rows += a.seg_rows[i];
-    }
-    int64_t per_prob = (want_blocks + probs - 1) / probs;
-    if (per_prob < 1) per_prob = 1;
-    int64_t rpg = (all_rows + G * per_prob - 1) / (G * per_prob);
-    if (rpg < 1) rpg = 1;
-    if (rpg > MV_RPG_MAX) rpg = MV_RPG_MAX;
-    a.rpg = (int)rpg;
-    const int tile = G * a.rpg;
-    int64_t tiles = (a.rows + tile - 1) / tile;
-    if (a.n_seg > 0) {                /* each matrix gets whole tiles of its own */
-        tiles = 0;
-        for (int i = 0; i < a.n_seg; i++) {
-            a.seg_tile0[i] = (int)tiles;
-            tiles += (a.seg_rows[i] + tile - 1) / tile;
-        }
-        a.seg_tile0[a.n_seg] = (int)tiles;
-    }
-    dim3 grid((unsigned)tiles, (unsigned)n_prob, (unsigned)n_tok_grid);
     /* dense tokens in chunks of 4, 2, 1 (the activations of a chunk live in registers) */
     int done = 0;
     while (done < nt_dense) {
@@ -1322,10 +1449,10 @@ static void matvec_run(int type, int mode, mv_args a, int n_prob, int n_tok_grid
         c.tok0 = done;
         for (int i = 0; i < a.n_seg; i++) c.seg_y[i] = a.seg_y[i] + (int64_t)done * a.seg_rows[i];
         switch (type) {
-        case DS4_TYPE_F32:  matvec_fast_type<DS4_TYPE_F32>(c, grid, mode, chunk); break;
-        case DS4_TYPE_F16:  matvec_fast_type<DS4_TYPE_F16>(c, grid, mode, chunk); break;
-        case DS4_TYPE_BF16: matvec_fast_type<DS4_TYPE_BF16>(c, grid, mode, chunk); break;
-        default:            matvec_fast_type<DS4_TYPE_Q8_0>(c, grid, mode, chunk); break;
+        case DS4_TYPE_F32:  matvec_fast_type<DS4_TYPE_F32>(c, n_prob, n_tok_grid, mode, chunk); break;
+        case DS4_TYPE_F16:  matvec_fast_type<DS4_TYPE_F16>(c, n_prob, n_tok_grid, mode, chunk); break;
+        case DS4_TYPE_BF16: matvec_fast_type<DS4_TYPE_BF16>(c, n_prob, n_tok_grid, mode, chunk); break;
+        default:            matvec_fast_type<DS4_TYPE_Q8_0>(c, n_prob, n_tok_grid, mode, chunk); break;
         }
         done += chunk;
     }

@@ -409,7 +409,9 @@ static void test_hc_pre(int nt, int D, int h, int head, int with_f) {
     char shape[96];
     snprintf(shape, sizeof shape, "nt=%d D=%d hc=%d head=%d%s", nt, D, h, head, with_f ? " +update" : "");
     /* the update: as hc_post (ULP); y, post, comb: sigmoids and a normalised
-     * sum of the mix logits, which carry the DOT error of a K = h*D product */
+     * sum of the mix logits, which carry the DOT error of a K = h*D product;
+     * comb also multiplies by hardware reciprocals (~2 ulp a step, Sinkhorn
+     * does not amplify them): still far below DOT */
     if (with_f) check_f32("hc_pre x", shape, ox[0], ox[1], (size_t)nt * K, TOL_ULP);
     check_f32("hc_pre y", shape, oy[0], oy[1], (size_t)nt * D, TOL_DOT);
     if (!head) {
