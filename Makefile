@@ -82,8 +82,15 @@ $(B)/cuda-%/ds4: $(B)/cuda-%/ds4.o $(B)/cuda-%/ds4_cli.o $(B)/cuda-%/ds4_cuda.o
 $(B)/cuda-%/test_backend_ops: tests/test_backend_ops.c $(B)/cuda-%/ds4.o $(B)/cuda-%/ds4_cuda.o
 	$(CC) $(CUDA_CFLAGS) -I. tests/test_backend_ops.c $(B)/cuda-$*/ds4.o $(B)/cuda-$*/ds4_cuda.o -o $@ $(CUDA_LIBS)
 
+# bench programs are C (cc); they include CUDA runtime headers (profiler bracket, events)
 $(B)/cuda-%/ds4_bench: bench/ds4_bench.c $(B)/cuda-%/ds4.o $(B)/cuda-%/ds4_cuda.o
-	$(CC) $(CUDA_CFLAGS) -I. bench/ds4_bench.c $(B)/cuda-$*/ds4.o $(B)/cuda-$*/ds4_cuda.o -o $@ $(CUDA_LIBS)
+	$(CC) $(CUDA_CFLAGS) -I. -I$(CUDA_HOME)/include bench/ds4_bench.c $(B)/cuda-$*/ds4.o $(B)/cuda-$*/ds4_cuda.o -o $@ $(CUDA_LIBS)
+
+$(B)/cuda-%/spot_check: tests/spot_check.c $(B)/cuda-%/ds4.o $(B)/cuda-%/ds4_cuda.o
+	$(CC) $(CUDA_CFLAGS) -I. tests/spot_check.c $(B)/cuda-$*/ds4.o $(B)/cuda-$*/ds4_cuda.o -o $@ $(CUDA_LIBS)
+
+$(B)/cuda-%/matvec_table: bench/matvec_table.c $(B)/cuda-%/ds4.o $(B)/cuda-%/ds4_cuda.o
+	$(CC) $(CUDA_CFLAGS) -I. -I$(CUDA_HOME)/include bench/matvec_table.c $(B)/cuda-$*/ds4.o $(B)/cuda-$*/ds4_cuda.o -o $@ $(CUDA_LIBS)
 
 $(B)/cuda-%/bandwidth: bench/bandwidth.cu
 	@mkdir -p $(dir $@)
@@ -98,7 +105,9 @@ cuda-check:
 	@if ! command -v $(NVCC) >/dev/null 2>&1; then echo "skipped: CUDA compile check (nvcc not found)"; exit 0; fi; \
 	 echo "cuda-check: compiling and linking the CUDA build for $(CHECK_ARCH)"; \
 	 $(MAKE) --no-print-directory $(B)/cuda-$(CHECK_ARCH)/ds4 $(B)/cuda-$(CHECK_ARCH)/test_backend_ops \
-	   $(B)/cuda-$(CHECK_ARCH)/ds4_bench $(B)/cuda-$(CHECK_ARCH)/bandwidth CUDA_ARCH=$(CHECK_ARCH)
+	   $(B)/cuda-$(CHECK_ARCH)/ds4_bench $(B)/cuda-$(CHECK_ARCH)/matvec_table $(B)/cuda-$(CHECK_ARCH)/bandwidth \
+	   $(B)/cuda-$(CHECK_ARCH)/spot_check \
+	   CUDA_ARCH=$(CHECK_ARCH)
 
 # ---- tests ----
 include tests/oracle/Makefile.inc

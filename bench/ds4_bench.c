@@ -1,7 +1,9 @@
-/* ds4_bench.c -- decode and prefill throughput of ds4 on one backend.
+/* ds4_bench.c -- decode and prefill throughput of ds4 on one backend, and the
+ * decode step that scripts/kernel_report.sh profiles.
  *
  *   ds4_bench --model tiny|small|flash16|FILE [--type q8_0] [--backend cuda|cpu]
- *             [--reps 5] [--decode 32] [--prefill 512,4096] [--copy-bw GBps]
+ *             [--reps 5] [--decode 32] [--prefill 512,4096] [--copy-bw GBps] [--threads N]
+ *             [--profile-step [--profile-warmup 8] [--profile-timed 16]]      (CUDA builds)
  *
  * Synthetic configs are built in memory from the seed (no file), through the
  * same GGUF parser and weight upload as a file would take.  For each prefill
@@ -13,6 +15,23 @@
  * achieved fraction is printed.  On CUDA the kernel launches and the host
  * time spent launching them are counted over one timed run and reported per
  * token.  Output: human lines plus one `RESULT key=value ...` line per metric.
+ * --reps 0 skips the throughput runs (decode and prefill) altogether.
+ *
+ * --profile-step (CUDA backend only) runs after the throughput runs: a
+ * prefill of the FIRST --prefill length, --profile-warmup decode steps (they
+ * take every one-time cost out of the way: cudaFuncSetAttribute, scratch
+ * growth, lazy module loading), --profile-timed decode steps each timed with
+ * the host clock (median -> `RESULT ... metric=step_wall_ms`), and then
+ * exactly one more decode step (ds4_eval with n = 1) between
+ * cudaProfilerStart() and cudaProfilerStop().  Under
+ * `ncu --profile-from-start off` only that step's kernels are profiled;
+ * without a profiler the bracket costs nothing.  The launches of that step
+ * (ds4_cuda_stats) are printed as `metric=profiled_step_launches`, to check
+ * the profiler's kernel count against.  It measures nothing by itself beyond
+ * the host-timed steps: scripts/kernel_report.sh runs it under ncu and turns
+ * the kernel times into a table.  Quick profiled run:
+ *
+ *   ds4_bench --model flash16 --reps 0 --prefill 512 --profile-step
  */
 #define _GNU_SOURCE
 #include <stdio.h>
@@ -22,6 +41,11 @@
 #include <unistd.h>
 
 #include "../ds4.h"
+
+#ifdef DS4_CUDA
+#include <cuda_profiler_api.h>
+#include <cuda_runtime_api.h>
+#endif
 
 static double now_s(void) {
     struct timespec ts;
@@ -43,12 +67,21 @@ static void fail(const char *what, const char *err) {
     exit(1);
 }
 
+static void usage(FILE *f) {
+    fprintf(f, "usage: ds4_bench --model tiny|small|flash16|FILE [--type T] [--backend cuda|cpu] [--reps N]\n"
+               "                 [--decode N] [--prefill L1,L2,...] [--copy-bw GBps] [--threads N]\n"
+               "                 [--profile-step [--profile-warmup N] [--profile-timed N]]\n");
+}
+
 int main(int argc, char **argv) {
     const char *model = "tiny", *type = NULL, *backend = NULL, *prefill_list = "512,4096";
     int reps = 5, n_decode = 32, threads = 0;
+    int profile_step = 0, prof_warmup = 8, prof_timed = 16;
     double copy_bw = 0.0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(a, "--profile-step")) { profile_step = 1; continue; }   /* the one flag without a value */
+        if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(stdout); return 0; }
         if (!v) { fprintf(stderr, "ds4_bench: %s needs a value\n", a); return 2; }
         if (!strcmp(a, "--model")) model = v;
         else if (!strcmp(a, "--type")) type = v;
@@ -58,10 +91,19 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--prefill")) prefill_list = v;
         else if (!strcmp(a, "--copy-bw")) copy_bw = atof(v);
         else if (!strcmp(a, "--threads")) threads = atoi(v);
-        else { fprintf(stderr, "ds4_bench: unknown option %s\n", a); return 2; }
+        else if (!strcmp(a, "--profile-warmup")) prof_warmup = atoi(v);
+        else if (!strcmp(a, "--profile-timed")) prof_timed = atoi(v);
+        else { fprintf(stderr, "ds4_bench: unknown option %s\n", a); usage(stderr); return 2; }
         i++;
     }
-    if (reps < 1 || n_decode < 1) { fprintf(stderr, "ds4_bench: --reps and --decode must be >= 1\n"); return 2; }
+    if (reps < 0 || n_decode < 1) { fprintf(stderr, "ds4_bench: --reps must be >= 0 and --decode >= 1\n"); return 2; }
+    if (prof_warmup < 0 || prof_timed < 1) {
+        fprintf(stderr, "ds4_bench: --profile-warmup must be >= 0 and --profile-timed >= 1\n");
+        return 2;
+    }
+#ifndef DS4_CUDA
+    if (profile_step) { fprintf(stderr, "ds4_bench: --profile-step needs a CUDA build (make cuda)\n"); return 2; }
+#endif
     if (threads > 0) ds4_cpu_set_threads(threads);
     setvbuf(stdout, NULL, _IOLBF, 0);   /* partial results survive a time limit */
     const int fill_threads = threads > 0 ? threads : (int)sysconf(_SC_NPROCESSORS_ONLN);
@@ -71,6 +113,7 @@ int main(int argc, char **argv) {
     if (!backend || !strcmp(backend, "cuda")) be = ds4_backend_cuda();
 #endif
     if (backend && strcmp(backend, be->name) != 0) fail("backend", "not available in this build");
+    if (profile_step && strcmp(be->name, "cuda") != 0) fail("--profile-step", "needs the cuda backend");
 
     char err[1024];
     double t0 = now_s();
@@ -97,8 +140,13 @@ int main(int argc, char **argv) {
         if (!p) break;
         p++;
     }
+    /* the profiled step follows a prefill of the first length */
+    const int prof_p = n_pl > 0 ? pl[0] : 512;
+    if (profile_step && prof_p < 1) fail("--prefill", "the first length (the profiled step's prefill) must be >= 1");
+    if (profile_step && reps == 0) max_p = prof_p;   /* no throughput runs: size the context for this one */
     const int V = ds4_model_n_vocab(m);
-    const int n_ctx = max_p + n_decode + 8;
+    const int tail_dec = n_decode + 4, tail_prof = prof_warmup + prof_timed + 1;
+    const int n_ctx = max_p + (tail_dec > tail_prof ? tail_dec : tail_prof) + 8;
     t0 = now_s();
     ds4_ctx *c = ds4_ctx_new(m, be, n_ctx, max_p, err, sizeof(err));
     if (!c) fail("context", err);
@@ -109,56 +157,60 @@ int main(int argc, char **argv) {
     int32_t *tok = malloc(sizeof(int32_t) * (size_t)n_ctx);
     for (int i = 0; i < n_ctx; i++) tok[i] = (int32_t)((i * 2654435761u) % (unsigned)V);
     float *logits = malloc(sizeof(float) * (size_t)V);
-    double *v = malloc(sizeof(double) * (size_t)(reps > n_decode ? reps : n_decode));
+    int n_v = reps > n_decode ? reps : n_decode;
+    if (n_v < prof_timed) n_v = prof_timed;
+    double *v = malloc(sizeof(double) * (size_t)n_v);
 
-    /* decode: after a 512-token (or shorter) prefill */
-    const int P0 = max_p < 512 ? max_p : 512;
-    const size_t bytes_tok = ds4_model_decode_bytes(m);
-    double launches_tok = 0, launch_s_tok = 0;
-    for (int r = -1; r < reps; r++) {
-        ds4_ctx_reset(c);
-        if (ds4_eval(c, tok, P0, logits, 0, err, sizeof(err)) != 0) fail("prefill", err);
-        for (int w = 0; w < 4; w++)
-            if (ds4_eval(c, tok + P0 + w, 1, logits, 0, err, sizeof(err)) != 0) fail("decode", err);
+    if (reps > 0) {
+        /* decode: after a 512-token (or shorter) prefill */
+        const int P0 = max_p < 512 ? max_p : 512;
+        const size_t bytes_tok = ds4_model_decode_bytes(m);
+        double launches_tok = 0, launch_s_tok = 0;
+        for (int r = -1; r < reps; r++) {
+            ds4_ctx_reset(c);
+            if (ds4_eval(c, tok, P0, logits, 0, err, sizeof(err)) != 0) fail("prefill", err);
+            for (int w = 0; w < 4; w++)
+                if (ds4_eval(c, tok + P0 + w, 1, logits, 0, err, sizeof(err)) != 0) fail("decode", err);
 #ifdef DS4_CUDA
-        if (r == 0 && !strcmp(be->name, "cuda")) ds4_cuda_stats_reset();
+            if (r == 0 && !strcmp(be->name, "cuda")) ds4_cuda_stats_reset();
 #endif
-        double s = now_s();
-        for (int j = 0; j < n_decode; j++)
-            if (ds4_eval(c, tok + P0 + 4 + j, 1, logits, 0, err, sizeof(err)) != 0) fail("decode", err);
-        const double dt = now_s() - s;
+            double s = now_s();
+            for (int j = 0; j < n_decode; j++)
+                if (ds4_eval(c, tok + P0 + 4 + j, 1, logits, 0, err, sizeof(err)) != 0) fail("decode", err);
+            const double dt = now_s() - s;
 #ifdef DS4_CUDA
-        if (r == 0 && !strcmp(be->name, "cuda")) {
-            uint64_t n;
-            double hs;
-            ds4_cuda_stats(&n, &hs);
-            launches_tok = (double)n / n_decode;
-            launch_s_tok = hs / n_decode;
+            if (r == 0 && !strcmp(be->name, "cuda")) {
+                uint64_t n;
+                double hs;
+                ds4_cuda_stats(&n, &hs);
+                launches_tok = (double)n / n_decode;
+                launch_s_tok = hs / n_decode;
+            }
+#endif
+            if (r >= 0) v[r] = n_decode / dt;
         }
-#endif
-        if (r >= 0) v[r] = n_decode / dt;
-    }
-    const double tps = median(v, reps);
-    const double gbs = bytes_tok * tps / 1e9;
-    printf("decode: median %.2f tok/s (%.3f ms/token, %d reps x %d tokens after a %d-token prefill)\n",
-           tps, 1e3 / tps, reps, n_decode, P0);
-    printf("decode: %.3f GB of weights per token -> %.1f GB/s", bytes_tok / 1e9, gbs);
-    if (copy_bw > 0) printf(" = %.1f%% of the %.0f GB/s copy bandwidth", 100.0 * gbs / copy_bw, copy_bw);
-    printf("\n");
-    printf("RESULT model=%s backend=%s metric=decode_tok_s value=%.3f\n", model, be->name, tps);
-    printf("RESULT model=%s backend=%s metric=decode_weight_GBps value=%.1f bytes_per_token=%zu\n",
-           model, be->name, gbs, bytes_tok);
-    if (copy_bw > 0)
-        printf("RESULT model=%s backend=%s metric=decode_bw_fraction value=%.3f copy_bw_GBps=%.0f\n",
-               model, be->name, gbs / copy_bw, copy_bw);
-    if (launches_tok > 0) {
-        printf("decode: %.0f kernel launches per token, %.1f us of host time launching them per token\n",
-               launches_tok, launch_s_tok * 1e6);
-        printf("RESULT model=%s backend=%s metric=launches_per_token value=%.0f host_launch_us_per_token=%.1f\n",
-               model, be->name, launches_tok, launch_s_tok * 1e6);
+        const double tps = median(v, reps);
+        const double gbs = bytes_tok * tps / 1e9;
+        printf("decode: median %.2f tok/s (%.3f ms/token, %d reps x %d tokens after a %d-token prefill)\n",
+               tps, 1e3 / tps, reps, n_decode, P0);
+        printf("decode: %.3f GB of weights per token -> %.1f GB/s", bytes_tok / 1e9, gbs);
+        if (copy_bw > 0) printf(" = %.1f%% of the %.0f GB/s copy bandwidth", 100.0 * gbs / copy_bw, copy_bw);
+        printf("\n");
+        printf("RESULT model=%s backend=%s metric=decode_tok_s value=%.3f\n", model, be->name, tps);
+        printf("RESULT model=%s backend=%s metric=decode_weight_GBps value=%.1f bytes_per_token=%zu\n",
+               model, be->name, gbs, bytes_tok);
+        if (copy_bw > 0)
+            printf("RESULT model=%s backend=%s metric=decode_bw_fraction value=%.3f copy_bw_GBps=%.0f\n",
+                   model, be->name, gbs / copy_bw, copy_bw);
+        if (launches_tok > 0) {
+            printf("decode: %.0f kernel launches per token, %.1f us of host time launching them per token\n",
+                   launches_tok, launch_s_tok * 1e6);
+            printf("RESULT model=%s backend=%s metric=launches_per_token value=%.0f host_launch_us_per_token=%.1f\n",
+                   model, be->name, launches_tok, launch_s_tok * 1e6);
+        }
     }
 
-    for (int i = 0; i < n_pl; i++) {
+    for (int i = 0; i < n_pl && reps > 0; i++) {
         const int P = pl[i];
         if (P > max_p || P < 1) continue;
         for (int r = -1; r < reps; r++) {      /* r = -1 is the warm-up */
@@ -171,6 +223,46 @@ int main(int argc, char **argv) {
         printf("prefill %5d tokens: median %.4f s = %.1f tok/s (%d reps)\n", P, med, P / med, reps);
         printf("RESULT model=%s backend=%s metric=prefill_tok_s prompt=%d value=%.2f\n", model, be->name, P, P / med);
     }
+
+#ifdef DS4_CUDA
+    if (profile_step) {
+        /* prefill, warm-up steps, host-timed steps, then one step under the profiler */
+        ds4_ctx_reset(c);
+        if (ds4_eval(c, tok, prof_p, logits, 0, err, sizeof(err)) != 0) fail("prefill", err);
+        int pos = prof_p;
+        for (int w = 0; w < prof_warmup; w++, pos++)
+            if (ds4_eval(c, tok + pos, 1, logits, 0, err, sizeof(err)) != 0) fail("decode", err);
+        for (int j = 0; j < prof_timed; j++, pos++) {
+            const double s = now_s();
+            if (ds4_eval(c, tok + pos, 1, logits, 0, err, sizeof(err)) != 0) fail("decode", err);
+            v[j] = (now_s() - s) * 1e3;
+        }
+        double lo = v[0], hi = v[0];
+        for (int j = 1; j < prof_timed; j++) { if (v[j] < lo) lo = v[j]; if (v[j] > hi) hi = v[j]; }
+        const double step_ms = median(v, prof_timed);
+        printf("profile: decode step after a %d-token prefill and %d warm-up steps: median %.3f ms "
+               "(min %.3f, max %.3f, %d steps, host clock)\n", prof_p, prof_warmup, step_ms, lo, hi, prof_timed);
+        printf("RESULT model=%s backend=%s metric=step_wall_ms value=%.3f prefill=%d warmup=%d steps=%d "
+               "min=%.3f max=%.3f\n", model, be->name, step_ms, prof_p, prof_warmup, prof_timed, lo, hi);
+
+        ds4_cuda_stats_reset();
+        cudaError_t pe = cudaProfilerStart();
+        if (pe != cudaSuccess) fprintf(stderr, "ds4_bench: cudaProfilerStart: %s\n", cudaGetErrorString(pe));
+        const double s = now_s();
+        if (ds4_eval(c, tok + pos, 1, logits, 0, err, sizeof(err)) != 0) fail("decode", err);   /* synchronizes */
+        const double prof_ms = (now_s() - s) * 1e3;
+        pe = cudaProfilerStop();
+        if (pe != cudaSuccess) fprintf(stderr, "ds4_bench: cudaProfilerStop: %s\n", cudaGetErrorString(pe));
+        uint64_t n_launch;
+        double launch_s;
+        ds4_cuda_stats(&n_launch, &launch_s);
+        printf("profile: the bracketed step (position %d) made %llu kernel launches (incl. cuBLAS calls), "
+               "%.1f us of host time launching them; it took %.3f ms (much longer under a profiler)\n",
+               pos, (unsigned long long)n_launch, launch_s * 1e6, prof_ms);
+        printf("RESULT model=%s backend=%s metric=profiled_step_launches value=%llu host_launch_us=%.1f pos=%d "
+               "step_ms=%.3f\n", model, be->name, (unsigned long long)n_launch, launch_s * 1e6, pos, prof_ms);
+    }
+#endif
 
     free(v); free(logits); free(tok);
     ds4_ctx_free(c);

@@ -2,13 +2,25 @@
 # One command for the GPU machine: build with its nvcc, run every GPU test and the
 # benchmarks, write logs under $OUT (default build/gpu-out), print a short table last.
 #
-#   scripts/gpu-check.sh [all|test|bench|hf]     (default all)
+#   scripts/gpu-check.sh [WHAT ...]      (default all; several WHATs run in the order below)
+#
+#   test      backend ops (CUDA vs CPU), the embedded default on CUDA, GPU pytest
+#   hf        transformers float64 oracle on the carried llama.cpp token sequences
+#   sanitize  compute-sanitizer memcheck/racecheck/synccheck (scripts/sanitize-gpu.sh)
+#   spot      flash16 CUDA vs CPU logits, Q8_0 at the full Flash shape (tests/spot_check.c)
+#   bench     copy bandwidth, ds4_bench on flash16, then tiny and small
+#   kernels   scripts/kernel_report.sh flash16 and build/cuda-$ARCH/matvec_table, where present
+#   all       all of these: build, test, hf, sanitize, spot, bench flash16, kernels, bench tiny+small
+#
+# Rough times on one H200: build ~1 min, test ~2 min, sanitize a few minutes (19 runs, 3 at
+# once, each limited to 300 s), spot 1-3 min (builds flash16 twice in host memory, 52 GB),
+# bench ~2 min.  `all` can run past a 10-minute command limit: run the WHATs separately there.
 #
 # Expects (carried from the development machine, because the GPU machine has no network):
 #   build/carry/other.gguf                 the gguf-py-written model (tests/oracle/write_gguf_ggufpy.py)
 #   build/carry/{tiny,small}.llama.ds4logit llama.cpp dumps whose tokens the HF oracle replays
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 2
 # Logs go to $OUT/gpu-check/ and are packed into $OUT/gpu-check.tar.gz at exit (the device
 # tool returns at most 8 files); without $OUT they stay in build/gpu-out/.
 if [ -n "${OUT:-}" ]; then
@@ -18,16 +30,32 @@ else
   OUT=build/gpu-out
 fi
 mkdir -p "$OUT" build/test-out
-WHAT=${1:-all}
+rm -f "$OUT/table.txt"      # this run's rows only (build/gpu-out persists between runs)
+WHAT=" ${*:-all} "
+for w in $WHAT; do
+  case "$w" in all|test|hf|sanitize|spot|bench|kernels) ;;
+    *) echo "gpu-check: unknown WHAT '$w' (all, test, hf, sanitize, spot, bench, kernels)"; exit 2 ;; esac
+done
+want() { [[ "$WHAT" == *" all "* || "$WHAT" == *" $1 "* ]]; }
 ARCH=${CUDA_ARCH:-sm_90}
 PY=python3
 declare -a TABLE
 row() { TABLE+=("$1"); }
 step() { echo; echo "=== $* ($(date -u +%H:%M:%S))"; }
+# last_or PATTERN FILE FALLBACK: the last line of FILE matching PATTERN, else FALLBACK
+last_or() { local l; l=$(grep -E "$1" "$2" 2>/dev/null | tail -1); echo "${l:-$3}"; }
+# measure_bw: the device's copy bandwidth into $BW (once per run)
+measure_bw() {
+  [ -n "${BW:-}" ] && return
+  step "copy bandwidth"
+  build/cuda-"$ARCH"/bandwidth | tee "$OUT/bandwidth.log"
+  BW=$(awk '/copy_bw_GBps/ {print $2}' "$OUT/bandwidth.log")
+  row "copy bandwidth: ${BW:-?} GB/s (read+write)"
+}
 # bench_model MODEL LIMIT_S: one ds4_bench run, its RESULT lines appended to the table
 bench_model() {
   step "bench $1"
-  timeout "$2" build/cuda-$ARCH/ds4_bench --model "$1" --backend cuda --reps 5 --decode 32 --prefill 512,4096 \
+  timeout "$2" build/cuda-"$ARCH"/ds4_bench --model "$1" --backend cuda --reps 5 --decode 32 --prefill 512,4096 \
      --copy-bw "${BW:-0}" 2>&1 | tee "$OUT/bench-$1.log"
   grep RESULT "$OUT/bench-$1.log" | sed 's/^RESULT /bench: /' >> "$OUT/table.txt"
 }
@@ -40,37 +68,26 @@ step "build (make cuda CUDA_ARCH=$ARCH)"
 if ! make cuda CUDA_ARCH="$ARCH" > "$OUT/build.log" 2>&1; then
   tail -40 "$OUT/build.log"; echo "BUILD FAILED"; exit 1
 fi
-make --no-print-directory build/cuda-$ARCH/test_backend_ops build/cuda-$ARCH/ds4_bench build/cuda-$ARCH/bandwidth \
-    CUDA_ARCH=$ARCH >> "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
+make --no-print-directory build/cuda-"$ARCH"/test_backend_ops build/cuda-"$ARCH"/ds4_bench build/cuda-"$ARCH"/bandwidth \
+    CUDA_ARCH="$ARCH" >> "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
 echo "build ok"
 cp -f build/carry/other.gguf build/test-out/other.gguf 2>/dev/null || true
 
-if [ "$WHAT" = all ] || [ "$WHAT" = test ]; then
+if want test; then
   step "backend ops: CUDA vs CPU"
-  build/cuda-$ARCH/test_backend_ops 2>&1 | tee "$OUT/ops.log" | tail -60
+  build/cuda-"$ARCH"/test_backend_ops 2>&1 | tee "$OUT/ops.log" | tail -60
   row "ops:     $(tail -1 "$OUT/ops.log")"
 
   step "embedded default on CUDA"
   ./ds4 --backend cuda -p "Once upon a time" -n 64 2>&1 | tee "$OUT/run.log"
 
-fi
-
-if [ "$WHAT" = all ] || [ "$WHAT" = bench ]; then
-  step "copy bandwidth"
-  build/cuda-$ARCH/bandwidth | tee "$OUT/bandwidth.log"
-  BW=$(awk '/copy_bw_GBps/ {print $2}' "$OUT/bandwidth.log")
-  row "copy bandwidth: $BW GB/s (read+write)"
-  bench_model flash16 200      # first: the model the goals are about
-fi
-
-if [ "$WHAT" = all ] || [ "$WHAT" = test ]; then
   step "GPU pytest (CUDA vs CPU logits, determinism)"
   TEST_DS4_CUDA_BIN=$PWD/ds4 PYTHONUNBUFFERED=1 timeout 150 $PY -m pytest -q -rs -s tests/test_gpu.py 2>&1 | tee "$OUT/pytest-gpu.log" | tail -30
   row "pytest:  $(tail -1 "$OUT/pytest-gpu.log")"
   grep -E "max \|dlogit\|" "$OUT/pytest-gpu.log" | sed 's/^/gpu-vs-cpu: /' >> "$OUT/table.txt"
 fi
 
-if [ "$WHAT" = all ] || [ "$WHAT" = hf ]; then
+if want hf; then
   step "transformers oracle (float64) on the llama.cpp token sequences"
   for m in tiny small; do
     [ -f build/carry/$m.llama.ds4logit ] || continue
@@ -81,7 +98,52 @@ if [ "$WHAT" = all ] || [ "$WHAT" = hf ]; then
   done
 fi
 
-if [ "$WHAT" = all ] || [ "$WHAT" = bench ]; then
+if want sanitize; then
+  step "compute-sanitizer: memcheck, racecheck, synccheck on tiny/small/other; test_backend_ops under memcheck"
+  SANITIZE_BIN=$PWD/ds4 CUDA_ARCH="$ARCH" timeout "${SANITIZE_LIMIT:-1800}" bash scripts/sanitize-gpu.sh \
+      --out "$OUT/sanitize" 2>&1 | tee "$OUT/sanitize.log"
+  src=${PIPESTATUS[0]}
+  row "$(last_or '^sanitizer:' "$OUT/sanitize.log" "sanitizer: no result (rc $src; see sanitize.log)")"
+  while IFS= read -r l; do row "  $l"; done < <(grep -E ' (FAIL|TIMEOUT) \(|^SKIP ' "$OUT/sanitize.log" | sed 's/ logs: .*//')
+fi
+
+if want spot; then
+  step "flash16 spot check: CUDA vs CPU logits (Q8_0, 8 prompt + 8 teacher-forced steps, in memory)"
+  make --no-print-directory build/cuda-"$ARCH"/spot_check CUDA_ARCH="$ARCH" >> "$OUT/build.log" 2>&1
+  timeout "${SPOT_LIMIT:-600}" build/cuda-"$ARCH"/spot_check --model flash16 --type q8_0 2>&1 | tee "$OUT/spot.log"
+  src=${PIPESTATUS[0]}
+  row "flash16 $(last_or '^spot: (PASS|FAIL)' "$OUT/spot.log" "spot: no result (rc $src; see spot.log)")"
+fi
+
+if want bench; then
+  measure_bw
+  bench_model flash16 200      # first: the model the goals are about
+fi
+
+if want kernels; then
+  step "kernel report (flash16) and matvec table"
+  measure_bw
+  if [ -f scripts/kernel_report.sh ]; then
+    timeout 300 bash scripts/kernel_report.sh flash16 "$OUT" 2>&1 | tee "$OUT/kernel-report.log"
+    krc=${PIPESTATUS[0]}
+    # its footer: the last block of non-empty lines it printed (at most 12)
+    awk 'NF == 0 {n = 0; next} {buf[n++] = $0} END {for (i = (n > 12 ? n - 12 : 0); i < n; i++) print buf[i]}' \
+        "$OUT/kernel-report.log" | sed 's/^/kernels: /' >> "$OUT/table.txt"
+    [ "$krc" -eq 0 ] || row "kernels: kernel_report.sh rc $krc$([ "$krc" -eq 124 ] && echo ' (timed out after 300 s)')"
+  else
+    row "kernels: scripts/kernel_report.sh absent, skipped"
+  fi
+  make --no-print-directory build/cuda-"$ARCH"/matvec_table CUDA_ARCH="$ARCH" >> "$OUT/build.log" 2>&1 || true
+  if [ -x build/cuda-"$ARCH"/matvec_table ]; then
+    timeout 300 build/cuda-"$ARCH"/matvec_table --copy-bw "${BW:-0}" 2>&1 | tee "$OUT/matvec_table.log"
+    mrc=${PIPESTATUS[0]}
+    row "matvec_table: rc $mrc$([ "$mrc" -eq 124 ] && echo ' (timed out after 300 s)'), output in matvec_table.log"
+  else
+    row "matvec_table: build/cuda-$ARCH/matvec_table not built, skipped"
+  fi
+fi
+
+if want bench; then
   bench_model tiny 60
   bench_model small 60
 fi
@@ -89,4 +151,4 @@ fi
 echo
 echo "================ summary ($(git rev-parse --short HEAD 2>/dev/null || echo nogit), $(date -u +%F))"
 for r in "${TABLE[@]}"; do echo "$r"; done
-[ -f "$OUT/table.txt" ] && cat "$OUT/table.txt"
+if [ -f "$OUT/table.txt" ]; then cat "$OUT/table.txt"; fi

@@ -1,0 +1,468 @@
+#!/usr/bin/env python3
+"""kernel_table.py -- the per-kernel GPU time of one profiled decode step, as a markdown table.
+
+What it is.  It reads the CSV that Nsight Compute writes for the one decode step
+`ds4_bench --profile-step` brackets with cudaProfilerStart/Stop (run by
+scripts/kernel_report.sh as `ncu --profile-from-start off --metrics
+gpu__time_duration.sum --csv --page raw ...`), groups the launches by kernel name
+and prints, largest first: kernel, launches, mean us per launch, total us, the
+share of all kernel time and of the wall-clock step.  A footer follows, as the
+last block of the output: kernels per step, the sum of kernel time, the wall-clock
+step from ds4_bench's host-timed steps (a run without the profiler: ncu serialises
+and slows everything), and their ratio, i.e. how busy the GPU is during a step.
+
+Kernel names are demangled (ncu's demangled names, or c++filt for a mangled one),
+then shortened: no return type, no parameter list, no spaces, and template
+arguments nested deeper than one level written as <...>, so k_matvec<8,1,0> and
+k_matvec<0,1,0> stay two rows while a cuBLAS name stays readable.  Two different
+kernels that shorten to the same text get #2, #3 appended.
+
+What it is not.  Not a profiler and not an ncu report reader: only the
+gpu__time_duration.sum of each launch is used.  It does not run ncu; see
+scripts/kernel_report.sh.
+
+ncu CSV pitfalls it handles: ncu's own ==PROF== lines and the program's output
+mixed in, the units row of `--page raw` (nsecond, usecond, msecond, second; ns,
+us, ms, s), thousands separators in values ("1,234.5"), and the long
+`--page details` layout (Metric Name / Metric Unit / Metric Value columns).
+
+    scripts/kernel_table.py NCU.csv [--bench-log PLAIN.log] [--ncu-bench-log NCU_RUN.log]
+                            [--wall-ms MS] [--launches N] [--title TEXT] [--out FILE.md]
+    scripts/kernel_table.py --self-test
+"""
+import argparse
+import csv
+import re
+import shutil
+import subprocess
+import sys
+
+METRIC = "gpu__time_duration.sum"
+# microseconds per unit
+UNITS = {
+    "nsecond": 1e-3, "ns": 1e-3, "nanosecond": 1e-3,
+    "usecond": 1.0, "us": 1.0, "\u00b5s": 1.0, "microsecond": 1.0,
+    "msecond": 1e3, "ms": 1e3, "millisecond": 1e3,
+    "second": 1e6, "s": 1e6, "sec": 1e6,
+}
+
+
+class ParseError(Exception):
+    pass
+
+
+def parse_number(text):
+    """A number as ncu prints it: "1,234.5" (thousands separators), "12.5", "1.2e-05"."""
+    t = text.strip().replace("\u00a0", "").replace(" ", "")
+    if re.fullmatch(r"[+-]?\d{1,3}(,\d{3})+(\.\d*)?([eE][+-]?\d+)?", t):
+        t = t.replace(",", "")
+    elif re.fullmatch(r"[+-]?\d+,\d+", t):          # a decimal comma (non-C locale)
+        t = t.replace(",", ".")
+    return float(t)
+
+
+def to_us(value, unit, where):
+    u = (unit or "").strip()
+    if u not in UNITS:
+        if u:
+            raise ParseError(f"{where}: unknown time unit '{u}' (expected one of {', '.join(sorted(UNITS))})")
+        print(f"kernel_table: {where}: no unit given, assuming nanoseconds", file=sys.stderr)
+        u = "nsecond"
+    return parse_number(value) * UNITS[u]
+
+
+def csv_fields(line):
+    try:
+        return next(csv.reader([line]))
+    except (csv.Error, StopIteration):
+        return None
+
+
+def read_launches(text):
+    """[(kernel name, microseconds)] in launch order, from ncu --csv output (raw or details page)."""
+    lines = [l.rstrip("\r\n") for l in text.splitlines()]
+    header, hi = None, -1
+    for i, line in enumerate(lines):
+        if line.startswith("==") or '"' not in line:
+            continue
+        f = csv_fields(line)
+        if f and "Kernel Name" in f and "ID" in f:
+            header, hi = f, i
+            break
+    if header is None:
+        raise ParseError("no ncu CSV header (a line with \"ID\" and \"Kernel Name\") found")
+    col = {name: j for j, name in enumerate(header)}
+    k_id, k_name = col["ID"], col["Kernel Name"]
+    rows = []
+    for line in lines[hi + 1:]:
+        if line.startswith("==") or not line.startswith('"'):
+            continue
+        f = csv_fields(line)
+        if f is None or len(f) != len(header):
+            continue
+        rows.append(f)
+
+    out = []
+    if METRIC in col:                                   # --page raw: one column per metric, then a units row
+        m = col[METRIC]
+        unit = None
+        for f in rows:
+            if f[k_id].strip() == "":
+                unit = f[m]
+                continue
+            if f[m].strip() in ("", "n/a"):
+                raise ParseError(f"launch {f[k_id]}: no value for {METRIC}")
+            out.append((f[k_name], to_us(f[m], unit, f"launch {f[k_id]}")))
+    elif "Metric Name" in col and "Metric Value" in col:   # --page details: one row per metric
+        mn, mv, mu = col["Metric Name"], col["Metric Value"], col.get("Metric Unit")
+        seen = set()
+        for f in rows:
+            if f[mn] != METRIC or f[k_id] in seen:
+                continue
+            seen.add(f[k_id])
+            out.append((f[k_name], to_us(f[mv], f[mu] if mu is not None else None, f"launch {f[k_id]}")))
+    else:
+        raise ParseError(f"the CSV has no {METRIC} column and no Metric Name/Value columns")
+    if not out:
+        raise ParseError("the CSV holds no kernel launches (was the step bracketed? ncu --profile-from-start off)")
+    return out
+
+
+# ---- names ----
+
+def demangle(name):
+    if not name.startswith("_Z"):
+        return name
+    tool = shutil.which("c++filt")
+    if not tool:
+        return name
+    try:
+        r = subprocess.run([tool, name], capture_output=True, text=True, timeout=10)
+        return r.stdout.strip() or name
+    except (OSError, subprocess.SubprocessError):
+        return name
+
+
+def strip_params(s):
+    """Drop a trailing parameter list "(...)" (and a trailing " const")."""
+    s = s.strip()
+    if s.endswith(" const"):
+        s = s[:-6].rstrip()
+    if not s.endswith(")"):
+        return s
+    depth = 0
+    for i in range(len(s) - 1, -1, -1):
+        c = s[i]
+        if c == ")":
+            depth += 1
+        elif c == "(":
+            depth -= 1
+            if depth == 0:
+                head = s[:i].rstrip()
+                # "(anonymous namespace)" alone is not a parameter list
+                return head if head else s
+    return s
+
+
+def drop_return_type(s):
+    """The last space-separated token at template depth 0: "void ns::k<a, b>" -> "ns::k<a, b>"."""
+    depth, cut = 0, 0
+    for i, c in enumerate(s):
+        if c in "<(":
+            depth += 1
+        elif c in ">)":
+            depth -= 1
+        elif c == " " and depth == 0:
+            cut = i + 1
+    return s[cut:]
+
+
+def collapse_templates(s, keep_depth=1, max_len=72):
+    """Remove spaces; template arguments deeper than keep_depth become "..."; cap the length."""
+    s = s.replace("(anonymous namespace)::", "")
+    s = re.sub(r"\s+", " ", s)
+    s = re.sub(r"\s*,\s*", ",", s)
+    s = re.sub(r"\s*([<>])\s*", r"\1", s)
+    out, depth, skipping = [], 0, False
+    for c in s:
+        if c == "<":
+            depth += 1
+            if depth > keep_depth:
+                if depth == keep_depth + 1:
+                    out.append("<...")
+                skipping = True
+                continue
+        elif c == ">":
+            if depth > keep_depth:
+                depth -= 1
+                if depth == keep_depth:
+                    out.append(">")
+                    skipping = False
+                continue
+            depth -= 1
+        if not skipping:
+            out.append(c)
+    r = "".join(out)
+    if len(r) > max_len and "<" in r:
+        base, _, args = r.partition("<")
+        parts, acc = [], ""
+        for a in args[:-1].split(","):
+            if len(base) + len(acc) + len(a) + 6 > max_len:
+                parts.append("...")
+                break
+            parts.append(a)
+            acc += a + ","
+        r = base + "<" + ",".join(parts) + ">"
+    return r
+
+
+def short_name(full):
+    return collapse_templates(drop_return_type(strip_params(demangle(full.strip()))))
+
+
+# ---- the table ----
+
+def summarize(launches):
+    """Rows (short name, launches, mean us, total us), largest total first; names made unique."""
+    groups = {}          # key: the full name without parameters
+    for name, us in launches:
+        key = strip_params(demangle(name.strip()))
+        g = groups.setdefault(key, [0, 0.0])
+        g[0] += 1
+        g[1] += us
+    rows, used = [], {}
+    for key, (n, tot) in sorted(groups.items(), key=lambda kv: -kv[1][1]):
+        s = collapse_templates(drop_return_type(key))
+        if s in used:
+            used[s] += 1
+            s = f"{s} #{used[s]}"
+        else:
+            used[s] = 1
+        rows.append((s, n, tot / n, tot))
+    return rows
+
+
+def read_results(path):
+    """{metric: (value, {key: value})} from the RESULT lines of a ds4_bench log."""
+    res = {}
+    if not path:
+        return res
+    try:
+        with open(path, errors="replace") as f:
+            for line in f:
+                if not line.startswith("RESULT "):
+                    continue
+                kv = dict(t.split("=", 1) for t in line.split()[1:] if "=" in t)
+                if "metric" in kv and "value" in kv:
+                    try:
+                        res[kv["metric"]] = (float(kv["value"]), kv)
+                    except ValueError:
+                        pass
+    except OSError as e:
+        print(f"kernel_table: cannot read {path}: {e}", file=sys.stderr)
+    return res
+
+
+def render(launches, wall_ms=None, wall_note="", launches_counted=None, title=None, ncu_wall_ms=None):
+    rows = summarize(launches)
+    total_us = sum(r[3] for r in rows)
+    n = len(launches)
+    out = []
+    if title:
+        out += [f"## {title}", ""]
+    hdr = "| kernel | launches | us/launch (mean) | us total | % of kernel time |"
+    sep = "|---|---:|---:|---:|---:|"
+    if wall_ms:
+        hdr += " % of wall step |"
+        sep += "---:|"
+    out += [hdr, sep]
+    for name, cnt, mean, tot in rows:
+        line = f"| `{name}` | {cnt} | {mean:.2f} | {tot:.1f} | {100.0 * tot / total_us:.1f}% |"
+        if wall_ms:
+            line += f" {100.0 * tot / (wall_ms * 1e3):.1f}% |"
+        out.append(line)
+    line = f"| **all kernels** | {n} | {total_us / n:.2f} | {total_us:.1f} | 100.0% |"
+    if wall_ms:
+        line += f" {100.0 * total_us / (wall_ms * 1e3):.1f}% |"
+    out.append(line)
+
+    foot = [""]
+    counted = f" (ds4_cuda_stats counted {launches_counted} launches in that step)" if launches_counted is not None else ""
+    foot.append(f"kernels per step: {n} launches of {len(rows)} kernels{counted}")
+    foot.append(f"sum of kernel time: {total_us / 1e3:.3f} ms")
+    if wall_ms:
+        extra = f"; under ncu, outside the profiled step: {ncu_wall_ms:.3f} ms" if ncu_wall_ms else ""
+        foot.append(f"wall-clock step: {wall_ms:.3f} ms{wall_note}{extra}")
+        ratio = total_us / (wall_ms * 1e3)
+        foot.append(f"kernel time / wall-clock step: {ratio:.3f} (the GPU runs kernels {100.0 * ratio:.1f}% "
+                    f"of the step; the rest is launch gaps, host work and copies)")
+    else:
+        foot.append("wall-clock step: unknown (no step_wall_ms; pass --bench-log or --wall-ms)")
+    return out, foot, total_us, rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description="Per-kernel time table of one ncu-profiled decode step.")
+    ap.add_argument("csv", nargs="?", help="ncu --csv output (--page raw or --page details)")
+    ap.add_argument("--bench-log", help="ds4_bench --profile-step log of a run WITHOUT the profiler (wall-clock)")
+    ap.add_argument("--ncu-bench-log", help="ds4_bench's own output from the profiled run (launch count)")
+    ap.add_argument("--wall-ms", type=float, help="wall-clock decode step in ms (overrides the logs)")
+    ap.add_argument("--launches", type=int, help="launches counted by ds4_cuda_stats (overrides the logs)")
+    ap.add_argument("--title", help="a heading for the markdown")
+    ap.add_argument("--out", help="also write the table and footer to this markdown file")
+    ap.add_argument("--self-test", action="store_true", help="check the parser and the table on embedded samples")
+    a = ap.parse_args(argv)
+    if a.self_test:
+        return self_test()
+    if not a.csv:
+        ap.error("the ncu CSV file is required (or --self-test)")
+    try:
+        with open(a.csv, errors="replace") as f:
+            launches = read_launches(f.read())
+    except (OSError, ParseError, ValueError) as e:
+        print(f"kernel_table: {a.csv}: {e}", file=sys.stderr)
+        return 1
+
+    plain, under = read_results(a.bench_log), read_results(a.ncu_bench_log)
+    wall_ms, note, ncu_wall = a.wall_ms, "", None
+    if "step_wall_ms" in under:
+        ncu_wall = under["step_wall_ms"][0]
+    if wall_ms is None and "step_wall_ms" in plain:
+        wall_ms, kv = plain["step_wall_ms"][0], plain["step_wall_ms"][1]
+        note = f" (median of {kv.get('steps', '?')} host-timed steps, no profiler attached)"
+    elif wall_ms is None and ncu_wall is not None:
+        wall_ms, ncu_wall = ncu_wall, None
+        note = " (host-timed under ncu, outside the profiled step: an upper bound)"
+    elif wall_ms is not None:
+        note = " (given)"
+    launches_counted = a.launches
+    for res in (under, plain):
+        if launches_counted is None and "profiled_step_launches" in res:
+            launches_counted = int(res["profiled_step_launches"][0])
+
+    table, foot, total_us, rows = render(launches, wall_ms, note, launches_counted, a.title, ncu_wall)
+    print(f"RESULT bench=kernel_report metric=kernel_sum_ms value={total_us / 1e3:.4f} launches={len(launches)} "
+          f"kernels={len(rows)}")
+    if wall_ms:
+        print(f"RESULT bench=kernel_report metric=kernel_over_wall value={total_us / (wall_ms * 1e3):.4f} "
+              f"step_wall_ms={wall_ms:.4f}")
+    if a.out:
+        try:
+            with open(a.out, "w") as f:
+                f.write("\n".join(table + foot) + "\n")
+            print(f"wrote {a.out}")
+        except OSError as e:
+            print(f"kernel_table: cannot write {a.out}: {e}", file=sys.stderr)
+            return 1
+    print()
+    print("\n".join(table + foot))
+    return 0
+
+
+# ---- self-test: samples in ncu's own layouts ----
+
+_RAW_HEAD = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size",'
+             '"Grid Size","Device","CC","gpu__time_duration.sum"')
+_KERNELS = [   # (ncu demangled name, nanoseconds)
+    ("void k_hc_pre_part(const float *, const float *, const float *, const float *, float *, const float *, "
+     "long, int, int, int, double *, float *)", 3200.0),
+    ("void k_matvec<8, 1, 0>(mv_args)", 5100.0),
+    ("void k_matvec<0, 1, 0>(mv_args)", 2500.0),
+    ("void k_matvec<8, 1, 0>(mv_args)", 139000.0),
+    ("void k_rmsnorm<1024, true>(const float *, const float *, float *, long, float)", 1234.5),
+    ("void gemv2T_kernel_val<int, int, float, float, float, float, 128, 16, 4, 4, false, false, "
+     "cublasGemvParamsEx<int, cublasGemvTensorStridedBatched<const float>, "
+     "cublasGemvTensorStridedBatched<const float>, cublasGemvTensorStridedBatched<float>, float>>"
+     "(T13, T6, T6)", 7000.0),
+    ("void (anonymous namespace)::k_matvec<8, 1, 0>(mv_args)", 1000.0),
+]
+
+
+def _raw_sample(unit, scale):
+    lines = ["==PROF== Connected to process 4242 (/work/build/cuda-sm_90/ds4_bench)",
+             "model flash16: 26.24 GB of weights, built in 13.4 s, uploaded to cuda in 4.3 s",
+             _RAW_HEAD,
+             '"","","","","","","","","","","","%s"' % unit]
+    for i, (name, ns) in enumerate(_KERNELS):
+        v = ns * scale
+        vs = f"{v:,.4f}" if v >= 1000 else f"{v:.6g}"
+        lines.append(f'"{i}","4242","ds4_bench","127.0.0.1","{name}","1","7","(256, 1, 1)","(132, 1, 1)",'
+                     f'"0","9.0","{vs}"')
+    lines.append("==PROF== Disconnected from process 4242")
+    return "\n".join(lines) + "\n"
+
+
+def _details_sample():
+    head = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size",'
+            '"Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"')
+    lines = [head]
+    for i, (name, ns) in enumerate(_KERNELS):
+        pre = f'"{i}","4242","ds4_bench","h","{name}","1","7","(256, 1, 1)","(132, 1, 1)","0","9.0",'
+        lines.append(pre + '"Command line profiler metrics","dram__bytes_read.sum","byte","1,048,576"')
+        lines.append(pre + f'"Command line profiler metrics","gpu__time_duration.sum","ns","{ns:,.3f}"')
+    return "\n".join(lines) + "\n"
+
+
+def self_test():
+    fails = []
+
+    def check(cond, what):
+        if not cond:
+            fails.append(what)
+
+    want_total_us = sum(ns for _, ns in _KERNELS) / 1e3
+    for unit, scale in (("nsecond", 1.0), ("usecond", 1e-3), ("msecond", 1e-6), ("second", 1e-9), ("ns", 1.0)):
+        got = read_launches(_raw_sample(unit, scale))
+        check(len(got) == len(_KERNELS), f"raw/{unit}: {len(got)} launches")
+        tot = sum(us for _, us in got)
+        check(abs(tot - want_total_us) < 1e-6 * want_total_us, f"raw/{unit}: total {tot} us, want {want_total_us}")
+    got = read_launches(_details_sample())
+    check(len(got) == len(_KERNELS), f"details: {len(got)} launches")
+    check(abs(sum(us for _, us in got) - want_total_us) < 1e-6 * want_total_us, "details: total")
+
+    check(parse_number("1,234.5") == 1234.5, "parse 1,234.5")
+    check(parse_number("12,5") == 12.5, "parse 12,5")
+    check(parse_number("4.0e-05") == 4e-5, "parse 4.0e-05")
+    try:
+        to_us("1", "furlong", "x")
+        fails.append("unknown unit accepted")
+    except ParseError:
+        pass
+    try:
+        read_launches("just program output\nno csv here\n")
+        fails.append("missing header accepted")
+    except ParseError:
+        pass
+
+    rows = {r[0]: r for r in summarize(read_launches(_raw_sample("nsecond", 1.0)))}
+    check("k_matvec<8,1,0>" in rows and "k_matvec<0,1,0>" in rows, f"template args kept apart: {sorted(rows)}")
+    check(rows.get("k_matvec<8,1,0>", (0, 0))[1] == 2, "k_matvec<8,1,0> has 2 launches")
+    check(abs(rows.get("k_matvec<8,1,0>", (0, 0, 0, 0))[3] - 144.1) < 1e-9, "k_matvec<8,1,0> total 144.1 us")
+    check(abs(rows.get("k_matvec<8,1,0>", (0, 0, 0, 0))[2] - 72.05) < 1e-9, "k_matvec<8,1,0> mean 72.05 us")
+    check("k_matvec<8,1,0> #2" in rows, "the anonymous-namespace k_matvec<8,1,0> is a row of its own")
+    check("k_hc_pre_part" in rows, "non-template kernel name")
+    check("k_rmsnorm<1024,true>" in rows, "k_rmsnorm<1024,true>")
+    gemv = [n for n in rows if n.startswith("gemv2T_kernel_val<")]
+    check(len(gemv) == 1 and "..." in gemv[0] and len(gemv[0]) <= 72, f"cuBLAS name shortened: {gemv}")
+    check(list(rows)[0] == "k_matvec<8,1,0>", "largest total first")
+    check(strip_params("(anonymous namespace)::k") == "(anonymous namespace)::k", "no params to strip")
+    check(drop_return_type("void ns::k<a, b c>") == "ns::k<a, b c>", "return type dropped")
+
+    table, foot, total_us, _ = render(read_launches(_raw_sample("usecond", 1e-3)), wall_ms=1.0,
+                                      wall_note=" (test)", launches_counted=7)
+    check(abs(total_us - want_total_us) < 1e-6, "render total")
+    check(any(l.startswith("| **all kernels** | 7 |") for l in table), "all-kernels row")
+    check(foot[1].startswith("kernels per step: 7 launches of 6 kernels"), f"footer: {foot[1]}")
+    check("kernel time / wall-clock step: 0.159" in foot[-1], f"footer ratio: {foot[-1]}")
+    check(len(foot) <= 12, "footer fits gpu-check's 12-line summary")
+
+    if fails:
+        for f in fails:
+            print(f"self-test FAIL: {f}")
+        return 1
+    print("kernel_table self-test: ok (raw page in ns/us/ms/s, details page, names, table, footer)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
