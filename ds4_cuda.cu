@@ -15,7 +15,14 @@
  * through shared memory by asynchronous copies.  Prefill has many tokens per
  * weight, so it dequantizes weights to f32 and hands the products to cuBLAS
  * (f32 arithmetic, no TF32).  Everything else (norms, RoPE, mHC, attention,
- * the indexer, routing) is small next to the weights and is written plainly.
+ * the indexer, routing) is small next to the weights, but at decode each of
+ * those kernels costs a few microseconds of latency, ~45 of them per layer
+ * at first.  So the contract has fused ops (ds4_gpu.h: hc_pre, matmul_multi,
+ * head_norm_rope, matmul_swiglu, attention_step, compressor_step), each
+ * defined as a composition of plain ops, which this file runs as fewer
+ * kernels at decode (~22 per layer) and as the composition where fusing does
+ * not pay.  The mHC projection (24 rows of 16384 floats) is spread over
+ * K instead of rows (split-K with a fixed-order reduction).
  *
  * What it deliberately is not (yet).  This is the baseline eager engine:
  * every kernel and every cuBLAS call goes to the legacy default stream, some
@@ -36,12 +43,14 @@
  *   Device helpers                 number formats, warp sums, async copies
  *   Backend state and lifetime     init, memory, weights, grow-only scratch
  *   Embedding
- *   mHC                            hc_mix (Sinkhorn), hc_post
+ *   mHC                            hc_mix (Sinkhorn), hc_post, hc_pre (split-K, fused)
  *   RMSNorm
- *   Matmul                         decode matvec, generic matvec, prefill cuBLAS
- *   RoPE
- *   Attention                      window + compressed rows, split-row combine, ring store
- *   Compressor                     ape bias (add_cyclic), gated pooling
+ *   Matmul                         decode matvec (multi-matrix, normed input), generic
+ *                                  matvec, prefill cuBLAS, matmul_multi, matmul_swiglu
+ *   RoPE                           rope, head_norm_rope
+ *   Attention                      window + compressed rows, split-row combine (ring store,
+ *                                  de-rotation for attention_step), ring store
+ *   Compressor                     ape bias (add_cyclic), gated pooling, compressor_step
  *   Indexer                        scores, exact top-k
  *   MoE                            routing, SwiGLU, experts (decode and prefill)
  *   Elementwise                    add, scale
