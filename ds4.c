@@ -50,6 +50,7 @@
 #include <unistd.h>
 
 #include "ds4.h"
+#include "ds4_quant.h"
 
 /* ---------------------------------------------------------------------------
  * Model structures
@@ -99,7 +100,12 @@ typedef struct ds4_hparams {
     int     sinkhorn_iters;
     float   hc_eps;
     int     n_hash_layers;      /* hash_layer_count */
-    int     has_vocab;          /* 0 for tokenizer.ggml.model == "no_vocab" */
+    int     has_vocab;          /* 1 for tokenizer.ggml.model == "gpt2" (byte-level BPE), 0 for "no_vocab" */
+    /* gpt2 vocabularies: where the arrays sit in the image (validated by the reader) */
+    size_t  voc_tokens, voc_merges, voc_types;   /* offsets of element 0; voc_types 0 = absent */
+    int64_t voc_n_merges;
+    char    voc_pre[64];        /* tokenizer.ggml.pre */
+    int     voc_bos, voc_eos;   /* -1 when absent */
 } ds4_hparams;
 
 typedef struct ds4_layer_w {
@@ -128,6 +134,8 @@ struct ds4_model {
     size_t         weight_bytes; /* sum of all tensor bytes */
     int            n_tensors;
     const ds4_backend *weights_backend; /* where the weights were uploaded */
+    float         *ape_f32[2 * DS4_MAX_LAYERS];   /* F32 copies of F16 ape tables (owned) */
+    int            n_ape_f32;
 };
 typedef struct ds4_model ds4_model;
 
@@ -284,6 +292,12 @@ static const char *const gguf_type_names[GGUF_T_COUNT] = {
 #define K_NAME          "general.name"
 #define K_ALIGNMENT     "general.alignment"
 #define K_TOK_MODEL     "tokenizer.ggml.model"
+#define K_TOK_TOKENS    "tokenizer.ggml.tokens"
+#define K_TOK_MERGES    "tokenizer.ggml.merges"
+#define K_TOK_TYPES     "tokenizer.ggml.token_type"
+#define K_TOK_PRE       "tokenizer.ggml.pre"
+#define K_TOK_BOS       "tokenizer.ggml.bos_token_id"
+#define K_TOK_EOS       "tokenizer.ggml.eos_token_id"
 #define K_CTX           "deepseek4.context_length"
 #define K_EMBD          "deepseek4.embedding_length"
 #define K_BLOCKS        "deepseek4.block_count"
@@ -330,14 +344,22 @@ static const char *gguf_tensor_type_name(uint32_t t) {
     case DS4_TYPE_F16: return "F16";
     case DS4_TYPE_BF16: return "BF16";
     case DS4_TYPE_Q8_0: return "Q8_0";
+    case DS4_TYPE_Q2_K: return "Q2_K";
+    case DS4_TYPE_Q4_K: return "Q4_K";
+    case DS4_TYPE_IQ2_XXS: return "IQ2_XXS";
     case DS4_TYPE_I32: return "I32";
     default: return "?";
     }
 }
 
 static int gguf_tensor_type_ok(uint32_t t) {
-    return t == DS4_TYPE_F32 || t == DS4_TYPE_F16 || t == DS4_TYPE_BF16 ||
-           t == DS4_TYPE_Q8_0 || t == DS4_TYPE_I32;
+    return t == DS4_TYPE_F32 || t == DS4_TYPE_F16 || t == DS4_TYPE_BF16 || t == DS4_TYPE_Q8_0 ||
+           t == DS4_TYPE_Q2_K || t == DS4_TYPE_Q4_K || t == DS4_TYPE_IQ2_XXS || t == DS4_TYPE_I32;
+}
+
+/* The super-block types: 256 elements a block. */
+static int gguf_type_is_superblock(uint32_t t) {
+    return t == DS4_TYPE_Q2_K || t == DS4_TYPE_Q4_K || t == DS4_TYPE_IQ2_XXS;
 }
 
 /* Bytes of a tensor of nel elements (ne0 % 32 == 0 for Q8_0); 0 on overflow. */
@@ -350,6 +372,10 @@ static uint64_t gguf_tensor_bytes(uint32_t type, uint64_t nel) {
     case DS4_TYPE_Q8_0:
         return nel / DS4_QK8_0 > UINT64_MAX / DS4_Q8_0_BLOCK_BYTES ? 0
              : (nel / DS4_QK8_0) * DS4_Q8_0_BLOCK_BYTES;
+    case DS4_TYPE_Q2_K: case DS4_TYPE_Q4_K: case DS4_TYPE_IQ2_XXS: {
+        const uint64_t bb = ds4_row_bytes((int)type, DS4_QK_K);
+        return nel / DS4_QK_K > UINT64_MAX / bb ? 0 : (nel / DS4_QK_K) * bb;
+    }
     default:
         return 0;
     }
@@ -381,7 +407,7 @@ static float gguf_lef32(const uint8_t *p) {
  * ====================================================================== */
 
 enum { TS_ALWAYS, TS_COMPRESSED, TS_RATIO4, TS_HASH, TS_ROUTED };   /* when a layer has the tensor */
-enum { TC_MAT, TC_F32, TC_I32 };                                      /* allowed types */
+enum { TC_MAT, TC_F32, TC_I32, TC_APE };   /* TC_APE: F32 or F16 (read as F32) */                                      /* allowed types */
 enum {                                                                /* synthetic initialisation */
     SF_EMBD, SF_LINEAR, SF_OUTPUT, SF_NORM, SF_SINK, SF_HC_FN, SF_HC_BASE, SF_HC_SCALE,
     SF_APE, SF_BIAS, SF_TID2EID
@@ -436,13 +462,13 @@ static const gguf_tspec gguf_layer_specs[LT_COUNT] = {
     {"hc_attn_scale.weight",           LW(hc_attn_scale), TS_ALWAYS,     TC_F32, SF_HC_SCALE, 0},
     {"attn_compressor_kv.weight",      LW(comp_kv),       TS_COMPRESSED, TC_MAT, SF_LINEAR,   0},
     {"attn_compressor_gate.weight",    LW(comp_gate),     TS_COMPRESSED, TC_MAT, SF_LINEAR,   0},
-    {"attn_compressor_ape.weight",     LW(comp_ape),      TS_COMPRESSED, TC_F32, SF_APE,      0},
+    {"attn_compressor_ape.weight",     LW(comp_ape),      TS_COMPRESSED, TC_APE, SF_APE,      0},
     {"attn_compressor_norm.weight",    LW(comp_norm),     TS_COMPRESSED, TC_F32, SF_NORM,     0},
     {"indexer.proj.weight",            LW(idx_proj),      TS_RATIO4,     TC_MAT, SF_LINEAR,   0},
     {"indexer.attn_q_b.weight",        LW(idx_q_b),       TS_RATIO4,     TC_MAT, SF_LINEAR,   0},
     {"indexer_compressor_kv.weight",   LW(idx_comp_kv),   TS_RATIO4,     TC_MAT, SF_LINEAR,   0},
     {"indexer_compressor_gate.weight", LW(idx_comp_gate), TS_RATIO4,     TC_MAT, SF_LINEAR,   0},
-    {"indexer_compressor_ape.weight",  LW(idx_comp_ape),  TS_RATIO4,     TC_F32, SF_APE,      0},
+    {"indexer_compressor_ape.weight",  LW(idx_comp_ape),  TS_RATIO4,     TC_APE, SF_APE,      0},
     {"indexer_compressor_norm.weight", LW(idx_comp_norm), TS_RATIO4,     TC_F32, SF_NORM,     0},
     {"ffn_norm.weight",                LW(ffn_norm),      TS_ALWAYS,     TC_F32, SF_NORM,     0},
     {"hc_ffn_fn.weight",               LW(hc_ffn_fn),     TS_ALWAYS,     TC_MAT, SF_HC_FN,    1},
@@ -850,11 +876,14 @@ static int gguf_read(gguf_ctx *g) {
         }
         if (!gguf_rd32(g, what, &t.type)) return 0;
         if (!gguf_tensor_type_ok(t.type))
-            return gguf_fail(g, "tensor '%s' has unsupported type %u (ds4 reads F32, F16, BF16, Q8_0, I32)",
-                             nm, t.type);
+            return gguf_fail(g, "tensor '%s' has unsupported type %u (ds4 reads F32, F16, BF16, Q8_0, Q2_K, "
+                             "Q4_K, IQ2_XXS, I32)", nm, t.type);
         if (t.type == DS4_TYPE_Q8_0 && t.ne[0] % DS4_QK8_0 != 0)
             return gguf_fail(g, "tensor '%s' has type Q8_0 but ne[0] = %lld is not a multiple of %d",
                              nm, (long long)t.ne[0], DS4_QK8_0);
+        if (gguf_type_is_superblock(t.type) && t.ne[0] % DS4_QK_K != 0)
+            return gguf_fail(g, "tensor '%s' has type %s but ne[0] = %lld is not a multiple of %d", nm,
+                             gguf_tensor_type_name(t.type), (long long)t.ne[0], DS4_QK_K);
         t.nbytes = gguf_tensor_bytes(t.type, nel);
         if (t.nbytes == 0 || t.nbytes > (uint64_t)SIZE_MAX)
             return gguf_fail(g, "tensor '%s' byte size overflows", nm);
@@ -1187,10 +1216,58 @@ static int gguf_hparams(gguf_ctx *g, ds4_hparams *hp) {
     if (!(hp->hc_eps >= 0)) return gguf_float_fail(g, K_HC_EPS, hp->hc_eps, ">= 0");
     GG_INT(K_HASH_LAYERS, 0, L, hp->n_hash_layers);
 
-    /* ---- tokenizer ---- */
+    /* ---- tokenizer: none (no_vocab) or byte-level BPE (gpt2) ---- */
     hp->has_vocab = 0;
+    hp->voc_bos = hp->voc_eos = -1;
     if ((r = gguf_key_str(g, K_TOK_MODEL, KEY_OPTIONAL, &s)) < 0) return 0;
-    if (r > 0) hp->has_vocab = !gguf_streq(s, "no_vocab");
+    if (r > 0 && !gguf_streq(s, "no_vocab")) {
+        char shown[80];
+        if (!gguf_streq(s, "gpt2"))
+            return gguf_fail(g, "key '%s' = '%s' is not supported (ds4 reads 'gpt2' byte-level BPE or 'no_vocab')",
+                             K_TOK_MODEL, gguf_show(shown, sizeof shown, s));
+        const gguf_kv *kt = gguf_find_kv(g, K_TOK_TOKENS), *km = gguf_find_kv(g, K_TOK_MERGES);
+        const gguf_kv *ky = gguf_find_kv(g, K_TOK_TYPES);
+        if (!kt) { gguf_key_missing(g, K_TOK_TOKENS, KEY_REQUIRED, "array of strings"); return 0; }
+        if (kt->type != GGUF_T_ARRAY || kt->arr_type != GGUF_T_STRING) {
+            gguf_key_wrong_type(g, K_TOK_TOKENS, kt, "array of strings");
+            return 0;
+        }
+        if (kt->arr_n != (uint64_t)hp->n_vocab)
+            return gguf_fail(g, "key '%s' has %llu tokens, expected %d (the vocabulary size)", K_TOK_TOKENS,
+                             (unsigned long long)kt->arr_n, hp->n_vocab);
+        if (!km) { gguf_key_missing(g, K_TOK_MERGES, KEY_REQUIRED, "array of strings"); return 0; }
+        if (km->type != GGUF_T_ARRAY || km->arr_type != GGUF_T_STRING) {
+            gguf_key_wrong_type(g, K_TOK_MERGES, km, "array of strings");
+            return 0;
+        }
+        if (km->arr_n > (uint64_t)INT32_MAX)
+            return gguf_fail(g, "key '%s' has %llu merges", K_TOK_MERGES, (unsigned long long)km->arr_n);
+        if (ky) {
+            if (ky->type != GGUF_T_ARRAY || ky->arr_type != GGUF_T_I32) {
+                gguf_key_wrong_type(g, K_TOK_TYPES, ky, "array of i32");
+                return 0;
+            }
+            if (ky->arr_n != (uint64_t)hp->n_vocab)
+                return gguf_fail(g, "key '%s' has %llu entries, expected %d", K_TOK_TYPES,
+                                 (unsigned long long)ky->arr_n, hp->n_vocab);
+            hp->voc_types = ky->arr_data;
+        }
+        gguf_str pre;
+        if (gguf_key_str(g, K_TOK_PRE, KEY_REQUIRED, &pre) < 0) return 0;
+        if (pre.n >= sizeof hp->voc_pre)
+            return gguf_fail(g, "key '%s' is %llu bytes long", K_TOK_PRE, (unsigned long long)pre.n);
+        memcpy(hp->voc_pre, pre.s, pre.n);
+        hp->voc_pre[pre.n] = 0;
+        int64_t v;
+        if ((r = gguf_key_int(g, K_TOK_BOS, KEY_OPTIONAL, 0, hp->n_vocab - 1, &v)) < 0) return 0;
+        if (r > 0) hp->voc_bos = (int)v;
+        if ((r = gguf_key_int(g, K_TOK_EOS, KEY_OPTIONAL, 0, hp->n_vocab - 1, &v)) < 0) return 0;
+        if (r > 0) hp->voc_eos = (int)v;
+        hp->voc_tokens = kt->arr_data;
+        hp->voc_merges = km->arr_data;
+        hp->voc_n_merges = (int64_t)km->arr_n;
+        hp->has_vocab = 1;
+    }
 
 #undef GG_INT
 #undef GG_F32
@@ -1225,12 +1302,16 @@ static int gguf_bind_one(gguf_ctx *g, const char *name, const char *wname, const
     switch (sp->cls) {
     case TC_MAT:
         ok = t->type == DS4_TYPE_F32 || t->type == DS4_TYPE_F16 || t->type == DS4_TYPE_BF16 ||
-             t->type == DS4_TYPE_Q8_0;
-        expected = "F32, F16, BF16 or Q8_0";
+             t->type == DS4_TYPE_Q8_0 || gguf_type_is_superblock(t->type);
+        expected = "F32, F16, BF16, Q8_0, Q2_K, Q4_K or IQ2_XXS";
         break;
     case TC_I32:
         ok = t->type == DS4_TYPE_I32;
         expected = "I32";
+        break;
+    case TC_APE:   /* the published Flash files store the ape tables as F16 */
+        ok = t->type == DS4_TYPE_F32 || t->type == DS4_TYPE_F16;
+        expected = "F32 or F16";
         break;
     default:
         ok = t->type == DS4_TYPE_F32;
@@ -1427,6 +1508,10 @@ static void gguf_w_kv(gguf_wout *o, const gguf_wkv *kv) {
     case GGUF_T_ARRAY: {
         gguf_w_u32(o, kv->arr_type);
         gguf_w_u64(o, kv->arr_n);
+        if (kv->arr_type == GGUF_T_STRING) {      /* arr: const char *const [arr_n] */
+            for (uint64_t i = 0; kv->arr && i < kv->arr_n; i++) gguf_w_str(o, ((const char *const *)kv->arr)[i]);
+            break;
+        }
         size_t es = kv->arr_type < GGUF_T_COUNT ? gguf_type_size[kv->arr_type] : 0;
         const uint8_t *p = kv->arr;
         for (uint64_t i = 0; p && es && i < kv->arr_n; i++) {
@@ -1555,15 +1640,40 @@ typedef struct {
     int idx_heads, idx_dim, idx_topk, n_expert, n_used, n_shared, n_ff, n_ctx;
     float yarn_factor;
     int yarn_orig;
+    int layout;    /* 0: every matrix of the --type; 2, 4: the published Flash files' per-tensor
+                    * types with IQ2_XXS/Q2_K (2) or Q4_K (4) routed experts (synth_layout_type) */
 } synth_config;
 
 /* compress_ratios of every config: 0, 0, then 4, 128, 4, 128, ... */
 static const synth_config synth_configs[] = {
-    /* name      vocab   D    L  hash H   d    rot  q    g  r     swa  Hi  di   topk E   k  S  f     ctx    yarn  orig */
-    {"tiny",     512,    128, 6, 2,   8,  64,  16,  64,  2, 32,   32,  32, 64,  8,   8,  2, 1, 64,   4096,  4.0f, 256},
-    {"small",    1024,   256, 8, 3,   16, 128, 32,  128, 4, 64,   64,  32, 64,  16,  16, 4, 1, 128,  8192,  8.0f, 1024},
-    {"flash16",  129280, 4096, 43, 3, 64, 512, 64,  1024, 8, 1024, 128, 64, 128, 512, 16, 6, 1, 2048, 65536, 16.0f, 65536},
+    /* name      vocab   D    L  hash H   d    rot  q    g  r     swa  Hi  di   topk E   k  S  f     ctx    yarn  orig layout */
+    {"tiny",     512,    128, 6, 2,   8,  64,  16,  64,  2, 32,   32,  32, 64,  8,   8,  2, 1, 64,   4096,  4.0f, 256, 0},
+    {"small",    1024,   256, 8, 3,   16, 128, 32,  128, 4, 64,   64,  32, 64,  16,  16, 4, 1, 128,  8192,  8.0f, 1024, 0},
+    {"flash16",  129280, 4096, 43, 3, 64, 512, 64,  1024, 8, 1024, 128, 64, 128, 512, 16, 6, 1, 2048, 65536, 16.0f, 65536, 0},
+    /* the real files' layouts; the small ones widen the experts to one 256-element super-block */
+    {"small-q2", 1024,   256, 8, 3,   16, 128, 32,  128, 4, 64,   64,  32, 64,  16,  16, 4, 1, 256,  8192,  8.0f, 1024, 2},
+    {"small-q4", 1024,   256, 8, 3,   16, 128, 32,  128, 4, 64,   64,  32, 64,  16,  16, 4, 1, 256,  8192,  8.0f, 1024, 4},
+    {"flash-q2", 129280, 4096, 43, 3, 64, 512, 64,  1024, 8, 1024, 128, 64, 128, 512, 16, 6, 1, 2048, 65536, 16.0f, 65536, 2},
+    {"flash-q4", 129280, 4096, 43, 3, 64, 512, 64,  1024, 8, 1024, 128, 64, 128, 512, 16, 6, 1, 2048, 65536, 16.0f, 65536, 4},
 };
+
+/* The type a layout gives a tensor (the published Flash files, as upstream's
+ * loader requires them): token_embd F16; output, the attention projections
+ * and the shared expert Q8_0; the mHC fn projections, the compressors and
+ * their ape, the indexer's q_b and proj and ffn_gate_inp F16; routed experts
+ * IQ2_XXS gate/up + Q2_K down (layout 2) or Q4_K (layout 4); F32 and I32
+ * tensors as always. */
+static uint32_t synth_layout_type(const gguf_tspec *sp, int layout) {
+    if (sp->cls == TC_I32) return DS4_TYPE_I32;
+    if (sp->cls == TC_F32) return DS4_TYPE_F32;
+    const gguf_tspec *G = gguf_global_specs, *Lw = gguf_layer_specs;
+    if (sp == &Lw[LT_GATE_EXPS] || sp == &Lw[LT_UP_EXPS]) return layout == 2 ? DS4_TYPE_IQ2_XXS : DS4_TYPE_Q4_K;
+    if (sp == &Lw[LT_DOWN_EXPS]) return layout == 2 ? DS4_TYPE_Q2_K : DS4_TYPE_Q4_K;
+    if (sp == &G[GT_OUTPUT] || sp == &Lw[LT_Q_A] || sp == &Lw[LT_Q_B] || sp == &Lw[LT_KV] || sp == &Lw[LT_OUT_A] ||
+        sp == &Lw[LT_OUT_B] || sp == &Lw[LT_GATE_SHEXP] || sp == &Lw[LT_UP_SHEXP] || sp == &Lw[LT_DOWN_SHEXP])
+        return DS4_TYPE_Q8_0;
+    return DS4_TYPE_F16;   /* token_embd, hc fn, compressors and ape, indexer q_b/proj, gate_inp */
+}
 
 static const synth_config *synth_find(const char *config) {
     if (!config) return NULL;
@@ -1635,9 +1745,10 @@ static void synth_hparams(const synth_config *c, ds4_hparams *hp) {
 }
 
 static int synth_add_tensor(gguf_plan *p, const char *name, const gguf_tspec *sp, int n_dims,
-                            const int64_t ne[4], int wtype) {
-    uint32_t type = sp->cls == TC_I32 ? DS4_TYPE_I32
-                  : sp->cls == TC_F32 || sp->synth_f32 ? DS4_TYPE_F32 : (uint32_t)wtype;
+                            const int64_t ne[4], int wtype, int layout) {
+    uint32_t type = layout ? synth_layout_type(sp, layout)
+                  : sp->cls == TC_I32 ? DS4_TYPE_I32
+                  : sp->cls == TC_F32 || sp->cls == TC_APE || sp->synth_f32 ? DS4_TYPE_F32 : (uint32_t)wtype;
     gguf_wtensor *t = gguf_plan_tensor(p, name, n_dims, ne, type);
     if (!t) return 0;
     t->fill = sp->fill;
@@ -1651,7 +1762,7 @@ static int synth_plan_init(gguf_plan *p, const char *config, int wtype, char *er
     memset(p, 0, sizeof *p);
     const synth_config *c = synth_find(config);
     if (!c) {
-        if (err && errlen) snprintf(err, errlen, "unknown synth config '%s' (expected tiny, small or flash16)",
+        if (err && errlen) snprintf(err, errlen, "unknown synth config '%s' (expected tiny, small, flash16, small-q2, small-q4, flash-q2 or flash-q4)",
                                     config ? config : "(null)");
         return 0;
     }
@@ -1711,18 +1822,18 @@ static int synth_plan_init(gguf_plan *p, const char *config, int wtype, char *er
     int nd, ok = 1;
     /* order: token_embd, blk.0 .. blk.L-1, output_hc_*, output_norm, output */
     nd = gguf_global_shape(GT_TOKEN_EMBD, hp, ne);
-    ok &= synth_add_tensor(p, gguf_global_specs[GT_TOKEN_EMBD].name, &gguf_global_specs[GT_TOKEN_EMBD], nd, ne, wtype);
+    ok &= synth_add_tensor(p, gguf_global_specs[GT_TOKEN_EMBD].name, &gguf_global_specs[GT_TOKEN_EMBD], nd, ne, wtype, c->layout);
     for (int il = 0; il < hp->n_layer; il++)
         for (int id = 0; id < LT_COUNT; id++) {
             const gguf_tspec *sp = &gguf_layer_specs[id];
             if (!gguf_layer_has(sp->when, hp, il)) continue;
             snprintf(name, sizeof name, "blk.%d.%s", il, sp->name);
             nd = gguf_layer_shape(id, hp, il, ne);
-            ok &= synth_add_tensor(p, name, sp, nd, ne, wtype);
+            ok &= synth_add_tensor(p, name, sp, nd, ne, wtype, c->layout);
         }
     for (int id = GT_TOKEN_EMBD + 1; id < GT_COUNT; id++) {
         nd = gguf_global_shape(id, hp, ne);
-        ok &= synth_add_tensor(p, gguf_global_specs[id].name, &gguf_global_specs[id], nd, ne, wtype);
+        ok &= synth_add_tensor(p, gguf_global_specs[id].name, &gguf_global_specs[id], nd, ne, wtype, c->layout);
     }
     if (!ok || !gguf_plan_layout(p)) {
         if (err && errlen) snprintf(err, errlen, "out of memory building synth config '%s'", c->name);
@@ -1917,6 +2028,14 @@ static void synth_fill_chunk(const gguf_plan *p, int ti, uint64_t chunk, uint64_
             synth_q8_0_block(x, dst + (e / DS4_QK8_0) * DS4_Q8_0_BLOCK_BYTES);
         }
         break;
+    case DS4_TYPE_Q2_K: case DS4_TYPE_Q4_K: case DS4_TYPE_IQ2_XXS: {
+        /* random valid super-blocks (ds4_quant.c says what valid means per type);
+         * SYNTH_CHUNK is a multiple of 256, so chunks hold whole blocks */
+        const size_t bb = ds4_row_bytes((int)t->type, DS4_QK_K);
+        for (uint64_t e = e0; e + DS4_QK_K <= e1; e += DS4_QK_K)
+            ds4_quant_random_block((int)t->type, &s, dst + (e / DS4_QK_K) * bb);
+        break;
+    }
     default:   /* I32 without a fill rule: zeros */
         memset(dst + e0 * 4, 0, (size_t)(e1 - e0) * 4);
         break;
@@ -2188,6 +2307,9 @@ static void dequant_row(const ds4_weight *w, int64_t row, float *out) {
             for (int j = 0; j < DS4_QK8_0; j++) out[b * DS4_QK8_0 + j] = d * (float)q[j];
         }
     } break;
+    case DS4_TYPE_Q2_K: case DS4_TYPE_Q4_K: case DS4_TYPE_IQ2_XXS:
+        ds4_quant_dequant(w->type, p, out, K);   /* ds4_quant.c: the block layouts */
+        break;
     default: memset(out, 0, (size_t)K * 4); break;
     }
 }
@@ -2762,6 +2884,22 @@ static void errf(char *err, size_t errlen, const char *fmt, ...) {
     va_end(ap);
 }
 
+/* The ops take ape tables as F32 (ds4_gpu.h); an F16 table becomes an F32
+ * copy the model owns (exact: every f16 is an f32). */
+static int model_ape_to_f32(ds4_model *m, ds4_weight *w) {
+    if (!w->host || w->type != DS4_TYPE_F16) return 0;
+    const size_t n = (size_t)(w->ne[0] * w->ne[1] * w->ne[2]);
+    float *f = malloc(n * sizeof(float));
+    if (!f) return -1;
+    const uint8_t *h = w->host;
+    for (size_t i = 0; i < n; i++) f[i] = ds4_f16_to_f32((uint16_t)(h[2 * i] | (h[2 * i + 1] << 8)));
+    m->ape_f32[m->n_ape_f32++] = f;
+    w->host = f;
+    w->type = DS4_TYPE_F32;
+    w->nbytes = n * sizeof(float);
+    return 0;
+}
+
 static ds4_model *model_finish_open(ds4_model *m, const uint8_t *buf, size_t size, int kind,
                                     char *err, size_t errlen) {
     if (ds4_gguf_parse(m, buf, size, err, errlen) != 0) {
@@ -2771,6 +2909,13 @@ static ds4_model *model_finish_open(ds4_model *m, const uint8_t *buf, size_t siz
     m->base = buf;
     m->size = size;
     m->owned_kind = kind;
+    for (int il = 0; il < m->hp.n_layer; il++)
+        if (model_ape_to_f32(m, &m->layers[il].comp_ape) != 0 || model_ape_to_f32(m, &m->layers[il].idx_comp_ape) != 0) {
+            errf(err, errlen, "out of memory converting the ape tables");
+            m->owned_kind = 2;   /* the caller still owns buf */
+            ds4_model_close(m);
+            return NULL;
+        }
     return m;
 }
 
@@ -2850,8 +2995,8 @@ static int model_upload_weights(ds4_model *m, const ds4_backend *be, char *err, 
     m->weights_backend = be;
     for (int i = 0; i < n; i++) {
         if (be->upload_weight(ws[i]) != 0) {
-            errf(err, errlen, "cannot upload weight '%s' (%zu bytes) to backend '%s'",
-                 ws[i]->name ? ws[i]->name : "?", ws[i]->nbytes, be->name);
+            /* the backend has printed its one line, naming the weight (ds4_gpu.h) */
+            if (err && errlen) err[0] = 0;
             free(ws);
             model_release_weights(m);
             return -1;
@@ -2864,6 +3009,7 @@ static int model_upload_weights(ds4_model *m, const ds4_backend *be, char *err, 
 void ds4_model_close(ds4_model *m) {
     if (!m) return;
     model_release_weights(m);
+    for (int i = 0; i < m->n_ape_f32; i++) free(m->ape_f32[i]);
     if (m->owned_kind == 0) munmap((void *)m->base, m->size);
     else if (m->owned_kind == 1) ds4_free_huge((uint8_t *)m->base, m->size);
     free(m);
@@ -2872,6 +3018,40 @@ void ds4_model_close(ds4_model *m) {
 int    ds4_model_n_vocab(const ds4_model *m) { return m->hp.n_vocab; }
 int    ds4_model_has_vocab(const ds4_model *m) { return m->hp.has_vocab; }
 size_t ds4_model_weight_bytes(const ds4_model *m) { return m->weight_bytes; }
+
+/* `ds4 info`: the tensor-type layout, parameters and bytes per type, the
+ * device memory the weights need, and the bytes one decode step reads. */
+void ds4_model_info(const ds4_model *m, FILE *f) {
+    ds4_model_describe(m, f);
+    enum { NT = 32 };
+    uint64_t par[NT] = {0}, byt[NT] = {0}, cnt[NT] = {0};
+    ds4_weight **ws = malloc(sizeof(*ws) * DS4_MAX_WEIGHTS);
+    if (!ws) return;
+    const int n = model_weights((ds4_model *)m, ws, DS4_MAX_WEIGHTS);
+    for (int i = 0; i < n; i++) {
+        const int t = ws[i]->type >= 0 && ws[i]->type < NT ? ws[i]->type : NT - 1;
+        par[t] += (uint64_t)(ws[i]->ne[0] * ws[i]->ne[1] * ws[i]->ne[2]);
+        byt[t] += ws[i]->nbytes;
+        cnt[t]++;
+    }
+    free(ws);
+    fprintf(f, "%-8s %8s %16s %12s  %s\n", "type", "tensors", "parameters", "GB", "backends");
+    uint64_t tp = 0, tb = 0;
+    for (int t = 0; t < NT; t++) {
+        if (!cnt[t]) continue;
+        const int sb = t == DS4_TYPE_Q2_K || t == DS4_TYPE_Q4_K || t == DS4_TYPE_IQ2_XXS;
+        fprintf(f, "%-8s %8llu %16llu %12.3f  %s\n", gguf_tensor_type_name((uint32_t)t), (unsigned long long)cnt[t],
+                (unsigned long long)par[t], byt[t] / 1e9, sb ? "cpu (no CUDA kernels yet)" : "cpu, cuda");
+        tp += par[t];
+        tb += byt[t];
+    }
+    fprintf(f, "%-8s %8d %16llu %12.3f\n", "total", n, (unsigned long long)tp, tb / 1e9);
+    fprintf(f, "device memory for the weights: %.2f GB (plus the context: KV ring, compressed rows, activations)\n",
+            tb / 1e9);
+    fprintf(f, "weights read per decoded token: %.3f GB (dense weights, %d of %d experts per layer, one embedding row)\n",
+            ds4_model_decode_bytes(m) / 1e9, m->hp.n_expert_used, m->hp.n_expert);
+    fprintf(f, "tokenizer: %s\n", m->hp.has_vocab ? "vocabulary present" : "none (no_vocab: token ids are raw)");
+}
 
 size_t ds4_model_decode_bytes(const ds4_model *m) {
     /* what one decode step must stream: every dense weight once, one row of
@@ -2901,6 +3081,8 @@ static const char *type_name(int t) {
     switch (t) {
     case DS4_TYPE_F32: return "f32"; case DS4_TYPE_F16: return "f16";
     case DS4_TYPE_BF16: return "bf16"; case DS4_TYPE_Q8_0: return "q8_0";
+    case DS4_TYPE_Q2_K: return "q2_k"; case DS4_TYPE_Q4_K: return "q4_k";
+    case DS4_TYPE_IQ2_XXS: return "iq2_xxs";
     case DS4_TYPE_I32: return "i32"; default: return "?";
     }
 }
@@ -2926,7 +3108,7 @@ int ds4_parse_wtype(const char *s) {
 int ds4_synth_write(const char *config, uint64_t seed, int wtype, const char *path,
                     int n_threads, char *err, size_t errlen) {
     if (!ds4_synth_config_ok(config)) {
-        errf(err, errlen, "unknown synthetic config '%s' (known: tiny, small, flash16)", config);
+        errf(err, errlen, "unknown synthetic config '%s' (known: tiny, small, flash16, small-q2, small-q4, flash-q2, flash-q4)", config);
         return -1;
     }
     size_t size = ds4_synth_size(config, wtype);
@@ -2960,7 +3142,7 @@ int ds4_synth_write(const char *config, uint64_t seed, int wtype, const char *pa
 ds4_model *ds4_synth_open(const char *config, uint64_t seed, int wtype, int n_threads,
                           char *err, size_t errlen) {
     if (!ds4_synth_config_ok(config)) {
-        errf(err, errlen, "unknown synthetic config '%s' (known: tiny, small, flash16)", config);
+        errf(err, errlen, "unknown synthetic config '%s' (known: tiny, small, flash16, small-q2, small-q4, flash-q2, flash-q4)", config);
         return NULL;
     }
     size_t size = ds4_synth_size(config, wtype);

@@ -41,6 +41,9 @@ size_t ds4_model_weight_bytes(const ds4_model *m);
  * experts actually used + one embedding row). */
 size_t ds4_model_decode_bytes(const ds4_model *m);
 void   ds4_model_describe(const ds4_model *m, FILE *f);
+/* `ds4 info`: describe, then parameters and bytes per tensor type, the device
+ * memory of the weights and the weight bytes one decode step reads. */
+void   ds4_model_info(const ds4_model *m, FILE *f);
 
 /* Large page-aligned host allocation (mmap) for model images; free with ds4_free_huge. */
 uint8_t *ds4_alloc_huge(size_t size);

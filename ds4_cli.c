@@ -36,6 +36,7 @@ static void usage(FILE *f) {
     fprintf(f,
         "usage: ds4 [options]                 run a deepseek4 GGUF model\n"
         "       ds4 synth [options] -o FILE   write a synthetic deepseek4 GGUF\n"
+        "       ds4 info FILE                 tensor types, parameters, memory and decode bytes of a GGUF\n"
         "\n"
         "run options:\n"
         "  -m FILE             model (default: models/ds4-tiny.gguf beside the binary)\n"
@@ -53,7 +54,8 @@ static void usage(FILE *f) {
         "  -h, --help          this text\n"
         "\n"
         "synth options:\n"
-        "  --config NAME       tiny, small or flash16\n"
+        "  --config NAME       tiny, small, flash16, or the published files' layouts small-q2,\n"
+        "                      small-q4, flash-q2, flash-q4 (IQ2_XXS/Q2_K or Q4_K experts)\n"
         "  --seed N            weight seed (default 1)\n"
         "  --type T            matrix type f32, f16, bf16 or q8_0 (default f32; flash16: q8_0)\n"
         "  -o FILE             output path\n");
@@ -156,8 +158,10 @@ static int cmd_synth(int argc, char **argv, int threads) {
         else die("unknown synth option '%s'%s (see ds4 synth --help)", a, "");
         i++;
     }
-    if (!config) die("synth needs --config (tiny, small or flash16)%s%s", "", "");
+    if (!config) die("synth needs --config (tiny, small, flash16, small-q2, small-q4, flash-q2 or flash-q4)%s%s", "", "");
     if (!out) die("synth needs -o FILE%s%s", "", "");
+    const int layout = strstr(config, "-q2") || strstr(config, "-q4");
+    if (layout && type) die("--type does not apply to the %s layout (its tensor types are the published files')%s", config, "");
     if (!type) type = !strcmp(config, "flash16") ? "q8_0" : "f32";
     int wtype = ds4_parse_wtype(type);
     if (wtype < 0) die("unknown --type '%s' (f32, f16, bf16 or q8_0)%s", type, "");
@@ -167,8 +171,8 @@ static int cmd_synth(int argc, char **argv, int threads) {
         fprintf(stderr, "ds4: %s\n", err);
         return 1;
     }
-    fprintf(stderr, "ds4: wrote %s (config %s, seed %llu, %s matrices) in %.2f s\n", out, config,
-            (unsigned long long)seed, type, now_s() - t0);
+    fprintf(stderr, "ds4: wrote %s (config %s, seed %llu, %s) in %.2f s\n", out, config,
+            (unsigned long long)seed, layout ? "the published files' tensor types" : type, now_s() - t0);
     return 0;
 }
 
@@ -190,6 +194,15 @@ int main(int argc, char **argv) {
     int threads = env.threads;
 
     if (argc >= 2 && !strcmp(argv[1], "synth")) return cmd_synth(argc, argv, threads);
+    if (argc >= 2 && !strcmp(argv[1], "info")) {
+        /* a file ds4 cannot run fails the validator, whose one line names what is wrong */
+        if (argc != 3) die("usage: ds4 info FILE%s%s", "", "");
+        ds4_model *m = ds4_model_open(argv[2], err, sizeof(err));
+        if (!m) { fprintf(stderr, "ds4: %s: %s\n", argv[2], err); return 1; }
+        ds4_model_info(m, stdout);
+        ds4_model_close(m);
+        return 0;
+    }
 
     const char *model_path = NULL, *prompt = NULL, *dump = NULL, *backend = NULL;
     int32_t *prompt_ids = NULL, *force = NULL;

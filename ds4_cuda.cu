@@ -342,9 +342,20 @@ static void cuda_copy(void *dst, const void *src, size_t bytes) {
     DS4_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToDevice));
 }
 
+static int type_supported(int type);
+
 /* Weights keep the file's byte layout (Q8_0 rows of 34-byte blocks included);
  * the kernels below read that layout directly. */
 static int cuda_upload_weight(ds4_weight *w) {
+    if (!type_supported(w->type) && w->type != DS4_TYPE_I32) {
+        /* Q2_K, Q4_K, IQ2_XXS: the CPU backend runs them; CUDA kernels for them
+         * have not run on a GPU yet, so the backend says no at load time */
+        const char *tn = w->type == DS4_TYPE_Q2_K ? "Q2_K" : w->type == DS4_TYPE_Q4_K ? "Q4_K"
+                       : w->type == DS4_TYPE_IQ2_XXS ? "IQ2_XXS" : "this";
+        fprintf(stderr, "ds4: the CUDA backend has no kernels for %s weights (tensor %s, type %d); use --backend cpu\n",
+                tn, w->name ? w->name : "?", w->type);
+        return -1;
+    }
     void *p = NULL;
     cudaError_t e = cudaMalloc(&p, w->nbytes ? w->nbytes : 16);
     if (e != cudaSuccess) {

@@ -43,11 +43,18 @@ enum {
     DS4_TYPE_F32  = 0,
     DS4_TYPE_F16  = 1,
     DS4_TYPE_Q8_0 = 8,   /* blocks of 32: f16 scale d, int8 q[32]; value = d*q */
+    DS4_TYPE_Q2_K = 10,  /* super-blocks of 256 (84 bytes): the real Flash files' expert down */
+    DS4_TYPE_Q4_K = 12,  /* super-blocks of 256 (144 bytes): the Q4_K Flash file's experts */
+    DS4_TYPE_IQ2_XXS = 16, /* super-blocks of 256 (66 bytes): expert gate and up */
     DS4_TYPE_I32  = 26,
     DS4_TYPE_BF16 = 30,
 };
 #define DS4_QK8_0 32
 #define DS4_Q8_0_BLOCK_BYTES 34
+#define DS4_QK_K 256                 /* elements of a k-quant / i-quant super-block */
+#define DS4_Q2_K_BLOCK_BYTES 84
+#define DS4_Q4_K_BLOCK_BYTES 144
+#define DS4_IQ2_XXS_BLOCK_BYTES 66
 #define DS4_MULTI_MAX 8    /* projections one matmul_multi call takes */
 
 /* One weight tensor.  host points into the mapped model (always valid while
@@ -62,12 +69,16 @@ typedef struct ds4_weight {
     void       *dev;
 } ds4_weight;
 
-/* Bytes of one row of ne0 elements of the given type (ne0 % 32 == 0 for Q8_0). */
+/* Bytes of one row of ne0 elements of the given type (ne0 % 32 == 0 for Q8_0,
+ * % 256 for the super-block types). */
 static inline size_t ds4_row_bytes(int type, int64_t ne0) {
     switch (type) {
     case DS4_TYPE_F32: case DS4_TYPE_I32: return (size_t)ne0 * 4;
     case DS4_TYPE_F16: case DS4_TYPE_BF16: return (size_t)ne0 * 2;
     case DS4_TYPE_Q8_0: return (size_t)(ne0 / DS4_QK8_0) * DS4_Q8_0_BLOCK_BYTES;
+    case DS4_TYPE_Q2_K: return (size_t)(ne0 / DS4_QK_K) * DS4_Q2_K_BLOCK_BYTES;
+    case DS4_TYPE_Q4_K: return (size_t)(ne0 / DS4_QK_K) * DS4_Q4_K_BLOCK_BYTES;
+    case DS4_TYPE_IQ2_XXS: return (size_t)(ne0 / DS4_QK_K) * DS4_IQ2_XXS_BLOCK_BYTES;
     default: return 0;
     }
 }

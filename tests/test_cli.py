@@ -110,3 +110,19 @@ def test_help_and_default_model():
     assert r.returncode == 0, r.stderr
     assert "generated ids:" in r.stdout and "tok/s" in r.stdout
     assert "byte-level ids" in r.stderr
+
+
+def test_info():
+    """`ds4 info FILE`: types, parameters, memory and decode bytes; errors as one line."""
+    r = run([DS4, "info", make_model("tiny")])
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "F32" in out and "I32" in out and "total" in out
+    assert "device memory for the weights:" in out and "weights read per decoded token:" in out
+    total = [l for l in out.splitlines() if l.startswith("total")][0].split()
+    params = sum(int(l.split()[2]) for l in out.splitlines() if l[:3] in ("F32", "I32"))
+    assert int(total[2]) == params
+    expect_error(["info", "/nonexistent/model.gguf"], "cannot open model")
+    expect_error(["info"], "usage: ds4 info FILE")
+    good = open(make_model("tiny"), "rb").read()
+    expect_error(["info", bad_model("info-trunc", good[:len(good) // 2])], "")

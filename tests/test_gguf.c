@@ -643,12 +643,25 @@ static void test_raw(void) {
     raw_tinfo(&r, "t", 1, ne, 2, 0);
     raw_pad(&r, 64);
     expect_fail("unknown tensor type", r.b, r.o.pos,
-                "tensor 't' has unsupported type 2 (ds4 reads F32, F16, BF16, Q8_0, I32)");
+                "tensor 't' has unsupported type 2 (ds4 reads F32, F16, BF16, Q8_0, Q2_K, Q4_K, IQ2_XXS, I32)");
     ne[0] = 33;
     raw_begin(&r, 3, 1, 0);
     raw_tinfo(&r, "t", 1, ne, DS4_TYPE_Q8_0, 0);
     raw_pad(&r, 64);
     expect_fail("q8_0 ne0 not multiple of 32", r.b, r.o.pos, "not a multiple of 32");
+    {   /* the super-block types take rows of whole 256-element blocks */
+        const int sbt[3] = { DS4_TYPE_Q2_K, DS4_TYPE_Q4_K, DS4_TYPE_IQ2_XXS };
+        const char *sbn[3] = { "tensor 't' has type Q2_K but ne[0] = 288 is not a multiple of 256",
+                               "tensor 't' has type Q4_K but ne[0] = 288 is not a multiple of 256",
+                               "tensor 't' has type IQ2_XXS but ne[0] = 288 is not a multiple of 256" };
+        for (int i = 0; i < 3; i++) {
+            ne[0] = 288;
+            raw_begin(&r, 3, 1, 0);
+            raw_tinfo(&r, "t", 1, ne, (uint32_t)sbt[i], 0);
+            raw_pad(&r, 64);
+            expect_fail("super-block ne0 not multiple of 256", r.b, r.o.pos, sbn[i]);
+        }
+    }
     ne[0] = 4;
     raw_begin(&r, 3, 1, 0);
     raw_tinfo(&r, "", 1, ne, DS4_TYPE_F32, 0);
@@ -849,11 +862,43 @@ static void test_convention(void) {
     gguf_plan_kv_f32(&p, K_BETA_FAST, 16.0f);
     gguf_plan_kv_f32(&p, K_BETA_SLOW, 2.0f);
     plan_kv(&p, K_ROPE_TYPE)->s = "none";
-    plan_kv(&p, K_TOK_MODEL)->s = "gpt2";
     plan_expect_ok("per-layer clamps, yarn betas", &p, m);
     CHECK(m->hp.clamp_exp[0] == 1 && m->hp.clamp_exp[5] == 6 && m->hp.clamp_shexp[5] == 6 &&
-          m->hp.yarn_beta_fast == 16.0f && m->hp.yarn_beta_slow == 2.0f && m->hp.rope_yarn == 0 &&
-          m->hp.has_vocab == 1, "per-layer clamp values and optional rope keys");
+          m->hp.yarn_beta_fast == 16.0f && m->hp.yarn_beta_slow == 2.0f && m->hp.rope_yarn == 0,
+          "per-layer clamp values and optional rope keys");
+
+    /* byte-level BPE vocabularies (tokenizer.ggml.model = gpt2); each case
+     * builds the plan afresh (plan_expect_* free it) */
+    for (int stage = 0; stage <= 7; stage++) {
+        static const char *toks[512], *merges[3] = { "a b", "ab c", "d e" };
+        static char names[512][8];
+        static int32_t types[512];
+        for (int i = 0; i < 512; i++) { snprintf(names[i], sizeof names[i], "t%d", i); toks[i] = names[i]; types[i] = 1; }
+        tiny_plan(&p);
+        plan_kv(&p, K_TOK_MODEL)->s = stage == 7 ? "llama" : "gpt2";
+        if (stage >= 1) gguf_plan_kv_arr(&p, K_TOK_TOKENS, GGUF_T_STRING, stage == 1 ? 511 : 512, toks);
+        if (stage >= 3) gguf_plan_kv_arr(&p, K_TOK_MERGES, GGUF_T_STRING, 3, merges);
+        if (stage >= 4) {
+            gguf_plan_kv_str(&p, K_TOK_PRE, "deepseek-v3");
+            gguf_plan_kv_arr(&p, K_TOK_TYPES, stage == 6 ? GGUF_T_U8 : GGUF_T_I32, 512, types);
+            gguf_plan_kv_u32(&p, K_TOK_BOS, 0);
+            gguf_plan_kv_u32(&p, K_TOK_EOS, stage == 4 ? 512 : 1);
+        }
+        switch (stage) {
+        case 0: plan_expect_fail("gpt2 without tokens", &p, 1, "missing key 'tokenizer.ggml.tokens'"); break;
+        case 1: plan_expect_fail("gpt2 token count", &p, 1, "has 511 tokens, expected 512"); break;
+        case 2: plan_expect_fail("gpt2 without merges", &p, 1, "missing key 'tokenizer.ggml.merges'"); break;
+        case 3: plan_expect_fail("gpt2 without pre", &p, 1, "missing key 'tokenizer.ggml.pre'"); break;
+        case 4: plan_expect_fail("gpt2 eos out of range", &p, 1, "tokenizer.ggml.eos_token_id"); break;
+        case 5:
+            plan_expect_ok("gpt2 vocabulary", &p, m);
+            CHECK(m->hp.has_vocab == 1 && m->hp.voc_n_merges == 3 && m->hp.voc_bos == 0 && m->hp.voc_eos == 1 &&
+                  !strcmp(m->hp.voc_pre, "deepseek-v3") && m->hp.voc_types != 0, "gpt2 vocabulary keys");
+            break;
+        case 6: plan_expect_fail("token_type not i32", &p, 1, "tokenizer.ggml.token_type"); break;
+        default: plan_expect_fail("unknown tokenizer model", &p, 1, "'llama' is not supported"); break;
+        }
+    }
     tiny_plan(&p);
     kv = plan_kv(&p, K_CLAMP_SHEXP);
     kv->type = GGUF_T_ARRAY; kv->arr_type = GGUF_T_F32; kv->arr_n = 5; kv->arr = clamps;
@@ -903,7 +948,7 @@ static void test_convention(void) {
     tiny_plan(&p);
     plan_t(&p, "token_embd.weight")->type = DS4_TYPE_I32;
     plan_expect_fail("token_embd as I32", &p, 1,
-                     "tensor 'token_embd.weight' has type I32, expected F32, F16, BF16 or Q8_0");
+                     "tensor 'token_embd.weight' has type I32, expected F32, F16, BF16, Q8_0, Q2_K, Q4_K or IQ2_XXS");
     tiny_plan(&p);
     plan_t(&p, "blk.4.hc_ffn_fn.weight")->type = DS4_TYPE_Q8_0;
     plan_t(&p, "blk.4.ffn_gate_inp.weight")->type = DS4_TYPE_BF16;
