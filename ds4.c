@@ -14,7 +14,10 @@
  * holds the CPU backend, which is the specification every other backend is
  * tested against, and the forward pass, which only sequences ops and keeps
  * the host-side bookkeeping (positions, how many compressed rows exist).
- * The CUDA backend is ds4_cuda.cu; the program is ds4_cli.c.
+ * The CUDA backend is ds4_cuda.cu; the program is ds4_cli.c; the block
+ * layouts of the super-block quantisations (Q2_K, Q4_K, IQ2_XXS) live in
+ * ds4_quant.c.  Fused ops of the contract (hc_pre, matmul_multi, ...) are
+ * defined, and computed here, as compositions of the plain ops.
  *
  * What it is not.  No tokenizer (models without a vocabulary take byte-level
  * ids; others take --tokens), no multi-sequence batching, no speculative
