@@ -336,15 +336,38 @@ void ds4_quant_random_block(int type, uint64_t *state, uint8_t *out)
     const size_t bb = ds4_quant_block_bytes(type);
     if (bb == 0) return;
     fill_random(state, out, bb);
+    /* Q2_K and Q4_K compute d*sc*q - dmin*m with unsigned q (mean 1.5 and 7.5):
+     * uniformly random m would give every block a mean of its own sign, and a
+     * model built from such experts pushes every token the same way (a
+     * small-q4 model's argmax was one token on nearly every row).  So dmin = d
+     * and m = round(sc * mean q): each sub-block is centred on zero. */
     switch (type) {
     case DS4_TYPE_Q2_K:
         put_scale(state, out + 80, 15 - 9);
-        put_scale(state, out + 82, 15 - 9);
+        out[82] = out[80];
+        out[83] = out[81];
+        for (int j = 0; j < 16; j++) {             /* sc 1..10 (4 bits), m = round(1.5 sc) <= 15 */
+            const unsigned sc = 1 + (unsigned)(splitmix64(state) % 10), m = (3 * sc + 1) / 2;
+            out[j] = (uint8_t)(sc | (m << 4));
+        }
         break;
-    case DS4_TYPE_Q4_K:
-        put_scale(state, out + 0, 15 - 14);
-        put_scale(state, out + 2, 15 - 14);
+    case DS4_TYPE_Q4_K: {
+        put_scale(state, out + 0, 15 - 10);
+        out[2] = out[0];
+        out[3] = out[1];
+        unsigned sc[8], m[8];
+        for (int j = 0; j < 8; j++) {              /* sc 1..8, m = round(7.5 sc) <= 60 (6 bits) */
+            sc[j] = 1 + (unsigned)(splitmix64(state) % 8);
+            m[j] = (15 * sc[j] + 1) / 2;
+        }
+        uint8_t *q = out + 4;                      /* the 12 packed bytes of 6-bit scales and mins */
+        for (int j = 0; j < 4; j++) {
+            q[j] = (uint8_t)(sc[j] | ((sc[j + 4] >> 4) << 6));
+            q[j + 4] = (uint8_t)(m[j] | ((m[j + 4] >> 4) << 6));
+            q[j + 8] = (uint8_t)((sc[j + 4] & 15) | ((m[j + 4] & 15) << 4));
+        }
         break;
+    }
     case DS4_TYPE_IQ2_XXS:
     case DS4_QUANT_Q8_0:
         put_scale(state, out, 15 - 11);

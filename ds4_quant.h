@@ -49,9 +49,10 @@ void ds4_quant_dequant(int type, const void *src, float *dst, int64_t n);
 /* Write one random VALID block of `type` (ds4_quant_block_bytes(type) bytes)
  * to out, drawn from the splitmix64 stream *state (advanced).  Deterministic
  * across platforms.  Valid means: every f16 scale is a finite, positive,
- * normal number, sized so dequantised values are O(0.01..0.1); every other
- * field is uniformly random over its full range, which for these types is
- * always in range (see ds4_quant.c). */
+ * normal number, sized so dequantised values are O(0.01..0.1); Q2_K and Q4_K
+ * take dmin = d and each sub-block's min = round(scale * the mean quant), so
+ * values centre on zero; every other field is uniformly random over its full
+ * range, which for these types is always in range (see ds4_quant.c). */
 void ds4_quant_random_block(int type, uint64_t *state, uint8_t *out);
 
 #endif /* DS4_QUANT_H */
