@@ -14,13 +14,14 @@
  * holds the CPU backend, which is the specification every other backend is
  * tested against, and the forward pass, which only sequences ops and keeps
  * the host-side bookkeeping (positions, how many compressed rows exist).
+ * The byte-level BPE tokenizer of gpt2 vocabularies is ds4_tok.c (models
+ * without a vocabulary take byte-level ids).
  * The CUDA backend is ds4_cuda.cu; the program is ds4_cli.c; the block
  * layouts of the super-block quantisations (Q2_K, Q4_K, IQ2_XXS) live in
  * ds4_quant.c.  Fused ops of the contract (hc_pre, matmul_multi, ...) are
  * defined, and computed here, as compositions of the plain ops.
  *
- * What it is not.  No tokenizer (models without a vocabulary take byte-level
- * ids; others take --tokens), no multi-sequence batching, no speculative
+ * What it is not.  No multi-sequence batching, no speculative
  * decoding (the MTP block is ignored), no simulation of the FP8/FP4
  * quantisation-aware rounding of the official weights: like both reference
  * implementations, ds4 computes in f32.
@@ -54,6 +55,7 @@
 
 #include "ds4.h"
 #include "ds4_quant.h"
+#include "ds4_tok.h"
 
 /* ---------------------------------------------------------------------------
  * Model structures
@@ -139,6 +141,7 @@ struct ds4_model {
     const ds4_backend *weights_backend; /* where the weights were uploaded */
     float         *ape_f32[2 * DS4_MAX_LAYERS];   /* F32 copies of F16 ape tables (owned) */
     int            n_ape_f32;
+    ds4_tok       *tok;          /* gpt2 vocabularies: the tokenizer, built on first use (owned) */
 };
 typedef struct ds4_model ds4_model;
 
@@ -3012,6 +3015,7 @@ static int model_upload_weights(ds4_model *m, const ds4_backend *be, char *err, 
 void ds4_model_close(ds4_model *m) {
     if (!m) return;
     model_release_weights(m);
+    ds4_tok_free(m->tok);
     for (int i = 0; i < m->n_ape_f32; i++) free(m->ape_f32[i]);
     if (m->owned_kind == 0) munmap((void *)m->base, m->size);
     else if (m->owned_kind == 1) ds4_free_huge((uint8_t *)m->base, m->size);
@@ -3021,6 +3025,44 @@ void ds4_model_close(ds4_model *m) {
 int    ds4_model_n_vocab(const ds4_model *m) { return m->hp.n_vocab; }
 int    ds4_model_has_vocab(const ds4_model *m) { return m->hp.has_vocab; }
 size_t ds4_model_weight_bytes(const ds4_model *m) { return m->weight_bytes; }
+
+/* The tokenizer of a gpt2 vocabulary, built on first use from the arrays the
+ * reader validated (every string lies inside the image). */
+ds4_tok *ds4_model_tokenizer(ds4_model *m, char *err, size_t errlen) {
+    const ds4_hparams *hp = &m->hp;
+    if (m->tok) return m->tok;
+    if (!hp->has_vocab) { errf(err, errlen, "the model has no vocabulary (tokenizer.ggml.model = no_vocab)"); return NULL; }
+    const int n = hp->n_vocab;
+    const int64_t nm = hp->voc_n_merges;
+    const char **tp = malloc(sizeof(char *) * (size_t)n), **mp = malloc(sizeof(char *) * (size_t)(nm ? nm : 1));
+    uint32_t *tl = malloc(sizeof(uint32_t) * (size_t)n), *ml = malloc(sizeof(uint32_t) * (size_t)(nm ? nm : 1));
+    int32_t *ty = hp->voc_types ? malloc(sizeof(int32_t) * (size_t)n) : NULL;
+    if (!tp || !mp || !tl || !ml || (hp->voc_types && !ty)) {
+        errf(err, errlen, "out of memory building the tokenizer");
+    } else {
+        size_t at = hp->voc_tokens;
+        for (int i = 0; i < n; i++) {
+            const uint64_t len = gguf_le64(m->base + at);
+            tp[i] = (const char *)m->base + at + 8;
+            tl[i] = (uint32_t)(len > UINT32_MAX ? UINT32_MAX : len);
+            at += 8 + (size_t)len;
+        }
+        at = hp->voc_merges;
+        for (int64_t i = 0; i < nm; i++) {
+            const uint64_t len = gguf_le64(m->base + at);
+            mp[i] = (const char *)m->base + at + 8;
+            ml[i] = (uint32_t)(len > UINT32_MAX ? UINT32_MAX : len);
+            at += 8 + (size_t)len;
+        }
+        for (int i = 0; ty && i < n; i++) ty[i] = (int32_t)gguf_le32(m->base + hp->voc_types + (size_t)i * 4);
+        m->tok = ds4_tok_new(n, tp, tl, ty, (int)nm, mp, ml, hp->voc_pre, err, errlen);
+    }
+    free(tp); free(mp); free(tl); free(ml); free(ty);
+    return m->tok;
+}
+
+int ds4_model_bos(const ds4_model *m) { return m->hp.voc_bos; }
+int ds4_model_eos(const ds4_model *m) { return m->hp.voc_eos; }
 
 /* `ds4 info`: the tensor-type layout, parameters and bytes per type, the
  * device memory the weights need, and the bytes one decode step reads. */

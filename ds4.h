@@ -41,6 +41,13 @@ size_t ds4_model_weight_bytes(const ds4_model *m);
  * experts actually used + one embedding row). */
 size_t ds4_model_decode_bytes(const ds4_model *m);
 void   ds4_model_describe(const ds4_model *m, FILE *f);
+/* The tokenizer of a model with a gpt2 (byte-level BPE) vocabulary, built on
+ * first use and owned by the model (ds4_tok.h); NULL with err otherwise. */
+struct ds4_tok;
+struct ds4_tok *ds4_model_tokenizer(ds4_model *m, char *err, size_t errlen);
+/* tokenizer.ggml.bos_token_id / eos_token_id, -1 when the file has none. */
+int    ds4_model_bos(const ds4_model *m);
+int    ds4_model_eos(const ds4_model *m);
 /* `ds4 info`: describe, then parameters and bytes per tensor type, the device
  * memory of the weights and the weight bytes one decode step reads. */
 void   ds4_model_info(const ds4_model *m, FILE *f);

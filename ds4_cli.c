@@ -18,6 +18,7 @@
 #include <unistd.h>
 
 #include "ds4.h"
+#include "ds4_tok.h"
 
 static double now_s(void) {
     struct timespec ts;
@@ -40,7 +41,10 @@ static void usage(FILE *f) {
         "\n"
         "run options:\n"
         "  -m FILE             model (default: models/ds4-tiny.gguf beside the binary)\n"
-        "  -p TEXT             prompt text (models without a vocabulary: one id per byte)\n"
+        "  -p TEXT             prompt text, through the model's tokenizer (BOS first); models\n"
+        "                      without a vocabulary: one id per byte\n"
+        "  --chat              wrap -p in the V4 chat format and stop at EOS (README)\n"
+        "  --think             with --chat: thinking on (<think>), else off (</think>)\n"
         "  --tokens IDS        prompt as comma-separated token ids (instead of -p)\n"
         "  -n N                tokens to generate (default 32)\n"
         "  --temp T            sampling temperature, 0 = greedy (default 0)\n"
@@ -115,13 +119,31 @@ static int32_t *parse_ids(const char *flag, const char *s, int *n_out) {
     return ids;
 }
 
-static void print_token(const ds4_model *m, int32_t id) {
-    if (!ds4_model_has_vocab(m) && id < 256) {
+/* A token as text: its UTF-8 piece for models with a vocabulary (control
+ * bytes other than newline and tab escaped), else the byte-level id. */
+static void print_token(const ds4_model *m, const ds4_tok *tok, int32_t id) {
+    if (tok) {
+        char buf[256];
+        const int n = ds4_tok_piece(tok, id, buf, (int)sizeof buf);
+        if (n < 0) { printf("<%d>", id); return; }
+        for (int i = 0; i < n; i++) {
+            const unsigned char ch = (unsigned char)buf[i];
+            if (ch < 32 && ch != '\n' && ch != '\t') printf("\\x%02x", ch);
+            else putchar(ch);
+        }
+    } else if (!ds4_model_has_vocab(m) && id < 256) {
         if ((id >= 32 && id < 127) || id == '\n') putchar(id);
         else printf("\\x%02x", id);
     } else {
         printf("<%d>", id);
     }
+}
+
+/* A special token of the vocabulary by its text, or a one-line error. */
+static int32_t special_id(const ds4_tok *tok, const char *text) {
+    const int32_t id = ds4_tok_find(tok, text);
+    if (id < 0) die("--chat: the vocabulary has no '%s' token%s", text, "");
+    return id;
 }
 
 static int write_dump(FILE *f, const char *path, int n_vocab, int P, int G, const int32_t *tok,
@@ -209,9 +231,12 @@ int main(int argc, char **argv) {
     int n_prompt_ids = 0, n_force = 0, n_gen = 32, n_gen_set = 0, n_ctx = 0;
     float temp = 0.0f, top_p = 1.0f;
     uint64_t seed = 1;
+    int chat = 0, think = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(stdout); return 0; }
+        if (!strcmp(a, "--chat")) { chat = 1; continue; }       /* the flags without a value */
+        if (!strcmp(a, "--think")) { think = 1; continue; }
         static const char *known[] = { "-m", "-p", "--tokens", "-n", "--temp", "--top-p", "--seed", "-c",
                                        "--ctx", "--backend", "--dump-logits", "--force", "--threads" };
         int is_known = 0;
@@ -235,6 +260,8 @@ int main(int argc, char **argv) {
         i++;
     }
     if (prompt && prompt_ids) die("give either -p or --tokens, not both%s%s", "", "");
+    if (think && !chat) die("--think goes with --chat%s%s", "", "");
+    if (chat && prompt_ids) die("--chat wraps -p TEXT; it does not take --tokens%s%s", "", "");
     if (force && !n_gen_set) n_gen = n_force;
     if (force && n_force < n_gen) die("--force gives fewer ids than -n asks to generate%s%s", "", "");
     if (threads > 0) ds4_cpu_set_threads(threads);
@@ -264,21 +291,40 @@ int main(int argc, char **argv) {
     if (!m) { fprintf(stderr, "ds4: %s\n", err); return 1; }
     const int V = ds4_model_n_vocab(m);
 
-    /* prompt ids */
+    /* prompt ids: --tokens as given; -p through the model's tokenizer (BOS first
+     * when the vocabulary has one), or one byte-level id per byte without one.
+     * --chat: BOS <｜User｜> prompt <｜Assistant｜> then </think> (thinking off)
+     * or <think> (--think); generation stops at EOS. */
     int P = 0;
     int32_t *ids;
+    ds4_tok *tok = ds4_model_has_vocab(m) ? ds4_model_tokenizer(m, err, sizeof(err)) : NULL;
+    if (ds4_model_has_vocab(m) && !tok) { fprintf(stderr, "ds4: %s\n", err); return 1; }
+    if (chat && !tok) die("--chat needs a model with a vocabulary (this one has none)%s%s", "", "");
     if (prompt_ids) {
         P = n_prompt_ids;
         ids = prompt_ids;
+    } else if (tok) {
+        if (!prompt) prompt = "Once upon a time";
+        const size_t len = strlen(prompt);
+        const int n = ds4_tok_encode(tok, prompt, len, 0, NULL, 0);
+        if (n < 0) die("cannot tokenize the prompt%s%s", "", "");
+        ids = malloc(sizeof(int32_t) * (size_t)(n + 4));
+        const int bos = ds4_model_bos(m);
+        if (bos >= 0) ids[P++] = bos;
+        if (chat) ids[P++] = special_id(tok, "<｜User｜>");
+        P += ds4_tok_encode(tok, prompt, len, 0, ids + P, n);
+        if (chat) {
+            ids[P++] = special_id(tok, "<｜Assistant｜>");
+            ids[P++] = special_id(tok, think ? "<think>" : "</think>");
+        }
     } else {
         if (!prompt) prompt = "Once upon a time";
-        if (ds4_model_has_vocab(m))
-            die("-p needs a tokenizer, which ds4 does not implement for this model's vocabulary: pass --tokens%s%s", "", "");
         if (V < 256) die("-p feeds byte-level ids, but this model's vocabulary has fewer than 256 ids: pass --tokens%s%s", "", "");
         P = (int)strlen(prompt);
         ids = malloc(sizeof(int32_t) * (P ? P : 1));
         for (int i = 0; i < P; i++) ids[i] = (unsigned char)prompt[i];
     }
+    const int eos = chat ? ds4_model_eos(m) : -1;
     if (P == 0) die("the prompt is empty: give -p TEXT or --tokens IDS%s%s", "", "");
     for (int i = 0; i < P + n_force; i++) {
         const int32_t id = i < P ? ids[i] : force[i - P];
@@ -302,7 +348,7 @@ int main(int argc, char **argv) {
         die("cannot write '%s': %s", dump, msg);
     }
     ds4_model_describe(m, stderr);
-    if (!prompt_ids)
+    if (!prompt_ids && !tok)
         fprintf(stderr, "ds4: model has no vocabulary: prompt text is fed as byte-level ids (one id per byte)\n");
 
     ds4_ctx *c = ds4_ctx_new(m, be, n_ctx, P, err, sizeof(err));
@@ -341,6 +387,7 @@ int main(int argc, char **argv) {
     double td0 = now_s();
     for (int j = 0; j < n_gen; j++) {
         const int32_t next = force ? force[j] : ds4_sample(&smp, prev, V, scratch);
+        if (next == eos) { n_gen = j; break; }   /* --chat: the answer is complete */
         gen[j] = next;
         fed[P + j] = next;
         float *out = dump ? logits + (size_t)(P + j) * V : last;
@@ -355,9 +402,9 @@ int main(int argc, char **argv) {
     printf("generated ids:");
     for (int j = 0; j < n_gen; j++) printf(" %d", gen[j]);
     printf("\ntext: ");
-    if (prompt && !prompt_ids) for (int i = 0; i < P; i++) print_token(m, ids[i]);
+    if (prompt && !prompt_ids) for (int i = 0; i < P; i++) print_token(m, tok, ids[i]);
     printf("[");
-    for (int j = 0; j < n_gen; j++) print_token(m, gen[j]);
+    for (int j = 0; j < n_gen; j++) print_token(m, tok, gen[j]);
     printf("]\n");
     printf("speed: load %.2f s, prefill %d tokens in %.3f s (%.1f tok/s), decode %d tokens in %.3f s (%.2f tok/s), backend %s\n",
            t_load, P, t_prefill, P / (t_prefill > 0 ? t_prefill : 1e-9), n_gen, t_decode,
