@@ -1681,11 +1681,25 @@ static uint32_t synth_layout_type(const gguf_tspec *sp, int layout) {
     return DS4_TYPE_F16;   /* token_embd, hc fn, compressors and ape, indexer q_b/proj, gate_inp */
 }
 
-static const synth_config *synth_find(const char *config) {
-    if (!config) return NULL;
-    for (size_t i = 0; i < sizeof synth_configs / sizeof synth_configs[0]; i++)
-        if (strcmp(config, synth_configs[i].name) == 0) return &synth_configs[i];
-    return NULL;
+/* A config by name, optionally with a routed-expert count: "flash-q2@256"
+ * (E from top-k to 1024; the real Flash has 256).  Fills *out; 0 if unknown. */
+static int synth_find(const char *config, synth_config *out) {
+    if (!config) return 0;
+    const char *at = strchr(config, '@');
+    const size_t n = at ? (size_t)(at - config) : strlen(config);
+    for (size_t i = 0; i < sizeof synth_configs / sizeof synth_configs[0]; i++) {
+        if (strlen(synth_configs[i].name) != n || strncmp(config, synth_configs[i].name, n) != 0) continue;
+        *out = synth_configs[i];
+        if (at) {
+            char *end;
+            errno = 0;
+            const long e = strtol(at + 1, &end, 10);
+            if (errno || end == at + 1 || *end || e < out->n_used || e > 1024) return 0;
+            out->n_expert = (int)e;
+        }
+        return 1;
+    }
+    return 0;
 }
 
 /* Synthetic weight statistics -- THE place to tune them.  Every element is
@@ -1766,9 +1780,10 @@ static int synth_add_tensor(gguf_plan *p, const char *name, const gguf_tspec *sp
 /* Builds the full plan of a synthetic config (keys, tensors, layout). */
 static int synth_plan_init(gguf_plan *p, const char *config, int wtype, char *err, size_t errlen) {
     memset(p, 0, sizeof *p);
-    const synth_config *c = synth_find(config);
+    synth_config cfg;
+    const synth_config *c = synth_find(config, &cfg) ? &cfg : NULL;
     if (!c) {
-        if (err && errlen) snprintf(err, errlen, "unknown synth config '%s' (expected tiny, small, flash16, small-q2, small-q4, flash-q2 or flash-q4)",
+        if (err && errlen) snprintf(err, errlen, "unknown synth config '%s' (expected tiny, small, flash16, small-q2, small-q4, flash-q2 or flash-q4, optionally @EXPERTS)",
                                     config ? config : "(null)");
         return 0;
     }
@@ -2129,7 +2144,8 @@ static int gguf_plan_fill(const gguf_plan *p, uint64_t seed, uint8_t *buf, size_
 }
 
 int ds4_synth_config_ok(const char *config) {
-    return synth_find(config) != NULL;
+    synth_config c;
+    return synth_find(config, &c);
 }
 
 size_t ds4_synth_size(const char *config, int wtype) {
@@ -3153,7 +3169,10 @@ int ds4_parse_wtype(const char *s) {
 int ds4_synth_write(const char *config, uint64_t seed, int wtype, const char *path,
                     int n_threads, char *err, size_t errlen) {
     if (!ds4_synth_config_ok(config)) {
-        errf(err, errlen, "unknown synthetic config '%s' (known: tiny, small, flash16, small-q2, small-q4, flash-q2, flash-q4)", config);
+        if (config && strchr(config, '@'))
+            errf(err, errlen, "synthetic config '%s': unknown name or an expert count outside [top-k, 1024]", config);
+        else
+            errf(err, errlen, "unknown synthetic config '%s' (known: tiny, small, flash16, small-q2, small-q4, flash-q2, flash-q4; NAME@E sets the expert count)", config);
         return -1;
     }
     size_t size = ds4_synth_size(config, wtype);
@@ -3187,7 +3206,10 @@ int ds4_synth_write(const char *config, uint64_t seed, int wtype, const char *pa
 ds4_model *ds4_synth_open(const char *config, uint64_t seed, int wtype, int n_threads,
                           char *err, size_t errlen) {
     if (!ds4_synth_config_ok(config)) {
-        errf(err, errlen, "unknown synthetic config '%s' (known: tiny, small, flash16, small-q2, small-q4, flash-q2, flash-q4)", config);
+        if (config && strchr(config, '@'))
+            errf(err, errlen, "synthetic config '%s': unknown name or an expert count outside [top-k, 1024]", config);
+        else
+            errf(err, errlen, "unknown synthetic config '%s' (known: tiny, small, flash16, small-q2, small-q4, flash-q2, flash-q4; NAME@E sets the expert count)", config);
         return NULL;
     }
     size_t size = ds4_synth_size(config, wtype);

@@ -60,9 +60,12 @@ void     ds4_free_huge(uint8_t *p, size_t size);
 
 /* Parse "f32", "f16", "bf16", "q8_0"; -1 if unknown. */
 int ds4_parse_wtype(const char *s);
-/* Write a synthetic deepseek4 GGUF (configs: tiny, small, flash16) to path. */
+/* Write a synthetic deepseek4 GGUF (a config as ds4_synth_config_ok takes) to path. */
 int ds4_synth_write(const char *config, uint64_t seed, int wtype, const char *path,
                     int n_threads, char *err, size_t errlen);
+/* 1 if `ds4 synth` knows the config: tiny, small, flash16, small-q2, small-q4,
+ * flash-q2, flash-q4, each optionally NAME@E with E routed experts (top-k..1024). */
+int ds4_synth_config_ok(const char *config);
 /* Build the same image in memory and open it (no file). */
 ds4_model *ds4_synth_open(const char *config, uint64_t seed, int wtype, int n_threads,
                           char *err, size_t errlen);

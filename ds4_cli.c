@@ -61,6 +61,7 @@ static void usage(FILE *f) {
         "  --config NAME       tiny, small, flash16, or the published files' layouts small-q2,\n"
         "                      small-q4, flash-q2, flash-q4 (IQ2_XXS/Q2_K or Q4_K experts)\n"
         "  --seed N            weight seed (default 1)\n"
+        "  --experts E         routed experts (default: the config's; top-k to 1024)\n"
         "  --type T            matrix type f32, f16, bf16 or q8_0 (default f32; flash16: q8_0)\n"
         "  -o FILE             output path\n");
 }
@@ -164,12 +165,13 @@ static int write_dump(FILE *f, const char *path, int n_vocab, int P, int G, cons
 static int cmd_synth(int argc, char **argv, int threads) {
     const char *config = NULL, *out = NULL, *type = NULL;
     uint64_t seed = 1;
+    int experts = 0;
     for (int i = 2; i < argc; i++) {
         const char *a = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(stdout); return 0; }
         if (strcmp(a, "--config") && strcmp(a, "--seed") && strcmp(a, "--type") && strcmp(a, "-o") &&
-            strcmp(a, "--threads"))
+            strcmp(a, "--threads") && strcmp(a, "--experts"))
             die("unknown synth option '%s'%s (see ds4 synth --help)", a, "");
         if (!v) die("option %s needs a value%s", a, "");
         if (!strcmp(a, "--config")) config = v;
@@ -177,11 +179,18 @@ static int cmd_synth(int argc, char **argv, int threads) {
         else if (!strcmp(a, "--type")) type = v;
         else if (!strcmp(a, "-o")) out = v;
         else if (!strcmp(a, "--threads")) threads = (int)parse_long(a, v, 1, 64);
+        else if (!strcmp(a, "--experts")) experts = (int)parse_long(a, v, 1, 1024);
         else die("unknown synth option '%s'%s (see ds4 synth --help)", a, "");
         i++;
     }
     if (!config) die("synth needs --config (tiny, small, flash16, small-q2, small-q4, flash-q2 or flash-q4)%s%s", "", "");
     if (!out) die("synth needs -o FILE%s%s", "", "");
+    char cfgbuf[96];
+    if (experts) {                   /* the routed-expert count: "NAME@E" for the synth API */
+        if (strchr(config, '@')) die("give the expert count once (--experts or NAME@E)%s%s", "", "");
+        snprintf(cfgbuf, sizeof cfgbuf, "%.60s@%d", config, experts);
+        config = cfgbuf;
+    }
     const int layout = strstr(config, "-q2") || strstr(config, "-q4");
     if (layout && type) die("--type does not apply to the %s layout (its tensor types are the published files')%s", config, "");
     if (!type) type = !strcmp(config, "flash16") ? "q8_0" : "f32";

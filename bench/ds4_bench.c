@@ -1,7 +1,7 @@
 /* ds4_bench.c -- decode and prefill throughput of ds4 on one backend, and the
  * decode step that scripts/kernel_report.sh profiles.
  *
- *   ds4_bench --model tiny|small|flash16|FILE [--type q8_0] [--backend cuda|cpu]
+ *   ds4_bench --model tiny|small|flash16|flash-q2|...[@EXPERTS]|FILE [--type q8_0] [--backend cuda|cpu]
  *             [--reps 5] [--decode 32] [--prefill 512,4096] [--copy-bw GBps] [--threads N]
  *             [--profile-step [--profile-warmup 8] [--profile-timed 16]]      (CUDA builds)
  *
@@ -118,8 +118,8 @@ int main(int argc, char **argv) {
     char err[1024];
     double t0 = now_s();
     ds4_model *m;
-    if (!strcmp(model, "tiny") || !strcmp(model, "small") || !strcmp(model, "flash16")) {
-        const char *ty = type ? type : (!strcmp(model, "flash16") ? "q8_0" : "f32");
+    if (ds4_synth_config_ok(model)) {   /* a synthetic config (NAME or NAME@EXPERTS), built in memory */
+        const char *ty = type ? type : (!strncmp(model, "flash16", 7) ? "q8_0" : "f32");
         int wt = ds4_parse_wtype(ty);
         if (wt < 0) fail("--type", ty);
         m = ds4_synth_open(model, 1, wt, fill_threads, err, sizeof(err));

@@ -38,3 +38,16 @@ def test_layout_runs_deterministic(name):
         ds4_run(["-m", m, "--backend", "cpu", "--tokens", "3,1,4,1,5,9,2,6", "-n", "24", "--dump-logits", d])
         outs.append(open(d, "rb").read())
     assert outs[0] == outs[1]
+
+
+def test_expert_count():
+    p = os.path.join(OUT, "small-q2-e64.gguf")
+    ds4_run(["synth", "--config", "small-q2", "--experts", "64", "--seed", "1", "-o", p])
+    r = run([DS4, "info", p])
+    assert r.returncode == 0 and "64 experts top-4" in r.stderr + r.stdout
+    ds4_run(["-m", p, "--backend", "cpu", "--tokens", "1,2,3", "-n", "4"])
+    from test_cli import expect_error
+    expect_error(["synth", "--config", "small-q2", "--experts", "2", "-o", os.path.join(OUT, "x.gguf")],
+                 "expert count outside [top-k, 1024]")
+    expect_error(["synth", "--config", "small-q2@8", "--experts", "16", "-o", os.path.join(OUT, "x.gguf")],
+                 "give the expert count once")
