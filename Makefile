@@ -52,7 +52,7 @@ $(B)/cpu/ds4: $(B)/cpu/ds4.o $(B)/cpu/ds4_quant.o $(B)/cpu/ds4_tok.o $(B)/cpu/ds
 # The embedded default model: written by the build, never downloaded.
 models/ds4-tiny.gguf: $(B)/cpu/ds4
 	@mkdir -p models
-	$(B)/cpu/ds4 synth --config tiny --seed 1 -o $@
+	$(B)/cpu/ds4 synth --config tiny --seed 1 --vocab -o $@
 
 models: models/ds4-tiny.gguf
 

@@ -1478,6 +1478,7 @@ typedef struct {
     int           n_t, cap_t;
     uint32_t      alignment;
     uint64_t      header_bytes, data_start, total;
+    void         *vocab;        /* synth_vocab's strings and arrays (owned), NULL without a vocabulary */
 } gguf_plan;
 
 typedef struct { uint8_t *buf; size_t cap; size_t pos; } gguf_wout;   /* buf NULL: measure only */
@@ -1584,6 +1585,8 @@ static void gguf_plan_free(gguf_plan *p) {
     free(p->t);
     p->t = NULL;
     p->n_t = p->cap_t = 0;
+    free(p->vocab);
+    p->vocab = NULL;
 }
 
 static gguf_wkv *gguf_plan_kv(gguf_plan *p, const char *key, uint32_t type) {
@@ -1648,20 +1651,166 @@ typedef struct {
     int yarn_orig;
     int layout;    /* 0: every matrix of the --type; 2, 4: the published Flash files' per-tensor
                     * types with IQ2_XXS/Q2_K (2) or Q4_K (4) routed experts (synth_layout_type) */
+    int vocab;     /* "+vocab": a byte-level BPE vocabulary (synth_vocab) instead of no_vocab */
 } synth_config;
 
 /* compress_ratios of every config: 0, 0, then 4, 128, 4, 128, ... */
 static const synth_config synth_configs[] = {
-    /* name      vocab   D    L  hash H   d    rot  q    g  r     swa  Hi  di   topk E   k  S  f     ctx    yarn  orig layout */
-    {"tiny",     512,    128, 6, 2,   8,  64,  16,  64,  2, 32,   32,  32, 64,  8,   8,  2, 1, 64,   4096,  4.0f, 256, 0},
-    {"small",    1024,   256, 8, 3,   16, 128, 32,  128, 4, 64,   64,  32, 64,  16,  16, 4, 1, 128,  8192,  8.0f, 1024, 0},
-    {"flash16",  129280, 4096, 43, 3, 64, 512, 64,  1024, 8, 1024, 128, 64, 128, 512, 16, 6, 1, 2048, 65536, 16.0f, 65536, 0},
+    /* name      vocab   D    L  hash H   d    rot  q    g  r     swa  Hi  di   topk E   k  S  f     ctx    yarn  orig layout vocab */
+    {"tiny",     512,    128, 6, 2,   8,  64,  16,  64,  2, 32,   32,  32, 64,  8,   8,  2, 1, 64,   4096,  4.0f, 256, 0, 0},
+    {"small",    1024,   256, 8, 3,   16, 128, 32,  128, 4, 64,   64,  32, 64,  16,  16, 4, 1, 128,  8192,  8.0f, 1024, 0, 0},
+    {"flash16",  129280, 4096, 43, 3, 64, 512, 64,  1024, 8, 1024, 128, 64, 128, 512, 16, 6, 1, 2048, 65536, 16.0f, 65536, 0, 0},
     /* the real files' layouts; the small ones widen the experts to one 256-element super-block */
-    {"small-q2", 1024,   256, 8, 3,   16, 128, 32,  128, 4, 64,   64,  32, 64,  16,  16, 4, 1, 256,  8192,  8.0f, 1024, 2},
-    {"small-q4", 1024,   256, 8, 3,   16, 128, 32,  128, 4, 64,   64,  32, 64,  16,  16, 4, 1, 256,  8192,  8.0f, 1024, 4},
-    {"flash-q2", 129280, 4096, 43, 3, 64, 512, 64,  1024, 8, 1024, 128, 64, 128, 512, 16, 6, 1, 2048, 65536, 16.0f, 65536, 2},
-    {"flash-q4", 129280, 4096, 43, 3, 64, 512, 64,  1024, 8, 1024, 128, 64, 128, 512, 16, 6, 1, 2048, 65536, 16.0f, 65536, 4},
+    {"small-q2", 1024,   256, 8, 3,   16, 128, 32,  128, 4, 64,   64,  32, 64,  16,  16, 4, 1, 256,  8192,  8.0f, 1024, 2, 0},
+    {"small-q4", 1024,   256, 8, 3,   16, 128, 32,  128, 4, 64,   64,  32, 64,  16,  16, 4, 1, 256,  8192,  8.0f, 1024, 4, 0},
+    {"flash-q2", 129280, 4096, 43, 3, 64, 512, 64,  1024, 8, 1024, 128, 64, 128, 512, 16, 6, 1, 2048, 65536, 16.0f, 65536, 2, 0},
+    {"flash-q4", 129280, 4096, 43, 3, 64, 512, 64,  1024, 8, 1024, 128, 64, 128, 512, 16, 6, 1, 2048, 65536, 16.0f, 65536, 4, 0},
 };
+
+/* ---- a synthetic byte-level BPE vocabulary ----
+ *
+ * For "+vocab" configs (the embedded default model): BOS, EOS, the 256 byte
+ * symbols of the GPT-2 byte alphabet, the V4 chat markers (<｜User｜>,
+ * <｜Assistant｜>: control; <think>, </think>: user-defined), then the tokens
+ * of BPE merges learned from synth_vocab_text until n_vocab tokens (the same
+ * layout tests/oracle/add_vocab.py writes with gguf-py).  Training splits the
+ * text at spaces (a space starts a word) and takes the most frequent adjacent
+ * pair each round, ties to the lower ids: integers only, so every machine
+ * writes the same bytes.  The model's weights are random: only the prompt and
+ * the detokenized text are meaningful, which is what the vocabulary is for. */
+static const char synth_vocab_text[] =
+    "Once upon a time there was a little town by the sea. The people of the town went to the sea "
+    "every morning, and every evening they came back with fish and stories. One day a girl found a "
+    "small boat on the sand. She asked her mother if she could take it to the water, and her mother "
+    "said that she could, if she came back before the sun went down. The girl took the boat and the "
+    "sea was calm and the sky was blue. She saw birds and fish and a long line of white clouds. When "
+    "the sun was low she turned the boat and went home, and she told everyone what she had seen. "
+    "The model reads the text, the tokens and the numbers 0 1 2 3 4 5 6 7 8 9 10 100 2026. "
+    "int main(void) { return 0; } for (int i = 0; i < n; i++) x[i] = y[i] + 1; "
+    "Il était une fois une petite ville au bord de la mer. Es war einmal eine kleine Stadt am Meer. "
+    "Érase una vez un pueblo junto al mar. 從前有一個海邊的小鎮。 むかしむかし、海のそばに小さな町がありました。";
+
+#define SYNTH_VOCAB_BASE 262    /* BOS, EOS, 256 bytes, 4 chat markers */
+
+static int synth_u64_cmp(const void *x, const void *y) {
+    const uint64_t a = *(const uint64_t *)x, b = *(const uint64_t *)y;
+    return a < b ? -1 : a > b;
+}
+
+/* GPT-2 byte alphabet: printable Latin-1 bytes stand for themselves, the
+ * other 68 become U+0100..; out gets the symbol's UTF-8 (1..2 bytes). */
+static int synth_byte_symbol(int b, char *out) {
+    int cp;
+    if ((b >= 0x21 && b <= 0x7e) || (b >= 0xa1 && b <= 0xac) || b >= 0xae) {
+        cp = b;
+    } else {
+        int n = 0;
+        for (int x = 0; x < b; x++) n += !((x >= 0x21 && x <= 0x7e) || (x >= 0xa1 && x <= 0xac) || x >= 0xae);
+        cp = 256 + n;
+    }
+    if (cp < 0x80) { out[0] = (char)cp; return 1; }
+    out[0] = (char)(0xc0 | (cp >> 6));
+    out[1] = (char)(0x80 | (cp & 0x3f));
+    return 2;
+}
+
+typedef struct {
+    const char **tokens;   /* [n_vocab] NUL-terminated */
+    int32_t     *types;    /* [n_vocab] */
+    const char **merges;   /* [n_merges] "left right" */
+    int          n_merges;
+} synth_vocab_t;
+
+/* Builds the vocabulary into one allocation (returned; the caller frees it). */
+static void *synth_vocab(int n_vocab, synth_vocab_t *v) {
+    const int n_text = (int)sizeof synth_vocab_text - 1;
+    const int n_merge_max = n_vocab - SYNTH_VOCAB_BASE;
+    if (n_merge_max < 0) return NULL;
+    /* strings: every token is at most 2 bytes per text byte */
+    const size_t str_cap = (size_t)n_vocab * 64 + (size_t)n_merge_max * 130 + 4096;
+    const size_t bytes = sizeof(char *) * (size_t)(n_vocab + n_merge_max + 1) + sizeof(int32_t) * (size_t)n_vocab +
+                         str_cap + sizeof(int) * (size_t)n_text * 2 + sizeof(int) * (size_t)n_vocab;
+    uint8_t *mem = calloc(1, bytes);
+    if (!mem) return NULL;
+    v->tokens = (const char **)mem;
+    v->merges = v->tokens + n_vocab;
+    v->types = (int32_t *)(v->merges + n_merge_max + 1);
+    char *str = (char *)(v->types + n_vocab), *sp = str;
+    int *seq = (int *)(str + str_cap), *word = seq + n_text;   /* symbol ids; word start flags */
+    int *tlen = word + n_text;                                   /* token byte lengths */
+    uint64_t *keys = malloc(sizeof(uint64_t) * (size_t)n_text);  /* adjacent pairs (a << 32 | b) */
+    if (!keys) { free(mem); return NULL; }
+    int nt = 0;
+#define TOK(s_, t_) do { size_t l_ = strlen(s_); memcpy(sp, s_, l_ + 1); v->tokens[nt] = sp; tlen[nt] = (int)l_; \
+                         v->types[nt++] = (t_); sp += l_ + 1; } while (0)
+    TOK("<｜begin▁of▁sentence｜>", 3);
+    TOK("<｜end▁of▁sentence｜>", 3);
+    for (int b = 0; b < 256; b++) {
+        char sym[3] = {0, 0, 0};
+        synth_byte_symbol(b, sym);
+        TOK(sym, 1);
+    }
+    TOK("<｜User｜>", 3);
+    TOK("<｜Assistant｜>", 3);
+    TOK("<think>", 4);
+    TOK("</think>", 4);
+#undef TOK
+    for (int i = 0; i < n_text; i++) {
+        seq[i] = 2 + (uint8_t)synth_vocab_text[i];
+        word[i] = i == 0 || synth_vocab_text[i] == ' ';
+    }
+    int len = n_text;
+    v->n_merges = 0;
+    while (nt < n_vocab) {
+        /* the most frequent adjacent pair inside a word (ties: lower ids): sort
+         * the pair keys, then the longest run of one key */
+        int np = 0;
+        for (int i = 0; i + 1 < len; i++)
+            if (!word[i + 1]) keys[np++] = (uint64_t)seq[i] << 32 | (uint32_t)seq[i + 1];
+        qsort(keys, (size_t)np, sizeof keys[0], synth_u64_cmp);
+        int best_a = -1, best_b = -1, best_n = 0;
+        for (int i = 0; i < np;) {
+            int j = i;
+            while (j < np && keys[j] == keys[i]) j++;
+            if (j - i > best_n) { best_n = j - i; best_a = (int)(keys[i] >> 32); best_b = (int)(uint32_t)keys[i]; }
+            i = j;
+        }
+        if (best_n < 2) break;
+        /* the merged token and the merge "left right" */
+        const int id = nt;
+        v->tokens[id] = sp;
+        memcpy(sp, v->tokens[best_a], (size_t)tlen[best_a]);
+        memcpy(sp + tlen[best_a], v->tokens[best_b], (size_t)tlen[best_b] + 1);
+        tlen[id] = tlen[best_a] + tlen[best_b];
+        sp += tlen[id] + 1;
+        v->types[id] = 1;
+        nt++;
+        v->merges[v->n_merges++] = sp;
+        memcpy(sp, v->tokens[best_a], (size_t)tlen[best_a]);
+        sp[tlen[best_a]] = ' ';
+        memcpy(sp + tlen[best_a] + 1, v->tokens[best_b], (size_t)tlen[best_b] + 1);
+        sp += tlen[best_a] + tlen[best_b] + 2;
+        int o = 0;
+        for (int i = 0; i < len; i++) {
+            if (i + 1 < len && !word[i + 1] && seq[i] == best_a && seq[i + 1] == best_b) {
+                word[o] = word[i];
+                seq[o++] = id;
+                i++;
+            } else {
+                word[o] = word[i];
+                seq[o++] = seq[i];
+            }
+        }
+        len = o;
+    }
+    free(keys);
+    while (nt < n_vocab) {          /* a text too short for the size: unused filler tokens */
+        v->tokens[nt] = sp;
+        sp += snprintf(sp, 24, "<unused%d>", nt) + 1;
+        v->types[nt++] = 5;
+    }
+    return mem;
+}
 
 /* The type a layout gives a tensor (the published Flash files, as upstream's
  * loader requires them): token_embd F16; output, the attention projections
@@ -1681,15 +1830,19 @@ static uint32_t synth_layout_type(const gguf_tspec *sp, int layout) {
     return DS4_TYPE_F16;   /* token_embd, hc fn, compressors and ape, indexer q_b/proj, gate_inp */
 }
 
-/* A config by name, optionally with a routed-expert count: "flash-q2@256"
- * (E from top-k to 1024; the real Flash has 256).  Fills *out; 0 if unknown. */
+/* A config by name, optionally with a vocabulary and a routed-expert count:
+ * "tiny+vocab", "flash-q2@256" (E from top-k to 1024; the real Flash has 256).
+ * Fills *out; 0 if unknown. */
 static int synth_find(const char *config, synth_config *out) {
     if (!config) return 0;
+    const char *plus = strstr(config, "+vocab");
+    if (plus && plus[6] != 0 && plus[6] != '@') return 0;
     const char *at = strchr(config, '@');
-    const size_t n = at ? (size_t)(at - config) : strlen(config);
+    const size_t n = plus ? (size_t)(plus - config) : at ? (size_t)(at - config) : strlen(config);
     for (size_t i = 0; i < sizeof synth_configs / sizeof synth_configs[0]; i++) {
         if (strlen(synth_configs[i].name) != n || strncmp(config, synth_configs[i].name, n) != 0) continue;
         *out = synth_configs[i];
+        out->vocab = plus != NULL;
         if (at) {
             char *end;
             errno = 0;
@@ -1836,7 +1989,25 @@ static int synth_plan_init(gguf_plan *p, const char *config, int wtype, char *er
     gguf_plan_kv_u32(p, K_HC_ITERS, (uint32_t)hp->sinkhorn_iters);
     gguf_plan_kv_f32(p, K_HC_EPS, hp->hc_eps);
     gguf_plan_kv_u32(p, K_HASH_LAYERS, (uint32_t)hp->n_hash_layers);
-    gguf_plan_kv_str(p, K_TOK_MODEL, "no_vocab");
+    if (c->vocab) {
+        synth_vocab_t v;
+        p->vocab = synth_vocab(hp->n_vocab, &v);
+        if (!p->vocab) {
+            if (err && errlen) snprintf(err, errlen, "synth config '%s': no room for a vocabulary of %d tokens",
+                                        c->name, hp->n_vocab);
+            gguf_plan_free(p);
+            return 0;
+        }
+        gguf_plan_kv_str(p, K_TOK_MODEL, "gpt2");
+        gguf_plan_kv_str(p, K_TOK_PRE, "deepseek-v3");
+        gguf_plan_kv_arr(p, K_TOK_TOKENS, GGUF_T_STRING, (uint64_t)hp->n_vocab, v.tokens);
+        gguf_plan_kv_arr(p, K_TOK_TYPES, GGUF_T_I32, (uint64_t)hp->n_vocab, v.types);
+        gguf_plan_kv_arr(p, K_TOK_MERGES, GGUF_T_STRING, (uint64_t)v.n_merges, v.merges);
+        gguf_plan_kv_u32(p, K_TOK_BOS, 0);
+        gguf_plan_kv_u32(p, K_TOK_EOS, 1);
+    } else {
+        gguf_plan_kv_str(p, K_TOK_MODEL, "no_vocab");
+    }
 
     char name[128];
     int64_t ne[4];

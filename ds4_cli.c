@@ -62,6 +62,7 @@ static void usage(FILE *f) {
         "                      small-q4, flash-q2, flash-q4 (IQ2_XXS/Q2_K or Q4_K experts)\n"
         "  --seed N            weight seed (default 1)\n"
         "  --experts E         routed experts (default: the config's; top-k to 1024)\n"
+        "  --vocab             a byte-level BPE vocabulary (default: none, raw ids)\n"
         "  --type T            matrix type f32, f16, bf16 or q8_0 (default f32; flash16: q8_0)\n"
         "  -o FILE             output path\n");
 }
@@ -165,11 +166,12 @@ static int write_dump(FILE *f, const char *path, int n_vocab, int P, int G, cons
 static int cmd_synth(int argc, char **argv, int threads) {
     const char *config = NULL, *out = NULL, *type = NULL;
     uint64_t seed = 1;
-    int experts = 0;
+    int experts = 0, vocab = 0;
     for (int i = 2; i < argc; i++) {
         const char *a = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(stdout); return 0; }
+        if (!strcmp(a, "--vocab")) { vocab = 1; continue; }   /* the one flag without a value */
         if (strcmp(a, "--config") && strcmp(a, "--seed") && strcmp(a, "--type") && strcmp(a, "-o") &&
             strcmp(a, "--threads") && strcmp(a, "--experts"))
             die("unknown synth option '%s'%s (see ds4 synth --help)", a, "");
@@ -186,14 +188,18 @@ static int cmd_synth(int argc, char **argv, int threads) {
     if (!config) die("synth needs --config (tiny, small, flash16, small-q2, small-q4, flash-q2 or flash-q4)%s%s", "", "");
     if (!out) die("synth needs -o FILE%s%s", "", "");
     char cfgbuf[96];
-    if (experts) {                   /* the routed-expert count: "NAME@E" for the synth API */
-        if (strchr(config, '@')) die("give the expert count once (--experts or NAME@E)%s%s", "", "");
-        snprintf(cfgbuf, sizeof cfgbuf, "%.60s@%d", config, experts);
+    if (experts || vocab) {          /* "NAME+vocab@E" for the synth API */
+        if (experts && strchr(config, '@')) die("give the expert count once (--experts or NAME@E)%s%s", "", "");
+        if (vocab && strstr(config, "+vocab")) die("give the vocabulary once (--vocab or NAME+vocab)%s%s", "", "");
+        const char *at = strchr(config, '@');
+        const int n = at ? (int)(at - config) : (int)strlen(config);
+        snprintf(cfgbuf, sizeof cfgbuf, "%.*s%s%s", n > 60 ? 60 : n, config, vocab ? "+vocab" : "", at ? at : "");
+        if (experts) snprintf(cfgbuf + strlen(cfgbuf), sizeof cfgbuf - strlen(cfgbuf), "@%d", experts);
         config = cfgbuf;
     }
     const int layout = strstr(config, "-q2") || strstr(config, "-q4");
     if (layout && type) die("--type does not apply to the %s layout (its tensor types are the published files')%s", config, "");
-    if (!type) type = !strcmp(config, "flash16") ? "q8_0" : "f32";
+    if (!type) type = !strncmp(config, "flash16", 7) ? "q8_0" : "f32";
     int wtype = ds4_parse_wtype(type);
     if (wtype < 0) die("unknown --type '%s' (f32, f16, bf16 or q8_0)%s", type, "");
     char err[512];

@@ -3,6 +3,7 @@ never a crash (no signal, no sanitizer report).  `make sanitize` runs this file 
 ASan+UBSan build (TEST_DS4_BIN)."""
 import os
 import shutil
+import subprocess
 
 import pytest
 
@@ -106,10 +107,15 @@ def test_help_and_default_model():
     default = os.path.join(os.path.dirname(DS4), "models", "ds4-tiny.gguf")
     if not os.path.exists(default):
         pytest.skip("no embedded default model beside this binary")
-    r = run([DS4, "-p", "Once upon a time", "-n", "8", "--backend", "cpu"])
+    r = subprocess.run([DS4, "-p", "Once upon a time", "-n", "8", "--backend", "cpu"], capture_output=True)
+    out = r.stdout.decode("utf-8", "replace")
     assert r.returncode == 0, r.stderr
-    assert "generated ids:" in r.stdout and "tok/s" in r.stdout
-    assert "byte-level ids" in r.stderr
+    assert "generated ids:" in out and "tok/s" in out
+    # the default model has a vocabulary (ds4 synth --vocab): the prompt is tokenized, BOS first
+    prompt_ids = [int(x) for x in out.split("prompt ids:")[1].split("\n")[0].split()]
+    assert prompt_ids[0] == 0 and len(prompt_ids) < 1 + len("Once upon a time")
+    assert "text: <｜begin▁of▁sentence｜>Once upon a time[" in out
+    assert b"byte-level ids" not in r.stderr
 
 
 def test_info():

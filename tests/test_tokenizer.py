@@ -119,6 +119,20 @@ def test_ids_match_llama(bins, corpus, pre):
     print(f"{pre}: {len(pieces_l)} pieces identical; round trip ok for {n_valid} valid UTF-8 strings")
 
 
+def test_synth_vocab_in_llama(bins, corpus):
+    """The vocabulary `ds4 synth --vocab` writes (the embedded default model's) reads and
+    tokenizes identically in llama.cpp: an independent reader of ds4's tokenizer keys."""
+    oracle, driver = bins
+    cases, cpath = corpus
+    vocab = os.path.join(TOK_DIR, "tiny-vocab.gguf")
+    r = run([os.path.join(REPO, "ds4"), "synth", "--config", "tiny", "--vocab", "--seed", "1", "-o", vocab])
+    assert r.returncode == 0, r.stderr
+    for special in (True, False):
+        compare_ids(cases, ids_of(oracle, vocab, cpath, "llama", special), ids_of(driver, vocab, cpath, "ds4", special),
+                    f"ds4 synth vocabulary, parse_special={special}")
+    assert pieces_of(oracle, vocab, "llama") == pieces_of(driver, vocab, "ds4")
+
+
 def test_pre_names_agree(bins, corpus):
     """joyai-llm tokenizes exactly like deepseek-v3 (same vocabulary, llama.cpp's ids)."""
     oracle, _ = bins
