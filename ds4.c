@@ -1697,23 +1697,6 @@ static int synth_u64_cmp(const void *x, const void *y) {
     return a < b ? -1 : a > b;
 }
 
-/* GPT-2 byte alphabet: printable Latin-1 bytes stand for themselves, the
- * other 68 become U+0100..; out gets the symbol's UTF-8 (1..2 bytes). */
-static int synth_byte_symbol(int b, char *out) {
-    int cp;
-    if ((b >= 0x21 && b <= 0x7e) || (b >= 0xa1 && b <= 0xac) || b >= 0xae) {
-        cp = b;
-    } else {
-        int n = 0;
-        for (int x = 0; x < b; x++) n += !((x >= 0x21 && x <= 0x7e) || (x >= 0xa1 && x <= 0xac) || x >= 0xae);
-        cp = 256 + n;
-    }
-    if (cp < 0x80) { out[0] = (char)cp; return 1; }
-    out[0] = (char)(0xc0 | (cp >> 6));
-    out[1] = (char)(0x80 | (cp & 0x3f));
-    return 2;
-}
-
 typedef struct {
     const char **tokens;   /* [n_vocab] NUL-terminated */
     int32_t     *types;    /* [n_vocab] */
@@ -1746,8 +1729,8 @@ static void *synth_vocab(int n_vocab, synth_vocab_t *v) {
     TOK("<｜begin▁of▁sentence｜>", 3);
     TOK("<｜end▁of▁sentence｜>", 3);
     for (int b = 0; b < 256; b++) {
-        char sym[3] = {0, 0, 0};
-        synth_byte_symbol(b, sym);
+        char sym[3];
+        ds4_tok_byte_symbol(b, sym);       /* ds4_tok.c: the one definition of the alphabet */
         TOK(sym, 1);
     }
     TOK("<｜User｜>", 3);

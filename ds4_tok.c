@@ -210,6 +210,18 @@ static int merge_find(const ds4_tok *t, int32_t l, int32_t r, int32_t *res) {
     }
 }
 
+int ds4_tok_byte_symbol(int b, char out[3]) {
+    uint32_t b2cp[256];
+    int16_t cp2b[0x144];
+    if (b < 0 || b > 255) return 0;
+    byte_alphabet(b2cp, cp2b);
+    unsigned char u[4];
+    const int n = utf8_put(b2cp[b], u);   /* code points below 0x144: 1 or 2 bytes */
+    memcpy(out, u, (size_t)n);
+    out[n] = 0;
+    return n;
+}
+
 int ds4_tok_n_tokens(const ds4_tok *t) { return t ? t->n : 0; }
 
 void ds4_tok_free(ds4_tok *t) {

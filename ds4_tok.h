@@ -40,6 +40,10 @@ void ds4_tok_free(ds4_tok *t);
 
 int ds4_tok_n_tokens(const ds4_tok *t);
 
+/* The GPT-2 byte alphabet's symbol for byte b (0..255) as UTF-8 (1 or 2 bytes, then a NUL):
+ * the text of that byte's token in a byte-level BPE vocabulary. Returns the length. */
+int ds4_tok_byte_symbol(int b, char out[3]);
+
 /*
  * Tokenize len bytes of text (any bytes; invalid UTF-8 is handled like llama.cpp does).
  * parse_special != 0: control, user-defined and unknown tokens written literally in the text
