@@ -158,8 +158,17 @@ test-gpu: cuda-check
 
 # test-deps first, also under make -j: a bare machine installs (or stops) before any build.
 test: test-deps
-	@$(MAKE) --no-print-directory cpu test-c cuda-check test-py test-gpu
+	@$(MAKE) --no-print-directory cpu test-c fuzz-replay cuda-check test-py test-gpu
 	@echo "make test: all done"
+
+# ---- fuzzing (tests/fuzz/README.md): libFuzzer targets for the GGUF reader, the tokenizer,
+# the DS4_* environment, and a DS4LOGIT mutation loop.  `make test` replays the corpus. ----
+FUZZ_SECONDS ?= 60
+fuzz: cpu
+	bash scripts/fuzz.sh run $(FUZZ_SECONDS)
+fuzz-replay: cpu
+	bash scripts/fuzz.sh replay
+.PHONY: fuzz fuzz-replay
 
 # ---- sanitizers: the malformed-input tests under ASan + UBSan ----
 SAN = -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined

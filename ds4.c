@@ -3754,8 +3754,23 @@ int ds4_sample(ds4_sampler *s, const float *l, int n, void *scratch) {
 
 extern char **environ;
 
+/* Up to 48 bytes of s (n bytes) for an error line: control and non-ASCII bytes
+ * as \xNN, so the message stays one line whatever the environment holds. */
+static const char *env_show(char *out, size_t cap, const char *s, size_t n) {
+    size_t o = 0;
+    for (size_t i = 0; i < n && i < 48 && o + 5 < cap; i++) {
+        const unsigned char c = (unsigned char)s[i];
+        if (c >= 0x20 && c < 0x7f) out[o++] = (char)c;
+        else o += (size_t)snprintf(out + o, cap - o, "\\x%02x", c);
+    }
+    if (n > 48 && o + 4 < cap) { memcpy(out + o, "...", 3); o += 3; }
+    out[o] = 0;
+    return out;
+}
+
 int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
     static const char *known[] = { "DS4_THREADS" };
+    char shown[256];
     memset(env, 0, sizeof(*env));
     for (char **e = environ; e && *e; e++) {
         if (strncmp(*e, "DS4_", 4) != 0) continue;
@@ -3765,7 +3780,8 @@ int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
         for (size_t i = 0; i < sizeof(known) / sizeof(known[0]); i++)
             if (strlen(known[i]) == nl && !strncmp(known[i], *e, nl)) ok = 1;
         if (!ok) {
-            errf(err, errlen, "unknown environment variable %.*s (ds4 reads: DS4_THREADS; see README)", (int)nl, *e);
+            errf(err, errlen, "unknown environment variable %s (ds4 reads: DS4_THREADS; see README)",
+                 env_show(shown, sizeof shown, *e, nl));
             return -1;
         }
     }
@@ -3775,7 +3791,8 @@ int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
         errno = 0;
         long v = strtol(t, &end, 10);
         if (errno || end == t || *end || v < 0 || v > DS4_MAX_THREADS) {
-            errf(err, errlen, "DS4_THREADS='%s' is not an integer in [0, %d] (0 = all cores)", t, DS4_MAX_THREADS);
+            errf(err, errlen, "DS4_THREADS='%s' is not an integer in [0, %d] (0 = all cores)",
+                 env_show(shown, sizeof shown, t, strlen(t)), DS4_MAX_THREADS);
             return -1;
         }
         env->threads = (int)v;

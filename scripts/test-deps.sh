@@ -2,7 +2,9 @@
 # scripts/test-deps.sh -- the packages `make test` needs beyond gcc and make.
 #
 # The pytest harness (tests/run_pytest.sh) needs a python3 with pytest and numpy, and the
-# llama.cpp oracle fetch (tests/oracle/fetch_llama.sh) needs npm and git. This script is the
+# llama.cpp oracle fetch (tests/oracle/fetch_llama.sh) needs npm and git, and the fuzz targets
+# (scripts/fuzz.sh, make fuzz / fuzz-replay) need clang with libFuzzer (Debian 12: clang, and
+# libclang-rt-14-dev for libclang_rt.fuzzer-x86_64.a). This script is the
 # one list of them: `make test` runs it first (also `make test-deps`), and CI (.ci/run) gets
 # them through `make test` too.
 #
@@ -31,6 +33,14 @@ check() {
   fi
   command -v npm >/dev/null 2>&1 || need+=(npm)
   command -v git >/dev/null 2>&1 || need+=(git)
+  # libFuzzer: clang, and a link of -fsanitize=fuzzer that works (libclang_rt.fuzzer is in
+  # libclang-rt-14-dev on Debian 12, not in the clang package)
+  if ! command -v clang >/dev/null 2>&1; then
+    need+=(clang libclang-rt-14-dev)
+  elif ! echo 'int LLVMFuzzerTestOneInput(const unsigned char *d, unsigned long n) { return 0; }' |
+         clang -fsanitize=fuzzer -x c - -o /dev/null >/dev/null 2>&1; then
+    need+=(libclang-rt-14-dev)
+  fi
 }
 
 check

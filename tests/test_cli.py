@@ -68,6 +68,8 @@ ENV_CASES = [
     ({"DS4_THREADS": "-1"}, "DS4_THREADS='-1'"),
     ({"DS4_THREADS": "100000"}, "DS4_THREADS='100000'"),
     ({"DS4_NOPE": "1"}, "unknown environment variable DS4_NOPE"),
+    # found by tests/fuzz/fuzz_env: a newline in a value made the error two lines
+    ({"DS4_THREADS": "1\n2"}, "DS4_THREADS='1\\x0a2'"),
 ]
 
 

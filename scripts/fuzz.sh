@@ -1,0 +1,144 @@
+#!/usr/bin/env bash
+# scripts/fuzz.sh -- coverage-guided fuzzing of ds4's input parsers (libFuzzer, Debian's clang).
+#
+#   scripts/fuzz.sh build              build every target into build/fuzz/ (only when stale)
+#   scripts/fuzz.sh run [SECONDS]      fuzz every target for SECONDS each (default 60), one after
+#                                      the other; new inputs go to build/fuzz/work/<target>/, the
+#                                      seeds in tests/fuzz/corpus/<target>/ are read, not written;
+#                                      a crash/timeout/OOM writes build/fuzz/artifacts/<target>/ and
+#                                      exits non-zero
+#   scripts/fuzz.sh replay             run each target once over tests/fuzz/corpus/<target>/ and
+#                                      tests/fuzz/crashers/<target>/ (-runs=0: no fuzzing), plus the
+#                                      DS4LOGIT mutation loop; quick, the regression test of make test
+#   scripts/fuzz.sh planted [SECONDS]  build fuzz_gguf against a copy of ds4.c with one bounds check
+#                                      removed and fuzz it until the planted bug is found
+#
+# Targets (tests/fuzz/): fuzz_gguf (GGUF reader + validator from memory), fuzz_gguf_pad (the
+# same, input zero-padded to 4 MiB so fuzzed metadata reaches the validator), fuzz_tok
+# (tokenizer, needs models/ds4-tiny.gguf from `make`), fuzz_env (the DS4_* environment reader). Seeds: corpus/<target>/, gguf_pad
+# shares corpus/gguf/. Limits: -timeout=1 (1 s per input),
+# -rss_limit_mb=2048 -malloc_limit_mb=2048. Environment: CLANG (default clang), FUZZ_JOBS
+# (targets fuzzed at once by run; default 1), FUZZ_OUT (default build/fuzz).
+set -eu
+cd "$(dirname "$0")/.."
+
+CLANG=${CLANG:-clang}
+FLAGS="-g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined -I."
+LIBS="-pthread -lm"
+OUT=${FUZZ_OUT:-build/fuzz}
+TARGETS="gguf gguf_pad tok env"
+LIMITS="-timeout=1 -rss_limit_mb=2048 -malloc_limit_mb=2048"
+export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1}   # a leak per input is a failure too
+export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1}
+
+need_clang() {
+  if ! command -v "$CLANG" >/dev/null 2>&1; then
+    echo "fuzz: $CLANG not found (Debian: apt-get install clang libclang-rt-14-dev; scripts/test-deps.sh installs them)" >&2
+    exit 2
+  fi
+}
+
+# build_one TARGET [DS4_SOURCE]: compile tests/fuzz/fuzz_TARGET.c when any source is newer.
+build_one() {
+  local t=$1 src=${2:-} bin=$OUT/fuzz_$1 extra=""
+  [ -n "$src" ] && bin=$OUT/fuzz_gguf_planted
+  local deps="tests/fuzz/fuzz_${t%_pad}.c ds4.c ds4.h ds4_gpu.h ds4_quant.c ds4_quant.h ds4_tok.c ds4_tok.h ds4_unicode.h $src"
+  local stale=0 f
+  [ -x "$bin" ] || stale=1
+  for f in $deps; do [ "$f" -nt "$bin" ] && stale=1; done
+  [ $stale -eq 0 ] && return 0
+  need_clang
+  mkdir -p $OUT
+  case $t in
+    gguf) [ -n "$src" ] && extra="-DDS4_FUZZ_SRC=\"$src\""
+          $CLANG $FLAGS $extra tests/fuzz/fuzz_gguf.c ds4_quant.c ds4_tok.c -o "$bin" $LIBS ;;
+    gguf_pad) [ -n "$src" ] && extra="-DDS4_FUZZ_SRC=\"$src\""
+          $CLANG $FLAGS $extra -DDS4_FUZZ_PAD tests/fuzz/fuzz_gguf.c ds4_quant.c ds4_tok.c -o "$bin" $LIBS ;;
+    env)  $CLANG $FLAGS tests/fuzz/fuzz_env.c ds4_quant.c ds4_tok.c -o "$bin" $LIBS ;;
+    tok)  $CLANG $FLAGS tests/fuzz/fuzz_tok.c ds4.c ds4_quant.c ds4_tok.c -o "$bin" $LIBS ;;
+  esac
+}
+
+build() { local t; for t in $TARGETS; do build_one $t; done; }
+
+need_model() {
+  if [ ! -f models/ds4-tiny.gguf ]; then echo "fuzz: models/ds4-tiny.gguf missing (run make)" >&2; exit 2; fi
+}
+
+seeds() { echo tests/fuzz/corpus/${1%_pad}; }
+
+run_one() {   # run_one TARGET SECONDS
+  local t=$1 s=$2
+  mkdir -p $OUT/work/$t $OUT/artifacts/$t
+  $OUT/fuzz_$t $LIMITS -max_total_time="$s" -print_final_stats=1 \
+      -artifact_prefix=$OUT/artifacts/$t/ $OUT/work/$t $(seeds $t) \
+      >$OUT/$t.log 2>&1 && rc=0 || rc=$?
+  grep -E "^#[0-9]+[[:space:]]+DONE|stat::number_of_executed_units|stat::average_exec_per_sec|stat::peak_rss_mb" $OUT/$t.log \
+      | sed "s/^/fuzz_$t: /"
+  if [ $rc -ne 0 ]; then
+    echo "fuzz_$t: FAILED (exit $rc); log $OUT/$t.log, input in $OUT/artifacts/$t/:" >&2
+    grep -E "ERROR|SUMMARY|runtime error|fuzz_[a-z_]+:" $OUT/$t.log | head -5 >&2
+    echo "  save it under tests/fuzz/crashers/$t/ so make test replays it" >&2
+    return 1
+  fi
+}
+
+cmd=${1:-replay}
+case $cmd in
+  build) build ;;
+  run)
+    secs=${2:-60}
+    build; need_model
+    jobs=${FUZZ_JOBS:-1} fail=0 pids=()
+    for t in $TARGETS; do
+      run_one $t "$secs" & pids+=($!)
+      if [ ${#pids[@]} -ge "$jobs" ]; then wait "${pids[0]}" || fail=1; pids=("${pids[@]:1}"); fi
+    done
+    for p in "${pids[@]}"; do wait "$p" || fail=1; done
+    exit $fail ;;
+  replay)
+    build; need_model
+    fail=0
+    for t in $TARGETS; do
+      dirs=$(seeds $t)
+      [ -d tests/fuzz/crashers/$t ] && [ -n "$(ls -A tests/fuzz/crashers/$t)" ] && dirs="$dirs tests/fuzz/crashers/$t"
+      n=$(find $dirs -type f | wc -l)
+      mkdir -p $OUT/artifacts/$t
+      if $OUT/fuzz_$t $LIMITS -runs=0 -artifact_prefix=$OUT/artifacts/$t/ $dirs >$OUT/$t.replay.log 2>&1; then
+        echo "fuzz-replay: fuzz_$t: $n inputs, ok"
+      else
+        echo "fuzz-replay: fuzz_$t: FAILED; log $OUT/$t.replay.log" >&2
+        grep -E "runtime error|^fuzz_[a-z_]+:|^Running:" $OUT/$t.replay.log | tail -4 >&2
+        fail=1
+      fi
+    done
+    if [ -f tests/fuzz/fuzz_ds4logit.py ]; then
+      ${PYTHON:-python3} tests/fuzz/fuzz_ds4logit.py --quick || fail=1
+    fi
+    exit $fail ;;
+  planted)
+    secs=${2:-300}
+    src=$OUT/planted/ds4.c
+    mkdir -p $OUT/planted
+    # The planted bug: the reader's check that a tensor's data lies inside the file
+    # (ds4_gguf_parse: "t->offset > room || t->nbytes > room - t->offset") loses its first half,
+    # so an offset past the end makes "room - t->offset" wrap around and the tensor is accepted.
+    # Fuzzed through fuzz_gguf_pad (the zero-padded image), seeds tests/fuzz/corpus/gguf/.
+    sed 's/if (t->offset > room || t->nbytes > room - t->offset) {/if (t->nbytes > room - t->offset) {/' ds4.c >$src
+    if cmp -s ds4.c $src; then echo "fuzz planted: the check to remove was not found in ds4.c" >&2; exit 2; fi
+    sed -i 's|#include "\([a-z0-9_]*\.h\)"|#include "../../../\1"|' $src
+    build_one gguf_pad "$src"
+    # Seeds: corpus/gguf without the *-mut-offset files, which already hold an offset past the
+    # end and find it at once (with them: 0 s); the question is whether fuzzing finds it.
+    mkdir -p $OUT/artifacts/planted $OUT/work/planted $OUT/planted/seeds
+    rm -rf $OUT/work/planted/* $OUT/planted/seeds/*
+    cp tests/fuzz/corpus/gguf/* $OUT/planted/seeds/ && rm -f $OUT/planted/seeds/*-mut-offset
+    start=$(date +%s)
+    if $OUT/fuzz_gguf_planted $LIMITS -max_total_time="$secs" -print_final_stats=1 \
+         -artifact_prefix=$OUT/artifacts/planted/ $OUT/work/planted $OUT/planted/seeds >$OUT/planted.log 2>&1; then
+      echo "fuzz planted: NOT found in $secs s (log $OUT/planted.log)"; exit 1
+    fi
+    echo "fuzz planted: found after $(( $(date +%s) - start )) s:"
+    grep -E "^#[0-9]+|ERROR|SUMMARY|fuzz_gguf:" $OUT/planted.log | tail -4 ;;
+  *) sed -n 2,20p "$0"; exit 2 ;;
+esac
