@@ -20,9 +20,7 @@ import write_vocab_gguf as wv  # noqa: E402
 
 
 def build_vocab(n_vocab: int, seed: int = 1):
-    alpha = wv.byte_alphabet()
-    tokens = [wv.BOS, wv.EOS] + [alpha[b] for b in range(256)]
-    types = [wv.TT_CONTROL, wv.TT_CONTROL] + [wv.TT_NORMAL] * 256
+    tokens, types = wv.base_vocab()
     for s, t in (("<｜User｜>", wv.TT_CONTROL), ("<｜Assistant｜>", wv.TT_CONTROL),
                  ("<think>", wv.TT_USER), ("</think>", wv.TT_USER)):
         tokens.append(s)
@@ -67,7 +65,7 @@ def main() -> None:
             et = f.types[-1]
             vals = [f.parts[i].tolist()[0] if et != gguf.GGUFValueType.STRING else bytes(f.parts[i]).decode()
                     for i in f.data]
-            w.add_array(name, vals) if et != gguf.GGUFValueType.STRING else w.add_array(name, vals)
+            w.add_array(name, vals)
         elif vt == gguf.GGUFValueType.STRING:
             w.add_string(name, bytes(f.parts[f.data[0]]).decode())
         else:

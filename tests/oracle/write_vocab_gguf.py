@@ -291,10 +291,22 @@ def train_bpe(text: str, n_merges: int):
     return merges
 
 
-def build_small(seed: int, n_merges: int):
+def base_vocab():
+    """BOS, EOS and the 256 byte symbols, with their token types."""
     alpha = byte_alphabet()
-    tokens = [BOS, EOS] + [alpha[b] for b in range(256)]
-    ttypes = [TT_CONTROL, TT_CONTROL] + [TT_NORMAL] * 256
+    return [BOS, EOS] + [alpha[b] for b in range(256)], [TT_CONTROL, TT_CONTROL] + [TT_NORMAL] * 256
+
+
+def add_specials(tokens, ttypes, lookalikes):
+    """The control and user-defined specials, then normal-typed look-alikes llama.cpp retypes."""
+    for group, tt in ((SPECIAL_CONTROL, TT_CONTROL), (SPECIAL_USER, TT_USER), (lookalikes, TT_NORMAL)):
+        for s in group:
+            tokens.append(s)
+            ttypes.append(tt)
+
+
+def build_small(seed: int, n_merges: int):
+    tokens, ttypes = base_vocab()
     merges = train_bpe(gen_text(seed, 6000), n_merges)
     have = set(tokens)
     for a, b in merges:
@@ -304,15 +316,7 @@ def build_small(seed: int, n_merges: int):
             ttypes.append(TT_NORMAL)
     assert ("Q", "X") not in merges and "QX" not in have
     merges.insert(5, ("Q", "X"))
-    for s in SPECIAL_CONTROL:
-        tokens.append(s)
-        ttypes.append(TT_CONTROL)
-    for s in SPECIAL_USER:
-        tokens.append(s)
-        ttypes.append(TT_USER)
-    for s in LOOKALIKES_SMALL:
-        tokens.append(s)
-        ttypes.append(TT_NORMAL)
+    add_specials(tokens, ttypes, LOOKALIKES_SMALL)
     # normal tokens with characters outside the byte alphabet: their pieces are llama.cpp's
     # "[UNK_BYTE_0x..]" text; and one unused token (empty piece)
     for s, tt in (("\u2581x", TT_NORMAL), ("a\u00adb", TT_NORMAL), ("\u0080", TT_NORMAL), ("unused0", 5)):
@@ -323,9 +327,7 @@ def build_small(seed: int, n_merges: int):
 
 def build_large(seed: int, n_tokens=129280, n_merges=127741):
     rng = random.Random(seed)
-    alpha = byte_alphabet()
-    tokens = [BOS, EOS] + [alpha[b] for b in range(256)]
-    ttypes = [TT_CONTROL, TT_CONTROL] + [TT_NORMAL] * 256
+    tokens, ttypes = base_vocab()
     have = set(tokens)
     normal = list(tokens[2:])
     merges = []
@@ -342,15 +344,7 @@ def build_large(seed: int, n_tokens=129280, n_merges=127741):
         tokens.append(a + b)
         ttypes.append(TT_NORMAL)
         normal.append(a + b)
-    for s in SPECIAL_CONTROL:
-        tokens.append(s)
-        ttypes.append(TT_CONTROL)
-    for s in SPECIAL_USER:
-        tokens.append(s)
-        ttypes.append(TT_USER)
-    for s in LOOKALIKES_LARGE:
-        tokens.append(s)
-        ttypes.append(TT_NORMAL)
+    add_specials(tokens, ttypes, LOOKALIKES_LARGE)
     while len(tokens) < n_tokens:
         tokens.append("<｜place▁holder▁no▁%d｜>" % len(tokens))
         ttypes.append(TT_CONTROL)
