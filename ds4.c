@@ -2988,10 +2988,14 @@ static void cpu_matmul_multi(int n, const ds4_weight *const *w, float *const *y,
     }
 }
 
-static void cpu_head_norm_rope(float *x, const float *w, int nt, int nh, int dh, float eps,
-                               int pos0, const ds4_rope *rp) {
+static void cpu_head_norm_rope(float *x, const float *w, int nt, int nh, float *x2, const float *w2, int nh2,
+                               int dh, float eps, int pos0, const ds4_rope *rp) {
     cpu_rmsnorm(x, w, x, nt * nh, dh, eps);
     cpu_rope(x, nt, nh, dh, pos0, 1, rp, 0);
+    if (nh2 > 0) {
+        cpu_rmsnorm(x2, w2, x2, nt * nh2, dh, eps);
+        cpu_rope(x2, nt, nh2, dh, pos0, 1, rp, 0);
+    }
 }
 
 static void cpu_attention_step(const float *q, const float *kv, float *ring, int W, int pos0, int nt, int H, int d,
@@ -3016,6 +3020,13 @@ static void cpu_compressor_step(const float *kv, const float *sc, float *st_kv, 
     cpu_ring_store(st_sc, sc, c * ratio, c * dc, pos0, nt);
 }
 
+static void cpu_moe_gate(const ds4_weight *gate_inp, const float *x, float *logits, const float *bias,
+                         const ds4_weight *tid2eid, const int32_t *tokens, int nt, int E, int k, int norm,
+                         float wscale, int32_t *sel, float *wts) {
+    cpu_matmul(gate_inp, 0, x, logits, nt);
+    cpu_moe_route(logits, bias, tid2eid, tokens, nt, E, k, norm, wscale, sel, wts);
+}
+
 static void cpu_matmul_swiglu(const ds4_weight *gate, const ds4_weight *up, const float *x, float *y, int nt,
                               float limit, float *g, float *u) {
     cpu_matmul(gate, 0, x, g, nt);
@@ -3037,7 +3048,7 @@ static const ds4_backend g_cpu_backend = {
     .moe_experts = cpu_moe_experts, .swiglu = cpu_swiglu, .add = cpu_add, .scale = cpu_scale,
     .hc_pre = cpu_hc_pre, .matmul_multi = cpu_matmul_multi, .head_norm_rope = cpu_head_norm_rope,
     .matmul_swiglu = cpu_matmul_swiglu, .attention_step = cpu_attention_step,
-    .compressor_step = cpu_compressor_step,
+    .compressor_step = cpu_compressor_step, .moe_gate = cpu_moe_gate,
 };
 
 const ds4_backend *ds4_backend_cpu(void) { return &g_cpu_backend; }
@@ -3597,8 +3608,7 @@ static void fwd_attention(ds4_ctx *c, int il, const float *hn, int pos0, int nt,
     if (ratio == 4) PROJ(&L->idx_q_b, c->iq, NULL);
 #undef PROJ
     be->matmul_multi(n, pw, py, c->qr, nt, L->q_a_norm.dev, hp->rms_eps, NULL, 0, 1);
-    be->head_norm_rope(c->q, NULL, nt, H, d, hp->rms_eps, pos0, rp);
-    be->head_norm_rope(c->kv, L->kv_a_norm.dev, nt, 1, d, hp->rms_eps, pos0, rp);
+    be->head_norm_rope(c->q, NULL, nt, H, c->kv, L->kv_a_norm.dev, 1, d, hp->rms_eps, pos0, rp);
 
     /* compressors: pool finished blocks into rows (normalised, rotated), then
      * remember the batch's kv and gate rows in their state rings */
@@ -3629,10 +3639,9 @@ static void fwd_moe(ds4_ctx *c, int il, const float *hn, int nt, float *out) {
     const ds4_hparams *hp = &c->m->hp;
     const ds4_layer_w *L = &c->m->layers[il];
     const int hash = il < hp->n_hash_layers;
-    be->matmul(&L->gate_inp, 0, hn, c->rlog, nt);
-    be->moe_route(c->rlog, hash ? NULL : L->exp_probs_b.dev, hash ? &L->tid2eid : NULL, c->tok,
-                  nt, hp->n_expert, hp->n_expert_used, hp->expert_weights_norm,
-                  hp->expert_weights_scale, c->sel, c->wts);
+    be->moe_gate(&L->gate_inp, hn, c->rlog, hash ? NULL : L->exp_probs_b.dev, hash ? &L->tid2eid : NULL, c->tok,
+                 nt, hp->n_expert, hp->n_expert_used, hp->expert_weights_norm,
+                 hp->expert_weights_scale, c->sel, c->wts);
     /* the shared expert first: the routed experts' op adds it at the end */
     const float *shared = NULL;
     if (hp->n_expert_shared > 0) {

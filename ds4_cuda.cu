@@ -213,6 +213,13 @@ __device__ __forceinline__ uint4 ld_stream16(const void *p) {
     return v;
 }
 
+/* The same, 8 bytes. */
+__device__ __forceinline__ uint2 ld_stream8(const void *p) {
+    uint2 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    return v;
+}
+
 /* ---------------------------------------------------------------------------
  * Backend state and lifetime
  *
@@ -221,6 +228,12 @@ __device__ __forceinline__ uint4 ld_stream16(const void *p) {
  * scratch synchronizes the device first, so no queued kernel still reads the
  * old buffer.
  * ------------------------------------------------------------------------- */
+
+/* Above this many tokens (a prompt) the split-K partials would re-read fn
+ * once per token from L2 (512 tokens: ~0.8 GB per call, and prefill 512 fell
+ * from 975 to 865 tok/s on an H200), so hc_pre (the mHC banner below) runs the CPU op's composition
+ * instead, its projection through cuBLAS. */
+#define HC_SPLIT_MAX_NT 8
 
 typedef struct {
     void  *p;
@@ -238,6 +251,8 @@ static struct {
     scratch_t      moe_idx;           /* MoE prefill: perm and pos tables, int32 */
     scratch_t      att_part;          /* attention split-row partials */
     scratch_t      ix_scores;         /* indexer scores, [queries][visible rows] */
+    unsigned      *hc_count;          /* hc_pre: blocks done per token, zero between launches */
+    unsigned      *gate_count;        /* k_moe_gate: blocks done per token */
     int32_t       *host_idx;          /* MoE prefill host tables: sel, perm, pos */
     size_t         host_idx_cap;
 } g_cuda;
@@ -306,6 +321,10 @@ static int cuda_init(void) {
     DS4_CUBLAS_CHECK(cublasSetMathMode(g_cuda.blas, CUBLAS_DEFAULT_MATH));
     DS4_CUBLAS_CHECK(cublasSetAtomicsMode(g_cuda.blas, CUBLAS_ATOMICS_NOT_ALLOWED));
     DS4_CUBLAS_CHECK(cublasSetPointerMode(g_cuda.blas, CUBLAS_POINTER_MODE_HOST));
+    DS4_CUDA_CHECK(cudaMalloc(&g_cuda.hc_count, HC_SPLIT_MAX_NT * sizeof(unsigned)));
+    DS4_CUDA_CHECK(cudaMemset(g_cuda.hc_count, 0, HC_SPLIT_MAX_NT * sizeof(unsigned)));
+    DS4_CUDA_CHECK(cudaMalloc(&g_cuda.gate_count, HC_SPLIT_MAX_NT * sizeof(unsigned)));
+    DS4_CUDA_CHECK(cudaMemset(g_cuda.gate_count, 0, HC_SPLIT_MAX_NT * sizeof(unsigned)));
     fprintf(stderr, "ds4: CUDA device 0: %s (sm_%d%d, %d SMs, %.1f GiB)\n", prop.name,
             prop.major, prop.minor, prop.multiProcessorCount,
             (double)prop.totalGlobalMem / (1024.0 * 1024.0 * 1024.0));
@@ -423,9 +442,9 @@ static void cuda_embed(const ds4_weight *w, const int32_t *tokens, int nt, int n
  * hc_mix: one block per (1024 channels, token).  Every block turns the
  * token's logits into the n_hc pre weights and forms the weighted sum of the
  * streams over its channels; warp 0 of the token's first block also builds
- * post and the Sinkhorn-normalised comb matrix, one lane per matrix entry (a
- * single thread walking a 4x4 array in local memory for twenty iterations
- * took 50 us).  The arithmetic follows the CPU op step for step.
+ * post and the Sinkhorn-normalised comb matrix (hc_sinkhorn_lanes, one lane
+ * per matrix entry, shared with hc_pre).  The arithmetic follows the CPU op
+ * step for step, but for the sums' order and the reciprocals (a few ulp).
  * hc_post: one thread per (token, channel) computes all n_hc outputs from
  * values it has already read, so the op is safe even in place.
  * ------------------------------------------------------------------------- */
@@ -437,45 +456,60 @@ __device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf
 #define HC_TILE 1024   /* channels per hc_mix block (4 per thread) */
 #define HC_NMIX_MAX ((2 + HC_MAX) * HC_MAX)   /* mix logits per token: 24 */
 
-/* post and the Sinkhorn-normalised comb of one token, by one warp: lane l
- * holds C[a][b], l = a + h*b (the comb layout); every sum gathers the h
- * entries by shuffles and adds them in the CPU's order.  m_s, base_s: the
- * token's n_mix logits and the base; sc1, sc2: scale[1], scale[2]. */
-__device__ void hc_sinkhorn_warp(const float *m_s, const float *base_s, float sc1, float sc2, int h,
-                                 float eps, int iters, float *post, float *comb) {
-    const int l = threadIdx.x & 31, a = l % h, b = l / h;
-    const bool act = l < h * h;
-    if (l < h) post[l] = 2.0f * sigmoid_f(m_s[h + l] * sc1 + base_s[h + l]);
-    float c = act ? m_s[2 * h + l] * sc2 + base_s[2 * h + l] : 0.0f;
-    float g[HC_MAX];
-#define HC_GATHER(stride_, first_) do {                                                    \
-        for (int q = 0; q < HC_MAX; q++)                                                   \
-            g[q] = __shfl_sync(FULL_MASK, c, ((first_) + (stride_) * q) & 31);             \
-    } while (0)
-    HC_GATHER(1, h * b);                        /* softmax over destinations a, per source b */
-    float mx = -INFINITY;
-    for (int q = 0; q < h; q++) mx = fmaxf(mx, g[q]);
+/* The hardware reciprocal (MUFU.RCP, ~1 ulp, flushes denormals), with no
+ * range fix-up: the Sinkhorn sums it inverts lie in [eps, h + eps]. */
+__device__ __forceinline__ float rcp_approx(float v) {
+    float r;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(v));
+    return r;
+}
+
+/* Sum of H register values as a tree, (v0 + v1) + (v2 + v3): half the
+ * dependent adds of the CPU's left-to-right chain. */
+template <int H>
+__device__ __forceinline__ float sum_tree(const float *v) {
+    if (H == 1) return v[0];
+    if (H == 2) return v[0] + v[1];
+    if (H == 3) return (v[0] + v[1]) + v[2];
+    return (v[0] + v[1]) + (v[2] + v[3]);
+}
+
+/* post and the Sinkhorn-normalised comb of one token by one warp (every
+ * lane calls it): lane l < h*h holds C[a][b], l = a + H*b (the comb
+ * layout).  A normalisation gathers its group's H entries with H
+ * independent shuffles, sums them as a tree, and multiplies by one hardware
+ * reciprocal issued once for all sixteen entries: the chain of forty steps
+ * is shuffle latency + two adds + one MUFU, where one thread walking the
+ * matrix issued sixteen multiplies, twelve adds and four reciprocals per
+ * step.  m: the token's mix logits (shared memory), already scaled by rms. */
+template <int H>
+__device__ void hc_sinkhorn_lanes(const float *m, const float *base, float sc1, float sc2, float eps, int iters,
+                                  float *post, float *comb) {
+    const int l = threadIdx.x & 31, a = l % H, b = (l / H) % H;
+    if (l < H) post[l] = 2.0f * sigmoid_f(m[H + l] * sc1 + base[H + l]);
+    const int li = a + H * b;                       /* lanes >= H*H mirror an entry; they write nothing */
+    float c = m[2 * H + li] * sc2 + base[2 * H + li];
+    float g[H];
+#pragma unroll
+    for (int q = 0; q < H; q++) g[q] = __shfl_sync(FULL_MASK, c, H * b + q);   /* over destinations a */
+    float mx = g[0];
+#pragma unroll
+    for (int q = 1; q < H; q++) mx = fmaxf(mx, g[q]);
     c = expf(c - mx);
-    HC_GATHER(1, h * b);
-    float sum = 0.0f;
-    for (int q = 0; q < h; q++) sum += g[q];
-    c = c / sum + eps;
+#pragma unroll
+    for (int q = 0; q < H; q++) g[q] = __shfl_sync(FULL_MASK, c, H * b + q);
+    c = c * rcp_approx(sum_tree<H>(g)) + eps;
     for (int it = 0; it < iters; it++) {
-        if (it > 0) {                           /* "row": over destinations, for each source */
-            HC_GATHER(1, h * b);
-            float r = 0.0f;
-            for (int q = 0; q < h; q++) r += g[q];
-            r += eps;
-            c /= r;
+        if (it > 0) {                               /* "row": over destinations, for each source */
+#pragma unroll
+            for (int q = 0; q < H; q++) g[q] = __shfl_sync(FULL_MASK, c, H * b + q);
+            c *= rcp_approx(sum_tree<H>(g) + eps);
         }
-        HC_GATHER(h, a);                        /* "col": over sources, for each destination */
-        float r = 0.0f;
-        for (int q = 0; q < h; q++) r += g[q];
-        r += eps;
-        c /= r;
+#pragma unroll
+        for (int q = 0; q < H; q++) g[q] = __shfl_sync(FULL_MASK, c, a + H * q);   /* "col": over sources */
+        c *= rcp_approx(sum_tree<H>(g) + eps);
     }
-#undef HC_GATHER
-    if (act) comb[l] = c;
+    if (l < H * H) comb[l] = c;
 }
 
 /* The standalone hc_mix op.  scale has 3 entries, or 1 in head mode (only
@@ -491,9 +525,16 @@ __global__ void k_hc_mix(const float *mix, const float *scale, const float *base
     for (int i = threadIdx.x; i < n_mix; i += blockDim.x) { m_s[i] = m[i]; base_s[i] = base[i]; }
     __syncthreads();
     if (threadIdx.x < h) pre_s[threadIdx.x] = sigmoid_f(m_s[threadIdx.x] * scale[0] + base_s[threadIdx.x]) + eps;
-    if (!head && blockIdx.x == 0 && threadIdx.x < 32)
-        hc_sinkhorn_warp(m_s, base_s, scale[1], scale[2], h, eps, iters, post + (int64_t)t * h,
-                         comb + (int64_t)t * h * h);
+    if (!head && blockIdx.x == 0 && threadIdx.x < 32) {
+        float *pt = post + (int64_t)t * h, *ct = comb + (int64_t)t * h * h;
+        const float sc1 = scale[1], sc2 = scale[2];
+        switch (h) {                            /* warp-uniform */
+        case 1: hc_sinkhorn_lanes<1>(m_s, base_s, sc1, sc2, eps, iters, pt, ct); break;
+        case 2: hc_sinkhorn_lanes<2>(m_s, base_s, sc1, sc2, eps, iters, pt, ct); break;
+        case 3: hc_sinkhorn_lanes<3>(m_s, base_s, sc1, sc2, eps, iters, pt, ct); break;
+        default: hc_sinkhorn_lanes<4>(m_s, base_s, sc1, sc2, eps, iters, pt, ct); break;
+        }
+    }
     __syncthreads();
     const float *xt = x + (int64_t)t * h * D;
     float *yt = y + (int64_t)t * D;
@@ -558,175 +599,161 @@ static void cuda_hc_post(const float *f, const float *x_res, const float *post, 
     launch_hc_post(f, x_res, post, comb, nt, D, n_hc, x_out);
 }
 
-/* hc_pre: the whole mHC pre step of a sublayer in two launches.
+/* hc_pre: the whole mHC pre step of a sublayer (decode: up to
+ * HC_SPLIT_MAX_NT tokens) in one launch.
  *
- * The projection it contains (mix = fn . rmsnorm(x), fn F32 {n_hc*D, n_mix},
- * 24 rows of 16384 for Flash) is the shape that starved the matvec kernels:
- * few rows, long K.  So K is spread over blocks instead of rows:
+ * The projection it contains (mix = fn . rmsnorm(x), fn {n_hc*D, n_mix}, 24
+ * rows of 16384 for Flash) is the shape that starved the matvec kernels: few
+ * rows, long K.  So K is spread over blocks instead of rows, and the blocks'
+ * partials are reduced by the last block to finish:
  *
- *  k_hc_pre_part: one block per (32 channels, token), one warp per stream.
- *    It applies the previous sublayer's residual update to its elements (as
- *    k_hc_post computes it) and writes them to x, then forms the block's
- *    partial dot with each of the n_mix rows of fn and its partial sum of
- *    squares (double, as the norm sums).  Warp butterflies, then the warps
- *    in stream order: a fixed shape.
- *  k_hc_pre_finish: one 1024-thread block per token.  Warp r adds row r's
- *    partials in block order (lane-strided, then a butterfly), one more warp
- *    the squares; mix = rms * dot (the norm's scale applied after the dot:
- *    the same value up to rounding, ~1e-7 relative, well inside the tested
- *    bound); then pre/post/comb and Sinkhorn as k_hc_mix, y = sum_s pre[s]
- *    x[s], and the sublayer's RMSNorm of y.
- * No atomics: the result does not depend on scheduling.  The partials live
- * in the op's flat scratch (nt * n_hc * D floats; this needs 26 per 32
- * channels), so the op allocates nothing.
+ *  Every block: one per (32 channels, token), 32 warps; warp (s, g) holds
+ *    element (stream s, channel b*32 + lane).  It applies the previous
+ *    sublayer's residual update to its elements (as k_hc_post computes it)
+ *    and writes them to x, then forms the block's partial dot with each of
+ *    the n_mix rows of fn (group g dots HCP_RPG of them) and its partial sum
+ *    of squares (double, as the norm sums).  Warp butterflies, then the
+ *    warps in stream order: a fixed shape.  The partials go to the op's flat
+ *    scratch; then the block makes them visible (__threadfence) and counts
+ *    itself done on the token's counter.
+ *  The block that counts last (the counter reaches nb) resets the counter
+ *    and finishes the token: warp r adds row r's partials in block order
+ *    (lane-strided, then a butterfly), one more warp the squares; mix = rms
+ *    * dot (the norm's scale applied after the dot: the same value up to
+ *    rounding, ~1e-7 relative, well inside the tested bound); then pre,
+ *    post and the Sinkhorn comb (warp 0, hc_sinkhorn_lanes), y = sum_s
+ *    pre[s] x[s] and the sublayer's RMSNorm of y, by the other 31 warps.
+ * Which block comes last depends on scheduling, but what it computes does
+ * not: it reads every block's partials in block order, so the result is the
+ * same bits on every run.  The counter is an integer (no float atomics).
+ * A second launch for the finish cost its launch and ramp (~3 us on an
+ * H200) 87 times per Flash token.  The partials live in the op's flat
+ * scratch (nt * n_hc * D floats; this needs 26 per 32 channels), the
+ * counters (one per token) are allocated once at init.
  * ------------------------------------------------------------------------- */
 
-#define HCP_CH      32                  /* channels per k_hc_pre_part block */
-#define HCP_GROUPS  4                   /* row groups: warp (stream s, group g) dots rows of group g */
+#define HCP_CH      32                  /* channels per block */
+#define HCP_GROUPS  8                   /* row groups: warp (stream s, group g) dots rows of group g */
 #define HCP_THREADS (HC_MAX * HCP_GROUPS * 32)
 #define HCP_RPG     ((HC_NMIX_MAX + HCP_GROUPS - 1) / HCP_GROUPS)
-#define HCF_THREADS 1024
-#define HCF_CACHE   8                   /* y values per thread kept between the passes */
+#define HCF_CACHE   8                   /* y values per thread kept between the finish's passes */
 
-/* Warp (s, g) = (warp % HC_MAX, warp / HC_MAX) holds element (stream s,
- * channel b*32 + lane) and dots it with rows [g*HCP_RPG, (g+1)*HCP_RPG) of
- * fn: short butterfly chains, and 16 warps per block to hide the loads.
- * Every group recomputes the element; group 0 writes it and its square. */
-__global__ void __launch_bounds__(HCP_THREADS) k_hc_pre_part(const float *f, const float *x_res, const float *post,
-                                                            const float *comb, float *x, const float *fn,
-                                                            int64_t D, int h, int n_mix, int nb,
-                                                            double *ss_part, float *dot_part) {
-    __shared__ float red[HC_MAX][HC_NMIX_MAX];
-    __shared__ double red_ss[HC_MAX];
+/* fn is F32 (what ds4 synth writes) or F16 (the published Flash files). */
+template <int WT>
+__device__ __forceinline__ float hc_fn_elem(const void *fn, int64_t idx) {
+    return WT == DS4_TYPE_F16 ? f16_bits_to_f32(((const uint16_t *)fn)[idx]) : ((const float *)fn)[idx];
+}
+
+/* The one hc_pre kernel (see the banner).  H is the stream count as a
+ * template argument, so every input of the residual update (post, f, the H
+ * comb entries and the H residual streams) is loaded in one round, before
+ * any arithmetic: a runtime loop over the streams issued its loads one FMA
+ * at a time, a memory latency each (6.1 us per call on an H200).  In the
+ * finish, warp 0 runs post and Sinkhorn (a serial chain of ~40
+ * normalisations) while warps 1..31 form y and its norm, so the block takes
+ * the longer of the two, not their sum; the scales are read before the
+ * first barrier and the norm weights with the y pass's loads, so no global
+ * load waits behind a barrier.  What other blocks wrote (x, the partials)
+ * is read through L2 (__ldcg). */
+template <int H, int WT>
+__global__ void __launch_bounds__(HCP_THREADS) k_hc_pre(const float *f, const float *x_res, float *x, const void *fn,
+                                                       const float *scale, const float *base, const float *norm_w,
+                                                       int64_t D, int head, float rms_eps, float hc_eps, int iters,
+                                                       double *ss_part, float *dot_part, unsigned *count,
+                                                       float *y, float *post, float *comb) {
+    __shared__ float red[H][HC_NMIX_MAX];
+    __shared__ double red_ss[H];
+    __shared__ int last_s;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int sw = warp % HC_MAX, g = warp / HC_MAX;
-    const int b = blockIdx.x, t = blockIdx.y;
+    const int b = blockIdx.x, t = blockIdx.y, nb = gridDim.x;
+    const int n_mix = head ? H : (2 + H) * H;
     const int64_t i = (int64_t)b * HCP_CH + lane;
-    const bool act = sw < h && i < D;
-    const int64_t K = (int64_t)h * D;
+    const bool act = sw < H && i < D;
+    const int64_t K = (int64_t)H * D;
     const int r0 = g * HCP_RPG;
+
+    /* ---- every block: residual update, partial dots and squares ---- */
     float w[HCP_RPG];
 #pragma unroll
     for (int j = 0; j < HCP_RPG; j++)             /* every load in flight before the math */
-        w[j] = act && r0 + j < n_mix ? fn[(int64_t)(r0 + j) * K + (int64_t)sw * D + i] : 0.0f;
+        w[j] = act && r0 + j < n_mix ? hc_fn_elem<WT>(fn, (int64_t)(r0 + j) * K + (int64_t)sw * D + i) : 0.0f;
     float v = 0.0f;
     if (act) {
-        float *xe = x + ((int64_t)t * h + sw) * D + i;
+        float *xe = x + ((int64_t)t * H + sw) * D + i;
         if (f) {
-            const float *xr = x_res + (int64_t)t * h * D;
-            float acc = post[(int64_t)t * h + sw] * f[(int64_t)t * D + i];
-            for (int bb = 0; bb < h; bb++) acc += comb[(int64_t)t * h * h + sw + h * bb] * xr[bb * D + i];
+            const float *xr = x_res + (int64_t)t * H * D;
+            const float pv = post[(int64_t)t * H + sw], fv = f[(int64_t)t * D + i];
+            float cb[H], xv[H];
+#pragma unroll
+            for (int bb = 0; bb < H; bb++) {
+                cb[bb] = comb[(int64_t)t * H * H + sw + H * bb];
+                xv[bb] = xr[bb * D + i];
+            }
+            float acc = pv * fv;                  /* k_hc_post's order */
+#pragma unroll
+            for (int bb = 0; bb < H; bb++) acc += cb[bb] * xv[bb];
             if (g == 0) *xe = acc;
             v = acc;
         } else {
             v = *xe;
         }
     }
+    if (sw < H) {
 #pragma unroll
-    for (int j = 0; j < HCP_RPG; j++) {
-        if (r0 + j >= n_mix) break;
-        const float p = warp_sum(w[j] * v);
-        if (lane == 0) red[sw][r0 + j] = p;
-    }
-    if (g == 0) {
-        double ss = (double)(v * v);
-        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(FULL_MASK, ss, o);
-        if (lane == 0) red_ss[sw] = ss;
-    }
-    __syncthreads();
-    const int64_t pidx = (int64_t)t * nb + b;
-    if (threadIdx.x < n_mix) {
-        float acc = 0.0f;
-        for (int s = 0; s < h; s++) acc += red[s][threadIdx.x];
-        dot_part[pidx * n_mix + threadIdx.x] = acc;
-    } else if (threadIdx.x == HC_NMIX_MAX) {
-        double acc = 0.0;
-        for (int s = 0; s < h; s++) acc += red_ss[s];
-        ss_part[pidx] = acc;
-    }
-}
-
-/* post and the Sinkhorn-normalised comb of one token by one thread, the
- * h x h matrix in registers (H is a compile-time constant, so nothing goes
- * to local memory), in the CPU op's order.  Each normalisation multiplies by
- * one reciprocal of its sum (__fdividef(1, r): the hardware reciprocal, no
- * branch) instead of dividing: an IEEE division carries a slow-path branch
- * that serialises the chain, and forty dependent normalisations of sixteen
- * divisions took 24 us on an H200 (2026-12-01), against ~1 us this way.  The
- * result differs from the CPU's exact quotients by about 2 ulp per entry
- * (far inside the tested bound), and is still the same bits on every run. */
-template <int H>
-__device__ void hc_sinkhorn_thread(const float *m, const float *base, float sc1, float sc2, float eps, int iters,
-                                   float *post, float *comb) {
-#pragma unroll
-    for (int s = 0; s < H; s++) post[s] = 2.0f * sigmoid_f(m[H + s] * sc1 + base[H + s]);
-    float C[H][H];                                  /* C[a][b]: a destination, b source */
-#pragma unroll
-    for (int b = 0; b < H; b++) {
-        float mx = -INFINITY;
-#pragma unroll
-        for (int a = 0; a < H; a++) {
-            C[a][b] = m[2 * H + a + H * b] * sc2 + base[2 * H + a + H * b];
-            mx = fmaxf(mx, C[a][b]);
-        }
-        float sum = 0.0f;
-#pragma unroll
-        for (int a = 0; a < H; a++) { C[a][b] = expf(C[a][b] - mx); sum += C[a][b]; }
-        const float inv = __fdividef(1.0f, sum);
-#pragma unroll
-        for (int a = 0; a < H; a++) C[a][b] = C[a][b] * inv + eps;
-    }
-    for (int it = 0; it < iters; it++) {
-        if (it > 0) {                               /* "row": over destinations, for each source */
-#pragma unroll
-            for (int b = 0; b < H; b++) {
-                float r = 0.0f;
-#pragma unroll
-                for (int a = 0; a < H; a++) r += C[a][b];
-                const float inv = __fdividef(1.0f, r + eps);
-#pragma unroll
-                for (int a = 0; a < H; a++) C[a][b] *= inv;
+        for (int j = 0; j < HCP_RPG; j++) {
+            if (r0 + j < n_mix) {                 /* warp-uniform: the butterflies interleave */
+                const float p = warp_sum(w[j] * v);
+                if (lane == 0) red[sw][r0 + j] = p;
             }
         }
-#pragma unroll
-        for (int a = 0; a < H; a++) {               /* "col": over sources, for each destination */
-            float r = 0.0f;
-#pragma unroll
-            for (int b = 0; b < H; b++) r += C[a][b];
-            const float inv = __fdividef(1.0f, r + eps);
-#pragma unroll
-            for (int b = 0; b < H; b++) C[a][b] *= inv;
+        if (g == 0) {
+            double ss = (double)(v * v);
+            for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(FULL_MASK, ss, o);
+            if (lane == 0) red_ss[sw] = ss;
         }
     }
-#pragma unroll
-    for (int a = 0; a < H; a++)
-#pragma unroll
-        for (int b = 0; b < H; b++) comb[a + H * b] = C[a][b];
-}
-
-/* Warp 0's first lane runs post and Sinkhorn (a serial chain of ~40
- * normalisations) while warps 1..31 form y and its norm: the block takes
- * the longer of the two, not their sum. */
-template <int H>
-__global__ void __launch_bounds__(HCF_THREADS) k_hc_pre_finish(const double *ss_part, const float *dot_part, int nb,
-                                                              const float *x, const float *scale, const float *base,
-                                                              const float *norm_w, int64_t D, int head,
-                                                              float rms_eps, float hc_eps, int iters,
-                                                              float *y, float *post, float *comb) {
-    __shared__ float m_s[HC_NMIX_MAX], base_s[HC_NMIX_MAX];
-    __shared__ double ss_s, red[HCF_THREADS / 32];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int t = blockIdx.x;
-    const int n_mix = head ? H : (2 + H) * H;
+    __syncthreads();
     const int64_t p0 = (int64_t)t * nb;
+    if (threadIdx.x < n_mix) {
+        float acc = 0.0f;
+#pragma unroll
+        for (int s = 0; s < H; s++) acc += red[s][threadIdx.x];
+        dot_part[(p0 + b) * n_mix + threadIdx.x] = acc;
+    } else if (threadIdx.x == HC_NMIX_MAX) {
+        double acc = 0.0;
+#pragma unroll
+        for (int s = 0; s < H; s++) acc += red_ss[s];
+        ss_part[p0 + b] = acc;
+    }
+    /* every read of post and comb above is done before this block counts
+     * itself, so the last block may overwrite them.  Only the warps that
+     * wrote global memory (x by group 0, the partials by warp 0) fence: a
+     * fence in all 32 warps was 15% of the kernel's stall samples. */
+    if (g == 0) __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last_s = atomicAdd(&count[t], 1u) == (unsigned)nb - 1u;
+    __syncthreads();
+    if (!last_s) return;
+    __threadfence();
+
+    /* ---- the last block: reduce, mix, Sinkhorn, y and its norm ---- */
+    __shared__ float m_s[HC_NMIX_MAX], base_s[HC_NMIX_MAX];
+    __shared__ double ss_s, red2[HCP_THREADS / 32];
+    const float sc0 = scale[0];
+    float sc1 = 0.0f, sc2 = 0.0f;
+    if (threadIdx.x == 0) {
+        count[t] = 0;                             /* ready for the next launch */
+        if (!head) { sc1 = scale[1]; sc2 = scale[2]; }
+    }
     if (warp < n_mix) {
         float acc = 0.0f;
-        for (int b = lane; b < nb; b += 32) acc += dot_part[(p0 + b) * n_mix + warp];
+        for (int bb = lane; bb < nb; bb += 32) acc += __ldcg(&dot_part[(p0 + bb) * n_mix + warp]);
         acc = warp_sum(acc);
         if (lane == 0) m_s[warp] = acc;
     } else if (warp == HC_NMIX_MAX) {
         double acc = 0.0;
-        for (int b = lane; b < nb; b += 32) acc += ss_part[p0 + b];
+        for (int bb = lane; bb < nb; bb += 32) acc += __ldcg(&ss_part[p0 + bb]);
         for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(FULL_MASK, acc, o);
         if (lane == 0) ss_s = acc;
     } else if (warp == HC_NMIX_MAX + 1) {
@@ -737,115 +764,127 @@ __global__ void __launch_bounds__(HCF_THREADS) k_hc_pre_finish(const double *ss_
     const float rs = 1.0f / sqrtf((float)(ss_s / (double)(H * D)) + rms_eps);
     float pre[H];
 #pragma unroll
-    for (int s = 0; s < H; s++) pre[s] = sigmoid_f((m_s[s] * rs) * scale[0] + base_s[s]) + hc_eps;
+    for (int s = 0; s < H; s++) pre[s] = sigmoid_f((m_s[s] * rs) * sc0 + base_s[s]) + hc_eps;
 
     const float *xt = x + (int64_t)t * H * D;
     float *yt = y + (int64_t)t * D;
-    constexpr int YT = HCF_THREADS - 32;          /* the threads of warps 1..31 */
+    constexpr int YT = HCP_THREADS - 32;          /* the threads of warps 1..31 */
     const int yi = threadIdx.x - 32;
-    float yc[HCF_CACHE];
+    float yc[HCF_CACHE], nw[HCF_CACHE];
     double ss = 0.0;
     if (warp == 0) {
-        if (!head && lane == 0) {
-            float m[HC_NMIX_MAX];
-#pragma unroll
-            for (int r = 0; r < (2 + H) * H; r++) m[r] = m_s[r] * rs;
-            hc_sinkhorn_thread<H>(m, base_s, scale[1], scale[2], hc_eps, iters, post + (int64_t)t * H,
-                                  comb + (int64_t)t * H * H);
+        if (!head) {
+            /* mix = rms * dot for the post and comb logits (entries >= H: the
+             * other warps read only the pre logits, entries < H) */
+            for (int r = H + lane; r < (2 + H) * H; r += 32) m_s[r] *= rs;
+            __syncwarp();
+            hc_sinkhorn_lanes<H>(m_s, base_s, __shfl_sync(FULL_MASK, sc1, 0), __shfl_sync(FULL_MASK, sc2, 0),
+                                 hc_eps, iters, post + (int64_t)t * H, comb + (int64_t)t * H * H);
         }
     } else {
 #pragma unroll
         for (int j = 0; j < HCF_CACHE; j++) {
-            const int64_t i = (int64_t)j * YT + yi;
+            const int64_t e = (int64_t)j * YT + yi;
             float acc = 0.0f;
-            if (i < D) {
+            nw[j] = 1.0f;
+            if (e < D) {
+                if (norm_w) nw[j] = norm_w[e];
 #pragma unroll
-                for (int s = 0; s < H; s++) acc += pre[s] * xt[s * D + i];
+                for (int s = 0; s < H; s++) acc += pre[s] * __ldcg(&xt[s * D + e]);
             }
             yc[j] = acc;
             ss += (double)(acc * acc);
         }
-        for (int64_t i = (int64_t)HCF_CACHE * YT + yi; i < D; i += YT) {
+        for (int64_t e = (int64_t)HCF_CACHE * YT + yi; e < D; e += YT) {
             float acc = 0.0f;
 #pragma unroll
-            for (int s = 0; s < H; s++) acc += pre[s] * xt[s * D + i];
+            for (int s = 0; s < H; s++) acc += pre[s] * __ldcg(&xt[s * D + e]);
             ss += (double)(acc * acc);
         }
     }
     for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(FULL_MASK, ss, o);
-    if (lane == 0) red[warp] = ss;
+    if (lane == 0) red2[warp] = ss;
     __syncthreads();
     if (warp == 0) return;
     double tot = 0.0;
-    for (int wv = 0; wv < HCF_THREADS / 32; wv++) tot += red[wv];
+    for (int wv = 0; wv < HCP_THREADS / 32; wv++) tot += red2[wv];
     const float sc = 1.0f / sqrtf((float)(tot / (double)D) + rms_eps);
 #pragma unroll
     for (int j = 0; j < HCF_CACHE; j++) {
-        const int64_t i = (int64_t)j * YT + yi;
-        if (i < D) yt[i] = norm_w ? yc[j] * sc * norm_w[i] : yc[j] * sc;
+        const int64_t e = (int64_t)j * YT + yi;
+        if (e < D) yt[e] = norm_w ? yc[j] * sc * nw[j] : yc[j] * sc;
     }
-    for (int64_t i = (int64_t)HCF_CACHE * YT + yi; i < D; i += YT) {
+    for (int64_t e = (int64_t)HCF_CACHE * YT + yi; e < D; e += YT) {
         float acc = 0.0f;
 #pragma unroll
-        for (int s = 0; s < H; s++) acc += pre[s] * xt[s * D + i];
-        yt[i] = norm_w ? acc * sc * norm_w[i] : acc * sc;
+        for (int s = 0; s < H; s++) acc += pre[s] * __ldcg(&xt[s * D + e]);
+        yt[e] = norm_w ? acc * sc * norm_w[e] : acc * sc;
     }
-}
-
-static void launch_hc_pre_part(const float *f, const float *x_res, const float *post, const float *comb, float *x,
-                               const float *fn, int nt, int64_t D, int h, int n_mix, int nb,
-                               double *ss_part, float *dot_part) {
-    DS4_LAUNCH(k_hc_pre_part<<<dim3((unsigned)nb, (unsigned)nt), HCP_THREADS>>>(f, x_res, post, comb, x, fn, D, h,
-                                                                              n_mix, nb, ss_part, dot_part));
 }
 
 template <int H>
-static void launch_hc_pre_finish_t(const double *ss_part, const float *dot_part, int nb, const float *x,
-                                   const float *scale, const float *base, const float *norm_w, int nt, int64_t D,
-                                   int head, float rms_eps, float hc_eps, int iters,
-                                   float *y, float *post, float *comb) {
-    DS4_LAUNCH(k_hc_pre_finish<H><<<nt, HCF_THREADS>>>(ss_part, dot_part, nb, x, scale, base, norm_w, D, head,
-                                                       rms_eps, hc_eps, iters, y, post, comb));
+static void launch_hc_pre_t(const float *f, const float *x_res, float *x, const void *fn, int wt,
+                            const float *scale, const float *base, const float *norm_w, int nt, int64_t D,
+                            int head, float rms_eps, float hc_eps, int iters, int nb,
+                            double *ss_part, float *dot_part, float *y, float *post, float *comb) {
+    const dim3 grid((unsigned)nb, (unsigned)nt);
+    if (wt == DS4_TYPE_F16)
+        DS4_LAUNCH(k_hc_pre<H, DS4_TYPE_F16><<<grid, HCP_THREADS>>>(f, x_res, x, fn, scale, base, norm_w, D, head,
+                                                                    rms_eps, hc_eps, iters, ss_part, dot_part,
+                                                                    g_cuda.hc_count, y, post, comb));
+    else
+        DS4_LAUNCH(k_hc_pre<H, DS4_TYPE_F32><<<grid, HCP_THREADS>>>(f, x_res, x, fn, scale, base, norm_w, D, head,
+                                                                    rms_eps, hc_eps, iters, ss_part, dot_part,
+                                                                    g_cuda.hc_count, y, post, comb));
 }
 
-static void launch_hc_pre_finish(const double *ss_part, const float *dot_part, int nb, const float *x,
-                                 const float *scale, const float *base, const float *norm_w, int nt, int64_t D,
-                                 int h, int head, float rms_eps, float hc_eps, int iters,
-                                 float *y, float *post, float *comb) {
+/* The one launcher of k_hc_pre (a template over H and the fn type). */
+static void launch_hc_pre(const float *f, const float *x_res, float *x, const void *fn, int wt,
+                          const float *scale, const float *base, const float *norm_w, int nt, int64_t D, int h,
+                          int head, float rms_eps, float hc_eps, int iters, int nb,
+                          double *ss_part, float *dot_part, float *y, float *post, float *comb) {
     switch (h) {
-    case 1: launch_hc_pre_finish_t<1>(ss_part, dot_part, nb, x, scale, base, norm_w, nt, D, head, rms_eps, hc_eps, iters, y, post, comb); break;
-    case 2: launch_hc_pre_finish_t<2>(ss_part, dot_part, nb, x, scale, base, norm_w, nt, D, head, rms_eps, hc_eps, iters, y, post, comb); break;
-    case 3: launch_hc_pre_finish_t<3>(ss_part, dot_part, nb, x, scale, base, norm_w, nt, D, head, rms_eps, hc_eps, iters, y, post, comb); break;
-    default: launch_hc_pre_finish_t<4>(ss_part, dot_part, nb, x, scale, base, norm_w, nt, D, head, rms_eps, hc_eps, iters, y, post, comb); break;
+    case 1: launch_hc_pre_t<1>(f, x_res, x, fn, wt, scale, base, norm_w, nt, D, head, rms_eps, hc_eps, iters, nb, ss_part, dot_part, y, post, comb); break;
+    case 2: launch_hc_pre_t<2>(f, x_res, x, fn, wt, scale, base, norm_w, nt, D, head, rms_eps, hc_eps, iters, nb, ss_part, dot_part, y, post, comb); break;
+    case 3: launch_hc_pre_t<3>(f, x_res, x, fn, wt, scale, base, norm_w, nt, D, head, rms_eps, hc_eps, iters, nb, ss_part, dot_part, y, post, comb); break;
+    default: launch_hc_pre_t<4>(f, x_res, x, fn, wt, scale, base, norm_w, nt, D, head, rms_eps, hc_eps, iters, nb, ss_part, dot_part, y, post, comb); break;
     }
 }
+
+static void cuda_rmsnorm(const float *x, const float *w, float *y, int rows, int n, float eps);
+static void cuda_matmul(const ds4_weight *w, int expert, const float *x, float *y, int nt);
 
 static void cuda_hc_pre(const float *f, const float *x_res, float *x,
                         const ds4_weight *fn, const float *scale, const float *base, const float *norm_w,
                         int nt, int D, int n_hc, int head, float rms_eps, float hc_eps, int iters,
                         float *flat, float *mix, float *y, float *post, float *comb) {
-    (void)mix;
     if (nt <= 0 || D <= 0) return;
     const int h = n_hc, n_mix = head ? h : (2 + h) * h;
     if (h < 1 || h > HC_MAX) {
         fprintf(stderr, "ds4: hc_pre: n_hc = %d outside 1..%d\n", h, HC_MAX);
         exit(1);
     }
-    if (fn->type != DS4_TYPE_F32 || fn->ne[0] != (int64_t)h * D || fn->ne[1] != n_mix) {
-        fprintf(stderr, "ds4: hc_pre: %s must be F32 {%d, %d}\n", fn->name ? fn->name : "fn", h * D, n_mix);
+    if (fn->ne[0] != (int64_t)h * D || fn->ne[1] != n_mix) {
+        fprintf(stderr, "ds4: hc_pre: %s must be {%d, %d}\n", fn->name ? fn->name : "fn", h * D, n_mix);
         exit(1);
     }
     const int nb = (int)((D + HCP_CH - 1) / HCP_CH);
-    if ((int64_t)nb * (n_mix + 2) > (int64_t)h * D) {
-        fprintf(stderr, "ds4: hc_pre: %d streams of %d channels are too few for the partials\n", h, D);
-        exit(1);
+    if (nt > HC_SPLIT_MAX_NT || (fn->type != DS4_TYPE_F32 && fn->type != DS4_TYPE_F16) ||
+        (int64_t)nb * (n_mix + 2) > (int64_t)h * D) {
+        /* the CPU op's composition: the projection through the matmul op
+         * (cuBLAS for a prompt, any weight type) */
+        if (f) launch_hc_post(f, x_res, post, comb, nt, D, h, x);
+        cuda_rmsnorm(x, NULL, flat, nt, h * D, rms_eps);
+        cuda_matmul(fn, 0, flat, mix, nt);
+        launch_hc_mix(mix, scale, base, x, nt, D, h, head, hc_eps, iters, y, post, comb);
+        cuda_rmsnorm(y, norm_w, y, nt, D, rms_eps);
+        return;
     }
     /* flat holds nt*h*D floats: the squares (doubles) first, then the dots */
     double *ss_part = (double *)flat;
     float *dot_part = flat + 2 * (int64_t)nt * nb;
-    launch_hc_pre_part(f, x_res, post, comb, x, (const float *)fn->dev, nt, D, h, n_mix, nb, ss_part, dot_part);
-    launch_hc_pre_finish(ss_part, dot_part, nb, x, scale, base, norm_w, nt, D, h, head, rms_eps, hc_eps, iters,
-                         y, post, comb);
+    launch_hc_pre(f, x_res, x, fn->dev, fn->type, scale, base, norm_w, nt, D, h, head, rms_eps, hc_eps, iters, nb,
+                  ss_part, dot_part, y, post, comb);
 }
 
 /* ---------------------------------------------------------------------------
@@ -1014,8 +1053,26 @@ typedef struct {
     float    in_eps;
 } mv_args;
 
-/* Shared-memory ring depth for Q8_0 staging: rows in flight per warp. */
-template <int MODE> struct mv_stages { static const int n = (MODE == MV_GATE_UP) ? 3 : 4; };
+/* Shared-memory ring depth for Q8_0 staging: rows in flight per warp (the
+ * gate|up mode stages two rows per step).  MV_MIN_BLOCKS: the launch-bounds
+ * floor of resident blocks per SM for one-token launches, which caps the
+ * registers.  Both can be set at build time (-DMV_ST_DENSE=...) to measure
+ * them.  A sweep on an H200 (bench/RESULTS.md, 2026-12-01: dense 3..8,
+ * gate|up 2..6, floor 1..4) moved no shape by more than a few percent: the
+ * kernel is bound by instruction issue (~160 per 1088-byte row slice) as
+ * much as by memory.  The shallowest ring was best on the large shapes
+ * (q_b, the output projections, the experts: 2-4% faster) and within 2% on
+ * the small ones, so it is the default. */
+#ifndef MV_ST_DENSE
+#define MV_ST_DENSE 3
+#endif
+#ifndef MV_ST_GATE_UP
+#define MV_ST_GATE_UP 2
+#endif
+#ifndef MV_MIN_BLOCKS
+#define MV_MIN_BLOCKS 2
+#endif
+template <int MODE> struct mv_stages { static const int n = (MODE == MV_GATE_UP) ? MV_ST_GATE_UP : MV_ST_DENSE; };
 
 /* Activations of one token, staged for the register load: S slices of 1024
  * floats, each 32-float group followed by 4 floats of padding so that lanes
@@ -1114,7 +1171,7 @@ __device__ __forceinline__ void mv_dot_vec(const uint4 *v, const float (&xr)[NT]
 }
 
 template <int TYPE, int NT, int MODE>
-__global__ void __launch_bounds__(MV_THREADS, NT >= 4 ? 1 : 2) k_matvec(const mv_args a) {
+__global__ void __launch_bounds__(MV_THREADS, NT >= 4 ? 1 : NT >= 2 ? 2 : MV_MIN_BLOCKS) k_matvec(const mv_args a) {
     constexpr bool DUAL = MODE == MV_GATE_UP;
     constexpr int NMAT = DUAL ? 2 : 1;
     constexpr int NPLANE = DUAL ? 2 : NT;
@@ -1295,6 +1352,7 @@ __global__ void __launch_bounds__(MV_THREADS, NT >= 4 ? 1 : 2) k_matvec(const mv
             y[(int64_t)u * y_tok + row] = v0;
         }
     }
+
 }
 
 /* Rows per warp and the grid of a fast launch.  One wave: aim for as many
@@ -1752,16 +1810,29 @@ static void cuda_rope(float *x, int nt, int nh, int dh, int pos0, int pos_step, 
 
 /* head_norm_rope: one block per (token, head) row: the row's RMSNorm (squares
  * in double, a fixed-shape reduction) and then RoPE of its last n_rot dims,
- * with the row held in shared memory between the two. */
+ * with the row held in shared memory between the two.  The rows of the
+ * second tensor (a layer's key/value row beside its queries) follow in the
+ * same grid: one launch instead of two (a launch of this size costs ~3.5 us
+ * on an H200, 43 times per Flash token). */
 #define HNR_THREADS 128
 #define HNR_MAX_DH  4096
 
-__global__ void __launch_bounds__(HNR_THREADS) k_head_norm_rope(float *x, const float *w, int nh, int dh,
+__global__ void __launch_bounds__(HNR_THREADS) k_head_norm_rope(float *x, const float *w, int nh, float *x2,
+                                                               const float *w2, int nh2, int nt, int dh,
                                                                float eps, int pos0, rope_args r) {
     extern __shared__ float row_s[];
     __shared__ double red[HNR_THREADS / 32];
-    const int64_t row = blockIdx.x;
-    const int t = (int)(row / nh);
+    /* blocks [0, nt*nh): rows of x; the next nt*nh2: rows of x2 */
+    int64_t row = blockIdx.x;
+    int t;
+    if (row >= (int64_t)nt * nh) {
+        row -= (int64_t)nt * nh;
+        t = (int)(row / nh2);
+        x = x2;
+        w = w2;
+    } else {
+        t = (int)(row / nh);
+    }
     float *xr = x + row * dh;
     double ss = 0.0;
     for (int i = threadIdx.x; i < dh; i += HNR_THREADS) {
@@ -1784,20 +1855,21 @@ __global__ void __launch_bounds__(HNR_THREADS) k_head_norm_rope(float *x, const 
     for (int i = threadIdx.x; i < dh; i += HNR_THREADS) xr[i] = row_s[i];
 }
 
-static void launch_head_norm_rope(float *x, const float *w, int nt, int nh, int dh, float eps, int pos0,
-                                  const ds4_rope *rp) {
-    if (nt <= 0 || nh <= 0 || dh <= 0) return;
+static void launch_head_norm_rope(float *x, const float *w, int nt, int nh, float *x2, const float *w2, int nh2,
+                                  int dh, float eps, int pos0, const ds4_rope *rp) {
+    if (nh2 < 0 || !x2) nh2 = 0;
+    if (nt <= 0 || nh < 0 || nh + nh2 <= 0 || dh <= 0) return;
     if (dh > HNR_MAX_DH || rp->n_rot > dh) {
         fprintf(stderr, "ds4: head_norm_rope: head width %d (rope %d) outside 1..%d\n", dh, rp->n_rot, HNR_MAX_DH);
         exit(1);
     }
-    DS4_LAUNCH(k_head_norm_rope<<<(unsigned)((int64_t)nt * nh), HNR_THREADS, (size_t)dh * sizeof(float)>>>(
-        x, w, nh, dh, eps, pos0, rope_args_of(rp)));
+    DS4_LAUNCH(k_head_norm_rope<<<(unsigned)((int64_t)nt * (nh + nh2)), HNR_THREADS, (size_t)dh * sizeof(float)>>>(
+        x, w, nh, x2, w2, nh2, nt, dh, eps, pos0, rope_args_of(rp)));
 }
 
-static void cuda_head_norm_rope(float *x, const float *w, int nt, int nh, int dh, float eps, int pos0,
-                                const ds4_rope *rp) {
-    launch_head_norm_rope(x, w, nt, nh, dh, eps, pos0, rp);
+static void cuda_head_norm_rope(float *x, const float *w, int nt, int nh, float *x2, const float *w2, int nh2,
+                                int dh, float eps, int pos0, const ds4_rope *rp) {
+    launch_head_norm_rope(x, w, nt, nh, x2, w2, nh2, dh, eps, pos0, rp);
 }
 
 /* ---------------------------------------------------------------------------
@@ -2634,15 +2706,20 @@ static void cuda_indexer_topk(const float *q, const float *w, float w_scale, con
  *
  * Routing: one warp per token.  probs = sqrt(softplus(logits)) in shared
  * memory; scored layers take k rounds of a warp arg-max (ties: lower expert)
- * over the biased probs, hash layers copy the token's tid2eid row; the
- * weights are normalised by one thread in slot order, as the CPU does.
+ * over the biased probs, hash layers copy the token's tid2eid row; lane j
+ * then holds slot j's weight, normalised by the sum taken in slot order, as
+ * the CPU does.  At decode the router's matvec runs in the same launch
+ * (k_moe_gate, the op moe_gate).
  *
  * Experts, decode (nt <= MOE_DECODE_MAX_NT): no host round trip.  k_matvec
  * in gate|up mode computes h = swiglu(gate x, up x) for every (token, slot)
  * into [nt][k][F], reading the expert id from sel on the device; down mode
  * computes each slot's output into [nt][k][D]; k_moe_combine adds them with
  * the routing weights in slot order.  Three launches; 6 experts of
- * 4096x2048 (160 MB of Q8_0) take 60 us on an H200, 2.7 TB/s.
+ * 4096x2048 (160 MB of Q8_0) take 60 us on an H200, 2.7 TB/s.  (Folding the
+ * combine into the down launch, its last block per row tile adding the
+ * slots after a fence and a counter, made that launch 8.5 us slower, more
+ * than the 3.7 us combine launch it saved: measured 2026-12-01.)
  * Experts, prefill: sel is copied to the host and (token, slot) pairs are
  * counted per expert.  Dequantizing an expert costs about as much as eight
  * matvecs over it, so with fewer than MOE_GEMM_MIN_AVG tokens per used expert
@@ -2658,16 +2735,15 @@ static void cuda_indexer_topk(const float *q, const float *w, float w_scale, con
 #define ROUTE_MAX_E        1024
 #define ROUTE_MAX_K        64
 
-__global__ void k_moe_route(const float *logits, const float *bias, const int32_t *tid2eid, int64_t tid_ld,
-                            const int32_t *tokens, int E, int k, int norm, float wscale,
-                            int32_t *sel, float *wts) {
-    extern __shared__ float rt_s[];
-    float *probs = rt_s;                 /* [E] */
-    float *selp = rt_s + E;              /* [E] probs + bias: what selects */
-    const int t = blockIdx.x, lane = threadIdx.x;
-    const float *l = logits + (int64_t)t * E;
+/* The routing of one token by one warp (every lane calls it): l the
+ * token's E logits (read through L2: k_moe_gate's other blocks wrote them),
+ * probs/selp shared buffers of E floats each, tid_row the token's tid2eid
+ * row (hash layers) or NULL. */
+__device__ void moe_route_warp(const float *l, const float *bias, const int32_t *tid_row, int E, int k,
+                               int norm, float wscale, float *probs, float *selp, int32_t *sel_t, float *wts_t) {
+    const int lane = threadIdx.x & 31;
     for (int e = lane; e < E; e += 32) {
-        const float x = l[e];
+        const float x = __ldcg(&l[e]);
         const float sp = x > 20.0f ? x : logf(1.0f + expf(x));
         probs[e] = sqrtf(sp);
         selp[e] = bias ? probs[e] + bias[e] : probs[e];
@@ -2679,10 +2755,9 @@ __global__ void k_moe_route(const float *logits, const float *bias, const int32_
      * selection, so no lane can read a pick before it is made. */
     int mine = -1, mine_hi = -1;
     uint32_t taken = 0;
-    if (tid2eid) {
-        const int32_t *row = tid2eid + (int64_t)tokens[t] * tid_ld;
-        if (lane < k) mine = row[lane];
-        if (lane + 32 < k) mine_hi = row[lane + 32];
+    if (tid_row) {
+        if (lane < k) mine = tid_row[lane];
+        if (lane + 32 < k) mine_hi = tid_row[lane + 32];
     } else {
         for (int j = 0; j < k; j++) {
             float bv = 0.0f;
@@ -2701,26 +2776,33 @@ __global__ void k_moe_route(const float *logits, const float *bias, const int32_
             if (lane == (j & 31)) { if (j < 32) mine = be; else mine_hi = be; }
         }
     }
-    /* weights by lane 0, in slot order, as the CPU does */
-    float wv[ROUTE_MAX_K];
-    int ids[ROUTE_MAX_K];
-    for (int j = 0; j < k; j++) {
-        ids[j] = __shfl_sync(FULL_MASK, j < 32 ? mine : mine_hi, j & 31);
+    /* weights: lane j < 32 owns slot j (and 32 + j), so the k probabilities
+     * are gathered and scaled in parallel; the normalising sum is added in
+     * slot order by every lane (k shuffles), as the CPU adds it */
+    const float w_lo = mine >= 0 && mine < E ? probs[mine] : 0.0f;
+    const float w_hi = mine_hi >= 0 && mine_hi < E ? probs[mine_hi] : 0.0f;
+    float sum = 0.0f;
+    for (int j = 0; j < k; j++) sum += __shfl_sync(FULL_MASK, j < 32 ? w_lo : w_hi, j & 31);
+    if (norm && sum < 6.103515625e-5f) sum = 6.103515625e-5f;
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int j = lane + 32 * h;
+        if (j >= k) break;
+        float wv = h ? w_hi : w_lo;
+        if (norm) wv /= sum;
+        if (wscale != 0.0f) wv *= wscale;
+        sel_t[j] = h ? mine_hi : mine;
+        wts_t[j] = wv;
     }
-    if (lane == 0) {
-        float sum = 0.0f;
-        for (int j = 0; j < k; j++) { wv[j] = probs[ids[j]]; sum += wv[j]; }
-        if (norm) {
-            if (sum < 6.103515625e-5f) sum = 6.103515625e-5f;
-            for (int j = 0; j < k; j++) wv[j] /= sum;
-        }
-        if (wscale != 0.0f)
-            for (int j = 0; j < k; j++) wv[j] *= wscale;
-        for (int j = 0; j < k; j++) {
-            sel[(int64_t)t * k + j] = ids[j];
-            wts[(int64_t)t * k + j] = wv[j];
-        }
-    }
+}
+
+__global__ void k_moe_route(const float *logits, const float *bias, const int32_t *tid2eid, int64_t tid_ld,
+                            const int32_t *tokens, int E, int k, int norm, float wscale,
+                            int32_t *sel, float *wts) {
+    extern __shared__ float rt_s[];
+    const int t = blockIdx.x;
+    moe_route_warp(logits + (int64_t)t * E, bias, tid2eid ? tid2eid + (int64_t)tokens[t] * tid_ld : NULL, E, k,
+                   norm, wscale, rt_s, rt_s + E, sel + (int64_t)t * k, wts + (int64_t)t * k);
 }
 
 static void launch_moe_route(const float *logits, const float *bias, const int32_t *tid2eid, int64_t tid_ld,
@@ -2728,6 +2810,92 @@ static void launch_moe_route(const float *logits, const float *bias, const int32
                              int32_t *sel, float *wts) {
     DS4_LAUNCH(k_moe_route<<<nt, 32, (size_t)2 * E * sizeof(float)>>>(logits, bias, tid2eid, tid_ld, tokens,
                                                                      E, k, norm, wscale, sel, wts));
+}
+
+/* moe_gate at decode: the router's logits and the routing in one launch.
+ * Block (bx, t) computes logits MG_ROWS*bx .. +MG_ROWS of token t: the 8
+ * warps take K/8 each (16-byte loads, all in flight), and the warps'
+ * partials are added in warp order.  Then the block counts itself done on
+ * the token's counter, and the last one routes the token with its warp 0
+ * (moe_route_warp).  A separate router matvec and route kernel cost two
+ * launches (~4 + 6 us on an H200, 43 times per Flash token).  The logits
+ * differ from the matmul op's by the order of the K sum (a few ulp; the
+ * tested bound is the matmul's). */
+#define MG_THREADS 256
+#define MG_ROWS    2
+static_assert(MOE_DECODE_MAX_NT <= HC_SPLIT_MAX_NT, "g_cuda.gate_count holds HC_SPLIT_MAX_NT counters");
+template <int WT>
+__global__ void __launch_bounds__(MG_THREADS) k_moe_gate(const void *gw, const float *x, int64_t K, int E,
+                                                        float *logits, const float *bias,
+                                                        const int32_t *tid2eid, int64_t tid_ld,
+                                                        const int32_t *tokens, int k, int norm, float wscale,
+                                                        unsigned *count, int32_t *sel, float *wts) {
+    extern __shared__ float mg_s[];                 /* probs, selp: [E] each */
+    __shared__ float part[MG_ROWS][MG_THREADS / 32];
+    __shared__ int last_s;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int bx = blockIdx.x, t = blockIdx.y;
+    const int64_t slice = K / (MG_THREADS / 32), k0 = (int64_t)warp * slice;
+    const float *xt = x + (int64_t)t * K;
+    float acc[MG_ROWS];
+#pragma unroll
+    for (int r = 0; r < MG_ROWS; r++) acc[r] = 0.0f;
+#pragma unroll 4
+    for (int64_t e = k0 + 4 * lane; e < k0 + slice; e += 128) {
+        const float4 xv = *(const float4 *)(xt + e);
+#pragma unroll
+        for (int r = 0; r < MG_ROWS; r++) {
+            const int row = bx * MG_ROWS + r;
+            if (row >= E) break;
+            float w0, w1, w2, w3;
+            if (WT == DS4_TYPE_F16) {
+                const uint2 h = ld_stream8((const uint8_t *)gw + ((int64_t)row * K + e) * 2);
+                w0 = f16_bits_to_f32((uint16_t)(h.x & 0xffffu)); w1 = f16_bits_to_f32((uint16_t)(h.x >> 16));
+                w2 = f16_bits_to_f32((uint16_t)(h.y & 0xffffu)); w3 = f16_bits_to_f32((uint16_t)(h.y >> 16));
+            } else {
+                const uint4 v = ld_stream16((const uint8_t *)gw + ((int64_t)row * K + e) * 4);
+                w0 = __uint_as_float(v.x); w1 = __uint_as_float(v.y);
+                w2 = __uint_as_float(v.z); w3 = __uint_as_float(v.w);
+            }
+            acc[r] = fmaf(w0, xv.x, acc[r]); acc[r] = fmaf(w1, xv.y, acc[r]);
+            acc[r] = fmaf(w2, xv.z, acc[r]); acc[r] = fmaf(w3, xv.w, acc[r]);
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < MG_ROWS; r++) {
+        const float v = warp_sum(acc[r]);
+        if (lane == 0) part[r][warp] = v;
+    }
+    __syncthreads();
+    if (threadIdx.x < MG_ROWS && bx * MG_ROWS + (int)threadIdx.x < E) {
+        float v = 0.0f;
+        for (int w = 0; w < MG_THREADS / 32; w++) v += part[threadIdx.x][w];
+        logits[(int64_t)t * E + bx * MG_ROWS + threadIdx.x] = v;
+    }
+    if (warp == 0) __threadfence();                 /* the only writer */
+    __syncthreads();
+    if (threadIdx.x == 0) last_s = atomicAdd(&count[t], 1u) == gridDim.x - 1u;
+    __syncthreads();
+    if (!last_s || warp != 0) return;
+    __threadfence();
+    if (lane == 0) count[t] = 0;
+    moe_route_warp(logits + (int64_t)t * E, bias, tid2eid ? tid2eid + (int64_t)tokens[t] * tid_ld : NULL, E, k,
+                   norm, wscale, mg_s, mg_s + E, sel + (int64_t)t * k, wts + (int64_t)t * k);
+}
+
+static void launch_moe_gate(const void *gw, int wt, const float *x, int64_t K, int E, int nt, float *logits,
+                            const float *bias, const int32_t *tid2eid, int64_t tid_ld, const int32_t *tokens,
+                            int k, int norm, float wscale, int32_t *sel, float *wts) {
+    const dim3 grid((unsigned)((E + MG_ROWS - 1) / MG_ROWS), (unsigned)nt);
+    const size_t smem = (size_t)2 * E * sizeof(float);
+    if (wt == DS4_TYPE_F16)
+        DS4_LAUNCH(k_moe_gate<DS4_TYPE_F16><<<grid, MG_THREADS, smem>>>(gw, x, K, E, logits, bias, tid2eid, tid_ld,
+                                                                       tokens, k, norm, wscale, g_cuda.gate_count,
+                                                                       sel, wts));
+    else
+        DS4_LAUNCH(k_moe_gate<DS4_TYPE_F32><<<grid, MG_THREADS, smem>>>(gw, x, K, E, logits, bias, tid2eid, tid_ld,
+                                                                       tokens, k, norm, wscale, g_cuda.gate_count,
+                                                                       sel, wts));
 }
 
 static void cuda_moe_route(const float *logits, const float *bias, const ds4_weight *tid2eid,
@@ -2741,6 +2909,25 @@ static void cuda_moe_route(const float *logits, const float *bias, const ds4_wei
     }
     launch_moe_route(logits, bias, tid2eid ? (const int32_t *)tid2eid->dev : NULL,
                      tid2eid ? tid2eid->ne[0] : 0, tokens, nt, E, k, norm, wscale, sel, wts);
+}
+
+static void cuda_moe_gate(const ds4_weight *gate_inp, const float *x, float *logits, const float *bias,
+                          const ds4_weight *tid2eid, const int32_t *tokens, int nt, int E, int k, int norm,
+                          float wscale, int32_t *sel, float *wts) {
+    if (nt <= 0) return;
+    const int64_t K = gate_inp->ne[0];
+    const bool fused = nt <= MOE_DECODE_MAX_NT && gate_inp->ne[1] == E && gate_inp->ne[2] <= 1 &&
+                       (gate_inp->type == DS4_TYPE_F32 || gate_inp->type == DS4_TYPE_F16) &&
+                       K % (4 * MG_THREADS) == 0 && (uintptr_t)gate_inp->dev % 16 == 0 &&
+                       E >= 1 && E <= ROUTE_MAX_E && k >= 1 && k <= ROUTE_MAX_K && k <= E;
+    if (!fused) {
+        cuda_matmul(gate_inp, 0, x, logits, nt);
+        cuda_moe_route(logits, bias, tid2eid, tokens, nt, E, k, norm, wscale, sel, wts);
+        return;
+    }
+    launch_moe_gate(gate_inp->dev, gate_inp->type, x, K, E, nt, logits, bias,
+                    tid2eid ? (const int32_t *)tid2eid->dev : NULL, tid2eid ? tid2eid->ne[0] : 0, tokens,
+                    k, norm, wscale, sel, wts);
 }
 
 /* y[r][c] = swiglu(g[r][c], u[r][c]) with row strides ld_in / ld_out. */
@@ -2972,6 +3159,7 @@ static ds4_backend make_cuda_backend(void) {
     b.compress_pool = cuda_compress_pool;
     b.indexer_topk = cuda_indexer_topk;
     b.moe_route = cuda_moe_route;
+    b.moe_gate = cuda_moe_gate;
     b.moe_experts = cuda_moe_experts;
     b.swiglu = cuda_swiglu;
     b.add = cuda_add;

@@ -185,10 +185,13 @@ typedef struct ds4_backend {
     void (*matmul_multi)(int n, const ds4_weight *const *w, float *const *y, float *x, int nt,
                          const float *norm_w, float eps, const float *const *add_tab, int pos0, int period);
 
-    /* Per-row RMSNorm then RoPE of nh heads of width dh per token (x [nt][nh][dh], in place):
-     *   rmsnorm(x, w, x, nt*nh, dh, eps); rope(x, nt, nh, dh, pos0, 1, rp, 0) */
-    void (*head_norm_rope)(float *x, const float *w, int nt, int nh, int dh, float eps,
-                           int pos0, const ds4_rope *rp);
+    /* Per-row RMSNorm then RoPE of nh heads of width dh per token (x [nt][nh][dh], in place),
+     * and the same for a second tensor x2 [nt][nh2][dh] with its own weights w2 when nh2 > 0
+     * (the queries and the key/value row of a layer in one call):
+     *   rmsnorm(x, w, x, nt*nh, dh, eps); rope(x, nt, nh, dh, pos0, 1, rp, 0)
+     *   if nh2 > 0: rmsnorm(x2, w2, x2, nt*nh2, dh, eps); rope(x2, nt, nh2, dh, pos0, 1, rp, 0) */
+    void (*head_norm_rope)(float *x, const float *w, int nt, int nh, float *x2, const float *w2, int nh2,
+                           int dh, float eps, int pos0, const ds4_rope *rp);
 
     /* Attention of a layer, then the window ring update and the de-rotation of the output:
      *   attention(q, kv, ring, W, pos0, nt, H, d, comp, ratio, topk, k, sinks, scale, out)
@@ -214,6 +217,13 @@ typedef struct ds4_backend {
      * y [nt][F] with F = gate->ne[1]; g_scratch, u_scratch: [nt][F] scratch. */
     void (*matmul_swiglu)(const ds4_weight *gate, const ds4_weight *up, const float *x, float *y, int nt,
                           float limit, float *g_scratch, float *u_scratch);
+
+    /* The MoE router and the routing of a layer in one call:
+     *   matmul(gate_inp, 0, x, logits, nt)        (logits: [nt][E], left holding the logits)
+     *   moe_route(logits, bias, tid2eid, tokens, nt, E, k, norm, wscale, sel, wts) */
+    void (*moe_gate)(const ds4_weight *gate_inp, const float *x, float *logits, const float *bias,
+                     const ds4_weight *tid2eid, const int32_t *tokens, int nt, int E, int k, int norm,
+                     float wscale, int32_t *sel, float *wts);
 
     /* Rotate the last rp->n_rot dims of x[t][h][0:dh] (nh heads) in place, at
      * position pos0 + t*pos_step; inverse != 0 rotates by -theta. */

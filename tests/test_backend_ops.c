@@ -465,24 +465,31 @@ static void test_matmul_multi(int n, const int *types, const int *rows, int64_t 
     free(x); free(nw);
 }
 
-static void test_head_norm_rope(int nt, int nh, int dh, int n_rot, int pos0, int with_w, int yarn) {
+/* nh2 > 0: a second tensor of nh2 heads with its own weights in the same
+ * call (the layer's queries and key/value row). */
+static void test_head_norm_rope(int nt, int nh, int dh, int n_rot, int pos0, int with_w, int yarn, int nh2) {
     const ds4_rope rp = test_rope_params(n_rot, yarn);
-    const size_t n = (size_t)nt * nh * dh;
+    const size_t n = (size_t)nt * nh * dh, n2 = (size_t)nt * nh2 * dh;
     float *x = rnd_vec(n, 3.0f), *w = rnd_vec(dh, 1.0f);
-    float *out[2];
+    float *x2 = rnd_vec(n2 ? n2 : 1, 2.0f), *w2 = rnd_vec(dh, 1.0f);
+    float *out[2], *out2[2];
     for (int bi = 0; bi < 2; bi++) {
         float *dx = dev_put(bi, x, n * 4);
         float *dw = with_w ? dev_put(bi, w, (size_t)dh * 4) : NULL;
-        B[bi]->head_norm_rope(dx, dw, nt, nh, dh, 1e-6f, pos0, &rp);
+        float *dx2 = nh2 > 0 ? dev_put(bi, x2, n2 * 4) : NULL;
+        float *dw2 = nh2 > 0 ? dev_put(bi, w2, (size_t)dh * 4) : NULL;
+        B[bi]->head_norm_rope(dx, dw, nt, nh, dx2, dw2, nh2, dh, 1e-6f, pos0, &rp);
         out[bi] = dev_get(bi, dx, n * 4);
+        out2[bi] = nh2 > 0 ? dev_get(bi, dx2, n2 * 4) : NULL;
         dev_free_all(bi);
     }
-    char shape[96];
-    snprintf(shape, sizeof shape, "nt=%d nh=%d dh=%d rot=%d pos=%d%s%s", nt, nh, dh, n_rot, pos0,
-             with_w ? " w" : "", yarn ? " yarn" : "");
+    char shape[112];
+    snprintf(shape, sizeof shape, "nt=%d nh=%d dh=%d rot=%d pos=%d%s%s%s", nt, nh, dh, n_rot, pos0,
+             with_w ? " w" : "", yarn ? " yarn" : "", nh2 > 0 ? " +x2" : "");
     /* the norm's final roundings, then rope's libm-vs-CUDA sin/cos (as test_rope) */
     check_f32("head_norm_rope", shape, out[0], out[1], n, TOL_ULP);
-    free(out[0]); free(out[1]); free(x); free(w);
+    if (nh2 > 0) check_f32("head_norm_rope x2", shape, out2[0], out2[1], n2, TOL_ULP);
+    free(out[0]); free(out[1]); free(out2[0]); free(out2[1]); free(x); free(w); free(x2); free(w2);
 }
 
 /* compressor_step: pooled, normalised, rotated rows at their place in the
@@ -713,23 +720,82 @@ static void test_indexer(int pos0, int nt, int Hi, int di, int ratio, int k) {
     free(out[0]); free(out[1]); free(q); free(w); free(rows);
 }
 
+/* A hash layer's tid2eid table, I32 {k, V}: row v = (v*mult + 3j) % E, or an
+ * empty weight (host NULL) when !hash. */
+static ds4_weight make_tid2eid(int V, int k, int E, int mult, int hash) {
+    ds4_weight tid;
+    memset(&tid, 0, sizeof tid);
+    if (!hash) return tid;
+    int32_t *table = malloc((size_t)k * V * sizeof(int32_t));
+    for (int v = 0; v < V; v++)
+        for (int j = 0; j < k; j++) table[(size_t)v * k + j] = (v * mult + j * 3) % E;
+    tid.name = "tid2eid"; tid.type = DS4_TYPE_I32; tid.n_dims = 2;
+    tid.ne[0] = k; tid.ne[1] = V; tid.ne[2] = 1;
+    tid.nbytes = (size_t)k * V * 4; tid.host = table;
+    return tid;
+}
+
+/* moe_gate: the router matmul and the routing in one op (the CUDA decode
+ * path fuses them, and its logits sum K in another order than the matmul
+ * op: hence TOL_DOT on the logits).  The weights and inputs are small
+ * integers over powers of two in half the cases, so that the logits are exact
+ * in any order and the picks cannot flip on a rounding difference; the
+ * random cases check the bound. */
+static void test_moe_gate(int type, int64_t K, int nt, int E, int k, int hash, int exact) {
+    const int V = 300;
+    ds4_weight w = make_weight(type, K, E, 1, 1.0f / sqrtf((float)K));
+    float *x = rnd_vec((size_t)nt * K, 1.0f), *bias = rnd_vec(E, 0.3f);
+    if (exact) {          /* w = i/64, x = j/64, |i|, |j| < 8: every partial sum is exact in f32 */
+        float *wf = (float *)w.host;
+        uint16_t *wh = (uint16_t *)w.host;
+        for (int64_t i = 0; i < K * E; i++) {
+            const float v = (float)(rnd_int(15) - 7) / 64.0f;
+            if (type == DS4_TYPE_F32) wf[i] = v;
+            else wh[i] = ds4_f32_to_f16(v);
+        }
+        for (int64_t i = 0; i < (int64_t)nt * K; i++) x[i] = (float)(rnd_int(15) - 7) / 64.0f;
+    }
+    int32_t *tok = malloc(nt * sizeof(int32_t));
+    for (int t = 0; t < nt; t++) tok[t] = rnd_int(V);
+    ds4_weight tid = make_tid2eid(V, k, E, 5, hash);
+    int32_t *sel[2];
+    float *wts[2], *lg[2];
+    for (int bi = 0; bi < 2; bi++) {
+        ds4_weight wb = weight_on(bi, &w), tb;
+        if (hash) tb = weight_on(bi, &tid);
+        float *dx = dev_put(bi, x, (size_t)nt * K * 4);
+        float *dl = dev_poison(bi, (size_t)nt * E);
+        float *db = hash ? NULL : dev_put(bi, bias, (size_t)E * 4);
+        int32_t *dt = dev_put(bi, tok, (size_t)nt * 4);
+        int32_t *ds = dev_poison_i32(bi, (size_t)nt * k);
+        float *dw = dev_poison(bi, (size_t)nt * k);
+        B[bi]->moe_gate(&wb, dx, dl, db, hash ? &tb : NULL, dt, nt, E, k, 1, 1.5f, ds, dw);
+        sel[bi] = dev_get(bi, ds, (size_t)nt * k * 4);
+        wts[bi] = dev_get(bi, dw, (size_t)nt * k * 4);
+        lg[bi] = dev_get(bi, dl, (size_t)nt * E * 4);
+        B[bi]->release_weight(&wb);
+        if (hash) B[bi]->release_weight(&tb);
+        dev_free_all(bi);
+    }
+    char shape[96];
+    snprintf(shape, sizeof shape, "%s K=%lld nt=%d E=%d k=%d %s%s", type_name(type), (long long)K, nt, E, k,
+             hash ? "hash" : "scored", exact ? " exact" : "");
+    check_f32("moe_gate logits", shape, lg[0], lg[1], (size_t)nt * E, exact ? 0.0 : TOL_DOT);
+    if (exact) {
+        check_i32("moe_gate sel", shape, sel[0], sel[1], (size_t)nt * k);
+        check_f32("moe_gate wts", shape, wts[0], wts[1], (size_t)nt * k, TOL_ULP);
+    }
+    for (int bi = 0; bi < 2; bi++) { free(sel[bi]); free(wts[bi]); free(lg[bi]); }
+    free(x); free(bias); free(tok); free((void *)tid.host); free_weight(&w);
+}
+
 static void test_moe_route(int nt, int E, int k, int hash, int norm, float wscale) {
     const int V = 300;
     float *logits = rnd_vec((size_t)nt * E, 4.0f), *bias = rnd_vec(E, 0.3f);
     for (int i = 0; i < nt * E && nt * E > 8; i += 7) logits[i] = 25.0f + (float)(i % 3);  /* softplus x > 20 branch */
     int32_t *tok = malloc(nt * sizeof(int32_t));
     for (int t = 0; t < nt; t++) tok[t] = rnd_int(V);
-    ds4_weight tid;
-    memset(&tid, 0, sizeof tid);
-    int32_t *table = NULL;
-    if (hash) {
-        table = malloc((size_t)k * V * sizeof(int32_t));
-        for (int v = 0; v < V; v++)
-            for (int j = 0; j < k; j++) table[(size_t)v * k + j] = (v * 7 + j * 3) % E;
-        tid.name = "tid2eid"; tid.type = DS4_TYPE_I32; tid.n_dims = 2;
-        tid.ne[0] = k; tid.ne[1] = V; tid.ne[2] = 1;
-        tid.nbytes = (size_t)k * V * 4; tid.host = table;
-    }
+    ds4_weight tid = make_tid2eid(V, k, E, 7, hash);
     int32_t *sel[2];
     float *wts[2];
     for (int bi = 0; bi < 2; bi++) {
@@ -753,7 +819,7 @@ static void test_moe_route(int nt, int E, int k, int hash, int norm, float wscal
     /* sqrt(softplus) with libm vs CUDA logf/expf, a k-term sum, a division */
     check_f32("moe_route wts", shape, wts[0], wts[1], (size_t)nt * k, TOL_ULP);
     for (int bi = 0; bi < 2; bi++) { free(sel[bi]); free(wts[bi]); }
-    free(logits); free(bias); free(tok); free(table);
+    free(logits); free(bias); free(tok); free((void *)tid.host);
 }
 
 /* Routed experts.  sel/wts are a valid routing (k distinct experts per
@@ -1065,6 +1131,14 @@ int main(void) {
         test_moe_route(nts[ni], 16, 6, 1, 1, 1.5f);
     }
     test_moe_route(3, 64, 8, 0, 0, 0.0f);
+    /* the fused router: decode (fused on CUDA) and a prompt (composition) */
+    for (int ni = 0; ni < 3; ni++) {
+        test_moe_gate(DS4_TYPE_F32, 4096, nts[ni], 16, 6, 0, 1);
+        test_moe_gate(DS4_TYPE_F16, 4096, nts[ni], 256, 6, 0, 1);
+        test_moe_gate(DS4_TYPE_F32, 4096, nts[ni], 16, 6, 1, 1);
+        test_moe_gate(DS4_TYPE_F32, 4096, nts[ni], 64, 6, 0, 0);
+    }
+    test_moe_gate(DS4_TYPE_F16, 1000, 2, 16, 6, 0, 1);    /* K not a multiple of 1024: composition */
 
     /* experts: decode kernels (nt <= 8), a batch with few tokens per expert
      * (host count, decode kernels) and a skewed batch (grouped GEMMs);
@@ -1117,9 +1191,11 @@ int main(void) {
         test_matmul_multi(4, mixed, r4, 8192, 1, 1, 1, 1, 4);
     }
     for (int ni = 0; ni < 3; ni++) {
-        test_head_norm_rope(nts[ni], 64, 512, 64, 1000, 0, 1);
-        test_head_norm_rope(nts[ni], 1, 512, 64, 3, 1, 0);
-        test_head_norm_rope(nts[ni], 3, 96, 16, 77, 1, 1);
+        test_head_norm_rope(nts[ni], 64, 512, 64, 1000, 0, 1, 0);
+        test_head_norm_rope(nts[ni], 1, 512, 64, 3, 1, 0, 0);
+        test_head_norm_rope(nts[ni], 3, 96, 16, 77, 1, 1, 0);
+        test_head_norm_rope(nts[ni], 64, 512, 64, 1000, 0, 1, 1);   /* a layer's q and kv */
+        test_head_norm_rope(nts[ni], 3, 96, 16, 77, 1, 0, 2);
     }
     for (int ti = 0; ti < 4; ti++) {
         test_matmul_swiglu(types[ti], 4096, 2048, 1, 10.0f);
