@@ -3,7 +3,8 @@
 #   make                         CPU engine ./ds4 + the embedded default model models/ds4-tiny.gguf
 #   make cpu                     the same
 #   make cuda CUDA_ARCH=sm_90    CUDA engine ./ds4 (cuBLAS); CUDA_ARCH is required (sm_89, sm_120, ...)
-#   make test                    every CPU test, the CUDA compile+link check, GPU tests where a GPU exists
+#   make test                    every CPU test, the fuzz corpus replay and a short fuzzing budget,
+#                                the CUDA compile+link check, GPU tests where a GPU exists
 #   make sanitize                malformed-input tests under -fsanitize=address,undefined
 #   make clean
 
@@ -158,17 +159,23 @@ test-gpu: cuda-check
 
 # test-deps first, also under make -j: a bare machine installs (or stops) before any build.
 test: test-deps
-	@$(MAKE) --no-print-directory cpu test-c fuzz-replay cuda-check test-py test-gpu
+	@$(MAKE) --no-print-directory cpu test-c fuzz-replay fuzz-ci cuda-check test-py test-gpu
 	@echo "make test: all done"
 
 # ---- fuzzing (tests/fuzz/README.md): libFuzzer targets for the GGUF reader, the tokenizer,
-# the DS4_* environment, and a DS4LOGIT mutation loop.  `make test` replays the corpus. ----
+# the DS4_* environment and the command-line parsers, and a DS4LOGIT mutation loop.
+# `make test` replays the corpus, then fuzzes every target for FUZZ_CI_SECONDS (5 x 10 s;
+# skipped, with a line saying so, where clang cannot link libFuzzer). ----
 FUZZ_SECONDS ?= 60
+FUZZ_CI_SECONDS ?= 10
 fuzz: cpu
 	bash scripts/fuzz.sh run $(FUZZ_SECONDS)
 fuzz-replay: cpu
 	bash scripts/fuzz.sh replay
-.PHONY: fuzz fuzz-replay
+# after fuzz-replay, also under make -j: both build the same binaries
+fuzz-ci: cpu fuzz-replay
+	bash scripts/fuzz.sh ci $(FUZZ_CI_SECONDS)
+.PHONY: fuzz fuzz-replay fuzz-ci
 
 # ---- sanitizers: the malformed-input tests under ASan + UBSan ----
 SAN = -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined

@@ -615,6 +615,23 @@ static int gguf_fail(gguf_ctx *g, const char *fmt, ...) {
 }
 
 /* A printable, NUL-terminated copy of a (possibly hostile) name for messages. */
+/* A caller's string (a path, a config name) as quoted in a one-line error:
+ * printable ASCII as is, other bytes as \xNN, the first 200 bytes. */
+static const char *shown(const char *s) {
+    static _Thread_local char buf[2][1024];     /* two per message at most */
+    static _Thread_local int k;
+    char *out = buf[k ^= 1];
+    size_t o = 0, i = 0;
+    for (; s[i] && i < 200; i++) {
+        const unsigned char c = (unsigned char)s[i];
+        if (c >= 0x20 && c < 0x7f) out[o++] = (char)c;
+        else o += (size_t)snprintf(out + o, 5, "\\x%02x", c);
+    }
+    if (s[i]) { memcpy(out + o, "...", 3); o += 3; }
+    out[o] = 0;
+    return out;
+}
+
 static const char *gguf_show(char *out, size_t outlen, gguf_str s) {
     size_t n = 0;
     uint64_t i;
@@ -1920,7 +1937,7 @@ static int synth_plan_init(gguf_plan *p, const char *config, int wtype, char *er
     const synth_config *c = synth_find(config, &cfg) ? &cfg : NULL;
     if (!c) {
         if (err && errlen) snprintf(err, errlen, "unknown synth config '%s' (expected tiny, small, flash16, small-q2, small-q4, flash-q2 or flash-q4, optionally @EXPERTS)",
-                                    config ? config : "(null)");
+                                    config ? shown(config) : "(null)");
         return 0;
     }
     if (wtype != DS4_TYPE_F32 && wtype != DS4_TYPE_F16 && wtype != DS4_TYPE_BF16 && wtype != DS4_TYPE_Q8_0) {
@@ -2324,13 +2341,13 @@ int ds4_synth_fill(const char *config, uint64_t seed, int wtype, uint8_t *buf, s
     int rc = 0;
     if (!buf || size != p.total) {
         if (err && errlen)
-            snprintf(err, errlen, "synth config '%s' needs a buffer of %llu bytes, got %zu%s", config,
+            snprintf(err, errlen, "synth config '%s' needs a buffer of %llu bytes, got %zu%s", shown(config),
                      (unsigned long long)p.total, size, buf ? "" : " (NULL)");
         rc = -1;
     } else {
         gguf_plan_write_header(&p, buf, size);
         if (!gguf_plan_fill(&p, seed, buf, size, n_threads)) {
-            if (err && errlen) snprintf(err, errlen, "out of memory filling synth config '%s'", config);
+            if (err && errlen) snprintf(err, errlen, "out of memory filling synth config '%s'", shown(config));
             rc = -1;
         }
     }
@@ -3108,18 +3125,18 @@ static ds4_model *model_finish_open(ds4_model *m, const uint8_t *buf, size_t siz
 
 ds4_model *ds4_model_open(const char *path, char *err, size_t errlen) {
     int fd = open(path, O_RDONLY);
-    if (fd < 0) { errf(err, errlen, "cannot open model '%s': %s", path, strerror(errno)); return NULL; }
+    if (fd < 0) { errf(err, errlen, "cannot open model '%s': %s", shown(path), strerror(errno)); return NULL; }
     struct stat st;
     if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-        errf(err, errlen, "model '%s' is not a regular file", path);
+        errf(err, errlen, "model '%s' is not a regular file", shown(path));
         close(fd);
         return NULL;
     }
     size_t size = (size_t)st.st_size;
-    if (size == 0) { errf(err, errlen, "model '%s' is empty (0 bytes)", path); close(fd); return NULL; }
+    if (size == 0) { errf(err, errlen, "model '%s' is empty (0 bytes)", shown(path)); close(fd); return NULL; }
     void *p = mmap(NULL, size, PROT_READ, MAP_PRIVATE, fd, 0);
     close(fd);
-    if (p == MAP_FAILED) { errf(err, errlen, "cannot map model '%s': %s", path, strerror(errno)); return NULL; }
+    if (p == MAP_FAILED) { errf(err, errlen, "cannot map model '%s': %s", shown(path), strerror(errno)); return NULL; }
     ds4_model *m = calloc(1, sizeof(*m));
     if (!m) { munmap(p, size); errf(err, errlen, "out of memory"); return NULL; }
     char e2[512];
@@ -3335,9 +3352,9 @@ int ds4_synth_write(const char *config, uint64_t seed, int wtype, const char *pa
                     int n_threads, char *err, size_t errlen) {
     if (!ds4_synth_config_ok(config)) {
         if (config && strchr(config, '@'))
-            errf(err, errlen, "synthetic config '%s': unknown name or an expert count outside [top-k, 1024]", config);
+            errf(err, errlen, "synthetic config '%s': unknown name or an expert count outside [top-k, 1024]", shown(config));
         else
-            errf(err, errlen, "unknown synthetic config '%s' (known: tiny, small, flash16, small-q2, small-q4, flash-q2, flash-q4; NAME@E sets the expert count)", config);
+            errf(err, errlen, "unknown synthetic config '%s' (known: tiny, small, flash16, small-q2, small-q4, flash-q2, flash-q4; NAME@E sets the expert count)", shown(config));
         return -1;
     }
     size_t size = ds4_synth_size(config, wtype);
@@ -3361,7 +3378,7 @@ int ds4_synth_write(const char *config, uint64_t seed, int wtype, const char *pa
     if (!ok && done != size) fclose(f);
     ds4_free_huge(buf, size);
     if (!ok || rename(tmp, path) != 0) {
-        errf(err, errlen, "cannot write '%s': %s", path, strerror(errno));
+        errf(err, errlen, "cannot write '%s': %s", shown(path), strerror(errno));
         unlink(tmp);
         return -1;
     }
@@ -3372,9 +3389,9 @@ ds4_model *ds4_synth_open(const char *config, uint64_t seed, int wtype, int n_th
                           char *err, size_t errlen) {
     if (!ds4_synth_config_ok(config)) {
         if (config && strchr(config, '@'))
-            errf(err, errlen, "synthetic config '%s': unknown name or an expert count outside [top-k, 1024]", config);
+            errf(err, errlen, "synthetic config '%s': unknown name or an expert count outside [top-k, 1024]", shown(config));
         else
-            errf(err, errlen, "unknown synthetic config '%s' (known: tiny, small, flash16, small-q2, small-q4, flash-q2, flash-q4; NAME@E sets the expert count)", config);
+            errf(err, errlen, "unknown synthetic config '%s' (known: tiny, small, flash16, small-q2, small-q4, flash-q2, flash-q4; NAME@E sets the expert count)", shown(config));
         return NULL;
     }
     size_t size = ds4_synth_size(config, wtype);

@@ -11,6 +11,7 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <limits.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -26,11 +27,26 @@ static double now_s(void) {
     return ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
-static void die(const char *fmt, const char *a, const char *b) {
+/* The errors of main: one line on stderr, exit status 2. */
+__attribute__((format(printf, 1, 2), noreturn))
+static void die(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
     fprintf(stderr, "ds4: ");
-    fprintf(stderr, fmt, a, b);
+    vfprintf(stderr, fmt, ap);
     fprintf(stderr, "\n");
+    va_end(ap);
     exit(2);
+}
+
+/* The errors of the parsers: one line into err, for the caller to print; returns -1. */
+__attribute__((format(printf, 3, 4)))
+static int fail(char *err, size_t errlen, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    if (errlen) vsnprintf(err, errlen, fmt, ap);
+    va_end(ap);
+    return -1;
 }
 
 static void usage(FILE *f) {
@@ -67,58 +83,241 @@ static void usage(FILE *f) {
         "  -o FILE             output path\n");
 }
 
-static long parse_long(const char *flag, const char *s, long lo, long hi) {
+/* ---- argument parsing ----
+ *
+ * cli_parse (the run options) and synth_parse (`ds4 synth`) turn argv into a struct and
+ * nothing else: no model is opened, no file is touched, nothing is printed and nothing exits.
+ * Each returns 0, or -1 with one line in err, which main prints as "ds4: <err>" before it
+ * exits with status 2. The checks that need a model (token ids against the vocabulary, the
+ * context size against the prompt) or the filesystem (the default model, --dump-logits) come
+ * after, in main. Whatever the result, the caller releases the struct with cli_opts_free or
+ * synth_opts_free. tests/fuzz/fuzz_cli.c feeds both parsers arbitrary argument vectors. */
+
+/* An argument as an error line quotes it: at most SHOW_MAX bytes, printable ASCII as it is and
+ * every other byte (newline, tab, UTF-8 ...) as \xNN, "..." when cut, so that the message stays
+ * one line whatever argv holds (ds4.c's env_show does the same for the environment). */
+enum { SHOW_MAX = 64, SHOW_BUF = SHOW_MAX * 4 + 4 };
+
+static const char *show(char out[SHOW_BUF], const char *s) {
+    size_t o = 0, i = 0;
+    for (; s[i] && i < SHOW_MAX; i++) {
+        const unsigned char c = (unsigned char)s[i];
+        if (c >= 0x20 && c < 0x7f) out[o++] = (char)c;
+        else o += (size_t)snprintf(out + o, 5, "\\x%02x", c);
+    }
+    if (s[i]) { memcpy(out + o, "...", 3); o += 3; }
+    out[o] = 0;
+    return out;
+}
+
+static int parse_int(const char *flag, const char *s, int lo, int hi, int *out, char *err, size_t errlen) {
     char *end;
     errno = 0;
     long v = strtol(s, &end, 10);
-    if (errno || end == s || *end || v < lo || v > hi) {
-        char range[64];
-        snprintf(range, sizeof(range), "an integer in [%ld, %ld]", lo, hi);
-        die("%s expects %s", flag, range);
-    }
-    return v;
+    if (errno || end == s || *end || v < lo || v > hi)
+        return fail(err, errlen, "%s expects an integer in [%d, %d]", flag, lo, hi);
+    *out = (int)v;
+    return 0;
 }
 
-static uint64_t parse_u64(const char *flag, const char *s) {
-    char *end;
+/* A non-negative decimal. strtoull skips leading blanks and negates after them (" -1" would be
+ * 2^64-1), so any '-' is refused. */
+static int parse_u64(const char *flag, const char *s, uint64_t *out, char *err, size_t errlen) {
+    char *end, sh[SHOW_BUF];
     errno = 0;
-    if (*s == '-') die("%s expects a non-negative integer, got '%s'", flag, s);
+    if (strchr(s, '-')) return fail(err, errlen, "%s expects a non-negative integer, got '%s'", flag, show(sh, s));
     unsigned long long v = strtoull(s, &end, 10);
-    if (errno || end == s || *end) die("%s expects a non-negative integer, got '%s'", flag, s);
-    return (uint64_t)v;
+    if (errno || end == s || *end) return fail(err, errlen, "%s expects a non-negative integer, got '%s'", flag, show(sh, s));
+    *out = (uint64_t)v;
+    return 0;
 }
 
-static float parse_float(const char *flag, const char *s, float lo, float hi) {
+static int parse_float(const char *flag, const char *s, float lo, float hi, float *out, char *err, size_t errlen) {
     char *end;
     errno = 0;
     float v = strtof(s, &end);
-    if (errno || end == s || *end || !(v >= lo && v <= hi)) {
-        char range[64];
-        snprintf(range, sizeof(range), "a number in [%g, %g]", lo, hi);
-        die("%s expects %s", flag, range);
-    }
-    return v;
+    if (errno || end == s || *end || !(v >= lo && v <= hi))
+        return fail(err, errlen, "%s expects a number in [%g, %g]", flag, lo, hi);
+    *out = v;
+    return 0;
 }
 
-/* "1,2,3" -> ids; exits with a message on malformed lists. */
-static int32_t *parse_ids(const char *flag, const char *s, int *n_out) {
+/* "1,2,3" -> *ids (malloc'd, *n ids, at least one), freeing the list an earlier --tokens or
+ * --force left there (the last one given wins); -1 with a message on a malformed list. */
+static int parse_ids(const char *flag, const char *s, int32_t **ids_out, int *n_out, char *err, size_t errlen) {
+    char sh[SHOW_BUF];
+    if (!*s) return fail(err, errlen, "%s expects comma-separated token ids, got ''", flag);
     int cap = 16, n = 0;
     int32_t *ids = malloc(sizeof(int32_t) * cap);
+    if (!ids) return fail(err, errlen, "%s: out of memory", flag);
     const char *p = s;
-    if (!*p) die("%s expects comma-separated token ids, got '%s'", flag, s);
     while (*p) {
         char *end;
         errno = 0;
         long v = strtol(p, &end, 10);
-        if (errno || end == p || v < 0 || v > INT32_MAX || (*end && *end != ','))
-            die("%s expects comma-separated non-negative token ids, got '%s'", flag, s);
-        if (n == cap) { cap *= 2; ids = realloc(ids, sizeof(int32_t) * cap); }
+        if (errno || end == p || v < 0 || v > INT32_MAX || (*end && *end != ',')) {
+            free(ids);
+            return fail(err, errlen, "%s expects comma-separated non-negative token ids, got '%s'", flag, show(sh, s));
+        }
+        if (n == cap) {
+            int32_t *more = cap <= INT_MAX / 2 ? realloc(ids, sizeof(int32_t) * (size_t)cap * 2) : NULL;
+            if (!more) { free(ids); return fail(err, errlen, "%s: out of memory", flag); }
+            ids = more;
+            cap *= 2;
+        }
         ids[n++] = (int32_t)v;
         p = *end == ',' ? end + 1 : end;
-        if (*end == ',' && !*p) die("%s: trailing comma in '%s'", flag, s);
+        if (*end == ',' && !*p) { free(ids); return fail(err, errlen, "%s: trailing comma in '%s'", flag, show(sh, s)); }
     }
+    free(*ids_out);
+    *ids_out = ids;
     *n_out = n;
-    return ids;
+    return 0;
+}
+
+/* The run options. Strings point into argv; the id lists are the struct's own. */
+struct cli_opts {
+    int help;                                  /* -h/--help: print the usage, run nothing */
+    const char *model_path, *prompt, *dump;    /* -m, -p, --dump-logits; NULL when not given */
+    const char *backend;                       /* "cpu" or "cuda" (the build's default when not given) */
+    int32_t *prompt_ids, *force;               /* --tokens, --force: NULL, or n >= 1 ids >= 0 */
+    int n_prompt_ids, n_force;
+    int n_gen, n_gen_set;                      /* -n, in [0, 2^24] (default 32, or --force's count) */
+    int n_ctx;                                 /* -c/--ctx in [1, 2^24]; 0: prompt + n */
+    float temp, top_p;                         /* [0, 100], [1e-6, 1] */
+    uint64_t seed;
+    int chat, think;
+    int threads;                               /* --threads in [1, 64]; 0: not given */
+};
+
+static void cli_opts_free(struct cli_opts *o) {
+    free(o->prompt_ids);
+    free(o->force);
+    o->prompt_ids = o->force = NULL;
+    o->n_prompt_ids = o->n_force = 0;
+}
+
+static int cli_parse(int argc, char **argv, struct cli_opts *o, char *err, size_t errlen) {
+    static const char *known[] = { "-m", "-p", "--tokens", "-n", "--temp", "--top-p", "--seed", "-c",
+                                   "--ctx", "--backend", "--dump-logits", "--force", "--threads" };
+    char sh[SHOW_BUF];
+    memset(o, 0, sizeof *o);
+    o->n_gen = 32;
+    o->top_p = 1.0f;
+    o->seed = 1;
+    if (errlen) err[0] = 0;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "-h") || !strcmp(a, "--help")) { o->help = 1; return 0; }
+        if (!strcmp(a, "--chat")) { o->chat = 1; continue; }       /* the flags without a value */
+        if (!strcmp(a, "--think")) { o->think = 1; continue; }
+        int is_known = 0;
+        for (size_t q = 0; q < sizeof(known) / sizeof(known[0]); q++) if (!strcmp(a, known[q])) is_known = 1;
+        if (!is_known) return fail(err, errlen, "unknown option '%s' (see ds4 --help)", show(sh, a));
+        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!v) return fail(err, errlen, "option %s needs a value (see ds4 --help)", a);
+        int rc = 0;
+        if (!strcmp(a, "-m")) o->model_path = v;
+        else if (!strcmp(a, "-p")) o->prompt = v;
+        else if (!strcmp(a, "--tokens")) rc = parse_ids(a, v, &o->prompt_ids, &o->n_prompt_ids, err, errlen);
+        else if (!strcmp(a, "-n")) { rc = parse_int(a, v, 0, 1 << 24, &o->n_gen, err, errlen); o->n_gen_set = 1; }
+        else if (!strcmp(a, "--temp")) rc = parse_float(a, v, 0.0f, 100.0f, &o->temp, err, errlen);
+        else if (!strcmp(a, "--top-p")) rc = parse_float(a, v, 1e-6f, 1.0f, &o->top_p, err, errlen);
+        else if (!strcmp(a, "--seed")) rc = parse_u64(a, v, &o->seed, err, errlen);
+        else if (!strcmp(a, "-c") || !strcmp(a, "--ctx")) rc = parse_int(a, v, 1, 1 << 24, &o->n_ctx, err, errlen);
+        else if (!strcmp(a, "--backend")) o->backend = v;
+        else if (!strcmp(a, "--dump-logits")) o->dump = v;
+        else if (!strcmp(a, "--force")) rc = parse_ids(a, v, &o->force, &o->n_force, err, errlen);
+        else if (!strcmp(a, "--threads")) rc = parse_int(a, v, 1, 64, &o->threads, err, errlen);
+        if (rc) return -1;
+        i++;
+    }
+    if (o->prompt && o->prompt_ids) return fail(err, errlen, "give either -p or --tokens, not both");
+    if (o->think && !o->chat) return fail(err, errlen, "--think goes with --chat");
+    if (o->chat && o->prompt_ids) return fail(err, errlen, "--chat wraps -p TEXT; it does not take --tokens");
+    if (o->force && !o->n_gen_set) o->n_gen = o->n_force;
+    if (o->force && o->n_force < o->n_gen) return fail(err, errlen, "--force gives fewer ids than -n asks to generate");
+#ifdef DS4_CUDA
+    if (!o->backend) o->backend = "cuda";
+    if (strcmp(o->backend, "cpu") && strcmp(o->backend, "cuda"))
+        return fail(err, errlen, "unknown --backend '%s' (cpu or cuda)", show(sh, o->backend));
+#else
+    if (!o->backend) o->backend = "cpu";
+    if (!strcmp(o->backend, "cuda"))
+        return fail(err, errlen, "--backend cuda: this ds4 was built without CUDA (run: make cuda CUDA_ARCH=sm_90)");
+    if (strcmp(o->backend, "cpu")) return fail(err, errlen, "unknown --backend '%s' (cpu or cuda)", show(sh, o->backend));
+#endif
+    return 0;
+}
+
+/* The `ds4 synth` options: argv as main's, argv[1] being "synth". */
+struct synth_opts {
+    int help;
+    const char *config;          /* --config, with --vocab and --experts folded in ("NAME+vocab@E") */
+    const char *out;             /* -o */
+    const char *type;            /* --type, or the config's default (f32; flash16: q8_0) */
+    int wtype;                   /* ds4_parse_wtype(type) */
+    int layout;                  /* a published files' layout (-q2, -q4): its own tensor types */
+    uint64_t seed;
+    int experts, vocab;          /* --experts in [1, 1024] (0: the config's), --vocab */
+    int threads;                 /* --threads in [1, 64]; 0: not given */
+    char *folded;                /* malloc'd: config when --vocab or --experts rewrote it */
+};
+
+static void synth_opts_free(struct synth_opts *o) {
+    free(o->folded);
+    o->folded = NULL;
+}
+
+static int synth_parse(int argc, char **argv, struct synth_opts *o, char *err, size_t errlen) {
+    char sh[SHOW_BUF];
+    memset(o, 0, sizeof *o);
+    o->seed = 1;
+    if (errlen) err[0] = 0;
+    const char *type = NULL;
+    for (int i = 2; i < argc; i++) {
+        const char *a = argv[i];
+        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(a, "-h") || !strcmp(a, "--help")) { o->help = 1; return 0; }
+        if (!strcmp(a, "--vocab")) { o->vocab = 1; continue; }   /* the one flag without a value */
+        if (strcmp(a, "--config") && strcmp(a, "--seed") && strcmp(a, "--type") && strcmp(a, "-o") &&
+            strcmp(a, "--threads") && strcmp(a, "--experts"))
+            return fail(err, errlen, "unknown synth option '%s' (see ds4 synth --help)", show(sh, a));
+        if (!v) return fail(err, errlen, "option %s needs a value", a);
+        int rc = 0;
+        if (!strcmp(a, "--config")) o->config = v;
+        else if (!strcmp(a, "--seed")) rc = parse_u64(a, v, &o->seed, err, errlen);
+        else if (!strcmp(a, "--type")) type = v;
+        else if (!strcmp(a, "-o")) o->out = v;
+        else if (!strcmp(a, "--threads")) rc = parse_int(a, v, 1, 64, &o->threads, err, errlen);
+        else if (!strcmp(a, "--experts")) rc = parse_int(a, v, 1, 1024, &o->experts, err, errlen);
+        if (rc) return -1;
+        i++;
+    }
+    if (!o->config) return fail(err, errlen, "synth needs --config (tiny, small, flash16, small-q2, small-q4, flash-q2 or flash-q4)");
+    if (!o->out) return fail(err, errlen, "synth needs -o FILE");
+    if (o->experts || o->vocab) {          /* "NAME+vocab@E" for the synth API */
+        const char *config = o->config;
+        if (o->experts && strchr(config, '@')) return fail(err, errlen, "give the expert count once (--experts or NAME@E)");
+        if (o->vocab && strstr(config, "+vocab")) return fail(err, errlen, "give the vocabulary once (--vocab or NAME+vocab)");
+        /* all of it, whatever its length: a cut could turn a bad config into a good one */
+        const char *at = strchr(config, '@');
+        const size_t name = at ? (size_t)(at - config) : strlen(config);
+        const size_t size = strlen(config) + sizeof "+vocab" + sizeof "@1024";
+        char *buf = o->folded = malloc(size);
+        if (!buf) return fail(err, errlen, "out of memory");
+        memcpy(buf, config, name);
+        snprintf(buf + name, size - name, "%s%s", o->vocab ? "+vocab" : "", at ? at : "");
+        if (o->experts) snprintf(buf + strlen(buf), size - strlen(buf), "@%d", o->experts);
+        o->config = buf;
+    }
+    o->layout = strstr(o->config, "-q2") || strstr(o->config, "-q4");
+    if (o->layout && type)
+        return fail(err, errlen, "--type does not apply to the %s layout (its tensor types are the published files')", show(sh, o->config));
+    o->type = type ? type : !strncmp(o->config, "flash16", 7) ? "q8_0" : "f32";
+    o->wtype = ds4_parse_wtype(o->type);
+    if (o->wtype < 0) return fail(err, errlen, "unknown --type '%s' (f32, f16, bf16 or q8_0)", show(sh, o->type));
+    return 0;
 }
 
 /* A token as text: its UTF-8 piece for models with a vocabulary (control
@@ -144,7 +343,7 @@ static void print_token(const ds4_model *m, const ds4_tok *tok, int32_t id) {
 /* A special token of the vocabulary by its text, or a one-line error. */
 static int32_t special_id(const ds4_tok *tok, const char *text) {
     const int32_t id = ds4_tok_find(tok, text);
-    if (id < 0) die("--chat: the vocabulary has no '%s' token%s", text, "");
+    if (id < 0) die("--chat: the vocabulary has no '%s' token", text);
     return id;
 }
 
@@ -159,58 +358,32 @@ static int write_dump(FILE *f, const char *path, int n_vocab, int P, int G, cons
              fwrite(logits, 4, (size_t)rows * n_vocab, f) == (size_t)rows * n_vocab;
     free(am);
     if (fclose(f) != 0) ok = 0;
-    if (!ok) { fprintf(stderr, "ds4: short write to '%s'\n", path); return -1; }
+    char sh[SHOW_BUF];
+    if (!ok) { fprintf(stderr, "ds4: short write to '%s'\n", show(sh, path)); return -1; }
     return 0;
 }
 
 static int cmd_synth(int argc, char **argv, int threads) {
-    const char *config = NULL, *out = NULL, *type = NULL;
-    uint64_t seed = 1;
-    int experts = 0, vocab = 0;
-    for (int i = 2; i < argc; i++) {
-        const char *a = argv[i];
-        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
-        if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(stdout); return 0; }
-        if (!strcmp(a, "--vocab")) { vocab = 1; continue; }   /* the one flag without a value */
-        if (strcmp(a, "--config") && strcmp(a, "--seed") && strcmp(a, "--type") && strcmp(a, "-o") &&
-            strcmp(a, "--threads") && strcmp(a, "--experts"))
-            die("unknown synth option '%s'%s (see ds4 synth --help)", a, "");
-        if (!v) die("option %s needs a value%s", a, "");
-        if (!strcmp(a, "--config")) config = v;
-        else if (!strcmp(a, "--seed")) seed = parse_u64(a, v);
-        else if (!strcmp(a, "--type")) type = v;
-        else if (!strcmp(a, "-o")) out = v;
-        else if (!strcmp(a, "--threads")) threads = (int)parse_long(a, v, 1, 64);
-        else if (!strcmp(a, "--experts")) experts = (int)parse_long(a, v, 1, 1024);
-        else die("unknown synth option '%s'%s (see ds4 synth --help)", a, "");
-        i++;
-    }
-    if (!config) die("synth needs --config (tiny, small, flash16, small-q2, small-q4, flash-q2 or flash-q4)%s%s", "", "");
-    if (!out) die("synth needs -o FILE%s%s", "", "");
-    char cfgbuf[96];
-    if (experts || vocab) {          /* "NAME+vocab@E" for the synth API */
-        if (experts && strchr(config, '@')) die("give the expert count once (--experts or NAME@E)%s%s", "", "");
-        if (vocab && strstr(config, "+vocab")) die("give the vocabulary once (--vocab or NAME+vocab)%s%s", "", "");
-        const char *at = strchr(config, '@');
-        const int n = at ? (int)(at - config) : (int)strlen(config);
-        snprintf(cfgbuf, sizeof cfgbuf, "%.*s%s%s", n > 60 ? 60 : n, config, vocab ? "+vocab" : "", at ? at : "");
-        if (experts) snprintf(cfgbuf + strlen(cfgbuf), sizeof cfgbuf - strlen(cfgbuf), "@%d", experts);
-        config = cfgbuf;
-    }
-    const int layout = strstr(config, "-q2") || strstr(config, "-q4");
-    if (layout && type) die("--type does not apply to the %s layout (its tensor types are the published files')%s", config, "");
-    if (!type) type = !strncmp(config, "flash16", 7) ? "q8_0" : "f32";
-    int wtype = ds4_parse_wtype(type);
-    if (wtype < 0) die("unknown --type '%s' (f32, f16, bf16 or q8_0)%s", type, "");
+    struct synth_opts o;
     char err[512];
-    double t0 = now_s();
-    if (ds4_synth_write(config, seed, wtype, out, threads, err, sizeof(err)) != 0) {
+    if (synth_parse(argc, argv, &o, err, sizeof err) != 0) {
         fprintf(stderr, "ds4: %s\n", err);
-        return 1;
+        synth_opts_free(&o);
+        return 2;
     }
-    fprintf(stderr, "ds4: wrote %s (config %s, seed %llu, %s) in %.2f s\n", out, config,
-            (unsigned long long)seed, layout ? "the published files' tensor types" : type, now_s() - t0);
-    return 0;
+    if (o.help) { usage(stdout); synth_opts_free(&o); return 0; }
+    if (o.threads) threads = o.threads;
+    double t0 = now_s();
+    int rc = 0;
+    if (ds4_synth_write(o.config, o.seed, o.wtype, o.out, threads, err, sizeof(err)) != 0) {
+        fprintf(stderr, "ds4: %s\n", err);
+        rc = 1;
+    } else {
+        fprintf(stderr, "ds4: wrote %s (config %s, seed %llu, %s) in %.2f s\n", o.out, o.config,
+                (unsigned long long)o.seed, o.layout ? "the published files' tensor types" : o.type, now_s() - t0);
+    }
+    synth_opts_free(&o);
+    return rc;
 }
 
 static const char *default_model_path(char *buf, size_t len) {
@@ -233,7 +406,7 @@ int main(int argc, char **argv) {
     if (argc >= 2 && !strcmp(argv[1], "synth")) return cmd_synth(argc, argv, threads);
     if (argc >= 2 && !strcmp(argv[1], "info")) {
         /* a file ds4 cannot run fails the validator, whose one line names what is wrong */
-        if (argc != 3) die("usage: ds4 info FILE%s%s", "", "");
+        if (argc != 3) die("usage: ds4 info FILE");
         ds4_model *m = ds4_model_open(argv[2], err, sizeof(err));
         if (!m) { fprintf(stderr, "ds4: %s: %s\n", argv[2], err); return 1; }
         ds4_model_info(m, stdout);
@@ -241,65 +414,30 @@ int main(int argc, char **argv) {
         return 0;
     }
 
-    const char *model_path = NULL, *prompt = NULL, *dump = NULL, *backend = NULL;
-    int32_t *prompt_ids = NULL, *force = NULL;
-    int n_prompt_ids = 0, n_force = 0, n_gen = 32, n_gen_set = 0, n_ctx = 0;
-    float temp = 0.0f, top_p = 1.0f;
-    uint64_t seed = 1;
-    int chat = 0, think = 0;
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(stdout); return 0; }
-        if (!strcmp(a, "--chat")) { chat = 1; continue; }       /* the flags without a value */
-        if (!strcmp(a, "--think")) { think = 1; continue; }
-        static const char *known[] = { "-m", "-p", "--tokens", "-n", "--temp", "--top-p", "--seed", "-c",
-                                       "--ctx", "--backend", "--dump-logits", "--force", "--threads" };
-        int is_known = 0;
-        for (size_t q = 0; q < sizeof(known) / sizeof(known[0]); q++) if (!strcmp(a, known[q])) is_known = 1;
-        if (!is_known) die("unknown option '%s'%s (see ds4 --help)", a, "");
-        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
-        if (!v) die("option %s needs a value (see ds4 --help)%s", a, "");
-        if (!strcmp(a, "-m")) model_path = v;
-        else if (!strcmp(a, "-p")) prompt = v;
-        else if (!strcmp(a, "--tokens")) prompt_ids = parse_ids(a, v, &n_prompt_ids);
-        else if (!strcmp(a, "-n")) { n_gen = (int)parse_long(a, v, 0, 1 << 24); n_gen_set = 1; }
-        else if (!strcmp(a, "--temp")) temp = parse_float(a, v, 0.0f, 100.0f);
-        else if (!strcmp(a, "--top-p")) top_p = parse_float(a, v, 1e-6f, 1.0f);
-        else if (!strcmp(a, "--seed")) seed = parse_u64(a, v);
-        else if (!strcmp(a, "-c") || !strcmp(a, "--ctx")) n_ctx = (int)parse_long(a, v, 1, 1 << 24);
-        else if (!strcmp(a, "--backend")) backend = v;
-        else if (!strcmp(a, "--dump-logits")) dump = v;
-        else if (!strcmp(a, "--force")) force = parse_ids(a, v, &n_force);
-        else if (!strcmp(a, "--threads")) threads = (int)parse_long(a, v, 1, 64);
-        else die("unknown option '%s'%s (see ds4 --help)", a, "");
-        i++;
+    struct cli_opts o;
+    if (cli_parse(argc, argv, &o, err, sizeof err) != 0) {
+        fprintf(stderr, "ds4: %s\n", err);
+        cli_opts_free(&o);
+        return 2;
     }
-    if (prompt && prompt_ids) die("give either -p or --tokens, not both%s%s", "", "");
-    if (think && !chat) die("--think goes with --chat%s%s", "", "");
-    if (chat && prompt_ids) die("--chat wraps -p TEXT; it does not take --tokens%s%s", "", "");
-    if (force && !n_gen_set) n_gen = n_force;
-    if (force && n_force < n_gen) die("--force gives fewer ids than -n asks to generate%s%s", "", "");
+    if (o.help) { usage(stdout); cli_opts_free(&o); return 0; }
+    const char *model_path = o.model_path, *prompt = o.prompt, *dump = o.dump;
+    int32_t *prompt_ids = o.prompt_ids, *force = o.force;
+    const int n_prompt_ids = o.n_prompt_ids, n_force = o.n_force, chat = o.chat, think = o.think;
+    int n_gen = o.n_gen, n_ctx = o.n_ctx;
+    if (o.threads) threads = o.threads;
     if (threads > 0) ds4_cpu_set_threads(threads);
 
-    const ds4_backend *be = NULL;
+    const ds4_backend *be = ds4_backend_cpu();
 #ifdef DS4_CUDA
-    if (!backend) backend = "cuda";
-#else
-    if (!backend) backend = "cpu";
+    if (!strcmp(o.backend, "cuda")) be = ds4_backend_cuda();
 #endif
-    if (!strcmp(backend, "cpu")) be = ds4_backend_cpu();
-#ifdef DS4_CUDA
-    else if (!strcmp(backend, "cuda")) be = ds4_backend_cuda();
-#else
-    else if (!strcmp(backend, "cuda")) die("--backend cuda: this ds4 was built without CUDA (run: make cuda CUDA_ARCH=sm_90)%s%s", "", "");
-#endif
-    else die("unknown --backend '%s' (cpu or cuda)%s", backend, "");
 
-    char defpath[PATH_MAX + 32];
+    char defpath[PATH_MAX + 32], sh[SHOW_BUF];
     if (!model_path) {
         model_path = default_model_path(defpath, sizeof(defpath));
         if (access(model_path, R_OK) != 0)
-            die("no -m given and the embedded default model %s is missing (run: make)%s", model_path, "");
+            die("no -m given and the embedded default model %s is missing (run: make)", show(sh, model_path));
     }
     double t0 = now_s();
     ds4_model *m = ds4_model_open(model_path, err, sizeof(err));
@@ -314,7 +452,7 @@ int main(int argc, char **argv) {
     int32_t *ids;
     ds4_tok *tok = ds4_model_has_vocab(m) ? ds4_model_tokenizer(m, err, sizeof(err)) : NULL;
     if (ds4_model_has_vocab(m) && !tok) { fprintf(stderr, "ds4: %s\n", err); return 1; }
-    if (chat && !tok) die("--chat needs a model with a vocabulary (this one has none)%s%s", "", "");
+    if (chat && !tok) die("--chat needs a model with a vocabulary (this one has none)");
     if (prompt_ids) {
         P = n_prompt_ids;
         ids = prompt_ids;
@@ -322,7 +460,7 @@ int main(int argc, char **argv) {
         if (!prompt) prompt = "Once upon a time";
         const size_t len = strlen(prompt);
         const int n = ds4_tok_encode(tok, prompt, len, 0, NULL, 0);
-        if (n < 0) die("cannot tokenize the prompt%s%s", "", "");
+        if (n < 0) die("cannot tokenize the prompt");
         ids = malloc(sizeof(int32_t) * (size_t)(n + 4));
         const int bos = ds4_model_bos(m);
         if (bos >= 0) ids[P++] = bos;
@@ -334,34 +472,23 @@ int main(int argc, char **argv) {
         }
     } else {
         if (!prompt) prompt = "Once upon a time";
-        if (V < 256) die("-p feeds byte-level ids, but this model's vocabulary has fewer than 256 ids: pass --tokens%s%s", "", "");
+        if (V < 256) die("-p feeds byte-level ids, but this model's vocabulary has fewer than 256 ids: pass --tokens");
         P = (int)strlen(prompt);
         ids = malloc(sizeof(int32_t) * (P ? P : 1));
         for (int i = 0; i < P; i++) ids[i] = (unsigned char)prompt[i];
     }
     const int eos = chat ? ds4_model_eos(m) : -1;
-    if (P == 0) die("the prompt is empty: give -p TEXT or --tokens IDS%s%s", "", "");
+    if (P == 0) die("the prompt is empty: give -p TEXT or --tokens IDS");
     for (int i = 0; i < P + n_force; i++) {
         const int32_t id = i < P ? ids[i] : force[i - P];
-        if (id >= V) {
-            char msg[96];
-            snprintf(msg, sizeof(msg), "token id %d is out of range (the vocabulary has %d ids)", id, V);
-            die("%s %s", i < P ? "prompt" : "--force", msg);
-        }
+        if (id >= V)
+            die("%s token id %d is out of range (the vocabulary has %d ids)", i < P ? "prompt" : "--force", id, V);
     }
     if (n_ctx == 0) n_ctx = P + n_gen;
-    if (P + n_gen > n_ctx) {
-        char msg[96];
-        snprintf(msg, sizeof(msg), "%d prompt + %d generated tokens exceed --ctx %d", P, n_gen, n_ctx);
-        die("%s%s", msg, "");
-    }
+    if (P + n_gen > n_ctx) die("%d prompt + %d generated tokens exceed --ctx %d", P, n_gen, n_ctx);
 
     FILE *dumpf = NULL;
-    if (dump && !(dumpf = fopen(dump, "wb"))) {
-        char msg[64];
-        snprintf(msg, sizeof(msg), "%s", strerror(errno));
-        die("cannot write '%s': %s", dump, msg);
-    }
+    if (dump && !(dumpf = fopen(dump, "wb"))) die("cannot write '%s': %s", show(sh, dump), strerror(errno));
     ds4_model_describe(m, stderr);
     if (!prompt_ids && !tok)
         fprintf(stderr, "ds4: model has no vocabulary: prompt text is fed as byte-level ids (one id per byte)\n");
@@ -379,11 +506,11 @@ int main(int argc, char **argv) {
     float *last = malloc(sizeof(float) * V);
     int32_t *fed = malloc(sizeof(int32_t) * rows);
     void *scratch = malloc((sizeof(float) + sizeof(int)) * (size_t)V);
-    if (!logits || !last || !fed || !scratch) die("out of host memory for %s%s", "logits", "");
+    if (!logits || !last || !fed || !scratch) die("out of host memory for logits");
     memcpy(fed, ids, sizeof(int32_t) * P);
 
     ds4_sampler smp;
-    ds4_sampler_init(&smp, temp, top_p, seed);
+    ds4_sampler_init(&smp, o.temp, o.top_p, o.seed);
 
     double tp0 = now_s();
     if (ds4_eval(c, ids, P, dump ? logits : last, dump ? 1 : 0, err, sizeof(err)) != 0) {
@@ -429,7 +556,7 @@ int main(int argc, char **argv) {
     if (dumpf && write_dump(dumpf, dump, V, P, n_gen, fed, logits) != 0) rc = 1;
     free(gen); free(scratch); free(fed); free(last); free(logits);
     if (ids != prompt_ids) free(ids);
-    free(prompt_ids); free(force);
+    cli_opts_free(&o);
     ds4_ctx_free(c);
     ds4_model_close(m);
     return rc;

@@ -10,12 +10,16 @@
 #   scripts/fuzz.sh replay             run each target once over tests/fuzz/corpus/<target>/ and
 #                                      tests/fuzz/crashers/<target>/ (-runs=0: no fuzzing), plus the
 #                                      DS4LOGIT mutation loop; quick, the regression test of make test
+#   scripts/fuzz.sh ci [SECONDS]       the short budget of make test: `run SECONDS` (default 10, so
+#                                      5 targets x 10 s, under 2 minutes in all) where clang links
+#                                      -fsanitize=fuzzer; elsewhere one "skipped:" line and exit 0
 #   scripts/fuzz.sh planted [SECONDS]  build fuzz_gguf against a copy of ds4.c with one bounds check
 #                                      removed and fuzz it until the planted bug is found
 #
 # Targets (tests/fuzz/): fuzz_gguf (GGUF reader + validator from memory), fuzz_gguf_pad (the
 # same, input zero-padded to 4 MiB so fuzzed metadata reaches the validator), fuzz_tok
-# (tokenizer, needs models/ds4-tiny.gguf from `make`), fuzz_env (the DS4_* environment reader). Seeds: corpus/<target>/, gguf_pad
+# (tokenizer, needs models/ds4-tiny.gguf from `make`), fuzz_env (the DS4_* environment reader),
+# fuzz_cli (ds4_cli.c's command-line parsers: run and synth options). Seeds: corpus/<target>/, gguf_pad
 # shares corpus/gguf/. Limits: -timeout=1 (1 s per input),
 # -rss_limit_mb=2048 -malloc_limit_mb=2048. Environment: CLANG (default clang), FUZZ_JOBS
 # (targets fuzzed at once by run; default 1), FUZZ_OUT (default build/fuzz).
@@ -26,7 +30,7 @@ CLANG=${CLANG:-clang}
 FLAGS="-g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined -I."
 LIBS="-pthread -lm"
 OUT=${FUZZ_OUT:-build/fuzz}
-TARGETS="gguf gguf_pad tok env"
+TARGETS="gguf gguf_pad tok env cli"
 LIMITS="-timeout=1 -rss_limit_mb=2048 -malloc_limit_mb=2048"
 export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1}   # a leak per input is a failure too
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1}
@@ -43,6 +47,7 @@ build_one() {
   local t=$1 src=${2:-} bin=$OUT/fuzz_$1 extra=""
   [ -n "$src" ] && bin=$OUT/fuzz_gguf_planted
   local deps="tests/fuzz/fuzz_${t%_pad}.c ds4.c ds4.h ds4_gpu.h ds4_quant.c ds4_quant.h ds4_tok.c ds4_tok.h ds4_unicode.h $src"
+  [ "$t" = cli ] && deps="$deps ds4_cli.c"
   local stale=0 f
   [ -x "$bin" ] || stale=1
   for f in $deps; do [ "$f" -nt "$bin" ] && stale=1; done
@@ -56,6 +61,7 @@ build_one() {
           $CLANG $FLAGS $extra -DDS4_FUZZ_PAD tests/fuzz/fuzz_gguf.c ds4_quant.c ds4_tok.c -o "$bin" $LIBS ;;
     env)  $CLANG $FLAGS tests/fuzz/fuzz_env.c ds4_quant.c ds4_tok.c -o "$bin" $LIBS ;;
     tok)  $CLANG $FLAGS tests/fuzz/fuzz_tok.c ds4.c ds4_quant.c ds4_tok.c -o "$bin" $LIBS ;;
+    cli)  $CLANG $FLAGS tests/fuzz/fuzz_cli.c ds4.c ds4_quant.c ds4_tok.c -o "$bin" $LIBS ;;
   esac
 }
 
@@ -83,19 +89,21 @@ run_one() {   # run_one TARGET SECONDS
   fi
 }
 
+run_all() {   # run_all SECONDS: every target, FUZZ_JOBS at once; exits 1 if any failed
+  local secs=$1 jobs=${FUZZ_JOBS:-1} fail=0 pids=() t p
+  build; need_model
+  for t in $TARGETS; do
+    run_one $t "$secs" & pids+=($!)
+    if [ ${#pids[@]} -ge "$jobs" ]; then wait "${pids[0]}" || fail=1; pids=("${pids[@]:1}"); fi
+  done
+  for p in "${pids[@]}"; do wait "$p" || fail=1; done
+  exit $fail
+}
+
 cmd=${1:-replay}
 case $cmd in
   build) build ;;
-  run)
-    secs=${2:-60}
-    build; need_model
-    jobs=${FUZZ_JOBS:-1} fail=0 pids=()
-    for t in $TARGETS; do
-      run_one $t "$secs" & pids+=($!)
-      if [ ${#pids[@]} -ge "$jobs" ]; then wait "${pids[0]}" || fail=1; pids=("${pids[@]:1}"); fi
-    done
-    for p in "${pids[@]}"; do wait "$p" || fail=1; done
-    exit $fail ;;
+  run) run_all "${2:-60}" ;;
   replay)
     build; need_model
     fail=0
@@ -140,5 +148,15 @@ case $cmd in
     fi
     echo "fuzz planted: found after $(( $(date +%s) - start )) s:"
     grep -E "^#[0-9]+|ERROR|SUMMARY|fuzz_gguf:" $OUT/planted.log | tail -4 ;;
-  *) sed -n 2,20p "$0"; exit 2 ;;
+  ci)
+    # What test-deps checks: clang, and a link of -fsanitize=fuzzer (libclang-rt-14-dev).
+    if ! command -v "$CLANG" >/dev/null 2>&1 ||
+       ! echo 'int LLVMFuzzerTestOneInput(const unsigned char *d, unsigned long n) { return 0; }' |
+         "$CLANG" -fsanitize=fuzzer -x c - -o /dev/null >/dev/null 2>&1; then
+      echo "skipped: fuzzing budget (no $CLANG that links -fsanitize=fuzzer; Debian: clang libclang-rt-14-dev)"
+      exit 0
+    fi
+    echo "fuzz-ci: every target for ${2:-10} s (${TARGETS// /, })"
+    run_all "${2:-10}" ;;
+  *) sed -n 2,25p "$0"; exit 2 ;;
 esac

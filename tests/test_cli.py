@@ -53,6 +53,15 @@ FLAG_CASES = [
     (["synth", "--config", "tiny", "--type", "q4_0", "-o", "/tmp/x.gguf"], "unknown --type 'q4_0'"),
     (["synth", "--config", "tiny"], "synth needs -o"),
     (["synth", "--config", "tiny", "--seed", "x", "-o", "/tmp/x.gguf"], "--seed expects"),
+    # found by tests/fuzz/fuzz_cli (tests/fuzz/crashers/cli/): a newline in an argument made the
+    # error two lines; " -1" passed the '-' check and strtoull made it 2^64-1; --vocab/--experts
+    # cut a long config at 96 bytes, so a bad one became good
+    (["--bo\ngus"], "unknown option '--bo\\x0agus'"),
+    (["--backend", "c\npu"], "unknown --backend 'c\\x0apu'"),
+    (["--seed", " -1"], "--seed expects a non-negative integer, got ' -1'"),
+    (["synth", "--config", "tiny", "--seed", "\t-2", "-o", "/tmp/x.gguf"], "got '\\x09-2'"),
+    (["synth", "--config", "tiny@" + "0" * 82 + "16junk", "--vocab", "-o", os.path.join(OUT, "cut.gguf")],
+     "unknown name or an expert count"),
 ]
 
 
@@ -61,6 +70,13 @@ def test_bad_flags(args, needle):
     if not any(a in ("-m", "synth") for a in args):
         args = ["-m", make_model("tiny")] + args
     expect_error(args, needle)
+
+
+def test_last_value_wins():
+    """A flag given twice takes its last value (fuzz_cli: the first --tokens list leaked)."""
+    r = ds4_run(["-m", make_model("tiny"), "--tokens", "1", "--tokens", "2,3", "--force", "4",
+                 "--force", "5,6", "-n", "1", "-n", "2", "--backend", "cpu"])
+    assert "prompt ids: 2 3\n" in r.stdout and "generated ids: 5 6\n" in r.stdout
 
 
 ENV_CASES = [
@@ -101,6 +117,10 @@ def test_bad_model_files():
         expect_error(["-m", bad_model(name, data), "-n", "1"], needle)
     expect_error(["-m", "/nonexistent/model.gguf"], "cannot open model")
     expect_error(["-m", OUT], "not a regular file")
+    # a path or config with control bytes is quoted escaped: still one line
+    expect_error(["-m", "/no\nexist.gguf"], "cannot open model '/no\\x0aexist.gguf'")
+    expect_error(["synth", "--config", "ti\nny", "-o", os.path.join(OUT, "x.gguf")],
+                 "unknown synthetic config 'ti\\x0any'")
 
 
 def test_help_and_default_model():

@@ -4,7 +4,7 @@
  * "DS4_THREADS=12\0PATH=/bin". Invariants: ds4_env_read returns 0 with threads in
  * [0, DS4_MAX_THREADS] when every DS4_* name is known and DS4_THREADS (if set) is an integer in
  * range, or -1 with a non-empty one-line error; never crashes. (The command-line flags of
- * ds4_cli.c are not fuzzed: their parsers exit() through die().)
+ * ds4_cli.c: fuzz_cli.c.)
  */
 #define _POSIX_C_SOURCE 200809L
 #include "../../ds4.c"
