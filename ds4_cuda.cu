@@ -18,11 +18,13 @@
  * the indexer, routing) is small next to the weights, but at decode each of
  * those kernels costs a few microseconds of latency, ~45 of them per layer
  * at first.  So the contract has fused ops (ds4_gpu.h: hc_pre, matmul_multi,
- * head_norm_rope, matmul_swiglu, attention_step, compressor_step), each
- * defined as a composition of plain ops, which this file runs as fewer
- * kernels at decode (~22 per layer) and as the composition where fusing does
+ * head_norm_rope, matmul_swiglu, attention_step, compressor_step, moe_gate),
+ * each defined as a composition of plain ops, which this file runs as fewer
+ * kernels at decode (~18 per layer) and as the composition where fusing does
  * not pay.  The mHC projection (24 rows of 16384 floats) is spread over
- * K instead of rows (split-K with a fixed-order reduction).
+ * K instead of rows (split-K; the last block to finish, counted by an
+ * integer counter, reduces the partials in a fixed order and finishes the
+ * step).
  *
  * What it deliberately is not (yet).  This is the baseline eager engine:
  * every kernel and every cuBLAS call goes to the legacy default stream, some
@@ -43,7 +45,7 @@
  *   Device helpers                 number formats, warp sums, async copies
  *   Backend state and lifetime     init, memory, weights, grow-only scratch
  *   Embedding
- *   mHC                            hc_mix (Sinkhorn), hc_post, hc_pre (split-K, fused)
+ *   mHC                            hc_mix (Sinkhorn), hc_post, hc_pre (split-K, one launch)
  *   RMSNorm
  *   Matmul                         decode matvec (multi-matrix, normed input), generic
  *                                  matvec, prefill cuBLAS, matmul_multi, matmul_swiglu
@@ -52,7 +54,8 @@
  *                                  de-rotation for attention_step), ring store
  *   Compressor                     ape bias (add_cyclic), gated pooling, compressor_step
  *   Indexer                        scores, exact top-k
- *   MoE                            routing, SwiGLU, experts (decode and prefill)
+ *   MoE                            routing (with the router: moe_gate), SwiGLU, experts
+ *                                  (decode and prefill)
  *   Elementwise                    add, scale
  *   The backend table
  */
