@@ -21,7 +21,18 @@ tokens (so a divergence shows at its own row instead of cascading).
 
 For information only (printed, never asserted): ds4 against llama.cpp on the quantised file
 itself, forced with the same tokens.
+
+Cost.  One llama.cpp run on a twin (134 MB of F32, 332 rows) is the slowest step of `make
+test`, and its CPU threads spin while they wait: on the 2-core machine beside one other such
+run, each took 8-15 CPU-minutes (2026-12-01).  So `make test` reads llama.cpp's greedy dumps from
+tests/vectors/qo-LAYOUT-SOURCE.twin.llama.ds4logit, made by exactly this code, when the
+quantised file ds4 and libggml write today has the SHA-256 recorded beside them
+(tests/vectors/qo.sha256): the same file, so the same twin and the same llama.cpp run.  A
+file that differs (a changed generator) falls back to the live run, and QO_LIVE=1 forces the
+live runs (and the information-only runs on the quantised files) for every variant;
+tests/vectors/regen.sh remakes the dumps.
 """
+import hashlib
 import os
 import sys
 
@@ -67,6 +78,32 @@ def llama(model, out, force=None):
     return run(cmd)
 
 
+LIVE = os.environ.get("QO_LIVE", "") == "1"
+VECTORS = os.path.join(REPO, "tests", "vectors")
+
+
+def committed_ref(lay, src, model):
+    """The committed llama.cpp dump for this variant, if it was made from this very file."""
+    if LIVE:
+        return None
+    vec = os.path.join(VECTORS, f"qo-{lay}-{src}.twin.llama.ds4logit")
+    sums = os.path.join(VECTORS, "qo.sha256")
+    if not (os.path.exists(vec) and os.path.exists(sums)):
+        return None
+    want = {}
+    for line in open(sums):
+        if line.strip():
+            h, name = line.split()
+            want[name] = h
+    got = hashlib.sha256(open(model, "rb").read()).hexdigest()
+    name = os.path.basename(model)
+    if want.get(name) != got:
+        print(f"{name}: sha256 {got[:16]}.. differs from the committed vector's "
+              f"{want.get(name, 'none')[:16]}..: running llama.cpp live")
+        return None
+    return vec
+
+
 def variant(lay, src):
     """(quantised model, its twin, llama.cpp's greedy dump on the twin), made once a session."""
     key = (lay, src)
@@ -87,9 +124,11 @@ def variant(lay, src):
     info = ds4_run(["info", twin]).stdout
     assert "f32 matrices" in info, info
     # ... and in llama.cpp (its greedy run on the twin is the reference)
-    ref = os.path.join(OUT, f"qo-{lay}-{src}.twin.llama.ds4logit")
-    r = llama(twin, ref)
-    assert r.returncode == 0, f"llama.cpp failed on the twin {twin}: {r.stderr}"
+    ref = committed_ref(lay, src, model)
+    if ref is None:
+        ref = os.path.join(OUT, f"qo-{lay}-{src}.twin.llama.ds4logit")
+        r = llama(twin, ref)
+        assert r.returncode == 0, f"llama.cpp failed on the twin {twin}: {r.stderr}"
     os.remove(twin)   # 134 MB each; `tests/oracle/dequant_twin.py MODEL TWIN` remakes it
     _cache[key] = (model, twin, ref)
     return _cache[key]
@@ -145,6 +184,8 @@ def test_twin_agrees(lay, src):
 @pytest.mark.parametrize("lay,src", VARIANTS, ids=[f"{l}-{s}" for l, s in VARIANTS])
 def test_quantized_path_info(lay, src):
     """For information only: llama.cpp on the quantised file (8-bit activations).  No assertion."""
+    if not LIVE:
+        pytest.skip("information only, minutes of CPU: QO_LIVE=1 runs it")
     model, _, ref = variant(lay, src)
     got = ds4_forced(lay, src)
     q = os.path.join(OUT, f"qo-{lay}-{src}.quant.llama.ds4logit")
