@@ -614,24 +614,28 @@ static int gguf_fail(gguf_ctx *g, const char *fmt, ...) {
     return 0;
 }
 
-/* A printable, NUL-terminated copy of a (possibly hostile) name for messages. */
-/* A caller's string (a path, a config name) as quoted in a one-line error:
- * printable ASCII as is, other bytes as \xNN, the first 200 bytes. */
-static const char *shown(const char *s) {
-    static _Thread_local char buf[2][1024];     /* two per message at most */
-    static _Thread_local int k;
-    char *out = buf[k ^= 1];
+const char *ds4_show(char *out, size_t cap, const char *s, size_t n, size_t max) {
     size_t o = 0, i = 0;
-    for (; s[i] && i < 200; i++) {
+    for (; i < n && i < max && o + 5 < cap; i++) {
         const unsigned char c = (unsigned char)s[i];
         if (c >= 0x20 && c < 0x7f) out[o++] = (char)c;
-        else o += (size_t)snprintf(out + o, 5, "\\x%02x", c);
+        else o += (size_t)snprintf(out + o, cap - o, "\\x%02x", c);
     }
-    if (s[i]) { memcpy(out + o, "...", 3); o += 3; }
+    if (n > max && o + 4 < cap) { memcpy(out + o, "...", 3); o += 3; }
     out[o] = 0;
     return out;
 }
 
+/* A caller's string (a path, a config name) as quoted in a one-line error:
+ * ds4_show of its first 200 bytes. */
+static const char *shown(const char *s) {
+    static _Thread_local char buf[2][1024];     /* two per message at most */
+    static _Thread_local int k;
+    k ^= 1;
+    return ds4_show(buf[k], sizeof buf[k], s, strlen(s), 200);
+}
+
+/* A printable, NUL-terminated copy of a (possibly hostile) name for messages. */
 static const char *gguf_show(char *out, size_t outlen, gguf_str s) {
     size_t n = 0;
     uint64_t i;
@@ -3782,18 +3786,6 @@ extern char **environ;
 
 /* Up to 48 bytes of s (n bytes) for an error line: control and non-ASCII bytes
  * as \xNN, so the message stays one line whatever the environment holds. */
-static const char *env_show(char *out, size_t cap, const char *s, size_t n) {
-    size_t o = 0;
-    for (size_t i = 0; i < n && i < 48 && o + 5 < cap; i++) {
-        const unsigned char c = (unsigned char)s[i];
-        if (c >= 0x20 && c < 0x7f) out[o++] = (char)c;
-        else o += (size_t)snprintf(out + o, cap - o, "\\x%02x", c);
-    }
-    if (n > 48 && o + 4 < cap) { memcpy(out + o, "...", 3); o += 3; }
-    out[o] = 0;
-    return out;
-}
-
 int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
     static const char *known[] = { "DS4_THREADS" };
     char shown[256];
@@ -3807,7 +3799,7 @@ int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
             if (strlen(known[i]) == nl && !strncmp(known[i], *e, nl)) ok = 1;
         if (!ok) {
             errf(err, errlen, "unknown environment variable %s (ds4 reads: DS4_THREADS; see README)",
-                 env_show(shown, sizeof shown, *e, nl));
+                 ds4_show(shown, sizeof shown, *e, nl, 48));
             return -1;
         }
     }
@@ -3818,7 +3810,7 @@ int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
         long v = strtol(t, &end, 10);
         if (errno || end == t || *end || v < 0 || v > DS4_MAX_THREADS) {
             errf(err, errlen, "DS4_THREADS='%s' is not an integer in [0, %d] (0 = all cores)",
-                 env_show(shown, sizeof shown, t, strlen(t)), DS4_MAX_THREADS);
+                 ds4_show(shown, sizeof shown, t, strlen(t), 48), DS4_MAX_THREADS);
             return -1;
         }
         env->threads = (int)v;

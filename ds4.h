@@ -104,6 +104,13 @@ int  ds4_argmax(const float *logits, int n);   /* first maximum */
 /* Deterministic for a given state; scratch must hold n floats + n ints. */
 int  ds4_sample(ds4_sampler *s, const float *logits, int n, void *scratch);
 
+/* ---- messages ---- */
+
+/* s[0:n) as an error line quotes it: printable ASCII as it is, every other byte as \xNN,
+ * at most max bytes and "..." when cut, so that the message stays one line whatever s
+ * holds.  out holds cap bytes (4 * max + 4 always suffice). */
+const char *ds4_show(char *out, size_t cap, const char *s, size_t n, size_t max);
+
 /* ---- environment ---- */
 
 /* Validate every DS4_* environment variable once at start-up: unknown names

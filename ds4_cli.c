@@ -93,22 +93,10 @@ static void usage(FILE *f) {
  * after, in main. Whatever the result, the caller releases the struct with cli_opts_free or
  * synth_opts_free. tests/fuzz/fuzz_cli.c feeds both parsers arbitrary argument vectors. */
 
-/* An argument as an error line quotes it: at most SHOW_MAX bytes, printable ASCII as it is and
- * every other byte (newline, tab, UTF-8 ...) as \xNN, "..." when cut, so that the message stays
- * one line whatever argv holds (ds4.c's env_show does the same for the environment). */
+/* An argument as an error line quotes it (ds4_show): at most SHOW_MAX bytes, "..." when cut. */
 enum { SHOW_MAX = 64, SHOW_BUF = SHOW_MAX * 4 + 4 };
 
-static const char *show(char out[SHOW_BUF], const char *s) {
-    size_t o = 0, i = 0;
-    for (; s[i] && i < SHOW_MAX; i++) {
-        const unsigned char c = (unsigned char)s[i];
-        if (c >= 0x20 && c < 0x7f) out[o++] = (char)c;
-        else o += (size_t)snprintf(out + o, 5, "\\x%02x", c);
-    }
-    if (s[i]) { memcpy(out + o, "...", 3); o += 3; }
-    out[o] = 0;
-    return out;
-}
+static const char *show(char out[SHOW_BUF], const char *s) { return ds4_show(out, SHOW_BUF, s, strlen(s), SHOW_MAX); }
 
 static int parse_int(const char *flag, const char *s, int lo, int hi, int *out, char *err, size_t errlen) {
     char *end;
