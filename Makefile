@@ -18,7 +18,7 @@ CUDA_HOME ?= /usr/local/cuda
 B       := build
 
 CORE_SRC := ds4.c ds4.h ds4_gpu.h ds4_quant.h ds4_tok.h
-QUANT_SRC := ds4_quant.c ds4_quant.h ds4_gpu.h
+QUANT_SRC := ds4_quant.c ds4_quant.h ds4_quant_tables.h ds4_gpu.h
 TOK_SRC := ds4_tok.c ds4_tok.h ds4_unicode.h
 
 .PHONY: all cpu cuda cuda-check test test-c test-py test-gpu sanitize clean models
@@ -89,7 +89,7 @@ $(B)/cuda-%/ds4_cli.o: ds4_cli.c ds4.h ds4_gpu.h
 	@mkdir -p $(dir $@)
 	$(CC) $(CUDA_CFLAGS) -c ds4_cli.c -o $@
 
-$(B)/cuda-%/ds4_cuda.o: ds4_cuda.cu ds4_gpu.h
+$(B)/cuda-%/ds4_cuda.o: ds4_cuda.cu ds4_cuda_quant.cuh ds4_quant_tables.h ds4_gpu.h
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) -arch=$* -DDS4_CUDA -c ds4_cuda.cu -o $@
 
@@ -111,6 +111,11 @@ $(B)/cuda-%/spot_check: tests/spot_check.c $(B)/cuda-%/ds4.o $(B)/cuda-%/ds4_qua
 $(B)/cuda-%/matvec_table: bench/matvec_table.c $(B)/cuda-%/ds4.o $(B)/cuda-%/ds4_quant.o $(B)/cuda-%/ds4_tok.o $(B)/cuda-%/ds4_cuda.o
 	$(CC) $(CUDA_CFLAGS) -I. -I$(CUDA_HOME)/include bench/matvec_table.c $(B)/cuda-$*/ds4.o $(B)/cuda-$*/ds4_quant.o $(B)/cuda-$*/ds4_tok.o $(B)/cuda-$*/ds4_cuda.o -o $@ $(CUDA_LIBS)
 
+# the quant decoders of ds4_cuda_quant.cuh, compiled for the host, against ds4_quant.c (no GPU needed)
+$(B)/cuda-%/test_cuda_quant_host: tests/test_cuda_quant_host.cu ds4_cuda_quant.cuh $(QUANT_SRC)
+	@mkdir -p $(dir $@)
+	$(NVCC) -std=c++17 -O2 -I. tests/test_cuda_quant_host.cu ds4_quant.c -o $@
+
 $(B)/cuda-%/bandwidth: bench/bandwidth.cu
 	@mkdir -p $(dir $@)
 	$(NVCC) -O3 -arch=$* bench/bandwidth.cu -o $@
@@ -125,8 +130,9 @@ cuda-check:
 	 echo "cuda-check: compiling and linking the CUDA build for $(CHECK_ARCH)"; \
 	 $(MAKE) --no-print-directory $(B)/cuda-$(CHECK_ARCH)/ds4 $(B)/cuda-$(CHECK_ARCH)/test_backend_ops \
 	   $(B)/cuda-$(CHECK_ARCH)/ds4_bench $(B)/cuda-$(CHECK_ARCH)/matvec_table $(B)/cuda-$(CHECK_ARCH)/bandwidth \
-	   $(B)/cuda-$(CHECK_ARCH)/spot_check \
-	   CUDA_ARCH=$(CHECK_ARCH)
+	   $(B)/cuda-$(CHECK_ARCH)/spot_check $(B)/cuda-$(CHECK_ARCH)/test_cuda_quant_host \
+	   CUDA_ARCH=$(CHECK_ARCH) && \
+	 $(B)/cuda-$(CHECK_ARCH)/test_cuda_quant_host
 
 # ---- tests ----
 include tests/oracle/Makefile.inc

@@ -3,7 +3,9 @@
  * What it is.  A complete implementation of the backend contract in
  * ds4_gpu.h for NVIDIA GPUs: device memory, weight upload, and every op the
  * forward pass calls, computed in f32 on weights stored exactly as the GGUF
- * file stores them (F32, F16, BF16, Q8_0; I32 for the hash-routing table).
+ * file stores them (F32, F16, BF16, Q8_0; I32 for the hash-routing table;
+ * the routed experts' Q2_K, Q4_K and IQ2_XXS, whose kernels live in
+ * ds4_cuda_quant.cuh, included after the matvec section).
  * The CPU backend in ds4.c is the specification; tests/test_backend_ops.c
  * runs both side by side and states the tolerance of every op.
  *
@@ -167,6 +169,9 @@ __device__ __forceinline__ float bf16_bits_to_f32(uint16_t h) {
     return __uint_as_float((uint32_t)h << 16);
 }
 
+/* Q2_K / Q4_K / IQ2_XXS elements: ds4_cuda_quant.cuh (included after the k_matvec section). */
+__host__ __device__ __forceinline__ float dsq_elem(int type, const uint8_t *row, int64_t k);
+
 /* Element k of a row of the given type (any k; Q8_0 rows are 2-byte aligned). */
 __device__ __forceinline__ float weight_elem(int type, const uint8_t *row, int64_t k) {
     switch (type) {
@@ -178,6 +183,7 @@ __device__ __forceinline__ float weight_elem(int type, const uint8_t *row, int64
         const float d = f16_bits_to_f32(*(const uint16_t *)blk);
         return d * (float)(int8_t)blk[2 + k % DS4_QK8_0];
     }
+    case DS4_TYPE_Q2_K: case DS4_TYPE_Q4_K: case DS4_TYPE_IQ2_XXS: return dsq_elem(type, row, k);
     default: return 0.0f;
     }
 }
@@ -370,12 +376,8 @@ static int type_supported(int type);
  * the kernels below read that layout directly. */
 static int cuda_upload_weight(ds4_weight *w) {
     if (!type_supported(w->type) && w->type != DS4_TYPE_I32) {
-        /* Q2_K, Q4_K, IQ2_XXS: the CPU backend runs them; CUDA kernels for them
-         * have not run on a GPU yet, so the backend says no at load time */
-        const char *tn = w->type == DS4_TYPE_Q2_K ? "Q2_K" : w->type == DS4_TYPE_Q4_K ? "Q4_K"
-                       : w->type == DS4_TYPE_IQ2_XXS ? "IQ2_XXS" : "this";
-        fprintf(stderr, "ds4: the CUDA backend has no kernels for %s weights (tensor %s, type %d); use --backend cpu\n",
-                tn, w->name ? w->name : "?", w->type);
+        fprintf(stderr, "ds4: the CUDA backend has no kernels for weight type %d (tensor %s); use --backend cpu\n",
+                w->type, w->name ? w->name : "?");
         return -1;
     }
     void *p = NULL;
@@ -1423,6 +1425,27 @@ static void matvec_fast_type(const mv_args &a, int n_prob, int n_tok_grid, int m
     else launch_matvec_fast_t<TYPE, 1, MV_DENSE>(a, n_prob, n_tok_grid);
 }
 
+/* A dense launch over nt_dense tokens in chunks: each the largest power of two <= max_chunk
+ * that fits what is left (the fast kernels keep a chunk's activations on chip); fn gets the
+ * chunk's arguments and its token count. */
+template <typename F>
+static void mv_token_chunks(const mv_args &a, int nt_dense, int max_chunk, F fn) {
+    int done = 0;
+    while (done < nt_dense) {
+        int chunk = 1;
+        while (chunk * 2 <= max_chunk && chunk * 2 <= nt_dense - done) chunk *= 2;
+        mv_args c = a;
+        c.x = a.x + (int64_t)done * a.x_tok;
+        c.y = a.y + (int64_t)done * a.y_tok;
+        c.tok0 = done;
+        for (int i = 0; i < a.n_seg; i++) c.seg_y[i] = a.seg_y[i] + (int64_t)done * a.seg_rows[i];
+        fn(c, chunk);
+        done += chunk;
+    }
+}
+
+#include "ds4_cuda_quant.cuh"
+
 /* Generic fallback: one warp per row, any K (multiple of 32 for Q8_0). */
 template <int TYPE>
 __device__ __forceinline__ float mv_row_dot_generic(const uint8_t *row, const float *x, int K, int lane) {
@@ -1476,7 +1499,8 @@ static void matvec_generic_type(const mv_args &a, dim3 grid, int mode, int n_tok
 }
 
 static int type_supported(int type) {
-    return type == DS4_TYPE_F32 || type == DS4_TYPE_F16 || type == DS4_TYPE_BF16 || type == DS4_TYPE_Q8_0;
+    return type == DS4_TYPE_F32 || type == DS4_TYPE_F16 || type == DS4_TYPE_BF16 || type == DS4_TYPE_Q8_0 ||
+           dsq_is_type(type);
 }
 
 static void check_matrix_type(int type, const char *what) {
@@ -1502,7 +1526,11 @@ static bool mv_fast_ok(int64_t K, size_t row_bytes, size_t mat_bytes, const void
  * (blockIdx.z, MoE modes) x nt_dense tokens inside (dense mode). */
 static void matvec_run(int type, int mode, mv_args a, int n_prob, int n_tok_grid, int nt_dense) {
     if ((a.n_seg == 0 && a.rows <= 0) || n_prob <= 0 || n_tok_grid <= 0 || nt_dense <= 0) return;
-    const bool fast = mv_fast_ok(a.K, a.row_bytes, a.mat_bytes, a.w, a.w2);
+    if (dsq_is_type(type) && mvq_fast_ok(type, mode, a.K, a.row_bytes, a.mat_bytes, a.w, a.w2)) {
+        matvec_q_run(type, mode, a, n_prob, n_tok_grid, nt_dense);
+        return;
+    }
+    const bool fast = !dsq_is_type(type) && mv_fast_ok(a.K, a.row_bytes, a.mat_bytes, a.w, a.w2);
     if (a.n_seg > 0 && !fast) {
         fprintf(stderr, "ds4: matvec: a multi-matrix launch needs the fast kernel's shapes\n");
         exit(1);
@@ -1514,29 +1542,23 @@ static void matvec_run(int type, int mode, mv_args a, int n_prob, int n_tok_grid
         case DS4_TYPE_F32:  matvec_generic_type<DS4_TYPE_F32>(a, grid, mode, nt_dense); break;
         case DS4_TYPE_F16:  matvec_generic_type<DS4_TYPE_F16>(a, grid, mode, nt_dense); break;
         case DS4_TYPE_BF16: matvec_generic_type<DS4_TYPE_BF16>(a, grid, mode, nt_dense); break;
+        case DS4_TYPE_Q2_K: matvec_generic_type<DS4_TYPE_Q2_K>(a, grid, mode, nt_dense); break;
+        case DS4_TYPE_Q4_K: matvec_generic_type<DS4_TYPE_Q4_K>(a, grid, mode, nt_dense); break;
+        case DS4_TYPE_IQ2_XXS: matvec_generic_type<DS4_TYPE_IQ2_XXS>(a, grid, mode, nt_dense); break;
         default:            matvec_generic_type<DS4_TYPE_Q8_0>(a, grid, mode, nt_dense); break;
         }
         return;
     }
     a.S = S;
     /* dense tokens in chunks of 4, 2, 1 (the activations of a chunk live in registers) */
-    int done = 0;
-    while (done < nt_dense) {
-        const int rem = nt_dense - done;
-        const int chunk = rem >= 4 ? 4 : rem >= 2 ? 2 : 1;
-        mv_args c = a;
-        c.x = a.x + (int64_t)done * a.x_tok;
-        c.y = a.y + (int64_t)done * a.y_tok;
-        c.tok0 = done;
-        for (int i = 0; i < a.n_seg; i++) c.seg_y[i] = a.seg_y[i] + (int64_t)done * a.seg_rows[i];
+    mv_token_chunks(a, nt_dense, 4, [&](const mv_args &c, int chunk) {
         switch (type) {
         case DS4_TYPE_F32:  matvec_fast_type<DS4_TYPE_F32>(c, n_prob, n_tok_grid, mode, chunk); break;
         case DS4_TYPE_F16:  matvec_fast_type<DS4_TYPE_F16>(c, n_prob, n_tok_grid, mode, chunk); break;
         case DS4_TYPE_BF16: matvec_fast_type<DS4_TYPE_BF16>(c, n_prob, n_tok_grid, mode, chunk); break;
         default:            matvec_fast_type<DS4_TYPE_Q8_0>(c, n_prob, n_tok_grid, mode, chunk); break;
         }
-        done += chunk;
-    }
+    });
 }
 
 /* Dequantize nrows rows of K elements (any type) into dst[nrows][K]. */
@@ -1553,6 +1575,10 @@ __global__ void k_dequant(const uint8_t *src, int type, size_t row_bytes, int64_
 static void launch_dequant(const uint8_t *src, int type, size_t row_bytes, int64_t K, int64_t nrows,
                            float *dst) {
     if (nrows <= 0 || K <= 0) return;
+    if (dsq_is_type(type)) {
+        launch_dequant_q(src, type, row_bytes, K, nrows, dst);
+        return;
+    }
     DS4_LAUNCH(k_dequant<<<grid_for(nrows * K), 256>>>(src, type, row_bytes, K, nrows, dst));
 }
 
@@ -1667,7 +1693,9 @@ static void cuda_matmul_multi(int n, const ds4_weight *const *w, float *const *y
             memset(&a, 0, sizeof a);
             for (int j = i; j < n; j++) {
                 const size_t mb = (size_t)w[j]->ne[1] * rb;
-                if (done[j] || w[j]->type != type || !mv_fast_ok(K, rb, mb, w[j]->dev, NULL)) continue;
+                if (done[j] || w[j]->type != type) continue;
+                if (!(dsq_is_type(type) ? mvq_fast_ok(type, MV_DENSE, K, rb, mb, w[j]->dev, NULL)
+                                        : mv_fast_ok(K, rb, mb, w[j]->dev, NULL))) continue;
                 a.seg_w[a.n_seg] = (const uint8_t *)w[j]->dev;
                 a.seg_y[a.n_seg] = y[j];
                 a.seg_rows[a.n_seg] = (int)w[j]->ne[1];

@@ -61,6 +61,7 @@
  *   Value: q*d.
  */
 #include "ds4_quant.h"
+#include "ds4_quant_tables.h"
 
 #include <string.h>
 
@@ -73,43 +74,11 @@
  * byte i; element j is the 2-bit code at bits 2j..2j+1, and the code maps to
  * a magnitude through iq2_mag (0 -> 8, 1 -> 25, 2 -> 43; code 3 never
  * occurs).  The tests/oracle/quant_oracle.c comparison with ggml over every
- * index value proves the table. */
-static const uint16_t iq2xxs_grid_codes[256] = {
-    0x0000, 0x0002, 0x0005, 0x0008, 0x000a, 0x0011, 0x0014, 0x0020,
-    0x0022, 0x0028, 0x002a, 0x0041, 0x0044, 0x0050, 0x0058, 0x0061,
-    0x0064, 0x0080, 0x0082, 0x008a, 0x00a2, 0x0101, 0x0104, 0x0110,
-    0x0115, 0x0140, 0x0184, 0x0198, 0x0200, 0x0202, 0x0222, 0x0282,
-    0x0401, 0x0404, 0x0410, 0x0421, 0x0424, 0x0440, 0x0442, 0x0448,
-    0x0460, 0x0481, 0x0484, 0x0490, 0x04a4, 0x0500, 0x0502, 0x0508,
-    0x0520, 0x0546, 0x0569, 0x0580, 0x0591, 0x0609, 0x0610, 0x0640,
-    0x0684, 0x06a4, 0x0800, 0x0805, 0x0808, 0x0814, 0x0828, 0x0841,
-    0x0844, 0x0850, 0x0852, 0x0888, 0x0904, 0x0940, 0x0a02, 0x0a14,
-    0x1001, 0x1004, 0x1010, 0x1021, 0x1040, 0x1060, 0x1084, 0x1090,
-    0x1095, 0x1100, 0x1108, 0x1120, 0x1150, 0x115a, 0x1180, 0x1224,
-    0x1245, 0x1400, 0x1408, 0x1420, 0x1425, 0x1449, 0x1480, 0x1518,
-    0x1562, 0x1600, 0x1616, 0x1801, 0x1804, 0x1810, 0x1840, 0x1881,
-    0x1900, 0x1905, 0x19a0, 0x1a51, 0x2000, 0x2002, 0x200a, 0x2044,
-    0x2061, 0x2080, 0x2082, 0x2129, 0x2148, 0x2200, 0x2202, 0x2401,
-    0x2404, 0x2410, 0x2440, 0x2456, 0x2500, 0x2541, 0x2564, 0x2690,
-    0x2808, 0x2820, 0x2894, 0x2a44, 0x4001, 0x4004, 0x4010, 0x4018,
-    0x4021, 0x4024, 0x4040, 0x4048, 0x4056, 0x4060, 0x4081, 0x4084,
-    0x4090, 0x4100, 0x4120, 0x4161, 0x4180, 0x4185, 0x4201, 0x4210,
-    0x4248, 0x4256, 0x4268, 0x4400, 0x4408, 0x4420, 0x4480, 0x4499,
-    0x4512, 0x4524, 0x4600, 0x4801, 0x4804, 0x4810, 0x4840, 0x4845,
-    0x4900, 0x4958, 0x4961, 0x4982, 0x4a45, 0x4a90, 0x5000, 0x5008,
-    0x5011, 0x5019, 0x5020, 0x5080, 0x5088, 0x5104, 0x5142, 0x51a4,
-    0x5291, 0x5490, 0x5492, 0x550a, 0x5601, 0x5654, 0x5800, 0x5811,
-    0x5819, 0x5864, 0x5940, 0x5a08, 0x6004, 0x6010, 0x6040, 0x6068,
-    0x6100, 0x6155, 0x6218, 0x6260, 0x6400, 0x6405, 0x6510, 0x6512,
-    0x6584, 0x6842, 0x8000, 0x8002, 0x800a, 0x8041, 0x8082, 0x8104,
-    0x8118, 0x8140, 0x8211, 0x8401, 0x8404, 0x8410, 0x8415, 0x8440,
-    0x8460, 0x8500, 0x8546, 0x8594, 0x8609, 0x8640, 0x8660, 0x8802,
-    0x8904, 0x8a11, 0x9004, 0x9010, 0x9024, 0x9040, 0x90a1, 0x9116,
-    0x9180, 0x9245, 0x9400, 0x9422, 0x9444, 0x9551, 0x9881, 0x9920,
-    0xa002, 0xa050, 0xa085, 0xa109, 0xa200, 0xa418, 0xa850, 0xa904,
-};
+ * index value proves the table.  The values live in ds4_quant_tables.h, their
+ * one definition, which the CUDA kernels (ds4_cuda_quant.cuh) share. */
+static const uint16_t iq2xxs_grid_codes[256] = DS4_IQ2XXS_GRID_CODES_INIT;
 
-static const uint8_t iq2_mag[4] = { 8, 25, 43, 0 };
+static const uint8_t iq2_mag[4] = DS4_IQ2XXS_MAG_INIT;
 
 /* ---------------------------------------------------------------------------
  * Little helpers
@@ -122,9 +91,8 @@ static uint32_t rd32(const uint8_t *p)
     return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
 }
 
-/* IEEE binary16 -> binary32, exact for every finite value.  NaNs keep their
- * payload and come out quiet, as a hardware conversion (and ggml) gives. */
-static float half_to_float(uint16_t h)
+/* IEEE binary16 -> binary32 (ds4_quant.h). */
+float ds4_quant_f16(uint16_t h)
 {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
     uint32_t exp = (h >> 10) & 0x1fu;
@@ -202,8 +170,8 @@ static void dequant_q2_k(const uint8_t *blk, float *y)
 {
     const uint8_t *scales = blk;
     const uint8_t *qs = blk + 16;
-    const float d = half_to_float(rd16(blk + 80));
-    const float dmin = half_to_float(rd16(blk + 82));
+    const float d = ds4_quant_f16(rd16(blk + 80));
+    const float dmin = ds4_quant_f16(rd16(blk + 82));
     for (int g = 0; g < 16; g++) {
         /* group g = 8*half + 2*pair + k: bytes qs[32*half + 16*k ..], bits 2*pair */
         const uint8_t *q = qs + 32 * (g >> 3) + 16 * (g & 1);
@@ -229,8 +197,8 @@ static void q4_k_scale_min(const uint8_t *s, int j, int *sc, int *mn)
 
 static void dequant_q4_k(const uint8_t *blk, float *y)
 {
-    const float d = half_to_float(rd16(blk));
-    const float dmin = half_to_float(rd16(blk + 2));
+    const float d = ds4_quant_f16(rd16(blk));
+    const float dmin = ds4_quant_f16(rd16(blk + 2));
     const uint8_t *s = blk + 4;
     const uint8_t *qs = blk + 16;
     for (int g = 0; g < 8; g++) {
@@ -247,7 +215,7 @@ static void dequant_q4_k(const uint8_t *blk, float *y)
 
 static void dequant_iq2_xxs(const uint8_t *blk, float *y)
 {
-    const float d = half_to_float(rd16(blk));
+    const float d = ds4_quant_f16(rd16(blk));
     for (int r = 0; r < 8; r++) {
         const uint8_t *rec = blk + 2 + 8 * r;
         const uint32_t w = rd32(rec + 4);
@@ -268,7 +236,7 @@ static void dequant_iq2_xxs(const uint8_t *blk, float *y)
 
 static void dequant_q8_0(const uint8_t *blk, float *y)
 {
-    const float d = half_to_float(rd16(blk));
+    const float d = ds4_quant_f16(rd16(blk));
     for (int j = 0; j < 32; j++)
         y[j] = (float)(int8_t)blk[2 + j] * d;
 }

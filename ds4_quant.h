@@ -15,6 +15,10 @@
 
 #include "ds4_gpu.h"   /* DS4_TYPE_Q2_K/Q4_K/IQ2_XXS, DS4_QK_K, the block sizes */
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 /* Q8_0 (ggml type 8, 32-element blocks of 34 bytes) is also accepted by the
  * functions below: it is the control type of the ggml oracle.  The name is
  * private so it cannot collide with ds4_gpu.h's DS4_TYPE_Q8_0. */
@@ -54,5 +58,13 @@ void ds4_quant_dequant(int type, const void *src, float *dst, int64_t n);
  * values centre on zero; every other field is uniformly random over its full
  * range, which for these types is always in range (see ds4_quant.c). */
 void ds4_quant_random_block(int type, uint64_t *state, uint8_t *out);
+
+/* IEEE binary16 -> binary32, exact for every finite value; NaNs keep their
+ * payload and come out quiet (as a hardware conversion and ggml give). */
+float ds4_quant_f16(uint16_t h);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif /* DS4_QUANT_H */

@@ -64,6 +64,7 @@
 #include <cuda_runtime_api.h>
 
 #include "../ds4_gpu.h"
+#include "../ds4_quant.h"
 
 #ifndef DS4_CUDA
 #error "matvec_table measures the CUDA backend: build it with -DDS4_CUDA (make build/cuda-ARCH/matvec_table)"
@@ -194,6 +195,13 @@ static void build_rows(void) {
     r = add_row("output", 1, OP_MATMUL, 1, "1");              r->fwd = 1; add_w(r, Q8, D, F_VOCAB, 1, 0);
     r = add_row("routed experts (6 of 16)", 1, OP_EXPERTS, L, t_L); r->fwd = 1;
     add_w(r, Q8, D, F_FF, F_EXPERTS, 0); add_w(r, Q8, D, F_FF, F_EXPERTS, 0); add_w(r, Q8, F_FF, D, F_EXPERTS, 0);
+    /* the published files' experts (not in flash16's step: fwd = 0): flash-q2, flash-q4 */
+    r = add_row("routed experts iq2_xxs/q2_k (6 of 16)", 1, OP_EXPERTS, L, t_L);
+    add_w(r, DS4_TYPE_IQ2_XXS, D, F_FF, F_EXPERTS, 0); add_w(r, DS4_TYPE_IQ2_XXS, D, F_FF, F_EXPERTS, 0);
+    add_w(r, DS4_TYPE_Q2_K, F_FF, D, F_EXPERTS, 0);
+    r = add_row("routed experts q4_k (6 of 16)", 1, OP_EXPERTS, L, t_L);
+    add_w(r, DS4_TYPE_Q4_K, D, F_FF, F_EXPERTS, 0); add_w(r, DS4_TYPE_Q4_K, D, F_FF, F_EXPERTS, 0);
+    add_w(r, DS4_TYPE_Q4_K, F_FF, D, F_EXPERTS, 0);
 
     /* section 2: the fused ops, as fwd_batch / fwd_attention / fwd_moe call them */
     r = add_row("hc_pre (attn, ffn sites)", 2, OP_HC_PRE, 2 * L, t_2L);   add_w(r, F32, HC_K, MIX, 1, 0);
@@ -222,6 +230,9 @@ static const char *type_str(int t) {
     case DS4_TYPE_F16: return "f16";
     case DS4_TYPE_BF16: return "bf16";
     case DS4_TYPE_Q8_0: return "q8_0";
+    case DS4_TYPE_Q2_K: return "q2_k";
+    case DS4_TYPE_Q4_K: return "q4_k";
+    case DS4_TYPE_IQ2_XXS: return "iq2_xxs";
     default: return "?";
     }
 }
@@ -274,7 +285,11 @@ static void *make_host(const wspec *s) {
     const float sc = 1.0f / sqrtf((float)s->K);
     for (int64_t r = 0; r < rows; r++) {
         uint8_t *row = p + (size_t)r * rb;
-        if (s->type == DS4_TYPE_Q8_0) {
+        if (ds4_quant_block_elems(s->type) == DS4_QK_K) {   /* Q2_K, Q4_K, IQ2_XXS: valid super-blocks */
+            uint64_t st = rnd_u64();
+            for (int64_t b = 0; b < s->K / DS4_QK_K; b++)
+                ds4_quant_random_block(s->type, &st, row + (size_t)b * ds4_quant_block_bytes(s->type));
+        } else if (s->type == DS4_TYPE_Q8_0) {
             for (int64_t b = 0; b < s->K / DS4_QK8_0; b++) {  /* a normal f16 scale per block */
                 const uint16_t d = ds4_f32_to_f16(sc * (0.5f + 0.25f * (rnd_f() + 1.0f)) / 127.0f);
                 memcpy(row + b * DS4_Q8_0_BLOCK_BYTES, &d, 2);

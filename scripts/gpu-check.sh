@@ -8,8 +8,9 @@
 #   hf        transformers float64 oracle on the carried llama.cpp token sequences
 #   sanitize  compute-sanitizer memcheck/racecheck/synccheck (scripts/sanitize-gpu.sh)
 #   spot      flash16 CUDA vs CPU logits, Q8_0 at the full Flash shape (tests/spot_check.c)
-#   bench     copy bandwidth, ds4_bench on flash16, then tiny and small
-#   kernels   scripts/kernel_report.sh flash16 and build/cuda-$ARCH/matvec_table, where present
+#   bench     copy bandwidth, ds4_bench on flash16, flash-q2@256 and flash-q4@128 (the published
+#             files' layouts at the largest expert counts an H200 holds), then tiny and small
+#   kernels   scripts/kernel_report.sh flash16 and flash-q2@64, build/cuda-$ARCH/matvec_table
 #   all       all of these: build, test, hf, sanitize, spot, bench flash16, kernels, bench tiny+small
 #
 # Rough times on one H200: build ~1 min, test ~2 min, sanitize a few minutes (19 runs, 3 at
@@ -18,6 +19,7 @@
 #
 # Expects (carried from the development machine, because the GPU machine has no network):
 #   build/carry/other.gguf                 the gguf-py-written model (tests/oracle/write_gguf_ggufpy.py)
+#   build/carry/qo-{q2,q4}-ggml.gguf       small-q2/q4 with libggml-quantised experts (test_quant_oracle)
 #   build/carry/{tiny,small}.llama.ds4logit llama.cpp dumps whose tokens the HF oracle replays
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
@@ -52,10 +54,10 @@ measure_bw() {
   BW=$(awk '/copy_bw_GBps/ {print $2}' "$OUT/bandwidth.log")
   row "copy bandwidth: ${BW:-?} GB/s (read+write)"
 }
-# bench_model MODEL LIMIT_S: one ds4_bench run, its RESULT lines appended to the table
+# bench_model MODEL LIMIT_S [PREFILLS]: one ds4_bench run, its RESULT lines appended to the table
 bench_model() {
   step "bench $1"
-  timeout "$2" build/cuda-"$ARCH"/ds4_bench --model "$1" --backend cuda --reps 5 --decode 32 --prefill 512,4096 \
+  timeout "$2" build/cuda-"$ARCH"/ds4_bench --model "$1" --backend cuda --reps 5 --decode 32 --prefill "${3:-512,4096}" \
      --copy-bw "${BW:-0}" 2>&1 | tee "$OUT/bench-$1.log"
   grep RESULT "$OUT/bench-$1.log" | sed 's/^RESULT /bench: /' >> "$OUT/table.txt"
 }
@@ -71,7 +73,7 @@ fi
 make --no-print-directory build/cuda-"$ARCH"/test_backend_ops build/cuda-"$ARCH"/ds4_bench build/cuda-"$ARCH"/bandwidth \
     CUDA_ARCH="$ARCH" >> "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
 echo "build ok"
-cp -f build/carry/other.gguf build/test-out/other.gguf 2>/dev/null || true
+cp -f build/carry/*.gguf build/test-out/ 2>/dev/null || true
 
 if want test; then
   step "backend ops: CUDA vs CPU"
@@ -99,7 +101,7 @@ if want hf; then
 fi
 
 if want sanitize; then
-  step "compute-sanitizer: memcheck, racecheck, synccheck on tiny/small/other; test_backend_ops under memcheck"
+  step "compute-sanitizer: memcheck, racecheck, synccheck on tiny/small/other/small-q2/small-q4; test_backend_ops under memcheck"
   SANITIZE_BIN=$PWD/ds4 CUDA_ARCH="$ARCH" timeout "${SANITIZE_LIMIT:-1800}" bash scripts/sanitize-gpu.sh \
       --out "$OUT/sanitize" 2>&1 | tee "$OUT/sanitize.log"
   src=${PIPESTATUS[0]}
@@ -118,6 +120,8 @@ fi
 if want bench; then
   measure_bw
   bench_model flash16 200      # first: the model the goals are about
+  bench_model flash-q2@256 240 512
+  bench_model flash-q4@128 240 512
 fi
 
 if want kernels; then
@@ -125,6 +129,7 @@ if want kernels; then
   measure_bw
   if [ -f scripts/kernel_report.sh ]; then
     timeout 300 bash scripts/kernel_report.sh flash16 "$OUT" 2>&1 | tee "$OUT/kernel-report.log"
+    PLAIN=0 timeout 200 bash scripts/kernel_report.sh flash-q2@64 "$OUT" 2>&1 | tee "$OUT/kernel-report-q2.log" | tail -25
     krc=${PIPESTATUS[0]}
     # its footer: the last block of non-empty lines it printed (at most 12)
     awk 'NF == 0 {n = 0; next} {buf[n++] = $0} END {for (i = (n > 12 ? n - 12 : 0); i < n; i++) print buf[i]}' \

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # sanitize-gpu.sh -- run the CUDA build of ds4 under NVIDIA compute-sanitizer (memcheck,
-# racecheck, synccheck) on the tiny, small and "other" models, and the backend op test
+# racecheck, synccheck) on the tiny, small, "other", small-q2 and small-q4 models (the last two:
+# the published files' IQ2_XXS/Q2_K and Q4_K expert layouts), and the backend op test
 # (build/cuda-$CUDA_ARCH/test_backend_ops) once under memcheck.  Any finding fails: a non-zero
 # "ERROR SUMMARY", any racecheck hazard (error or warning), any "Error:"/"Warning:" line from
 # the tool, a non-zero exit of the program, or a run that did not finish.
@@ -9,7 +10,7 @@
 # not a benchmark; it needs a GPU and compute-sanitizer, and says so and exits 2 without them.
 #
 #   scripts/sanitize-gpu.sh [--bin PATH] [--out DIR] [--tools "memcheck racecheck synccheck"]
-#                           [--models "tiny small other"] [--timeout S] [--ops-timeout S]
+#                           [--models "tiny small other small-q2 small-q4"] [--timeout S] [--ops-timeout S]
 #                           [--jobs N] [--no-ops]
 #
 # Environment equivalents: SANITIZE_BIN (default ./ds4), SANITIZE_OUT (build/sanitize-out),
@@ -40,7 +41,7 @@ cd "$(dirname "$0")/.." || exit 2
 BIN=${SANITIZE_BIN:-./ds4}
 OUTDIR=${SANITIZE_OUT:-build/sanitize-out}
 TOOLS=${SANITIZE_TOOLS:-memcheck racecheck synccheck}
-MODELS=${SANITIZE_MODELS:-tiny small other}
+MODELS=${SANITIZE_MODELS:-tiny small other small-q2 small-q4}
 RUNS=${SANITIZE_RUNS:-136:4 120:12 24:12}
 TMO=${SANITIZE_TIMEOUT:-300}
 OPS_TMO=${SANITIZE_OPS_TIMEOUT:-300}
@@ -70,7 +71,8 @@ for t in $TOOLS; do
   case "$t" in memcheck|racecheck|synccheck|initcheck) ;; *) die_env "unknown tool '$t'" ;; esac
 done
 for m in $MODELS; do
-  case "$m" in tiny|small|other) ;; *) die_env "unknown model '$m' (tiny, small, other)" ;; esac
+  case "$m" in tiny|small|other|small-q2|small-q4) ;;
+    *) die_env "unknown model '$m' (tiny, small, other, small-q2, small-q4)" ;; esac
 done
 [[ "$JOBS" =~ ^[1-9][0-9]*$ ]] || die_env "--jobs must be a positive integer"
 [[ "$TMO" =~ ^[1-9][0-9]*$ && "$OPS_TMO" =~ ^[1-9][0-9]*$ ]] || die_env "timeouts must be positive integers (seconds)"
@@ -113,6 +115,9 @@ for m in $(printf '%s\n' tiny $MODELS | awk '!seen[$0]++'); do
   case "$m" in
     tiny|small)
       timeout 120 "$BIN" synth --config "$m" --seed 1 --type f32 -o "$p" > "$OUTDIR/synth-$m.log" 2>&1 \
+        || die_env "ds4 synth --config $m failed: $(tail -1 "$OUTDIR/synth-$m.log")" ;;
+    small-q2|small-q4)
+      timeout 120 "$BIN" synth --config "$m" --seed 1 -o "$p" > "$OUTDIR/synth-$m.log" 2>&1 \
         || die_env "ds4 synth --config $m failed: $(tail -1 "$OUTDIR/synth-$m.log")" ;;
     other)
       [ -f "$p" ] || cp -f build/carry/other.gguf "$p" 2>/dev/null ;;

@@ -50,12 +50,16 @@ def model_path(name):
 
 
 def make_model(name):
-    """tiny/small from ds4 synth (seed 1, f32); other from llama.cpp's gguf-py writer (seed 1)."""
+    """tiny/small from ds4 synth (seed 1, f32), small-q2/small-q4 from ds4 synth (seed 1, the
+    published files' types); other from llama.cpp's gguf-py writer (seed 1).  Any other name
+    must already exist in OUT (e.g. qo-q2-ggml, written by test_quant_oracle)."""
     p = model_path(name)
     if os.path.exists(p):
         return p
     if name in ("tiny", "small"):
         ds4_run(["synth", "--config", name, "--seed", "1", "--type", "f32", "-o", p])
+    elif name in ("small-q2", "small-q4"):   # the published files' type layouts, small shape
+        ds4_run(["synth", "--config", name, "--seed", "1", "-o", p])
     elif name == "other":
         r = run([sys.executable, os.path.join(REPO, "tests", "oracle", "write_gguf_ggufpy.py"),
                  "--gguf-py", os.path.join(ORACLE_DIR, "gguf-py"), "--config", "other",

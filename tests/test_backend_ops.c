@@ -3,7 +3,8 @@
  *
  * For each op and each of several shapes (single token, odd token counts,
  * prefill-sized batches; widths that are and are not multiples of 256; every
- * weight type, Q8_0 built from valid blocks) the same inputs go to both
+ * weight type, Q8_0, Q2_K, Q4_K and IQ2_XXS built from random valid blocks) the
+ * same inputs go to both
  * backends, the CUDA outputs are pre-filled with NaN so an element the kernel
  * never writes shows up, and the outputs are compared:
  *
@@ -29,6 +30,7 @@
 
 #include "ds4_gpu.h"
 #include "ds4.h"
+#include "ds4_quant.h"
 
 /* ---- tolerances (relative, ||d|| / ||ref||) ------------------------------
  * EXACT:   pure data movement, or one IEEE operation per element done the
@@ -138,7 +140,13 @@ static ds4_weight make_weight(int type, int64_t K, int64_t N, int64_t E, float s
     uint8_t *p = malloc(w.nbytes);
     for (int64_t r = 0; r < rows; r++) {
         uint8_t *row = p + ds4_row_bytes(type, K) * (size_t)r;
-        if (type == DS4_TYPE_Q8_0) {
+        if (type == DS4_TYPE_Q2_K || type == DS4_TYPE_Q4_K || type == DS4_TYPE_IQ2_XXS) {
+            /* random valid super-blocks (ds4_quant.c: values O(0.01..0.1), `scale` unused) */
+            uint64_t st = rnd_u64();
+            const size_t bb = ds4_quant_block_bytes(type);
+            for (int64_t b = 0; b < K / ds4_quant_block_elems(type); b++)
+                ds4_quant_random_block(type, &st, row + (size_t)b * bb);
+        } else if (type == DS4_TYPE_Q8_0) {
             for (int64_t b = 0; b < K / DS4_QK8_0; b++) {
                 uint8_t *blk = row + b * DS4_Q8_0_BLOCK_BYTES;
                 /* a valid scale (normal f16) and quants in [-127, 127] */
@@ -173,6 +181,7 @@ static const char *type_name(int t) {
     switch (t) {
     case DS4_TYPE_F32: return "f32"; case DS4_TYPE_F16: return "f16";
     case DS4_TYPE_BF16: return "bf16"; case DS4_TYPE_Q8_0: return "q8_0"; case DS4_TYPE_I32: return "i32";
+    case DS4_TYPE_Q2_K: return "q2_k"; case DS4_TYPE_Q4_K: return "q4_k"; case DS4_TYPE_IQ2_XXS: return "iq2_xxs";
     default: return "?";
     }
 }
@@ -825,11 +834,12 @@ static void test_moe_route(int nt, int E, int k, int hash, int norm, float wscal
 /* Routed experts.  sel/wts are a valid routing (k distinct experts per
  * token); `skew` concentrates tokens on few experts, which moves a large
  * batch from the per-token kernels to the grouped GEMM path. */
-static void test_moe_experts_add(int type, int64_t D, int64_t F, int E, int k, int nt, float clamp, int skew,
-                                 int with_add) {
+/* gate and up of type `type`, down of type `tdown` (the Flash files: IQ2_XXS / Q2_K) */
+static void test_moe_experts_t(int type, int tdown, int64_t D, int64_t F, int E, int k, int nt, float clamp,
+                               int skew, int with_add) {
     ds4_weight g = make_weight(type, D, F, E, 1.0f / sqrtf((float)D));
     ds4_weight u = make_weight(type, D, F, E, 1.0f / sqrtf((float)D));
-    ds4_weight dn = make_weight(type, F, D, E, 1.0f / sqrtf((float)F));
+    ds4_weight dn = make_weight(tdown, F, D, E, 1.0f / sqrtf((float)F));
     float *x = rnd_vec((size_t)nt * D, 2.0f);
     int32_t *sel = malloc((size_t)nt * k * sizeof(int32_t));
     float *wts = malloc((size_t)nt * k * sizeof(float));
@@ -864,15 +874,23 @@ static void test_moe_experts_add(int type, int64_t D, int64_t F, int E, int k, i
         dev_free_all(bi);
     }
     char shape[96];
-    snprintf(shape, sizeof shape, "%s D=%lld F=%lld E=%d k=%d nt=%d L=%g%s%s", type_name(type), (long long)D,
+    char tn[32];
+    if (tdown == type) snprintf(tn, sizeof tn, "%s", type_name(type));
+    else snprintf(tn, sizeof tn, "%s/%s", type_name(type), type_name(tdown));
+    snprintf(shape, sizeof shape, "%s D=%lld F=%lld E=%d k=%d nt=%d L=%g%s%s", tn, (long long)D,
              (long long)F, E, k, nt, clamp, skew ? " skew" : "", with_add ? " +add" : "");
     check_f32("moe_experts", shape, out[0], out[1], n, TOL_CHAIN);
     free(out[0]); free(out[1]); free(x); free(sel); free(wts); free(add);
     free_weight(&g); free_weight(&u); free_weight(&dn);
 }
 
+static void test_moe_experts_add(int type, int64_t D, int64_t F, int E, int k, int nt, float clamp, int skew,
+                                 int with_add) {
+    test_moe_experts_t(type, type, D, F, E, k, nt, clamp, skew, with_add);
+}
+
 static void test_moe_experts(int type, int64_t D, int64_t F, int E, int k, int nt, float clamp, int skew) {
-    test_moe_experts_add(type, D, F, E, k, nt, clamp, skew, 0);
+    test_moe_experts_t(type, type, D, F, E, k, nt, clamp, skew, 0);
 }
 
 static void test_swiglu(int64_t n, float limit, int in_place) {
@@ -945,6 +963,47 @@ static void test_determinism(void) {
         dev_free_all(bi);
         free(x); free_weight(&w);
     }
+    /* the quant types' tensor-core matvec (dense, two tokens per launch) and experts */
+    {
+        const int qt[3] = { DS4_TYPE_Q2_K, DS4_TYPE_Q4_K, DS4_TYPE_IQ2_XXS };
+        for (int ti = 0; ti < 3; ti++) {
+            ds4_weight w = make_weight(qt[ti], 4096, 300, 1, 0.0f);
+            float *x = rnd_vec((size_t)2 * 4096, 1.0f);
+            ds4_weight wb = weight_on(bi, &w);
+            float *dx = dev_put(bi, x, (size_t)2 * 4096 * 4), *dy = dev_poison(bi, (size_t)2 * 300);
+            float *r[2];
+            for (int rep = 0; rep < 2; rep++) {
+                B[bi]->matmul(&wb, 0, dx, dy, 2);
+                r[rep] = dev_get(bi, dy, (size_t)2 * 300 * 4);
+            }
+            char what[64];
+            snprintf(what, sizeof what, "matmul %s 4096x300 nt=2", type_name(qt[ti]));
+            check_same(what, r[0], r[1], (size_t)2 * 300 * 4);
+            free(r[0]); free(r[1]);
+            B[bi]->release_weight(&wb);
+            dev_free_all(bi);
+            free(x); free_weight(&w);
+        }
+        const int D = 4096, F = 2048, E = 16, k = 6;
+        ds4_weight g = make_weight(DS4_TYPE_IQ2_XXS, D, F, E, 0.0f), u = make_weight(DS4_TYPE_IQ2_XXS, D, F, E, 0.0f);
+        ds4_weight dn = make_weight(DS4_TYPE_Q2_K, F, D, E, 0.0f);
+        float *x = rnd_vec(D, 1.0f), *wts = rnd_vec(k, 1.0f);
+        int32_t sel[6] = { 3, 0, 15, 7, 8, 12 };
+        ds4_weight gb = weight_on(bi, &g), ub = weight_on(bi, &u), db = weight_on(bi, &dn);
+        float *dx = dev_put(bi, x, (size_t)D * 4), *dw = dev_put(bi, wts, (size_t)k * 4);
+        int32_t *dsl = dev_put(bi, sel, sizeof sel);
+        float *dy = dev_poison(bi, D);
+        float *r[2];
+        for (int rep = 0; rep < 2; rep++) {
+            B[bi]->moe_experts(dx, dsl, dw, &gb, &ub, &db, 1, k, 10.0f, NULL, dy);
+            r[rep] = dev_get(bi, dy, (size_t)D * 4);
+        }
+        check_same("moe_experts iq2_xxs/q2_k nt=1", r[0], r[1], (size_t)D * 4);
+        free(r[0]); free(r[1]);
+        B[bi]->release_weight(&gb); B[bi]->release_weight(&ub); B[bi]->release_weight(&db);
+        dev_free_all(bi);
+        free(x); free(wts); free_weight(&g); free_weight(&u); free_weight(&dn);
+    }
     /* attention: decode with split rows (chunk partials + combine) */
     {
         const int H = 64, d = 512, W = 128, pos0 = 2000, k = 512;
@@ -1011,6 +1070,71 @@ static void test_determinism(void) {
         B[bi]->release_weight(&gb); B[bi]->release_weight(&ub); B[bi]->release_weight(&db);
         dev_free_all(bi);
         free(x); free(wts); free(sel); free_weight(&g); free_weight(&u); free_weight(&dn);
+    }
+}
+
+/* Q2_K, Q4_K and IQ2_XXS, the routed experts of the published Flash files (random valid
+ * super-blocks).  Their decode kernel (ds4_cuda_quant.cuh) takes K = 256 n with 4-byte
+ * aligned rows, two dense tokens per launch, 16-row tiles; so: token counts 1..8 (odd
+ * counts leave a one-token launch), rows that are not a multiple of 16, K = 256 x odd
+ * (IQ2_XXS rows of 66 x odd bytes are 2-byte aligned: the generic path), one super-block,
+ * a K whose staged activations nearly fill shared memory, 64 tokens (dequantisation +
+ * GEMM), an expert of a 3-D weight, every op that takes a weight.  Tolerances as for the
+ * other types: the products are exact in the tensor-core kernel and the sums f32 (see its
+ * essay), so the error is DOT-sized. */
+static void test_quant_types(void) {
+    const int qt[3] = { DS4_TYPE_Q2_K, DS4_TYPE_Q4_K, DS4_TYPE_IQ2_XXS };
+    for (int ti = 0; ti < 3; ti++) {
+        const int t = qt[ti];
+        for (int nt = 1; nt <= 8; nt++) test_matmul(t, 4096, 300, 1, 0, nt);
+        test_matmul(t, 4096, 300, 1, 0, 64);
+        test_matmul(t, 2048, 4099, 1, 0, 1);     /* many rows: several tiles per warp */
+        test_matmul(t, 2048, 4096, 1, 0, 2);
+        test_matmul(t, 256, 37, 1, 0, 1);        /* one super-block, a partial tile */
+        test_matmul(t, 256, 37, 1, 0, 3);
+        test_matmul(t, 768, 515, 1, 0, 2);       /* K = 3 x 256 */
+        test_matmul(t, 1280, 77, 1, 0, 1);       /* K = 5 x 256 */
+        test_matmul(t, 1280, 77, 1, 0, 64);
+        test_matmul(t, 7168, 9, 1, 0, 1);        /* 28 super-blocks, fewer rows than a tile */
+        test_matmul(t, 24576, 20, 1, 0, 1);      /* 96 super-blocks of staged activations */
+        test_matmul(t, 24576, 20, 1, 0, 2);
+        test_matmul(t, 1024, 64, 3, 2, 1);
+        test_matmul(t, 1024, 64, 3, 1, 64);
+        for (int ni = 0; ni < 3; ni++) {
+            const int nts[3] = { 1, 3, 64 };
+            test_matmul_grouped(t, 1024, 4, 96, nts[ni]);
+            test_matmul_grouped(t, 768, 3, 50, nts[ni]);
+        }
+        test_matmul_swiglu(t, 4096, 2048, 1, 10.0f);
+        test_matmul_swiglu(t, 4096, 2048, 3, 10.0f);
+        test_matmul_swiglu(t, 768, 48, 2, 0.0f);
+        test_matmul_swiglu(t, 1024, 512, 64, 7.0f);
+        test_moe_experts(t, 1024, 1024, 8, 4, 1, 10.0f, 0);
+        test_moe_experts(t, 1024, 1024, 8, 4, 3, 10.0f, 0);
+        test_moe_experts(t, 1024, 1024, 8, 4, 64, 10.0f, 1);
+        test_moe_experts(t, 768, 1280, 4, 2, 3, 0.0f, 0);
+        {
+            const int mixed[4] = { t, DS4_TYPE_Q8_0, t, DS4_TYPE_F16 };
+            const int r4[4] = { 300, 64, 515, 100 };
+            const int two[2] = { t, t };
+            const int r2[2] = { 1024, 37 };
+            test_matmul_multi(4, mixed, r4, 4096, 1, 1, 1, 5, 128);
+            test_matmul_multi(4, mixed, r4, 4096, 2, 0, 1, 3, 4);
+            test_matmul_multi(2, two, r2, 1024, 1, 1, 1, 126, 128);
+            test_matmul_multi(2, two, r2, 1024, 3, 1, 0, 0, 1);
+            test_matmul_multi(2, two, r2, 768, 64, 1, 1, 2, 4);
+        }
+    }
+    /* the 81 GB file's experts: IQ2_XXS gate|up, Q2_K down, at Flash's D and F */
+    test_moe_experts_t(DS4_TYPE_IQ2_XXS, DS4_TYPE_Q2_K, 4096, 2048, 16, 6, 1, 10.0f, 0, 0);
+    test_moe_experts_t(DS4_TYPE_IQ2_XXS, DS4_TYPE_Q2_K, 4096, 2048, 16, 6, 1, 10.0f, 0, 1);
+    test_moe_experts_t(DS4_TYPE_IQ2_XXS, DS4_TYPE_Q2_K, 4096, 2048, 16, 6, 4, 10.0f, 0, 1);
+    test_moe_experts_t(DS4_TYPE_IQ2_XXS, DS4_TYPE_Q2_K, 4096, 2048, 16, 6, 64, 10.0f, 1, 0);
+    test_moe_experts_t(DS4_TYPE_Q4_K, DS4_TYPE_Q4_K, 4096, 2048, 16, 6, 1, 10.0f, 0, 1);
+    test_moe_experts_t(DS4_TYPE_IQ2_XXS, DS4_TYPE_Q8_0, 1024, 1024, 8, 4, 2, 10.0f, 0, 0);
+    for (int ti = 0; ti < 3; ti++) {          /* dsq_elem: bit-exact like the CPU's dequantisation */
+        test_embed(qt[ti], 4096, 20, 2, 1);
+        test_embed(qt[ti], 768, 50, 3, 4);
     }
 }
 
@@ -1227,6 +1351,8 @@ int main(void) {
     test_moe_experts_add(DS4_TYPE_Q8_0, 4096, 2048, 16, 6, 1, 10.0f, 0, 1);
     test_moe_experts_add(DS4_TYPE_F32, 96, 64, 4, 2, 3, 0.0f, 0, 1);
     test_moe_experts_add(DS4_TYPE_Q8_0, 1024, 1024, 8, 4, 64, 10.0f, 1, 1);
+
+    test_quant_types();
 
     test_determinism();
 

@@ -44,9 +44,7 @@ def compare(a, b, tol):
     return worst
 
 
-@skip_no_gpu
-@pytest.mark.parametrize("name", ["tiny", "small", "other"])
-def test_cuda_matches_cpu(name):
+def cuda_vs_cpu(name):
     """Teacher-forced on the CPU's greedy tokens: prefill + 300 decode steps."""
     cpu = ds4_dump(name, tag="cpu-ref", extra=["--backend", "cpu"])
     d = ds4logit.read(cpu)
@@ -54,6 +52,25 @@ def test_cuda_matches_cpu(name):
     gpu = ds4_dump(name, tag="cuda", binary=CUDA_BIN, extra=["--backend", "cuda", "--force", cont])
     worst = compare(gpu, cpu, GPU_TOL)
     print(f"{name}: max |dlogit| cuda vs cpu = {worst:.3g}")
+
+
+@skip_no_gpu
+@pytest.mark.parametrize("name", ["tiny", "small", "other"])
+def test_cuda_matches_cpu(name):
+    cuda_vs_cpu(name)
+
+
+# The quantised layouts (IQ2_XXS/Q2_K or Q4_K experts, ds4_cuda_quant.cuh): the same bound.  Their
+# kernels' products are exact and their sums f32 (tensor-core accumulation), so the per-op error
+# is DOT-sized like every other matvec's (test_backend_ops).  qo-*-ggml hold expert blocks
+# written by libggml's own quantiser (test_quant_oracle makes them with the llama.cpp library;
+# the GPU machine has no network, so scripts/gpu-check.sh carries them from build/carry/).
+@skip_no_gpu
+@pytest.mark.parametrize("name", ["small-q2", "small-q4", "qo-q2-ggml", "qo-q4-ggml"])
+def test_cuda_matches_cpu_quant(name):
+    if name.startswith("qo-") and not os.path.exists(os.path.join(OUT, name + ".gguf")):
+        pytest.skip(f"skipped: {name}.gguf not in {OUT} (made by test_quant_oracle, carried by scripts/gpu-check.sh)")
+    cuda_vs_cpu(name)
 
 
 @skip_no_gpu
