@@ -15,86 +15,94 @@
  *     matvec_q_run is its entry (the counterpart of matvec_run), mvq_launch_t its one launcher.
  *
  * Why tensor cores, in a memory-bound kernel.  Decode streams each expert weight once, so
- * the goal is DRAM bandwidth (>= 2.5 TB/s of ~4.2 on an H200).  At 2.5 TB/s an H200 must
- * consume 9.7e12 IQ2_XXS weights per second (66 bytes per 256), i.e. 37 weights per SM per
- * clock, while an SM issues 4 warp instructions (128 lane operations) per clock: a budget of
- * ~3.4 lane instructions per weight for everything (Q2_K: ~4.4, Q4_K: ~7.5).  An f32 FFMA
- * per weight plus the instruction that turns the packed weight into an f32 register are
- * already 2; IQ2_XXS adds a sign per weight and a grid lookup per 8, and counted carefully
- * an f32 CUDA-core kernel needs ~3.9 lane instructions per IQ2_XXS weight (Q2_K ~3.5): more
- * than the budget, whatever its memory pipeline.  mma.sync (sm_80+) takes the multiply-adds
- * off the issue budget: the weights are decoded into f16 pairs (two weights per 32-bit
- * register, two or three lane instructions per pair) and a warp-wide m16n8k16 MMA does 16
- * rows x 16 weights at once.  Counted on this file's compiled PTX (sm_90, one loop step,
- * and+xor / and+or pairs counted as the one LOP3 they become) it needs ~3.1 (IQ2_XXS
- * gate|up), ~2.9 (Q2_K down) and ~2.1 (Q4_K) lane instructions per weight, so Q2_K and
- * Q4_K have room and IQ2_XXS reaches 2.5 TB/s only at ~90% issue efficiency: its sign and
- * scale (IMAD, LOP3, HMUL2 per pair of weights) are the floor, see dsq_iq2_group.
+ * the goal is DRAM bandwidth (~4.2 TB/s copy on an H200).  At 2.5 TB/s an H200 must consume
+ * 9.7e12 IQ2_XXS weights per second (66 bytes per 256), i.e. 37 weights per SM per clock,
+ * while an SM issues 4 warp instructions (128 lane operations) per clock: a budget of ~3.4
+ * lane instructions per weight for everything (Q2_K: ~4.4, Q4_K: ~7.5).  An f32 FFMA per
+ * weight plus the instruction that turns the packed weight into a register are already 2;
+ * IQ2_XXS adds a sign per weight and a grid lookup per 8 (~3.9 lane instructions per weight
+ * on CUDA cores).  mma.sync (sm_80+) takes the multiply-adds off the issue budget; the rest
+ * is decoding the weights into MMA operands, and the two paths below do that:
+ *   - the f16 path (IQ2_XXS): weights as f16 pairs, m16n8k16, activations split into three
+ *     f16 parts.  The grid expands to f16 magnitude pairs in shared memory, so a group of 8
+ *     is one 128-bit lookup, its signs become f16 sign bits by one multiply per pair and its
+ *     scale one f16x2 multiply (see dsq_iq2_group): ~3.1 lane instructions per weight in the
+ *     compiled loop (ncu, sm_90), ~4.0 with everything.
+ *   - the integer path (Q2_K, Q4_K): weights as u8, m16n8k32 (u8 x s8 -> s32), activations as
+ *     four signed 7-bit digits.  A quant run is one shift and mask per four weights (Q2_K: and
+ *     a multiply by its 4-bit scale, which fits the byte); ~3x fewer instructions per weight
+ *     than the f16 form these types had, and sums that are exact integers.
+ * Measured (bench/RESULTS.md), neither reaches 2.5 TB/s at decode: an expert matrix of these
+ * types is 4-8 MB, a launch moves 16-57 MB, and the fixed cost of a launch (activations
+ * staged per block, the pipeline filling, the tail) is a large part of 15-30 us; IQ2_XXS is
+ * also issue-bound (46% of issue slots busy at 4 lane instructions per weight).
  *
- * Numerics: exact products, f32 sums.  Each weight is d * (an integer) [- dmin * m] with the
- * integer small enough to be an exact f16: Q2_K sc*q <= 45, Q4_K sc*q <= 945, IQ2_XXS
- * (2*ls+1) * (+-grid magnitude) <= 1333 (< 2048, the f16 integer limit).  Those integers are
- * the MMA's A operand, built with exact f16 arithmetic (fma.rn.f16x2 whose exact result is
- * representable, so no rounding happens).  The activations are the B operand: per super-block
- * of 256 the block scales x by a power of two 2^a so that 2^9 <= max|x 2^a| < 2^10, and splits
- * each scaled value into three f16 parts hi + mid + lo equal to it (24 significant bits in
- * 3 x 11; exact for |x 2^a| >= 1/2, below that within 2^-25, i.e. 2^-34 of the block's largest
- * value, where the parts reach f16's subnormal grid).  So every product in the MMA is exact
- * (11 x 11 bits) and the only rounding is the tensor core's f32 accumulation (one chain of
- * 16 MMAs per super-block; NVIDIA's tensor cores align the addends to the largest and may
- * truncate instead of rounding, an error of the order of f32 rounding -- the one part of
- * this arithmetic the host test cannot emulate, so test_backend_ops' comparison on the GPU
- * is its check), then f32 FFMAs: d * 2^-a * D per super-block, and for
- * Q2_K/Q4_K the min term dmin * sum_g m_g * (sum of x over group g), subtracted in f32.  The
- * weights are the exact values d*sc*q - dmin*m (ds4_quant.c rounds each once to f32), so the
- * result is an f32-accurate dot product in a different order, like every other matvec: the
- * expected error is ~1e-7 of ||y||, inside test_backend_ops' TOL_DOT (1e-5).  Columns of the
- * MMA are free, so the three parts (x two tokens in dense mode) are B's columns 0..5.
+ * Numerics: exact products, f32 sums.  Each weight is d * (an integer) [- dmin * m] with a
+ * small integer, and that integer is the MMA's A operand:
+ *   - f16 path: (2*ls+1) * (+-grid magnitude) <= 1333 (< 2048, the f16 integer limit), built
+ *     with exact f16 arithmetic (fma.rn.f16x2 whose exact result is representable).  B: per
+ *     super-block of 256, x scaled by a power of two 2^a so that 2^9 <= max|x 2^a| < 2^10 and
+ *     split into three f16 parts hi + mid + lo equal to it (exact for |x 2^a| >= 1/2, below
+ *     that within 2^-25, i.e. 2^-34 of the block's largest value).  Every product in the MMA is
+ *     exact (11 x 11 bits); the only rounding is the tensor core's f32 accumulation (16 MMAs
+ *     per super-block; it may truncate instead of rounding, an error of the order of f32
+ *     rounding that the host test cannot emulate: test_backend_ops on the GPU checks it).
+ *     Columns are free, so the three parts (x two tokens in dense mode) are B's columns 0..5.
+ *   - integer path: A = sc*q (Q2_K, <= 45) or q / 16q (Q4_K, whose 6-bit scale multiplies the
+ *     MMA's s32 result instead), and the min m broadcast in a second A; B: per super-block x
+ *     scaled by 2^a so that 32 <= max|x 2^a| < 64, as four digits q0 + q1 2^-7 + q2 2^-14 +
+ *     q3 2^-21 (each in [-64, 64]; x 2^a to within 2^-22, i.e. 2^-27 of the block's largest
+ *     value, dsq_digits4).  Every MMA sum is an exact s32 (bounds at mvq_sb_i8).  Columns 4u +
+ *     p hold digit p of token u.
+ * Then f32: d * 2^-a * D per super-block (integer path: minus dmin * 2^-a * Dmin), and per row
+ * the columns combined in a fixed order.  The weights are the exact values d*sc*q - dmin*m
+ * (ds4_quant.c rounds each once to f32), so the result is an f32-accurate dot product in a
+ * different order, like every other matvec: the expected error is ~1e-7 of ||y||, inside
+ * test_backend_ops' TOL_DOT (1e-5).
  *
  * How a block works (256 threads, 8 warps).  A row of K = 256 n is n super-blocks (SBs).
  * Like k_matvec, the warps split the SBs into S slices (S the largest power of two <= min(8,
  * n); warp w takes SBs w%S, w%S + S, ...) and G = 8/S row groups; a warp walks its tiles of
  * 16 rows (tile gr + G i of the block), and for each tile its SBs.
  *   - The block first puts the first weight tiles in flight (cp.async, a per-warp ring of
- *     stages of 16 rows x 1 SB per matrix), then stages the activations: the B
- *     fragments of every SB in the exact register order of the MMA (one 8-byte LDS per MMA
- *     and lane, conflict-free), the per-SB factor 2^-a, and the group sums for the min term.
+ *     stages of 16 rows x 1 SB per matrix), then stages the activations: the B fragments of
+ *     every SB in the exact register order of the MMA (one 8-byte LDS per MMA and lane,
+ *     conflict-free) and the per-SB factor 2^-a.
  *   - Each lane of a warp owns, in every row of its tile pair (rows g and g+8, g = lane/4),
- *     the same quarter of the SB, chosen so that its scales are few and its bytes adjacent:
- *     IQ2_XXS records t and t+4 (t = lane%4: 2 x 32 weights, 2 scales), Q2_K quant run t
- *     (64 weights of 4 groups), Q4_K quant run t (64 weights of 2 groups).  The MMA's k index
- *     is a free permutation of the SB, so B is staged in whatever order the A decode yields
- *     (dsq_frag_elem / dsq_frag_slot, tested on the host).
+ *     a part of the SB chosen so that its scales are few and its bytes adjacent: IQ2_XXS
+ *     records t and t+4 (t = lane%4: 2 x 32 weights, 2 scales; dsq_frag_elem / dsq_frag_slot
+ *     say which k slot holds which element, and B is staged to match); Q2_K and Q4_K the 8
+ *     elements 32j+8t.. of each MMA j (dsq_i8_elem: contiguous bytes of one quant run).
  *   - Weights reach shared memory by cp.async in 16-byte chunks (4-byte when rows are not
  *     16-byte aligned): the aligned superset of the SB in each row (its first byte lands at
  *     offset (sb*BB) mod 16), a warp instruction copying 32 contiguous bytes of each of 16
  *     rows, one instruction per chunk; each lane then reads its bytes from shared memory
- *     with aligned 32-bit (Q4_K: 128-bit) loads and funnel shifts.
+ *     with aligned 32-bit (Q4_K: 64- and 128-bit) loads, IQ2_XXS's with funnel shifts.
  *   - IQ2_XXS: the 256-entry grid is expanded once per block to f16 magnitude pairs
  *     (16 bytes per entry) and replicated 8 times so that the 8 lanes of each quarter-warp
  *     phase of a 128-bit load always hit different banks (a random lookup into one copy costs
- *     ~10 wavefronts per warp instead of 4, which alone would cap the kernel near 2 TB/s);
- *     the 128 sign bytes (7 stored signs + parity) are a shared table too.  A group's signs
- *     become the f16 sign bits of four pairs by one multiply each (sign bits 2p, 2p+1 land on
- *     bits 15 and 31, see dsq_iq2_group), the scale (2 ls + 1) by one f16x2 multiply.
- *   - After the last SB of a tile, the three part columns of each row are summed in a fixed
- *     order ((hi + mid) + lo), the min terms of the four lanes of a row added by a butterfly,
- *     and the warp's slice partial goes to shared memory; the block adds the S partials of a
- *     row in slice order, then writes y (dense: plus the ape row; gate|up: silu(g) * u).
+ *     ~10 wavefronts per warp instead of 4); the 128 sign bytes (7 stored signs + parity) are
+ *     a shared table too.
+ *   - After the last SB of a tile, each row's columns are combined in a fixed order (f16
+ *     path: (hi + mid) + lo; integer path: (d0 + d1 2^-7) + (d2 + d3 2^-7) 2^-14), and the
+ *     warp's slice partial goes to shared memory; the block adds the S partials of a row in
+ *     slice order, then writes y (dense: plus the ape row; gate|up: silu(g) * u).
  *
  * Determinism.  Fixed reduction shapes only (MMA chains in SB order, f32 accumulation in SB
  * order, butterflies, slice sums in order), no atomics.  A row's arithmetic depends only on
  * K and the type: not on the grid, the tile it shares, or the rows per warp.
  *
  * Grid.  As mv_plan: one wave of blocks (occupancy x SMs), rows per warp grown only when
- * every resident block slot has work.  Two blocks per SM fit (registers <= 128, shared
- * memory <= ~106 KB for the Flash shapes).  Bytes in flight: each warp keeps one (gate|up)
- * or two stages of 16 rows ahead (per SM: IQ2_XXS gate|up 34 KB, Q4_K gate|up 74 KB, Q2_K
- * down 43 KB), above the ~20-25 KB per SM that the H200's latency x bandwidth asks for.
+ * every resident block slot has work.  At least two blocks per SM fit (registers <= 128,
+ * shared memory <= ~106 KB for the Flash shapes).  Bytes in flight: each warp keeps one
+ * (gate|up) or two stages of 16 rows ahead (per SM: IQ2_XXS gate|up 34 KB, Q4_K gate|up
+ * 74 KB, Q2_K down 43 KB), above the ~20-25 KB per SM that the H200's latency x bandwidth
+ * asks for.
  *
  * Shapes.  The fast kernel takes K = 256 n with rows 4-byte aligned (IQ2_XXS: n even) and
  * row_bytes, matrix stride and base 4-byte aligned, as long as the staged activations
- * (6 bytes per element and token) fit in shared memory (one token: K up to ~24k);
+ * (IQ2_XXS: 6 bytes per element and token; Q2_K/Q4_K: 8 bytes per element) fit in shared
+ * memory (K up to ~24k);
  * mvq_fast_ok says so.  Anything else takes ds4_cuda.cu's generic matvec through dsq_elem.
  *
  * Including.  ds4_cuda.cu includes this file after its k_matvec section (it uses mv_args,
@@ -299,7 +307,7 @@ __host__ __device__ __forceinline__ float dsq_elem(int type, const uint8_t *row,
 }
 
 /* ---------------------------------------------------------------------------
- * The matvec's fragment layout (host and device)
+ * The f16 path's fragment layout (IQ2_XXS; host and device)
  *
  * mma.m16n8k16 (PTX ISA, "matrix fragments for mma.m16n8k16"), lane = 4 g + t:
  *   A (16 x 16, row): reg0 = rows g, k 2t,2t+1; reg1 = row g+8, same k; reg2 = row g,
@@ -308,44 +316,23 @@ __host__ __device__ __forceinline__ float dsq_elem(int type, const uint8_t *row,
  *   C/D (16 x 8 f32): c0,c1 = row g, columns 2t,2t+1; c2,c3 = row g+8, same columns.
  * So per MMA a lane supplies 4 weights of row g and the same 4 of row g+8, in slots
  * r = 0..3 (k = 2t, 2t+1, 2t+8, 2t+9).  A super-block takes 16 MMAs (i = 0..15); which
- * element of the SB sits in (i, t, r) is the type's choice below, B is staged to match.
+ * element of the SB sits in (i, t, r) is chosen below so a lane decodes whole records, and
+ * B is staged to match.
  * ------------------------------------------------------------------------- */
 
-/* Element (0..255 of the SB) in MMA i, lane quarter t, slot r. */
-__host__ __device__ __forceinline__ int dsq_frag_elem(int type, int i, int t, int r) {
-    const int b4 = ((r & 1) << 1) | (r >> 1);      /* slots 0,1,2,3 <- bytes 0,2,1,3 of a word */
-    if (type == DS4_TYPE_IQ2_XXS)                  /* record t + 4(i/8), group (i/2)%4, half i%2 */
-        return 32 * (t + 4 * (i >> 3)) + 8 * ((i >> 1) & 3) + 4 * (i & 1) + r;
-    if (type == DS4_TYPE_Q4_K)                     /* run t: word i/2, nibble i%2 (group 2t + i%2) */
-        return 32 * (2 * t + (i & 1)) + 4 * (i >> 1) + b4;
-    /* Q2_K: run t = (h, k) = (t/2, t%2): word i/4, bit pair j = i%4 (group 8h + 2j + k) */
-    return 128 * (t >> 1) + 32 * (i & 3) + 16 * (t & 1) + 4 * (i >> 2) + b4;
+/* Element (0..255 of the SB) in MMA i, lane quarter t, slot r (IQ2_XXS: record t + 4(i/8),
+ * group (i/2)%4, half i%2). */
+__host__ __device__ __forceinline__ int dsq_frag_elem(int i, int t, int r) {
+    return 32 * (t + 4 * (i >> 3)) + 8 * ((i >> 1) & 3) + 4 * (i & 1) + r;
 }
 
-/* The inverse: where element e of the SB goes. */
-__host__ __device__ __forceinline__ void dsq_frag_slot(int type, int e, int *i, int *t, int *r) {
-    if (type == DS4_TYPE_IQ2_XXS) {
-        const int rec = e >> 5;
-        *t = rec & 3;
-        *i = 8 * (rec >> 2) + 2 * ((e >> 3) & 3) + ((e >> 2) & 1);
-        *r = e & 3;
-    } else if (type == DS4_TYPE_Q4_K) {
-        const int g = e >> 5, l = e & 31, b = l & 3;
-        *t = g >> 1;
-        *i = 2 * (l >> 2) + (g & 1);
-        *r = ((b & 1) << 1) | (b >> 1);
-    } else {
-        const int l = e & 15, b = l & 3;
-        *t = 2 * (e >> 7) + ((e >> 4) & 1);
-        *i = 4 * (l >> 2) + ((e >> 5) & 3);
-        *r = ((b & 1) << 1) | (b >> 1);
-    }
-}
-
-/* Elements 4m .. 4m+3 of an SB share one (MMA, lane quarter) and take its 4 slots: element
- * 4m + b goes to slot dsq_quad_slot(type, b) (words are read as bytes 0,2 | 1,3). */
-__host__ __device__ __forceinline__ int dsq_quad_slot(int type, int b) {
-    return type == DS4_TYPE_IQ2_XXS ? b : ((b & 1) << 1) | (b >> 1);
+/* The inverse: where element e of the SB goes.  Elements 4m .. 4m+3 share one (MMA, lane
+ * quarter) and take its slots 0..3 in order (the staging stores a quad at a time). */
+__host__ __device__ __forceinline__ void dsq_frag_slot(int e, int *i, int *t, int *r) {
+    const int rec = e >> 5;
+    *t = rec & 3;
+    *i = 8 * (rec >> 2) + 2 * ((e >> 3) & 3) + ((e >> 2) & 1);
+    *r = e & 3;
 }
 
 /* Staged B fragments: index (in 8-byte units) of MMA i, column slot c (of cs = 3 x tokens),
@@ -434,8 +421,6 @@ __host__ __device__ __forceinline__ uint32_t dsq_h2mul(uint32_t a, uint32_t b) {
 #define DSQ_H2_ONE      0x3c003c00u   /* 1 */
 #define DSQ_H2_M1024    0xe400e400u   /* -1024 */
 #define DSQ_H2_1024OR   0x64006400u   /* the bits of 1024 in both halves */
-#define DSQ_H2_SIXTEENTH 0x2c002c00u  /* 1/16 */
-#define DSQ_H2_M64      0xd400d400u   /* -64 */
 
 /* (v, v) as an f16 pair, exact for an integer 0 <= v < 1024: the bits 1024 + v in each half
  * (v below the implicit bit lands in the mantissa), minus 1024. */
@@ -523,95 +508,86 @@ __host__ __device__ __forceinline__ void dsq_iq2_group(const uint8_t *grid, uint
     X[3] = dsq_h2mul(G.w ^ ((s8 * 0x01000200u) & 0x80008000u), L);
 }
 
-/* ---- Q4_K A fragments ---------------------------------------------------------------- */
+/* ---- the integer path (Q2_K, Q4_K) ---------------------------------------------------
+ *
+ * mma.m16n8k32 with u8 A (weights) and s8 B (activation digits), s32 accumulation (PTX ISA,
+ * "matrix fragments for mma.m16n8k32"), lane = 4 g + t:
+ *   A (16 x 32): reg0 = row g, k 4t..4t+3; reg1 = row g+8, same k; reg2 = row g, k 16+4t..16+4t+3;
+ *                reg3 = row g+8, k 16+4t..   (byte b of a register = the lower k first)
+ *   B (32 x 8):  reg0 = k 4t..4t+3 of column g; reg1 = k 16+4t..16+4t+3 of column g.
+ *   C/D (s32):   c0,c1 = row g, columns 2t,2t+1; c2,c3 = row g+8, same columns.
+ * MMA j (0..7) of a super-block takes its elements 32j..32j+31 (a Q4_K sub-block; two Q2_K
+ * groups of 16), and k slot 4t+b holds element 32j+8t+b, slot 16+4t+b element 32j+8t+4+b: a
+ * lane's eight elements of a row are contiguous, and so are the eight activations of its B.
+ * Column c = 4u + p of B is digit p of token u (dsq_digits4); columns past the tokens are 0. */
 
-typedef struct {
-    float    d, dmin;
-    float    m0, m1;               /* mins of groups 2t, 2t+1 */
-    uint32_t S0, N0, S1, N1;       /* f16 pairs: sc0, -1024 sc0; sc1/16, -64 sc1 */
-} dsq_q4k_row;
+/* Element (0..255 of the SB) in MMA j, lane quarter t, register r (0..3), byte b. */
+__host__ __device__ __forceinline__ int dsq_i8_elem(int j, int t, int r, int b) {
+    return 32 * j + 8 * t + 4 * (r >> 1) + b;
+}
 
-/* Scales of the lane's groups 2t, 2t+1.  Bytes 0..3 of the packed scales are y, 4..7 z,
- * 8..11 w; groups 2t, 2t+1 use byte pair 2(t%2) of each: for t < 2 the 6-bit fields of y
- * (scales) and z (mins); for t >= 2 the nibbles of w plus the top two bits of y and z. */
-__host__ __device__ __forceinline__ void dsq_q4k_setup(const uint8_t *blk, int t, dsq_q4k_row *r) {
-    const uint32_t h = dsq_ld32(blk), y = dsq_ld32(blk + 4), z = dsq_ld32(blk + 8), w = dsq_ld32(blk + 12);
-    const uint32_t sh = 16u * (uint32_t)(t & 1);
-    const uint32_t Y = (y >> sh) & 0xffffu, Z = (z >> sh) & 0xffffu, W = (w >> sh) & 0xffffu;
-    uint32_t SC, M;
-    if (t < 2) {
-        SC = Y & 0x3f3fu;
-        M = Z & 0x3f3fu;
-    } else {
-        SC = (W & 0x0f0fu) | ((Y >> 2) & 0x3030u);
-        M = ((W >> 4) & 0x0f0fu) | ((Z >> 2) & 0x3030u);
+/* Scale exponent of a super-block of activations for the digits: 32 <= max |x 2^a| < 64
+ * (a clamped to [-126, 126]: an all-zero block, or one of subnormals, gets small digits). */
+__host__ __device__ __forceinline__ int dsq_i8_exp(float mx) {
+    uint32_t bits;
+#ifdef __CUDA_ARCH__
+    bits = __float_as_uint(mx);
+#else
+    memcpy(&bits, &mx, 4);
+#endif
+    const int a = 5 - ((int)((bits >> 23) & 0xffu) - 127);   /* mx in [2^E, 2^(E+1)) */
+    return a < -126 ? -126 : a > 126 ? 126 : a;
+}
+
+/* |xs| < 64 as four signed digits: xs = q0 + q1 2^-7 + q2 2^-14 + q3 2^-21 + r, |r| <= 2^-22,
+ * every q in [-64, 64].  Each step is exact: q = rint(r) (round half even), r - q is exact
+ * (|r - q| <= 1/2 and both are multiples of r's last place), and scaling by 2^7 is exact.
+ * So the digits carry xs to 2^-22 absolute, 2^-27 of the SB's largest |xs| (>= 32): below
+ * f32 rounding of any dot product they enter.  Returned packed: byte p of the word = q_p. */
+__host__ __device__ __forceinline__ uint32_t dsq_digits4(float xs) {
+    uint32_t w = 0;
+    float r = xs;
+#pragma unroll
+    for (int p = 0; p < 4; p++) {
+#ifdef __CUDA_ARCH__
+        const int q = __float2int_rn(r);
+#else
+        const int q = (int)rintf(r);
+#endif
+        w |= ((uint32_t)q & 0xffu) << (8 * p);
+        r = dsq_mul(dsq_sub(r, (float)q), 128.0f);
     }
-    r->d = dsq_f16(h & 0xffffu);
-    r->dmin = dsq_f16(h >> 16);
-    r->m0 = (float)(M & 0xffu);
-    r->m1 = (float)(M >> 8);
-    r->S0 = dsq_h2_int(SC & 0xffu);
-    r->N0 = dsq_h2mul(r->S0, DSQ_H2_M1024);
-    const uint32_t s1 = dsq_h2_int(SC >> 8);
-    r->S1 = dsq_h2mul(s1, DSQ_H2_SIXTEENTH);
-    r->N1 = dsq_h2mul(s1, DSQ_H2_M64);
+    return w;
 }
 
-/* Word u of the lane's run (bytes 4u..4u+3, two groups in its nibbles): X[0], X[1] are MMA
- * 2u's row registers for slots (0,1) and (2,3) (low nibbles: group 2t, sc*q), X[2], X[3]
- * MMA 2u+1's (high nibbles: group 2t+1).  A nibble field or'ed into 1024's mantissa is
- * 1024 + q (or + 16 q); fma(that, sc, -1024 sc) = q sc exactly (or with sc/16, -64 sc). */
-__host__ __device__ __forceinline__ void dsq_q4k_word(uint32_t W, const dsq_q4k_row *r, uint32_t X[4]) {
-    const uint32_t W8 = W >> 8;
-    X[0] = dsq_h2fma((W & 0x000f000fu) | DSQ_H2_1024OR, r->S0, r->N0);
-    X[1] = dsq_h2fma((W8 & 0x000f000fu) | DSQ_H2_1024OR, r->S0, r->N0);
-    X[2] = dsq_h2fma((W & 0x00f000f0u) | DSQ_H2_1024OR, r->S1, r->N1);
-    X[3] = dsq_h2fma((W8 & 0x00f000f0u) | DSQ_H2_1024OR, r->S1, r->N1);
+/* Q2_K: the bytes of the lane's 8 groups (j = 0..7: group 2j + t/2: scale | min << 4) are
+ * byte 2(j%2) + t/2 of word j/2 of the 16 scale bytes; its 8 weights of MMA j in a row are
+ * qs bytes 32(j/4) + 8t .. +7 at bit pair j%4.  A register = ((W >> 2(j%4)) & 0x03030303) sc:
+ * each byte sc q <= 45, no carry between bytes. */
+__host__ __device__ __forceinline__ uint32_t dsq_q2k_i8_scbyte(const uint32_t S[4], int j, int t) {
+    return dsq_byte(S[j >> 1], 2 * (j & 1) + (t >> 1));
+}
+__host__ __device__ __forceinline__ uint32_t dsq_q2k_i8_a(uint32_t W, int j, uint32_t sc) {
+    return ((W >> (2 * (j & 3))) & 0x03030303u) * sc;
 }
 
-/* ---- Q2_K A fragments ---------------------------------------------------------------- */
-
-typedef struct {
-    float    d, dmin;
-    float    m[4];                 /* mins of the lane's groups 8h + 2j + k, j = 0..3 */
-    uint32_t S[4], N[4];           /* f16 pairs: sc_j 4^-j, -1024 sc_j 4^-j */
-} dsq_q2k_row;
-
-/* Scales of the lane's run t = (h, k): groups 8h + 2j + k, whose scale bytes are bytes k and
- * k+2 of the words at 8h and 8h+4. */
-__host__ __device__ __forceinline__ void dsq_q2k_setup(const uint8_t *blk, int t, dsq_q2k_row *r) {
-    const int h = t >> 1, k = t & 1;
-    const uint32_t A = dsq_ld32(blk + 8 * h) >> (8 * k), B = dsq_ld32(blk + 8 * h + 4) >> (8 * k);
-    const uint32_t dd = dsq_ld32(blk + 80);
-    const uint32_t sb[4] = { A & 0xffu, (A >> 16) & 0xffu, B & 0xffu, (B >> 16) & 0xffu };
-    /* 4^-j and -1024 4^-j as f16 pairs */
-    const uint32_t P[4] = { 0x3c003c00u, 0x34003400u, 0x2c002c00u, 0x24002400u };
-    const uint32_t Q[4] = { 0xe400e400u, 0xdc00dc00u, 0xd400d400u, 0xcc00cc00u };
-    r->d = dsq_f16(dd & 0xffffu);
-    r->dmin = dsq_f16(dd >> 16);
-    for (int j = 0; j < 4; j++) {
-        r->m[j] = (float)(sb[j] >> 4);
-        r->S[j] = dsq_h2fma((sb[j] & 0xfu) * 0x10001u + DSQ_H2_1024OR, P[j], Q[j]);   /* sc 4^-j */
-        r->N[j] = dsq_h2mul(r->S[j], DSQ_H2_M1024);
-    }
+/* Q4_K: the 8 sub-blocks' 6-bit scales and mins, one byte each: SC[0] = scales 0..3, SC[1] =
+ * scales 4..7, M[0], M[1] the mins (ds4_quant.c's packing of the 12 bytes y, z, w). */
+__host__ __device__ __forceinline__ void dsq_q4k_i8_scales(uint32_t y, uint32_t z, uint32_t w, uint32_t SC[2],
+                                                           uint32_t M[2]) {
+    SC[0] = y & 0x3f3f3f3fu;
+    M[0] = z & 0x3f3f3f3fu;
+    SC[1] = (w & 0x0f0f0f0fu) | ((y >> 2) & 0x30303030u);
+    M[1] = ((w >> 4) & 0x0f0f0f0fu) | ((z >> 2) & 0x30303030u);
 }
-
-/* Word u of the lane's run: four elements (bytes 4u..4u+3) of each of the four groups
- * (bit pairs j).  X[2j], X[2j+1] are MMA 4u+j's row registers for slots (0,1) = bytes 0,2
- * and (2,3) = bytes 1,3.  The field q at bits 2j of a half's low byte, or'ed into 1024,
- * is 1024 + q 4^j; fma(that, sc 4^-j, -1024 sc 4^-j) = q sc exactly. */
-__host__ __device__ __forceinline__ void dsq_q2k_word(uint32_t W, const dsq_q2k_row *r, uint32_t X[8]) {
-    const uint32_t W8 = W >> 8;
-    for (int j = 0; j < 4; j++) {
-        const uint32_t m = 0x00030003u << (2 * j);
-        X[2 * j] = dsq_h2fma((W & m) | DSQ_H2_1024OR, r->S[j], r->N[j]);
-        X[2 * j + 1] = dsq_h2fma((W8 & m) | DSQ_H2_1024OR, r->S[j], r->N[j]);
-    }
+/* Its 8 weights of MMA j in a row are qs bytes 32(j/2) + 8t .. +7, low nibbles for even j,
+ * high for odd: the register keeps them in place (A = q or 16 q, both < 256), and the
+ * sub-block's scale is taken x 16 for even j (dsq_q4k_i8_sc), so every product is 16 sc q. */
+__host__ __device__ __forceinline__ uint32_t dsq_q4k_i8_a(uint32_t W, int j) {
+    return W & ((j & 1) ? 0xf0f0f0f0u : 0x0f0f0f0fu);
 }
-
-/* The group (of NG per SB) whose min the lane's j-th min belongs to. */
-__host__ __device__ __forceinline__ int dsq_min_group(int type, int t, int j) {
-    return type == DS4_TYPE_Q4_K ? 2 * t + j : 8 * (t >> 1) + 2 * j + (t & 1);
+__host__ __device__ __forceinline__ uint32_t dsq_q4k_i8_sc(const uint32_t SC[2], int j) {
+    return dsq_byte(SC[j >> 2], j & 3) << ((j & 1) ? 0 : 4);
 }
 
 #ifndef DSQ_DECODERS_ONLY
@@ -640,20 +616,19 @@ template <int MODE> struct mvq_stages { enum { n = MODE == MV_GATE_UP ? MVQ_ST_G
 #define MVQ_PART (MV_WARPS * MVQ_RPG_MAX * 16)   /* partials per plane: rows x slices */
 
 /* Per type: block bytes, ring row stride (a 16-byte-chunk superset of an SB starting at
- * offset (sb BB) mod 16 always fits), groups with a min per SB, chunks per row when copying
- * in 16- and 4-byte pieces. */
+ * offset (sb BB) mod 16 always fits), chunks per row when copying in 16- and 4-byte pieces. */
 template <int TYPE> struct mvq_traits;
-template <> struct mvq_traits<DS4_TYPE_IQ2_XXS> { enum { BB = 66, RS = 80, NG = 0, CH16 = 5, CH4 = 17 }; };
-template <> struct mvq_traits<DS4_TYPE_Q2_K>    { enum { BB = 84, RS = 96, NG = 16, CH16 = 6, CH4 = 21 }; };
-template <> struct mvq_traits<DS4_TYPE_Q4_K>    { enum { BB = 144, RS = 144, NG = 8, CH16 = 9, CH4 = 36 }; };
+template <> struct mvq_traits<DS4_TYPE_IQ2_XXS> { enum { BB = 66, RS = 80, CH16 = 5, CH4 = 17 }; };
+template <> struct mvq_traits<DS4_TYPE_Q2_K>    { enum { BB = 84, RS = 96, CH16 = 6, CH4 = 21 }; };
+template <> struct mvq_traits<DS4_TYPE_Q4_K>    { enum { BB = 144, RS = 144, CH16 = 9, CH4 = 36 }; };
 
 /* Dynamic shared memory: (IQ2_XXS) the replicated grid and the sign bytes first, at offsets
  * the compiler knows (so a lookup is one load with an immediate base), then the B fragments
- * [nsb][16][3 NT][4] x 8 bytes, the per-SB factors [NT][nsb], the group sums [NT][nsb][NG],
- * and the weight rings [warp][stage][matrix][16 rows][RS]. */
+ * (f16 path: [nsb][16][3 NT][4] x 8 bytes; integer path: [nsb][8][32 lanes] x 8 bytes), the
+ * per-SB factors [NT][nsb], and the weight rings [warp][stage][matrix][16 rows][RS]. */
 #define MVQ_GRID_OFF 0
 #define MVQ_KS_OFF   (256 * 8 * 16)
-typedef struct { size_t xf, ps, sx, grid, ks, ring, total; } mvq_layout;
+typedef struct { size_t xf, ps, grid, ks, ring, total; } mvq_layout;
 
 __host__ __device__ __forceinline__ size_t mvq_al16(size_t n) { return (n + 15) & ~(size_t)15; }
 
@@ -665,10 +640,10 @@ __host__ __device__ __forceinline__ mvq_layout mvq_layout_of(int nsb) {
     size_t o = 0;
     L.grid = MVQ_GRID_OFF;
     L.ks = MVQ_KS_OFF;
+    constexpr bool I8 = TYPE != DS4_TYPE_IQ2_XXS;     /* the integer path: B digits */
     if (TYPE == DS4_TYPE_IQ2_XXS) o = MVQ_KS_OFF + 128;
-    L.xf = o;   o += (size_t)nsb * 16 * (3 * NT) * 32;
+    L.xf = o;   o += I8 ? (size_t)nsb * 8 * 32 * 8 : (size_t)nsb * 16 * (3 * NT) * 32;
     L.ps = o;   o += mvq_al16((size_t)NT * nsb * 4);
-    L.sx = o;   o += mvq_al16((size_t)NT * nsb * T::NG * 4);
     L.ring = o; o += (size_t)MV_WARPS * mvq_stages<MODE>::n * nmat * 16 * T::RS;
     L.total = o;
     return L;
@@ -687,18 +662,113 @@ __device__ __forceinline__ void mvq_cp_async4(void *smem, const void *gmem) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" :: "r"(s), "l"(gmem) : "memory");
 }
 
-/* One SB of a 16-row tile, for each of the NMAT matrices of the step (gate and up share
- * every B fragment, so each is loaded once): D[m] = sum over the SB of A (integers) x B
- * (parts).  r0: row g of matrix 0's staged tile at the SB's first byte (row g+8 is 8 RS
- * later, matrix m 16 RS m later); odd = (r0 + 2) mod 4; xb: this lane's B fragments of the
- * SB (MMA i at xb[i * 4 cs]).  Also each row's d (and, with mins, dmin and the lane's min
- * sums per token: sum over its groups of m x group sum of x). */
+__device__ __forceinline__ void mvq_mma_i8(int (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint2 b) {
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b.x), "r"(b.y));
+}
+
+/* The integer path's SB of a 16-row tile (Q2_K, Q4_K), for each of the NMAT matrices: Dm = the
+ * integer sums of (scale x quant) x digit (Q4_K: 16 sc q), Dn = those of min x digit, both
+ * exact in s32 (|Dm| <= 8 x 32 x 45 x 64 for Q2_K, 8 x 32 x 16 x 15 x 63 x 64 for Q4_K; |Dn|
+ * <= 8 x 32 x 63 x 64); d, dmin of each row.  r0: row g of matrix 0's staged tile at the SB's
+ * first byte (4-byte aligned; Q4_K: 8-byte); xb: this lane's B fragment of MMA 0 (MMA j at
+ * xb[32 j]).  Q2_K carries its 4-bit scales in A, so its MMAs chain; Q4_K's 6-bit scales do
+ * not fit a byte next to the quant, so each sub-block's MMA starts at 0 and is scaled in s32. */
+template <int TYPE, int NMAT>
+__device__ __forceinline__ void mvq_sb_i8(const uint8_t *r0, const uint2 *xb, int t, int (&Dm)[NMAT][4],
+                                          int (&Dn)[NMAT][4], float (&dr)[NMAT][2], float (&dminr)[NMAT][2]) {
+    typedef mvq_traits<TYPE> TR;
+    constexpr int NR = 2 * NMAT;       /* staged rows this lane reads: [matrix][g, g+8] */
+    const uint8_t *rp[NR];
+#pragma unroll
+    for (int k = 0; k < NR; k++) rp[k] = r0 + (size_t)((k >> 1) * 16 + 8 * (k & 1)) * TR::RS;
+#pragma unroll
+    for (int m = 0; m < NMAT; m++)
+#pragma unroll
+        for (int c = 0; c < 4; c++) Dm[m][c] = Dn[m][c] = 0;
+    if (TYPE == DS4_TYPE_Q2_K) {
+        uint32_t S[NR][4];
+#pragma unroll
+        for (int k = 0; k < NR; k++) {
+#pragma unroll
+            for (int i = 0; i < 4; i++) S[k][i] = dsq_ld32(rp[k] + 4 * i);
+            const uint32_t dd = dsq_ld32(rp[k] + 80);
+            dr[k >> 1][k & 1] = dsq_f16(dd & 0xffffu);
+            dminr[k >> 1][k & 1] = dsq_f16(dd >> 16);
+        }
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            uint32_t W0[NR], W1[NR];
+#pragma unroll
+            for (int k = 0; k < NR; k++) {
+                W0[k] = dsq_ld32(rp[k] + 16 + 32 * h + 8 * t);
+                W1[k] = dsq_ld32(rp[k] + 20 + 32 * h + 8 * t);
+            }
+#pragma unroll
+            for (int jj = 0; jj < 4; jj++) {
+                const int j = 4 * h + jj;
+                const uint2 b = xb[32 * j];
+#pragma unroll
+                for (int m = 0; m < NMAT; m++) {
+                    const uint32_t s0 = dsq_q2k_i8_scbyte(S[2 * m], j, t), s1 = dsq_q2k_i8_scbyte(S[2 * m + 1], j, t);
+                    const uint32_t sc0 = s0 & 15u, sc1 = s1 & 15u;
+                    mvq_mma_i8(Dm[m], dsq_q2k_i8_a(W0[2 * m], j, sc0), dsq_q2k_i8_a(W0[2 * m + 1], j, sc1),
+                               dsq_q2k_i8_a(W1[2 * m], j, sc0), dsq_q2k_i8_a(W1[2 * m + 1], j, sc1), b);
+                    const uint32_t m0 = (s0 >> 4) * 0x01010101u, m1 = (s1 >> 4) * 0x01010101u;
+                    mvq_mma_i8(Dn[m], m0, m1, m0, m1, b);
+                }
+            }
+        }
+    } else {   /* Q4_K */
+        uint32_t SC[NR][2], M[NR][2];
+#pragma unroll
+        for (int k = 0; k < NR; k++) {
+            const uint4 hd = *(const uint4 *)rp[k];           /* d, dmin | the 12 scale bytes */
+            dr[k >> 1][k & 1] = dsq_f16(hd.x & 0xffffu);
+            dminr[k >> 1][k & 1] = dsq_f16(hd.x >> 16);
+            dsq_q4k_i8_scales(hd.y, hd.z, hd.w, SC[k], M[k]);
+        }
+#pragma unroll
+        for (int jp = 0; jp < 4; jp++) {
+            uint2 W[NR];
+#pragma unroll
+            for (int k = 0; k < NR; k++) W[k] = *(const uint2 *)(rp[k] + 16 + 32 * jp + 8 * t);
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const int j = 2 * jp + e;
+                const uint2 b = xb[32 * j];
+#pragma unroll
+                for (int m = 0; m < NMAT; m++) {
+                    int D[4] = { 0, 0, 0, 0 };
+                    mvq_mma_i8(D, dsq_q4k_i8_a(W[2 * m].x, j), dsq_q4k_i8_a(W[2 * m + 1].x, j),
+                               dsq_q4k_i8_a(W[2 * m].y, j), dsq_q4k_i8_a(W[2 * m + 1].y, j), b);
+                    const int sc0 = (int)dsq_q4k_i8_sc(SC[2 * m], j), sc1 = (int)dsq_q4k_i8_sc(SC[2 * m + 1], j);
+                    Dm[m][0] += D[0] * sc0;
+                    Dm[m][1] += D[1] * sc0;
+                    Dm[m][2] += D[2] * sc1;
+                    Dm[m][3] += D[3] * sc1;
+                    const uint32_t m0 = dsq_byte(M[2 * m][j >> 2], j & 3) * 0x01010101u;
+                    const uint32_t m1 = dsq_byte(M[2 * m + 1][j >> 2], j & 3) * 0x01010101u;
+                    mvq_mma_i8(Dn[m], m0, m1, m0, m1, b);
+                }
+            }
+        }
+    }
+}
+
+/* The f16 path's SB of a 16-row tile (IQ2_XXS), for each of the NMAT matrices of the step
+ * (gate and up share every B fragment, so each is loaded once): D[m] = sum over the SB of A
+ * (integers) x B (parts).  r0: row g of matrix 0's staged tile at the SB's first byte (row g+8
+ * is 8 RS later, matrix m 16 RS m later); odd = (r0 + 2) mod 4; xb: this lane's B fragments
+ * of the SB (MMA i at xb[i * 4 cs]).  Also each row's d. */
 template <int TYPE, int NT, int NMAT>
 __device__ __forceinline__ void mvq_sb(const uint8_t *r0, uint32_t odd, const uint2 *xb, int t,
-                                       const uint8_t *gridl, const uint8_t *s8tab, const float *sxp, int nsb,
-                                       float (&D)[NMAT][4], float (&dr)[NMAT][2], float (&dminr)[NMAT][2],
-                                       float (&mm)[NMAT][2][NT]) {
+                                       const uint8_t *gridl, const uint8_t *s8tab, float (&D)[NMAT][4],
+                                       float (&dr)[NMAT][2]) {
     typedef mvq_traits<TYPE> TR;
+    static_assert(TYPE == DS4_TYPE_IQ2_XXS, "Q2_K and Q4_K take the integer path (mvq_sb_i8)");
     constexpr int XS = 4 * 3 * NT;     /* uint2 stride between MMAs */
     constexpr int NR = 2 * NMAT;       /* staged rows this lane reads: [matrix][g, g+8] */
     const uint8_t *rp[NR];
@@ -733,78 +803,6 @@ __device__ __forceinline__ void mvq_sb(const uint8_t *r0, uint32_t odd, const ui
                 }
             }
         }
-    } else if (TYPE == DS4_TYPE_Q4_K) {
-        dsq_q4k_row R[NR];
-#pragma unroll
-        for (int k = 0; k < NR; k++) {
-            dsq_q4k_setup(rp[k], t, &R[k]);
-            dr[k >> 1][k & 1] = R[k].d;
-            dminr[k >> 1][k & 1] = R[k].dmin;
-        }
-#pragma unroll
-        for (int v = 0; v < 2; v++) {
-            uint4 qv[NR];
-#pragma unroll
-            for (int k = 0; k < NR; k++) qv[k] = *(const uint4 *)(rp[k] + 16 + 32 * t + 16 * v);
-#pragma unroll
-            for (int u = 0; u < 4; u++) {
-                uint32_t X[NR][4];
-#pragma unroll
-                for (int k = 0; k < NR; k++) {
-                    const uint32_t W = u == 0 ? qv[k].x : u == 1 ? qv[k].y : u == 2 ? qv[k].z : qv[k].w;
-                    dsq_q4k_word(W, &R[k], X[k]);
-                }
-                const int i = 2 * (4 * v + u);
-                const uint2 b0 = xb[i * XS], b1 = xb[(i + 1) * XS];
-#pragma unroll
-                for (int m = 0; m < NMAT; m++) {
-                    mvq_mma(D[m], X[2 * m][0], X[2 * m + 1][0], X[2 * m][1], X[2 * m + 1][1], b0);
-                    mvq_mma(D[m], X[2 * m][2], X[2 * m + 1][2], X[2 * m][3], X[2 * m + 1][3], b1);
-                }
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < NT; u++) {
-            const float *sx = sxp + (size_t)u * nsb * 8;
-            const float s0 = sx[dsq_min_group(TYPE, t, 0)], s1 = sx[dsq_min_group(TYPE, t, 1)];
-#pragma unroll
-            for (int k = 0; k < NR; k++) mm[k >> 1][k & 1][u] = fmaf(R[k].m1, s1, R[k].m0 * s0);
-        }
-    } else {   /* Q2_K */
-        dsq_q2k_row R[NR];
-#pragma unroll
-        for (int k = 0; k < NR; k++) {
-            dsq_q2k_setup(rp[k], t, &R[k]);
-            dr[k >> 1][k & 1] = R[k].d;
-            dminr[k >> 1][k & 1] = R[k].dmin;
-        }
-#pragma unroll
-        for (int u4 = 0; u4 < 4; u4++) {
-            uint32_t X[NR][8];
-#pragma unroll
-            for (int k = 0; k < NR; k++) dsq_q2k_word(dsq_ld32(rp[k] + 16 + 16 * t + 4 * u4), &R[k], X[k]);
-#pragma unroll
-            for (int j = 0; j < 4; j++) {
-                const uint2 b = xb[(4 * u4 + j) * XS];
-#pragma unroll
-                for (int m = 0; m < NMAT; m++)
-                    mvq_mma(D[m], X[2 * m][2 * j], X[2 * m + 1][2 * j], X[2 * m][2 * j + 1], X[2 * m + 1][2 * j + 1], b);
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < NT; u++) {
-            const float *sx = sxp + (size_t)u * nsb * 16;
-            float s[4];
-#pragma unroll
-            for (int j = 0; j < 4; j++) s[j] = sx[dsq_min_group(TYPE, t, j)];
-#pragma unroll
-            for (int k = 0; k < NR; k++) {
-                float acc = 0.0f;
-#pragma unroll
-                for (int j = 0; j < 4; j++) acc = fmaf(R[k].m[j], s[j], acc);
-                mm[k >> 1][k & 1][u] = acc;
-            }
-        }
     }
 }
 
@@ -815,8 +813,8 @@ __global__ void __launch_bounds__(MV_THREADS, MVQ_MIN_BLOCKS) k_matvec_q(const m
     constexpr int NMAT = DUAL ? 2 : 1;
     constexpr int NPLANE = DUAL ? 2 : NT;
     constexpr int CS = 3 * NT;
-    constexpr bool MINS = TR::NG > 0;
     constexpr int ST = mvq_stages<MODE>::n;
+    constexpr bool I8 = TYPE != DS4_TYPE_IQ2_XXS;   /* Q2_K, Q4_K: the integer path */
     static_assert(!(MODE != MV_DENSE && NT != 1), "the MoE modes are single-token");
     extern __shared__ __align__(16) uint8_t mvq_smem[];
     __shared__ float part[NPLANE][MVQ_PART];     /* [plane][local row * S + slice] */
@@ -830,7 +828,6 @@ __global__ void __launch_bounds__(MV_THREADS, MVQ_MIN_BLOCKS) k_matvec_q(const m
     const mvq_layout L = mvq_layout_of<TYPE, MODE, NT>(nsb);
     uint8_t *xf = mvq_smem + L.xf;
     float *ps = (float *)(mvq_smem + L.ps);
-    float *sxs = (float *)(mvq_smem + L.sx);
     uint4 *grid = (uint4 *)(mvq_smem + MVQ_GRID_OFF);
     uint8_t *s8tab = mvq_smem + MVQ_KS_OFF;
     uint8_t *ring = mvq_smem + L.ring + (size_t)warp * ST * NMAT * 16 * TR::RS;
@@ -953,6 +950,36 @@ __global__ void __launch_bounds__(MV_THREADS, MVQ_MIN_BLOCKS) k_matvec_q(const m
 #pragma unroll
             for (int k = 0; k < 8; k++) mx = fmaxf(mx, fabsf(v[k]));
             for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, o));
+            if constexpr (I8) {
+                /* four digits per value; the lane's 8 values are the B fragment of MMA lane/4,
+                 * quarter lane%4: transpose the digit bytes into one word per digit and half */
+                const int ea = dsq_i8_exp(mx);
+                const float sc = dsq_pow2(ea);
+                uint32_t dg[8];
+#pragma unroll
+                for (int k = 0; k < 8; k++) dg[k] = dsq_digits4(__fmul_rn(v[k], sc));
+                uint32_t col[2][4];
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const uint32_t a0 = __byte_perm(dg[4 * h], dg[4 * h + 1], 0x5140);
+                    const uint32_t b0 = __byte_perm(dg[4 * h], dg[4 * h + 1], 0x7362);
+                    const uint32_t a1 = __byte_perm(dg[4 * h + 2], dg[4 * h + 3], 0x5140);
+                    const uint32_t b1 = __byte_perm(dg[4 * h + 2], dg[4 * h + 3], 0x7362);
+                    col[h][0] = __byte_perm(a0, a1, 0x5410);
+                    col[h][1] = __byte_perm(a0, a1, 0x7632);
+                    col[h][2] = __byte_perm(b0, b1, 0x5410);
+                    col[h][3] = __byte_perm(b0, b1, 0x7632);
+                }
+                uint2 *xq = (uint2 *)xf + ((size_t)sb * 8 + (lane >> 2)) * 32 + (lane & 3);
+#pragma unroll
+                for (int p = 0; p < 4; p++) xq[4 * (4 * u + p)] = make_uint2(col[0][p], col[1][p]);
+                if (NT == 1) {
+#pragma unroll
+                    for (int p = 4; p < 8; p++) xq[4 * p] = make_uint2(0u, 0u);
+                }
+                if (lane == 0) ps[u * nsb + sb] = dsq_pow2(-ea);
+                continue;
+            }
             const int ea = dsq_sb_exp(mx);
             const float sc = dsq_pow2(ea);
             /* the 4 elements 8 lane + 4 h .. + 3 share one B fragment (MMA, lane quarter) and
@@ -960,31 +987,17 @@ __global__ void __launch_bounds__(MV_THREADS, MVQ_MIN_BLOCKS) k_matvec_q(const m
 #pragma unroll
             for (int h = 0; h < 2; h++) {
                 int fi, ft, fr;
-                dsq_frag_slot(TYPE, 8 * lane + 4 * h, &fi, &ft, &fr);
+                dsq_frag_slot(8 * lane + 4 * h, &fi, &ft, &fr);
                 uint32_t hp[3][4];
 #pragma unroll
-                for (int b = 0; b < 4; b++) {
-                    const int r = dsq_quad_slot(TYPE, b);
-                    dsq_split3(__fmul_rn(v[4 * h + b], sc), &hp[0][r], &hp[1][r], &hp[2][r]);
-                }
+                for (int b = 0; b < 4; b++) dsq_split3(__fmul_rn(v[4 * h + b], sc), &hp[0][b], &hp[1][b], &hp[2][b]);
 #pragma unroll
                 for (int pt = 0; pt < 3; pt++)
                     ((uint2 *)xf)[dsq_xf_index(sb, fi, 3 * u + pt, ft, CS)] =
                         make_uint2(hp[pt][0] | (hp[pt][1] << 16), hp[pt][2] | (hp[pt][3] << 16));
             }
             if (lane == 0)   /* IQ2_XXS: its (2 ls + 1) / 8 scale's 1/8 rides along (exact) */
-                ps[u * nsb + sb] = TYPE == DS4_TYPE_IQ2_XXS ? dsq_pow2(-ea) * 0.125f : dsq_pow2(-ea);
-            if (MINS) {
-                const float s8 = ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
-                const float s16 = s8 + __shfl_xor_sync(FULL_MASK, s8, 1);
-                float *sx = sxs + ((size_t)u * nsb + sb) * TR::NG;
-                if (TR::NG == 16) {
-                    if ((lane & 1) == 0) sx[lane >> 1] = s16;
-                } else {
-                    const float s32 = s16 + __shfl_xor_sync(FULL_MASK, s16, 2);
-                    if ((lane & 3) == 0) sx[lane >> 2] = s32;
-                }
-            }
+                ps[u * nsb + sb] = dsq_pow2(-ea) * 0.125f;
         }
     }
     __syncthreads();
@@ -992,17 +1005,11 @@ __global__ void __launch_bounds__(MV_THREADS, MVQ_MIN_BLOCKS) k_matvec_q(const m
     /* main loop: step q = (tile q / nsbw, SB s + S (q % nsbw)) */
     const uint2 *xl = (const uint2 *)xf;
     const uint8_t *gridl = (const uint8_t *)grid + 16 * (lane & 7);   /* this lane's copy of the grid */
-    const int tk0 = dsq_col_token(2 * t, NT), tk1 = dsq_col_token(2 * t + 1, NT);
-    float acc[NMAT][4], accm[NMAT][2][NT];
+    float acc[NMAT][4];
 #pragma unroll
-    for (int mt = 0; mt < NMAT; mt++) {
+    for (int mt = 0; mt < NMAT; mt++)
 #pragma unroll
         for (int c = 0; c < 4; c++) acc[mt][c] = 0.0f;
-#pragma unroll
-        for (int r = 0; r < 2; r++)
-#pragma unroll
-            for (int u = 0; u < NT; u++) accm[mt][r][u] = 0.0f;
-    }
 #pragma unroll 1
     for (int q = 0; q < steps; q++) {
         issue(q + ST - 1);
@@ -1011,65 +1018,83 @@ __global__ void __launch_bounds__(MV_THREADS, MVQ_MIN_BLOCKS) k_matvec_q(const m
         const int ti = q / nsbw, sj = q % nsbw, sb = s + S * sj;
         const int o0 = (sb * TR::BB) & (cg16 ? 15 : 3);
         const uint8_t *slot = ring + (size_t)(q % ST) * NMAT * 16 * TR::RS;
-        const uint2 *xb = xl + dsq_xf_index(sb, 0, g % CS, t, CS);
-        const float ps0 = ps[tk0 * nsb + sb], ps1 = ps[tk1 * nsb + sb];
-        float D[NMAT][4], dr[NMAT][2], dminr[NMAT][2], mm[NMAT][2][NT];
-        mvq_sb<TYPE, NT, NMAT>(slot + (size_t)g * TR::RS + o0, (uint32_t)((o0 + 2) & 2), xb, t, gridl, s8tab,
-                               sxs + (size_t)sb * TR::NG, nsb, D, dr, dminr, mm);
+        const int base = lane & ~3;
+        const int lr0 = (gr + G * ti) * 16 + g;
+        if constexpr (I8) {
+            /* columns 2t, 2t+1 hold digits of token t/2 (NT = 2; with one token, lanes t >= 2
+             * hold zero columns); Q4_K's products carry a factor 16 (dsq_q4k_i8_sc).  The
+             * mins enter each SB's sum: d ps Dm - dmin ps Dn. */
+            const float pm = ps[(NT == 1 ? 0 : (t >> 1)) * nsb + sb];
+            const float pq = TYPE == DS4_TYPE_Q4_K ? pm * 0.0625f : pm;
+            int Dm[NMAT][4], Dn[NMAT][4];
+            float dq[NMAT][2], dmq[NMAT][2];
+            mvq_sb_i8<TYPE, NMAT>(slot + (size_t)g * TR::RS + o0, xl + (size_t)sb * 8 * 32 + lane, t, Dm, Dn, dq, dmq);
 #pragma unroll
-        for (int mt = 0; mt < NMAT; mt++) {
-            acc[mt][0] = fmaf(dr[mt][0] * ps0, D[mt][0], acc[mt][0]);
-            acc[mt][1] = fmaf(dr[mt][0] * ps1, D[mt][1], acc[mt][1]);
-            acc[mt][2] = fmaf(dr[mt][1] * ps0, D[mt][2], acc[mt][2]);
-            acc[mt][3] = fmaf(dr[mt][1] * ps1, D[mt][3], acc[mt][3]);
-            if (MINS) {
+            for (int mt = 0; mt < NMAT; mt++)
 #pragma unroll
-                for (int r = 0; r < 2; r++)
+                for (int c = 0; c < 4; c++)
+                    acc[mt][c] = fmaf(dq[mt][c >> 1] * pq, (float)Dm[mt][c],
+                                      fmaf(-(dmq[mt][c >> 1] * pm), (float)Dn[mt][c], acc[mt][c]));
+            if (sj == nsbw - 1) {
+                /* the tile is done: per row and token u, the digit columns 4u..4u+3 sit in lanes
+                 * 2u (digits 0, 1) and 2u+1 (digits 2, 3) of the row's quarter:
+                 * (d0 + d1 2^-7) + (d2 + d3 2^-7) 2^-14 */
 #pragma unroll
-                    for (int u = 0; u < NT; u++)
-                        accm[mt][r][u] = fmaf(dminr[mt][r], mm[mt][r][u], accm[mt][r][u]);
-            }
-        }
-        if (sj == nsbw - 1) {
-            /* the tile is done: per row (g, g+8) and token, ((hi + mid) + lo) - min, where
-             * column c of a row is D register c%2 of lane quarter c/2 */
-            const int base = lane & ~3;
-            const int lr0 = (gr + G * ti) * 16 + g;
+                for (int mt = 0; mt < NMAT; mt++) {
 #pragma unroll
-            for (int mt = 0; mt < NMAT; mt++) {
-#pragma unroll
-                for (int r = 0; r < 2; r++) {
-                    const float v0 = acc[mt][2 * r], v1 = acc[mt][2 * r + 1];
-                    float res[NT];
-                    const float c2 = __shfl_sync(FULL_MASK, v0, base + 1);
-                    res[0] = (v0 + v1) + c2;
-                    if (NT == 2) {
-                        const float c3 = __shfl_sync(FULL_MASK, v1, base + 1);
-                        const float c4 = __shfl_sync(FULL_MASK, v0, base + 2);
-                        const float c5 = __shfl_sync(FULL_MASK, v1, base + 2);
-                        res[NT - 1] = (c3 + c4) + c5;
-                    }
-                    if (MINS) {
+                    for (int r = 0; r < 2; r++) {
+                        const float v = fmaf(acc[mt][2 * r + 1], 0x1p-7f, acc[mt][2 * r]);
 #pragma unroll
                         for (int u = 0; u < NT; u++) {
-                            float m = accm[mt][r][u];
-                            m += __shfl_xor_sync(FULL_MASK, m, 1);
-                            m += __shfl_xor_sync(FULL_MASK, m, 2);
-                            res[u] -= m;
+                            const float lo = __shfl_sync(FULL_MASK, v, base + 2 * u);
+                            const float hi = __shfl_sync(FULL_MASK, v, base + 2 * u + 1);
+                            if (t == 0) part[DUAL ? mt : u][(lr0 + 8 * r) * S + s] = fmaf(hi, 0x1p-14f, lo);
                         }
                     }
-                    if (t == 0) {
 #pragma unroll
-                        for (int u = 0; u < NT; u++)
-                            part[DUAL ? mt : u][(lr0 + 8 * r) * S + s] = res[u];
-                    }
+                    for (int c = 0; c < 4; c++) acc[mt][c] = 0.0f;
                 }
+            }
+        } else {
+            const int tk0 = dsq_col_token(2 * t, NT), tk1 = dsq_col_token(2 * t + 1, NT);
+            const float ps0 = ps[tk0 * nsb + sb], ps1 = ps[tk1 * nsb + sb];
+            const uint2 *xb = xl + dsq_xf_index(sb, 0, g % CS, t, CS);
+            float D[NMAT][4], dr[NMAT][2];
+            mvq_sb<TYPE, NT, NMAT>(slot + (size_t)g * TR::RS + o0, (uint32_t)((o0 + 2) & 2), xb, t, gridl, s8tab,
+                                   D, dr);
 #pragma unroll
-                for (int c = 0; c < 4; c++) acc[mt][c] = 0.0f;
+            for (int mt = 0; mt < NMAT; mt++) {
+                acc[mt][0] = fmaf(dr[mt][0] * ps0, D[mt][0], acc[mt][0]);
+                acc[mt][1] = fmaf(dr[mt][0] * ps1, D[mt][1], acc[mt][1]);
+                acc[mt][2] = fmaf(dr[mt][1] * ps0, D[mt][2], acc[mt][2]);
+                acc[mt][3] = fmaf(dr[mt][1] * ps1, D[mt][3], acc[mt][3]);
+            }
+            if (sj == nsbw - 1) {
+                /* the tile is done: per row (g, g+8) and token, (hi + mid) + lo, where column c
+                 * of a row is D register c%2 of lane quarter c/2 */
 #pragma unroll
-                for (int r = 0; r < 2; r++)
+                for (int mt = 0; mt < NMAT; mt++) {
 #pragma unroll
-                    for (int u = 0; u < NT; u++) accm[mt][r][u] = 0.0f;
+                    for (int r = 0; r < 2; r++) {
+                        const float v0 = acc[mt][2 * r], v1 = acc[mt][2 * r + 1];
+                        float res[NT];
+                        const float c2 = __shfl_sync(FULL_MASK, v0, base + 1);
+                        res[0] = (v0 + v1) + c2;
+                        if (NT == 2) {
+                            const float c3 = __shfl_sync(FULL_MASK, v1, base + 1);
+                            const float c4 = __shfl_sync(FULL_MASK, v0, base + 2);
+                            const float c5 = __shfl_sync(FULL_MASK, v1, base + 2);
+                            res[NT - 1] = (c3 + c4) + c5;
+                        }
+                        if (t == 0) {
+#pragma unroll
+                            for (int u = 0; u < NT; u++)
+                                part[DUAL ? mt : u][(lr0 + 8 * r) * S + s] = res[u];
+                        }
+                    }
+#pragma unroll
+                    for (int c = 0; c < 4; c++) acc[mt][c] = 0.0f;
+                }
             }
         }
         __syncwarp();                  /* slot q % ST is refilled next iteration */

@@ -10,26 +10,28 @@
  *      largest finite, negative, inf, NaN -- NaN compared as NaN, see same()), on every
  *      IQ2_XXS grid index in every position,
  *      every sign code in every group, and every ls.
- *   2. The MMA fragment map (dsq_frag_elem) is a permutation of the 256 elements of a
- *      super-block, dsq_frag_slot is its inverse, and every aligned quad of elements fills
- *      one fragment in dsq_quad_slot order (the kernel stages B a quad at a time).
- *   3. The A fragments the matvec decodes (dsq_iq2_*, dsq_q4k_*, dsq_q2k_*) hold exact
- *      integers: for every element, its A value times the block scale (minus dmin times the
- *      group's min, for Q2_K/Q4_K, rounded once: fmaf) equals ds4_quant_dequant bit for bit.
- *      The block sits at every offset the staged rows can have (IQ2_XXS: any even offset mod
- *      16, Q2_K: any multiple of 4, Q4_K: 0).  Also dsq_h2_int for 0..1023.
- *   4. The activation split: for random super-blocks over a wide range of magnitudes,
- *      2^9 <= max |x 2^a| < 2^10, and hi + mid + lo == x 2^a exactly where |x 2^a| >= 1/2,
- *      within 2^-25 below (the f16 subnormal grid; 2^-34 of the block's largest value).
- *   5. A warp tile, end to end: the kernel's staging of B (split, fragment order), the A
- *      decode of two rows per lane, the m16n8k16 MMA emulated from its PTX fragment layout
- *      (exactly, in double), the per-SB scale, the min terms and the column combination,
- *      for 1 and 2 tokens, against a double dot product of dequantised weights.  Tolerance:
- *      |y - ref| <= 1e-6 sum|w x| per row.  What remains after exact products and exact
- *      split is f32 rounding: the per-SB fmaf accumulation (~n_sb ulps), the three column
- *      sums and the min subtraction (a few ulps of sum|w x|) -- ~1e-7; 1e-6 leaves a decade
- *      while any layout error gives an O(1) relative error.  (The device's tensor-core
- *      accumulation is not emulated: that is test_backend_ops' part, on a GPU.)
+ *   2. The MMA fragment maps are permutations of the 256 elements of a super-block: the f16
+ *      path's (IQ2_XXS: dsq_frag_elem, dsq_frag_slot its inverse, quads in slot order) and the
+ *      integer path's (Q2_K, Q4_K: dsq_i8_elem, a lane's 8 elements contiguous).
+ *   3. The A fragments the matvec decodes hold exact values: IQ2_XXS (dsq_iq2_*) exact f16
+ *      integers whose value times d/8 is ds4_quant_dequant's; Q2_K and Q4_K (dsq_q2k_i8_*,
+ *      dsq_q4k_i8_*) bytes whose d x (byte x s32 scale) [/16] - dmin x min equals
+ *      ds4_quant_dequant bit for bit.  The block sits at every offset the staged rows can
+ *      have (IQ2_XXS: any even offset mod 16, Q2_K: any multiple of 4, Q4_K: 0).  Also
+ *      dsq_h2_int for 0..1023.
+ *   4. The activations: the f16 split (2^9 <= max |x 2^a| < 2^10; hi + mid + lo == x 2^a
+ *      exactly where |x 2^a| >= 1/2, within 2^-25 below) and the integer path's digits
+ *      (32 <= max |x 2^a| < 64, digits in [-64, 64], x 2^a within 2^-22 of their sum).
+ *   5. A warp tile, end to end: the kernel's staging of B, the A decode of two rows per lane,
+ *      the MMAs emulated from their PTX fragment layouts (m16n8k16 in double; m16n8k32 u8 x
+ *      s8 in exact integers, checked to stay inside s32), the per-SB scales, the min terms
+ *      and the column combinations, for 1 and 2 tokens, against a double dot product of
+ *      dequantised weights.  Tolerance: |y - ref| <= 1e-6 sum|w x| per row.  What remains
+ *      after exact products is f32 rounding: the per-SB accumulation (~n_sb ulps), the column
+ *      combination and the min subtraction (a few ulps of sum|w x|) -- ~1e-7; 1e-6 leaves a
+ *      decade while any layout error gives an O(1) relative error.  (The device's tensor-core
+ *      f32 accumulation of the f16 path is not emulated: that is test_backend_ops' part, on a
+ *      GPU; the integer path's s32 sums are exact.)
  *
  * Build and run (no GPU needed):
  *   mkdir -p build && nvcc -std=c++17 -O2 -I. tests/test_cuda_quant_host.cu ds4_quant.c \
@@ -182,37 +184,38 @@ static void test_dequant(void) {
     }
 }
 
-/* ---- 2. the fragment map --------------------------------------------------------------- */
+/* ---- 2. the fragment maps -------------------------------------------------------------- */
 
 static void test_frag_map(void) {
-    for (int ti = 0; ti < 3; ti++) {
-        const int type = TYPES[ti];
+    {   /* f16 path (IQ2_XXS): a permutation, dsq_frag_slot its inverse, quads in slot order */
         int seen[256] = { 0 }, ok = 1;
         for (int i = 0; i < 16; i++)
             for (int t = 0; t < 4; t++)
                 for (int r = 0; r < 4; r++) {
-                    const int e = dsq_frag_elem(type, i, t, r);
+                    const int e = dsq_frag_elem(i, t, r);
                     if (e < 0 || e > 255) { ok = 0; continue; }
                     seen[e]++;
                     int i2, t2, r2;
-                    dsq_frag_slot(type, e, &i2, &t2, &r2);
-                    if (i2 != i || t2 != t || r2 != r) ok = 0;
+                    dsq_frag_slot(e, &i2, &t2, &r2);
+                    if (i2 != i || t2 != t || r2 != r || (e & 3) != r) ok = 0;
                 }
         for (int e = 0; e < 256; e++) if (seen[e] != 1) ok = 0;
-        /* the staging stores 4 elements at once: 4m .. 4m+3 share (MMA, t), slots dsq_quad_slot */
-        for (int m = 0; m < 64; m++) {
-            int i0, t0, r0;
-            dsq_frag_slot(type, 4 * m, &i0, &t0, &r0);
-            for (int b = 0; b < 4; b++) {
-                int i1, t1, r1;
-                dsq_frag_slot(type, 4 * m + b, &i1, &t1, &r1);
-                if (i1 != i0 || t1 != t0 || r1 != dsq_quad_slot(type, b)) ok = 0;
-            }
-        }
-        char what[160];
-        snprintf(what, sizeof what, "%-7s fragment map is a permutation of the super-block, dsq_frag_slot its inverse, quads share a fragment",
-                 tname(type));
-        check(ok, what);
+        check(ok, "IQ2_XXS fragment map is a permutation of the super-block, dsq_frag_slot its inverse, quads in slot order");
+    }
+    {   /* integer path (Q2_K, Q4_K): per row, (MMA j, quarter t, k-half h, byte b) covers the SB
+         * once, and a lane's 8 elements of MMA j are contiguous (its B is x[32j+8t .. +7]) */
+        int seen[256] = { 0 }, ok = 1;
+        for (int j = 0; j < 8; j++)
+            for (int t = 0; t < 4; t++)
+                for (int r = 0; r < 4; r += 2)
+                    for (int b = 0; b < 4; b++) {
+                        const int e = dsq_i8_elem(j, t, r, b);
+                        if (e < 0 || e > 255 || e != 32 * j + 8 * t + 4 * (r >> 1) + b) { ok = 0; continue; }
+                        seen[e]++;
+                        if (dsq_i8_elem(j, t, r + 1, b) != e) ok = 0;   /* row g+8: the same k */
+                    }
+        for (int e = 0; e < 256; e++) if (seen[e] != 1) ok = 0;
+        check(ok, "Q2_K/Q4_K integer fragment map is a permutation of the super-block, lanes' elements contiguous");
     }
 }
 
@@ -223,84 +226,116 @@ static uint8_t g_s8[128];
 
 static float f16v(uint32_t h) { return dsq_f16(h & 0xffffu); }
 
-/* A values of one row (the block at blk) for lane quarter t: a[i][r], and the min (as a
- * float) of each slot's group; d, dmin. */
-static void decode_row(int type, const uint8_t *blk, int t, float a[16][4], float mn[16][4], float *d, float *dmin) {
+/* A values of one row (the IQ2_XXS block at blk) for lane quarter t: a[i][r]; d. */
+static void decode_row(const uint8_t *blk, int t, float a[16][4], float *d) {
     uint32_t X[16][2];   /* [MMA][reg: slots (0,1), (2,3)] */
-    if (type == DS4_TYPE_IQ2_XXS) {
-        *d = dsq_f16(dsq_rd16(blk));
-        *dmin = 0.0f;
-        for (int rho = 0; rho < 2; rho++) {
-            uint32_t iw, w;
-            dsq_iq2_rec(blk, t + 4 * rho, (uint32_t)(((uintptr_t)blk + 2) & 2u), &iw, &w);
-            const uint32_t L = dsq_iq2_L(w);
-            for (int q = 0; q < 4; q++) {
-                uint32_t Xg[4];
-                dsq_iq2_group((const uint8_t *)g_grid, 16, g_s8, iw, w, q, L, Xg);
-                const int i = 8 * rho + 2 * q;
-                X[i][0] = Xg[0]; X[i][1] = Xg[1]; X[i + 1][0] = Xg[2]; X[i + 1][1] = Xg[3];
-            }
+    *d = dsq_f16(dsq_rd16(blk));
+    for (int rho = 0; rho < 2; rho++) {
+        uint32_t iw, w;
+        dsq_iq2_rec(blk, t + 4 * rho, (uint32_t)(((uintptr_t)blk + 2) & 2u), &iw, &w);
+        const uint32_t L = dsq_iq2_L(w);
+        for (int q = 0; q < 4; q++) {
+            uint32_t Xg[4];
+            dsq_iq2_group((const uint8_t *)g_grid, 16, g_s8, iw, w, q, L, Xg);
+            const int i = 8 * rho + 2 * q;
+            X[i][0] = Xg[0]; X[i][1] = Xg[1]; X[i + 1][0] = Xg[2]; X[i + 1][1] = Xg[3];
         }
-        for (int i = 0; i < 16; i++) for (int r = 0; r < 4; r++) mn[i][r] = 0.0f;
-    } else if (type == DS4_TYPE_Q4_K) {
-        dsq_q4k_row R;
-        dsq_q4k_setup(blk, t, &R);
-        *d = R.d; *dmin = R.dmin;
-        for (int u = 0; u < 8; u++) {
-            uint32_t Xw[4];
-            dsq_q4k_word(dsq_ld32(blk + 16 + 32 * t + 4 * u), &R, Xw);
-            X[2 * u][0] = Xw[0]; X[2 * u][1] = Xw[1]; X[2 * u + 1][0] = Xw[2]; X[2 * u + 1][1] = Xw[3];
-        }
-        for (int i = 0; i < 16; i++) for (int r = 0; r < 4; r++) mn[i][r] = (i & 1) ? R.m1 : R.m0;
-    } else {
-        dsq_q2k_row R;
-        dsq_q2k_setup(blk, t, &R);
-        *d = R.d; *dmin = R.dmin;
-        for (int u = 0; u < 4; u++) {
-            uint32_t Xw[8];
-            dsq_q2k_word(dsq_ld32(blk + 16 + 16 * t + 4 * u), &R, Xw);
-            for (int j = 0; j < 4; j++) { X[4 * u + j][0] = Xw[2 * j]; X[4 * u + j][1] = Xw[2 * j + 1]; }
-        }
-        for (int i = 0; i < 16; i++) for (int r = 0; r < 4; r++) mn[i][r] = R.m[i & 3];
     }
     for (int i = 0; i < 16; i++)
         for (int r = 0; r < 4; r++) a[i][r] = f16v(X[i][r >> 1] >> (16 * (r & 1)));
 }
 
-/* The element's value from its A value: IQ2_XXS (d a) / 8; else fmaf(d, a, -(dmin m)). */
-static float value_of(int type, float a, float m, float d, float dmin) {
-    if (type == DS4_TYPE_IQ2_XXS) return (d * a) * 0.125f;
-    return fmaf(d, a, -(dmin * m));
+static long check_afrag_iq2(const uint8_t *blk0) {
+    float ref[256];
+    ds4_quant_dequant(DS4_TYPE_IQ2_XXS, blk0, ref, 256);
+    long bad = 0;
+    for (int off = 0; off < 16; off += 2) {        /* every even offset mod 16 a staged row can have */
+        alignas(16) uint8_t buf[192];
+        memset(buf, 0xa5, sizeof buf);
+        memcpy(buf + off, blk0, 66);
+        for (int t = 0; t < 4; t++) {
+            float a[16][4], d;
+            decode_row(buf + off, t, a, &d);
+            for (int i = 0; i < 16; i++)
+                for (int r = 0; r < 4; r++) {
+                    const float v = (d * a[i][r]) * 0.125f;      /* d (2 ls + 1) / 8 x (+-mag) */
+                    if (a[i][r] != floorf(a[i][r]) || memcmp(&v, &ref[dsq_frag_elem(i, t, r)], 4) != 0) bad++;
+                }
+        }
+    }
+    return bad;
 }
 
-static int offsets_of(int type, int *o) {
-    int n = 0;
-    if (type == DS4_TYPE_IQ2_XXS) for (int k = 0; k < 16; k += 2) o[n++] = k;
-    else if (type == DS4_TYPE_Q2_K) for (int k = 0; k < 16; k += 4) o[n++] = k;
-    else o[n++] = 0;
-    return n;
+/* The integer path's decode of one row for lane quarter t, as mvq_sb_i8 reads the staged row
+ * p: for MMA j, k-half h, byte b, the A byte, the integer scale it is multiplied by in s32
+ * (Q4_K: dsq_q4k_i8_sc; Q2_K: 1, its scale is in A) and the min byte of its B column. */
+static void decode_row_i8(int type, const uint8_t *p, int t, int A[8][2][4], int SCm[8], int MN[8][2][4],
+                          float *d, float *dmin) {
+    if (type == DS4_TYPE_Q2_K) {
+        uint32_t S[4];
+        for (int i = 0; i < 4; i++) S[i] = dsq_ld32(p + 4 * i);
+        const uint32_t dd = dsq_ld32(p + 80);
+        *d = dsq_f16(dd & 0xffffu);
+        *dmin = dsq_f16(dd >> 16);
+        for (int hq = 0; hq < 2; hq++) {
+            const uint32_t W[2] = { dsq_ld32(p + 16 + 32 * hq + 8 * t), dsq_ld32(p + 20 + 32 * hq + 8 * t) };
+            for (int jj = 0; jj < 4; jj++) {
+                const int j = 4 * hq + jj;
+                const uint32_t sb = dsq_q2k_i8_scbyte(S, j, t);
+                SCm[j] = 1;
+                for (int h = 0; h < 2; h++) {
+                    const uint32_t a = dsq_q2k_i8_a(W[h], j, sb & 15u), m = (sb >> 4) * 0x01010101u;
+                    for (int b = 0; b < 4; b++) { A[j][h][b] = (int)dsq_byte(a, b); MN[j][h][b] = (int)dsq_byte(m, b); }
+                }
+            }
+        }
+    } else {
+        const uint32_t h0 = dsq_ld32(p), y = dsq_ld32(p + 4), z = dsq_ld32(p + 8), w = dsq_ld32(p + 12);
+        uint32_t SC[2], M[2];
+        dsq_q4k_i8_scales(y, z, w, SC, M);
+        *d = dsq_f16(h0 & 0xffffu);
+        *dmin = dsq_f16(h0 >> 16);
+        for (int jp = 0; jp < 4; jp++) {
+            const uint32_t W[2] = { dsq_ld32(p + 16 + 32 * jp + 8 * t), dsq_ld32(p + 20 + 32 * jp + 8 * t) };
+            for (int e = 0; e < 2; e++) {
+                const int j = 2 * jp + e;
+                SCm[j] = (int)dsq_q4k_i8_sc(SC, j);
+                const uint32_t m = dsq_byte(M[j >> 2], j & 3) * 0x01010101u;
+                for (int h = 0; h < 2; h++) {
+                    const uint32_t a = dsq_q4k_i8_a(W[h], j);
+                    for (int b = 0; b < 4; b++) { A[j][h][b] = (int)dsq_byte(a, b); MN[j][h][b] = (int)dsq_byte(m, b); }
+                }
+            }
+        }
+    }
 }
 
-static long check_afrag_block(int type, const uint8_t *blk0) {
+/* Every element, from its A byte, s32 scale and min: d (A sc) / f - dmin m equals
+ * ds4_quant_dequant bit for bit (f = 16 for Q4_K, whose A sc is 16 sc q; 1 for Q2_K).  d A sc
+ * is exact (an f16 times an integer below 2^14, or 16 times one), as is dmin m, so the one
+ * rounding is the subtraction, as in the CPU's (d sc) q - dmin m. */
+static long check_afrag_i8(int type, const uint8_t *blk0) {
     const int bb = dsq_block_bytes(type);
     float ref[256];
     ds4_quant_dequant(type, blk0, ref, 256);
-    int offs[16];
-    const int no = offsets_of(type, offs);
     long bad = 0;
-    for (int oi = 0; oi < no; oi++) {
+    for (int off = 0; off < 16; off += type == DS4_TYPE_Q2_K ? 4 : 16) {
         alignas(16) uint8_t buf[192];
         memset(buf, 0xa5, sizeof buf);
-        memcpy(buf + offs[oi], blk0, (size_t)bb);
+        memcpy(buf + off, blk0, (size_t)bb);
         for (int t = 0; t < 4; t++) {
-            float a[16][4], mn[16][4], d, dmin;
-            decode_row(type, buf + offs[oi], t, a, mn, &d, &dmin);
-            for (int i = 0; i < 16; i++)
-                for (int r = 0; r < 4; r++) {
-                    const int e = dsq_frag_elem(type, i, t, r);
-                    const float v = value_of(type, a[i][r], mn[i][r], d, dmin);
-                    if (a[i][r] != floorf(a[i][r]) || memcmp(&v, &ref[e], 4) != 0) bad++;
-                }
+            int A[8][2][4], SCm[8], MN[8][2][4];
+            float d, dmin;
+            decode_row_i8(type, buf + off, t, A, SCm, MN, &d, &dmin);
+            for (int j = 0; j < 8; j++)
+                for (int h = 0; h < 2; h++)
+                    for (int b = 0; b < 4; b++) {
+                        const float f = type == DS4_TYPE_Q4_K ? 0.0625f : 1.0f;
+                        const float v = dsq_sub(dsq_mul(dsq_mul(d, (float)(A[j][h][b] * SCm[j])), f),
+                                                dsq_mul(dmin, (float)MN[j][h][b]));
+                        if (A[j][h][b] < 0 || A[j][h][b] > 255 || memcmp(&v, &ref[dsq_i8_elem(j, t, 2 * h, b)], 4) != 0)
+                            bad++;
+                    }
         }
     }
     return bad;
@@ -326,7 +361,7 @@ static void test_afrag(void) {
         uint64_t st = 0x777 + (uint64_t)type;
         for (int k = 0; k < 4000; k++) {
             ds4_quant_random_block(type, &st, blk);
-            bad += check_afrag_block(type, blk);
+            bad += type == DS4_TYPE_IQ2_XXS ? check_afrag_iq2(blk) : check_afrag_i8(type, blk);
             n++;
         }
         /* random bytes (every scale / min / quant / index / sign / ls) with finite edge scales */
@@ -336,7 +371,7 @@ static void test_afrag(void) {
             if (k % 7 == 0) memset(blk, 0xff, (size_t)bb);
             put16(blk + od, fin[k % 8]);
             if (om >= 0) put16(blk + om, fin[(k / 8) % 8]);
-            bad += check_afrag_block(type, blk);
+            bad += type == DS4_TYPE_IQ2_XXS ? check_afrag_iq2(blk) : check_afrag_i8(type, blk);
             n++;
         }
         if (type == DS4_TYPE_IQ2_XXS) {      /* every grid index in every position */
@@ -344,13 +379,13 @@ static void test_afrag(void) {
                 ds4_quant_random_block(type, &st, blk);
                 for (int r = 0; r < 8; r++)
                     for (int i = 0; i < 4; i++) blk[2 + 8 * r + i] = (uint8_t)(idx + 53 * (4 * r + i));
-                bad += check_afrag_block(type, blk);
+                bad += check_afrag_iq2(blk);
                 n++;
             }
         }
         char what[200];
-        snprintf(what, sizeof what, "%-7s A fragments: exact integers, value == ds4_quant_dequant bit for bit, every staging offset: %ld blocks, %ld mismatches",
-                 tname(type), n, bad);
+        snprintf(what, sizeof what, "%-7s A fragments: %s, value == ds4_quant_dequant bit for bit, every staging offset: %ld blocks, %ld mismatches",
+                 tname(type), type == DS4_TYPE_IQ2_XXS ? "exact f16 integers" : "bytes x s32 scales", n, bad);
         check(bad == 0, what);
     }
 }
@@ -391,35 +426,59 @@ static void test_split(void) {
     check(bad == 0 && rng_bad == 0, what);
 }
 
+/* The digits (integer path): 32 <= max|x 2^a| < 64 (unless clamped), every digit in
+ * [-64, 64], and |x 2^a - sum_p q_p 2^-7p| <= 2^-22. */
+static void test_digits(void) {
+    long bad = 0, n = 0, rng_bad = 0;
+    float x[256];
+    for (int blk = 0; blk < 20000; blk++) {
+        const int e0 = (int)(rnd() % 240) - 120;
+        for (int k = 0; k < 256; k++) {
+            const int e = e0 - (int)(rnd() % 40);
+            x[k] = (float)ldexp(rnd_unit() * 2.0 - 1.0, e);
+            if (blk % 11 == 0 && k % 3 == 0) x[k] = 0.0f;
+            if (blk % 13 == 0 && k % 5 == 0) x[k] = (float)ldexp((double)(rnd() % 129) - 64.0, e0 - 7) * 0.5;  /* ties */
+        }
+        float mx = 0.0f;
+        for (int k = 0; k < 256; k++) mx = fmaxf(mx, fabsf(x[k]));
+        const int a = dsq_i8_exp(mx);
+        const float sc = dsq_pow2(a);
+        if (mx > 0.0f && a < 126 && !(mx * sc >= 32.0f && mx * sc < 64.0f)) rng_bad++;
+        for (int k = 0; k < 256; k++) {
+            const float xs = x[k] * sc;
+            const uint32_t w = dsq_digits4(xs);
+            double sum = 0.0;
+            for (int p = 0; p < 4; p++) {
+                const int q = (int)(int8_t)dsq_byte(w, p);
+                if (q < -64 || q > 64) rng_bad++;
+                sum += ldexp((double)q, -7 * p);
+            }
+            if (fabs(sum - (double)xs) > 0x1p-22) bad++;
+            n++;
+        }
+    }
+    char what[160];
+    snprintf(what, sizeof what, "digits: 32 <= max|x 2^a| < 64, q in [-64, 64], |x 2^a - digits| <= 2^-22 on %ld values (%ld, %ld bad)",
+             n, rng_bad, bad);
+    check(bad == 0 && rng_bad == 0, what);
+}
+
 /* ---- 5. a warp tile end to end ---------------------------------------------------------- */
 
-/* The kernel's staging of one token's SB (as k_matvec_q does it, one lane = 8 elements). */
-static void stage_sb(int type, const float *xsb, int sb, int u, int cs, uint16_t *xf, float *ps, float *sx, int nsb) {
+/* The kernel's staging of one token's SB, f16 path (IQ2_XXS; one lane = 8 elements). */
+static void stage_sb(const float *xsb, int sb, int u, int cs, uint16_t *xf, float *ps, int nsb) {
     float mx = 0.0f;
     for (int k = 0; k < 256; k++) mx = fmaxf(mx, fabsf(xsb[k]));
     const int ea = dsq_sb_exp(mx);
     const float sc = dsq_pow2(ea);
     for (int e = 0; e < 256; e++) {
         int fi, ft, fr;
-        dsq_frag_slot(type, e, &fi, &ft, &fr);
+        dsq_frag_slot(e, &fi, &ft, &fr);
         uint32_t hp[3];
         dsq_split3(xsb[e] * sc, &hp[0], &hp[1], &hp[2]);
         for (int pt = 0; pt < 3; pt++) xf[(size_t)dsq_xf_index(sb, fi, 3 * u + pt, ft, cs) * 4 + fr] = (uint16_t)hp[pt];
     }
-    ps[u * nsb + sb] = type == DS4_TYPE_IQ2_XXS ? dsq_pow2(-ea) * 0.125f : dsq_pow2(-ea);
-    const int ng = type == DS4_TYPE_Q2_K ? 16 : type == DS4_TYPE_Q4_K ? 8 : 0;
-    for (int gi = 0; gi < ng; gi++) {
-        const int len = 256 / ng;
-        /* lanes of 8: ((v0+v1)+(v2+v3))+((v4+v5)+(v6+v7)), then pairs, then quads */
-        float s8[4];
-        for (int l = 0; l < len / 8; l++) {
-            const float *v = xsb + gi * len + 8 * l;
-            s8[l] = ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
-        }
-        float s = s8[0] + s8[1];
-        if (len == 32) s = s + (s8[2] + s8[3]);
-        sx[((size_t)u * nsb + sb) * ng + gi] = s;
-    }
+    ps[u * nsb + sb] = dsq_pow2(-ea) * 0.125f;
 }
 
 /* mma.m16n8k16 from the lanes' fragments (PTX layout), exactly (double sums). */
@@ -447,74 +506,99 @@ static void mma_emulate(const uint32_t A[32][4], const uint32_t B[32][2], double
     }
 }
 
-static double tile_rel_err(int type, int nt, int nsb, int seed) {
-    const int bb = dsq_block_bytes(type), K = 256 * nsb, cs = 3 * nt;
-    const int ng = type == DS4_TYPE_Q2_K ? 16 : type == DS4_TYPE_Q4_K ? 8 : 0;
-    uint8_t *w = (uint8_t *)malloc((size_t)16 * nsb * bb);
-    float *x = (float *)malloc((size_t)nt * K * sizeof(float));
-    uint16_t *xf = (uint16_t *)calloc((size_t)nsb * 16 * cs * 4 * 4, sizeof(uint16_t));
-    float *ps = (float *)calloc((size_t)nt * nsb, sizeof(float));
-    float *sx = (float *)calloc((size_t)nt * nsb * (ng ? ng : 1), sizeof(float));
+/* mma.m16n8k32 (u8 x s8 -> s32) from the lanes' fragments (PTX layout), exactly. */
+static void mma_i8_emulate(const uint32_t A[32][4], const uint32_t B[32][2], int64_t D[32][4]) {
+    int a[16][32], b[32][8];
+    for (int lane = 0; lane < 32; lane++) {
+        const int g = lane >> 2, t = lane & 3;
+        for (int y = 0; y < 4; y++) {
+            a[g][4 * t + y] = (int)dsq_byte(A[lane][0], y);
+            a[g + 8][4 * t + y] = (int)dsq_byte(A[lane][1], y);
+            a[g][16 + 4 * t + y] = (int)dsq_byte(A[lane][2], y);
+            a[g + 8][16 + 4 * t + y] = (int)dsq_byte(A[lane][3], y);
+            b[4 * t + y][g] = (int)(int8_t)dsq_byte(B[lane][0], y);
+            b[16 + 4 * t + y][g] = (int)(int8_t)dsq_byte(B[lane][1], y);
+        }
+    }
+    for (int lane = 0; lane < 32; lane++) {
+        const int g = lane >> 2, t = lane & 3;
+        for (int c = 0; c < 4; c++) {
+            const int row = g + 8 * (c >> 1), col = 2 * t + (c & 1);
+            int64_t s = 0;
+            for (int k = 0; k < 32; k++) s += (int64_t)a[row][k] * b[k][col];
+            D[lane][c] = s;
+        }
+    }
+}
+
+/* Random weights (16 rows) and activations (SBs of different magnitude). */
+static void tile_data(int type, int nt, int nsb, int seed, uint8_t *w, float *x) {
+    const int bb = dsq_block_bytes(type), K = 256 * nsb;
     uint64_t st = (uint64_t)seed * 1000003u + (uint64_t)type;
     for (int b = 0; b < 16 * nsb; b++) ds4_quant_random_block(type, &st, w + (size_t)b * bb);
     for (int u = 0; u < nt; u++)
         for (int k = 0; k < K; k++) {
-            const double sbscale = ldexp(1.0, (int)((k >> 8) * 3 % 11) - 5);   /* SBs of different magnitude */
+            const double sbscale = ldexp(1.0, (int)((k >> 8) * 3 % 11) - 5);
             x[u * K + k] = (float)((rnd_unit() * 2.0 - 1.0) * sbscale);
         }
-    for (int u = 0; u < nt; u++)
-        for (int sb = 0; sb < nsb; sb++) stage_sb(type, x + u * K + sb * 256, sb, u, cs, xf, ps, sx, nsb);
+}
 
-    /* the warp: lane (g, t) owns rows g, g+8; acc per D register, accm per row and token */
-    float acc[32][4] = { { 0 } }, accm[32][2][2] = { { { 0 } } };
+/* max over the 16 rows and nt tokens of |y - ref| / sum|w x|, ref in double. */
+static double tile_worst(int type, int nt, int nsb, const uint8_t *w, const float *x, float y[16][2]) {
+    const int bb = dsq_block_bytes(type), K = 256 * nsb;
+    float *wd = (float *)malloc((size_t)K * sizeof(float));
+    double worst = 0.0;
+    for (int row = 0; row < 16; row++) {
+        ds4_quant_dequant(type, w + (size_t)row * nsb * bb, wd, K);
+        for (int u = 0; u < nt; u++) {
+            double ref = 0.0, mag = 0.0;
+            for (int k = 0; k < K; k++) {
+                ref += (double)wd[k] * (double)x[u * K + k];
+                mag += fabs((double)wd[k] * (double)x[u * K + k]);
+            }
+            const double rel = fabs((double)y[row][u] - ref) / (mag > 0 ? mag : 1.0);
+            if (!(rel <= worst)) worst = rel;     /* NaN stays */
+        }
+    }
+    free(wd);
+    return worst;
+}
+
+static double tile_rel_err_iq2(int nt, int nsb, int seed) {
+    const int type = DS4_TYPE_IQ2_XXS, bb = 66, K = 256 * nsb, cs = 3 * nt;
+    uint8_t *w = (uint8_t *)malloc((size_t)16 * nsb * bb);
+    float *x = (float *)malloc((size_t)nt * K * sizeof(float));
+    uint16_t *xf = (uint16_t *)calloc((size_t)nsb * 16 * cs * 4 * 4, sizeof(uint16_t));
+    float *ps = (float *)calloc((size_t)nt * nsb, sizeof(float));
+    tile_data(type, nt, nsb, seed, w, x);
+    for (int u = 0; u < nt; u++)
+        for (int sb = 0; sb < nsb; sb++) stage_sb(x + u * K + sb * 256, sb, u, cs, xf, ps, nsb);
+
+    /* the warp: lane (g, t) owns rows g, g+8; acc per D register */
+    float acc[32][4] = { { 0 } };
     for (int sb = 0; sb < nsb; sb++) {
         uint32_t A[16][32][4], B[16][32][2];
-        float dr[32][2], dminr[32][2], mmv[32][2][2];
+        float dr[32][2];
         for (int lane = 0; lane < 32; lane++) {
             const int g = lane >> 2, t = lane & 3;
             alignas(16) uint8_t rowbuf[2][192];
             uint32_t X[2][16][2];
-            float mins[2][4];
             for (int r = 0; r < 2; r++) {
                 const uint8_t *blk = w + ((size_t)(g + 8 * r) * nsb + sb) * bb;
-                const int o0 = type == DS4_TYPE_IQ2_XXS ? (sb * 66) & 15 : type == DS4_TYPE_Q2_K ? (sb * 84) & 15 : 0;
+                const int o0 = (sb * 66) & 15;
                 memset(rowbuf[r], 0x5a, 192);
                 memcpy(rowbuf[r] + o0, blk, (size_t)bb);
                 const uint8_t *p = rowbuf[r] + o0;
-                if (type == DS4_TYPE_IQ2_XXS) {
-                    dr[lane][r] = dsq_f16(dsq_rd16(p));
-                    dminr[lane][r] = 0.0f;
-                    for (int rho = 0; rho < 2; rho++) {
-                        uint32_t iw, ww;
-                        dsq_iq2_rec(p, t + 4 * rho, (uint32_t)((o0 + 2) & 2), &iw, &ww);
-                        const uint32_t L = dsq_iq2_L(ww);
-                        for (int q = 0; q < 4; q++) {
-                            uint32_t Xg[4];
-                            dsq_iq2_group((const uint8_t *)g_grid, 16, g_s8, iw, ww, q, L, Xg);
-                            const int i = 8 * rho + 2 * q;
-                            X[r][i][0] = Xg[0]; X[r][i][1] = Xg[1]; X[r][i + 1][0] = Xg[2]; X[r][i + 1][1] = Xg[3];
-                        }
-                    }
-                } else if (type == DS4_TYPE_Q4_K) {
-                    dsq_q4k_row R;
-                    dsq_q4k_setup(p, t, &R);
-                    dr[lane][r] = R.d; dminr[lane][r] = R.dmin;
-                    mins[r][0] = R.m0; mins[r][1] = R.m1;
-                    for (int u4 = 0; u4 < 8; u4++) {
-                        uint32_t Xw[4];
-                        dsq_q4k_word(dsq_ld32(p + 16 + 32 * t + 4 * u4), &R, Xw);
-                        X[r][2 * u4][0] = Xw[0]; X[r][2 * u4][1] = Xw[1];
-                        X[r][2 * u4 + 1][0] = Xw[2]; X[r][2 * u4 + 1][1] = Xw[3];
-                    }
-                } else {
-                    dsq_q2k_row R;
-                    dsq_q2k_setup(p, t, &R);
-                    dr[lane][r] = R.d; dminr[lane][r] = R.dmin;
-                    for (int j = 0; j < 4; j++) mins[r][j] = R.m[j];
-                    for (int u4 = 0; u4 < 4; u4++) {
-                        uint32_t Xw[8];
-                        dsq_q2k_word(dsq_ld32(p + 16 + 16 * t + 4 * u4), &R, Xw);
-                        for (int j = 0; j < 4; j++) { X[r][4 * u4 + j][0] = Xw[2 * j]; X[r][4 * u4 + j][1] = Xw[2 * j + 1]; }
+                dr[lane][r] = dsq_f16(dsq_rd16(p));
+                for (int rho = 0; rho < 2; rho++) {
+                    uint32_t iw, ww;
+                    dsq_iq2_rec(p, t + 4 * rho, (uint32_t)((o0 + 2) & 2), &iw, &ww);
+                    const uint32_t L = dsq_iq2_L(ww);
+                    for (int q = 0; q < 4; q++) {
+                        uint32_t Xg[4];
+                        dsq_iq2_group((const uint8_t *)g_grid, 16, g_s8, iw, ww, q, L, Xg);
+                        const int i = 8 * rho + 2 * q;
+                        X[r][i][0] = Xg[0]; X[r][i][1] = Xg[1]; X[r][i + 1][0] = Xg[2]; X[r][i + 1][1] = Xg[3];
                     }
                 }
             }
@@ -525,20 +609,6 @@ static double tile_rel_err(int type, int nt, int nsb, int seed) {
                 B[i][lane][0] = bp[0] | ((uint32_t)bp[1] << 16);
                 B[i][lane][1] = bp[2] | ((uint32_t)bp[3] << 16);
             }
-            /* the min sums, as mvq_sb forms them */
-            for (int r = 0; r < 2; r++)
-                for (int u = 0; u < nt; u++) {
-                    const float *sxu = sx + ((size_t)u * nsb + sb) * (ng ? ng : 1);
-                    if (type == DS4_TYPE_Q4_K) {
-                        mmv[lane][r][u] = fmaf(mins[r][1], sxu[dsq_min_group(type, t, 1)], mins[r][0] * sxu[dsq_min_group(type, t, 0)]);
-                    } else if (type == DS4_TYPE_Q2_K) {
-                        float s = 0.0f;
-                        for (int j = 0; j < 4; j++) s = fmaf(mins[r][j], sxu[dsq_min_group(type, t, j)], s);
-                        mmv[lane][r][u] = s;
-                    } else {
-                        mmv[lane][r][u] = 0.0f;
-                    }
-                }
         }
         double Dd[32][4] = { { 0 } };
         for (int i = 0; i < 16; i++) mma_emulate(A[i], B[i], Dd);
@@ -549,35 +619,106 @@ static double tile_rel_err(int type, int nt, int nsb, int seed) {
             acc[lane][1] = fmaf(dr[lane][0] * p1, (float)Dd[lane][1], acc[lane][1]);
             acc[lane][2] = fmaf(dr[lane][1] * p0, (float)Dd[lane][2], acc[lane][2]);
             acc[lane][3] = fmaf(dr[lane][1] * p1, (float)Dd[lane][3], acc[lane][3]);
-            for (int r = 0; r < 2; r++)
-                for (int u = 0; u < nt; u++) accm[lane][r][u] = fmaf(dminr[lane][r], mmv[lane][r][u], accm[lane][r][u]);
         }
     }
-    /* combine as the kernel does, compare with a double dot of the dequantised rows */
-    double worst = 0.0;
-    float *wd = (float *)malloc((size_t)K * sizeof(float));
+    /* combine as the kernel does */
+    float y[16][2];
     for (int lane = 0; lane < 32; lane += 4) {
         const int g = lane >> 2;
-        for (int r = 0; r < 2; r++) {
-            const int row = g + 8 * r;
-            ds4_quant_dequant(type, w + (size_t)row * nsb * bb, wd, K);
-            for (int u = 0; u < nt; u++) {
-                float res;
-                if (u == 0) res = (acc[lane][2 * r] + acc[lane][2 * r + 1]) + acc[lane + 1][2 * r];
-                else res = (acc[lane + 1][2 * r + 1] + acc[lane + 2][2 * r]) + acc[lane + 2][2 * r + 1];
-                const float m = (accm[lane][r][u] + accm[lane + 1][r][u]) + (accm[lane + 2][r][u] + accm[lane + 3][r][u]);
-                res -= m;
-                double ref = 0.0, mag = 0.0;
-                for (int k = 0; k < K; k++) {
-                    ref += (double)wd[k] * (double)x[u * K + k];
-                    mag += fabs((double)wd[k] * (double)x[u * K + k]);
+        for (int r = 0; r < 2; r++)
+            for (int u = 0; u < nt; u++)
+                y[g + 8 * r][u] = u == 0 ? (acc[lane][2 * r] + acc[lane][2 * r + 1]) + acc[lane + 1][2 * r]
+                                         : (acc[lane + 1][2 * r + 1] + acc[lane + 2][2 * r]) + acc[lane + 2][2 * r + 1];
+    }
+    const double worst = tile_worst(type, nt, nsb, w, x, y);
+    free(w); free(x); free(xf); free(ps);
+    return worst;
+}
+
+/* The integer path (Q2_K, Q4_K): B staged as the kernel stages it (lane l of SB sb holds
+ * x[256 sb + 8 l .. +7]: MMA l/4, quarter l%4; column 4u + p = digit p of token u), A from
+ * the decoders, the s32 MMAs emulated exactly, then the kernel's f32 operations. */
+static double tile_rel_err_i8(int type, int nt, int nsb, int seed) {
+    const int bb = dsq_block_bytes(type), K = 256 * nsb;
+    uint8_t *w = (uint8_t *)malloc((size_t)16 * nsb * bb);
+    float *x = (float *)malloc((size_t)nt * K * sizeof(float));
+    uint32_t (*xq)[8][32][2] = (uint32_t (*)[8][32][2])calloc((size_t)nsb, sizeof *xq);
+    float *ps = (float *)calloc((size_t)nt * nsb, sizeof(float));
+    tile_data(type, nt, nsb, seed, w, x);
+    for (int u = 0; u < nt; u++)
+        for (int sb = 0; sb < nsb; sb++) {
+            const float *xs = x + u * K + sb * 256;
+            float mx = 0.0f;
+            for (int k = 0; k < 256; k++) mx = fmaxf(mx, fabsf(xs[k]));
+            const int ea = dsq_i8_exp(mx);
+            const float sc = dsq_pow2(ea);
+            for (int l = 0; l < 32; l++)
+                for (int h = 0; h < 2; h++)
+                    for (int y = 0; y < 4; y++) {
+                        const uint32_t dg = dsq_digits4(xs[8 * l + 4 * h + y] * sc);
+                        for (int p = 0; p < 4; p++)
+                            xq[sb][l >> 2][4 * (4 * u + p) + (l & 3)][h] |= dsq_byte(dg, p) << (8 * y);
+                    }
+            ps[u * nsb + sb] = dsq_pow2(-ea);
+        }
+    float acc[32][4] = { { 0 } };
+    for (int sb = 0; sb < nsb; sb++) {
+        static uint32_t A[8][32][4], An[8][32][4], B[8][32][2];
+        static int SCm[32][2][8];
+        float dq[32][2], dmq[32][2];
+        for (int lane = 0; lane < 32; lane++) {
+            const int g = lane >> 2, t = lane & 3;
+            for (int r = 0; r < 2; r++) {
+                alignas(16) uint8_t rowbuf[192];
+                const int o0 = type == DS4_TYPE_Q2_K ? (sb * 84) & 15 : 0;
+                memset(rowbuf, 0x5a, sizeof rowbuf);
+                memcpy(rowbuf + o0, w + ((size_t)(g + 8 * r) * nsb + sb) * bb, (size_t)bb);
+                int Ab[8][2][4], MN[8][2][4];
+                decode_row_i8(type, rowbuf + o0, t, Ab, SCm[lane][r], MN, &dq[lane][r], &dmq[lane][r]);
+                for (int j = 0; j < 8; j++)
+                    for (int h = 0; h < 2; h++) {
+                        uint32_t a = 0, m = 0;
+                        for (int y = 0; y < 4; y++) { a |= (uint32_t)Ab[j][h][y] << (8 * y); m |= (uint32_t)MN[j][h][y] << (8 * y); }
+                        A[j][lane][r + 2 * h] = a;        /* reg0/1: k-half 0 of rows g/g+8, reg2/3: half 1 */
+                        An[j][lane][r + 2 * h] = m;
+                    }
+            }
+            for (int j = 0; j < 8; j++) { B[j][lane][0] = xq[sb][j][lane][0]; B[j][lane][1] = xq[sb][j][lane][1]; }
+        }
+        int64_t Dm[32][4] = { { 0 } }, Dn[32][4] = { { 0 } };
+        for (int j = 0; j < 8; j++) {
+            int64_t D[32][4], E[32][4];
+            mma_i8_emulate(A[j], B[j], D);
+            mma_i8_emulate(An[j], B[j], E);
+            for (int lane = 0; lane < 32; lane++)
+                for (int c = 0; c < 4; c++) {
+                    Dm[lane][c] += D[lane][c] * SCm[lane][c >> 1][j];
+                    Dn[lane][c] += E[lane][c];
                 }
-                const double rel = fabs((double)res - ref) / (mag > 0 ? mag : 1.0);
-                if (!(rel <= worst)) worst = rel;     /* NaN stays */
+        }
+        for (int lane = 0; lane < 32; lane++) {
+            const int t = lane & 3;
+            const float pm = ps[(nt == 1 ? 0 : (t >> 1)) * nsb + sb];
+            const float pq = type == DS4_TYPE_Q4_K ? pm * 0.0625f : pm;
+            for (int c = 0; c < 4; c++) {
+                if (Dm[lane][c] != (int32_t)Dm[lane][c] || Dn[lane][c] != (int32_t)Dn[lane][c]) return 1.0;   /* s32 overflow */
+                acc[lane][c] = fmaf(dq[lane][c >> 1] * pq, (float)Dm[lane][c],
+                                    fmaf(-(dmq[lane][c >> 1] * pm), (float)Dn[lane][c], acc[lane][c]));
             }
         }
     }
-    free(wd); free(w); free(x); free(xf); free(ps); free(sx);
+    float y[16][2];
+    for (int lane = 0; lane < 32; lane += 4) {
+        const int g = lane >> 2;
+        for (int r = 0; r < 2; r++)
+            for (int u = 0; u < nt; u++) {
+                const float lo = fmaf(acc[lane + 2 * u][2 * r + 1], 0x1p-7f, acc[lane + 2 * u][2 * r]);
+                const float hi = fmaf(acc[lane + 2 * u + 1][2 * r + 1], 0x1p-7f, acc[lane + 2 * u + 1][2 * r]);
+                y[g + 8 * r][u] = fmaf(hi, 0x1p-14f, lo);
+            }
+    }
+    const double worst = tile_worst(type, nt, nsb, w, x, y);
+    free(w); free(x); free(xq); free(ps);
     return worst;
 }
 
@@ -589,7 +730,8 @@ static void test_tile(void) {
             const int shapes[3] = { 1, 8, 16 };
             for (int si = 0; si < 3; si++)
                 for (int seed = 0; seed < 6; seed++) {
-                    const double e = tile_rel_err(type, nt, shapes[si], seed);
+                    const double e = type == DS4_TYPE_IQ2_XXS ? tile_rel_err_iq2(nt, shapes[si], seed)
+                                                               : tile_rel_err_i8(type, nt, shapes[si], seed);
                     if (!(e <= worst)) worst = e;
                 }
             char what[160];
@@ -605,6 +747,7 @@ int main(void) {
     test_frag_map();
     test_afrag();
     test_split();
+    test_digits();
     test_tile();
     printf("%d passed, %d failed\n", g_pass, g_fail);
     return g_fail ? 1 : 0;
