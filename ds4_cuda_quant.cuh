@@ -348,18 +348,22 @@ __host__ __device__ __forceinline__ int dsq_col_token(int col, int nt) {
     return u < nt ? u : nt - 1;
 }
 
-/* Scale exponent of a super-block of activations: x * 2^a has max |.| < 2^10 (a in
- * [-126, 126], so 2^a and 2^-a are normal floats).  mx = max |x| of the block. */
-__host__ __device__ __forceinline__ int dsq_sb_exp(float mx) {
+/* top minus mx's biased exponent, clamped to [-126, 126] (so 2^a and 2^-a are normal floats):
+ * the power of two that brings a block whose largest |x| is mx below 2^(top - 126). */
+__host__ __device__ __forceinline__ int dsq_scale_exp(float mx, int top) {
     uint32_t bits;
 #ifdef __CUDA_ARCH__
     bits = __float_as_uint(mx);
 #else
     memcpy(&bits, &mx, 4);
 #endif
-    int a = 136 - (int)((bits >> 23) & 0xffu);     /* mx < 2^(E-126): x 2^(136-E) < 2^10 */
+    const int a = top - (int)((bits >> 23) & 0xffu);
     return a < -126 ? -126 : a > 126 ? 126 : a;
 }
+
+/* Scale exponent of a super-block of activations (f16 path): x * 2^a has max |.| < 2^10
+ * (mx < 2^(E-126), so x 2^(136-E) < 2^10).  mx = max |x| of the block. */
+__host__ __device__ __forceinline__ int dsq_sb_exp(float mx) { return dsq_scale_exp(mx, 136); }
 
 __host__ __device__ __forceinline__ float dsq_pow2(int n) {   /* n in [-126, 127] */
     const uint32_t bits = (uint32_t)(127 + n) << 23;
@@ -527,17 +531,9 @@ __host__ __device__ __forceinline__ int dsq_i8_elem(int j, int t, int r, int b) 
 }
 
 /* Scale exponent of a super-block of activations for the digits: 32 <= max |x 2^a| < 64
- * (a clamped to [-126, 126]: an all-zero block, or one of subnormals, gets small digits). */
-__host__ __device__ __forceinline__ int dsq_i8_exp(float mx) {
-    uint32_t bits;
-#ifdef __CUDA_ARCH__
-    bits = __float_as_uint(mx);
-#else
-    memcpy(&bits, &mx, 4);
-#endif
-    const int a = 5 - ((int)((bits >> 23) & 0xffu) - 127);   /* mx in [2^E, 2^(E+1)) */
-    return a < -126 ? -126 : a > 126 ? 126 : a;
-}
+ * (mx in [2^(E-127), 2^(E-126)), so mx 2^(132-E) in [32, 64); clamped: an all-zero block, or
+ * one of subnormals, gets small digits). */
+__host__ __device__ __forceinline__ int dsq_i8_exp(float mx) { return dsq_scale_exp(mx, 132); }
 
 /* |xs| < 64 as four signed digits: xs = q0 + q1 2^-7 + q2 2^-14 + q3 2^-21 + r, |r| <= 2^-22,
  * every q in [-64, 64].  Each step is exact: q = rint(r) (round half even), r - q is exact
