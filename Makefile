@@ -21,7 +21,7 @@ CORE_SRC := ds4.c ds4.h ds4_gpu.h ds4_quant.h ds4_tok.h
 QUANT_SRC := ds4_quant.c ds4_quant.h ds4_quant_tables.h ds4_gpu.h
 TOK_SRC := ds4_tok.c ds4_tok.h ds4_unicode.h
 
-.PHONY: all cpu cuda cuda-check test test-c test-py test-gpu sanitize clean models
+.PHONY: all cpu cuda cuda-check test test-c test-py test-gpu sanitize clean models stream-check series-check
 
 all: cpu
 
@@ -89,7 +89,7 @@ $(B)/cuda-%/ds4_cli.o: ds4_cli.c ds4.h ds4_gpu.h
 	@mkdir -p $(dir $@)
 	$(CC) $(CUDA_CFLAGS) -c ds4_cli.c -o $@
 
-$(B)/cuda-%/ds4_cuda.o: ds4_cuda.cu ds4_cuda_quant.cuh ds4_quant_tables.h ds4_gpu.h
+$(B)/cuda-%/ds4_cuda.o: ds4_cuda.cu ds4_cuda_quant.cuh ds4_quant_tables.h ds4_gpu.h ds4_stream.h
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) -arch=$* -DDS4_CUDA -c ds4_cuda.cu -o $@
 
@@ -108,7 +108,7 @@ $(B)/cuda-%/ds4_bench: bench/ds4_bench.c $(B)/cuda-%/ds4.o $(B)/cuda-%/ds4_quant
 $(B)/cuda-%/spot_check: tests/spot_check.c $(B)/cuda-%/ds4.o $(B)/cuda-%/ds4_quant.o $(B)/cuda-%/ds4_tok.o $(B)/cuda-%/ds4_cuda.o
 	$(CC) $(CUDA_CFLAGS) -I. tests/spot_check.c $(B)/cuda-$*/ds4.o $(B)/cuda-$*/ds4_quant.o $(B)/cuda-$*/ds4_tok.o $(B)/cuda-$*/ds4_cuda.o -o $@ $(CUDA_LIBS)
 
-$(B)/cuda-%/matvec_table: bench/matvec_table.c $(B)/cuda-%/ds4.o $(B)/cuda-%/ds4_quant.o $(B)/cuda-%/ds4_tok.o $(B)/cuda-%/ds4_cuda.o
+$(B)/cuda-%/matvec_table: bench/matvec_table.c ds4_stream.h $(B)/cuda-%/ds4.o $(B)/cuda-%/ds4_quant.o $(B)/cuda-%/ds4_tok.o $(B)/cuda-%/ds4_cuda.o
 	$(CC) $(CUDA_CFLAGS) -I. -I$(CUDA_HOME)/include bench/matvec_table.c $(B)/cuda-$*/ds4.o $(B)/cuda-$*/ds4_quant.o $(B)/cuda-$*/ds4_tok.o $(B)/cuda-$*/ds4_cuda.o -o $@ $(CUDA_LIBS)
 
 # the quant decoders of ds4_cuda_quant.cuh, compiled for the host, against ds4_quant.c (no GPU needed)
@@ -163,9 +163,19 @@ test-gpu: cuda-check
 	  $(B)/cuda-$(CHECK_ARCH)/test_backend_ops && TEST_DS4_CUDA_BIN=$(B)/cuda-$(CHECK_ARCH)/ds4 bash tests/run_pytest.sh -m gpu; \
 	else echo "skipped: no GPU (GPU tests: backend ops, CUDA vs CPU logits)"; fi
 
+# Every GPU operation of the CUDA sources on ds4_current_stream() (ds4_stream.h; its own test
+# plants violations: tests/test_stream_check.py).
+stream-check:
+	python3 scripts/check_streams.py
+
+# The patch series (patches/README.md): the baseline rebuilt from HEAD, each stage built and
+# tested, HEAD reached byte for byte.
+series-check:
+	bash scripts/series.sh check
+
 # test-deps first, also under make -j: a bare machine installs (or stops) before any build.
 test: test-deps
-	@$(MAKE) --no-print-directory cpu test-c fuzz-replay fuzz-ci cuda-check test-py test-gpu
+	@$(MAKE) --no-print-directory stream-check cpu test-c fuzz-replay fuzz-ci cuda-check test-py test-gpu series-check
 	@echo "make test: all done"
 
 # ---- fuzzing (tests/fuzz/README.md): libFuzzer targets for the GGUF reader, the tokenizer,

@@ -3787,7 +3787,7 @@ extern char **environ;
 /* Up to 48 bytes of s (n bytes) for an error line: control and non-ASCII bytes
  * as \xNN, so the message stays one line whatever the environment holds. */
 int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
-    static const char *known[] = { "DS4_THREADS" };
+    static const char *known[] = { "DS4_THREADS", "DS4_CUDA_GRAPHS" };
     char shown[256];
     memset(env, 0, sizeof(*env));
     for (char **e = environ; e && *e; e++) {
@@ -3798,7 +3798,7 @@ int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
         for (size_t i = 0; i < sizeof(known) / sizeof(known[0]); i++)
             if (strlen(known[i]) == nl && !strncmp(known[i], *e, nl)) ok = 1;
         if (!ok) {
-            errf(err, errlen, "unknown environment variable %s (ds4 reads: DS4_THREADS; see README)",
+            errf(err, errlen, "unknown environment variable %s (ds4 reads: DS4_THREADS, DS4_CUDA_GRAPHS; see README)",
                  ds4_show(shown, sizeof shown, *e, nl, 48));
             return -1;
         }
@@ -3814,6 +3814,15 @@ int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
             return -1;
         }
         env->threads = (int)v;
+    }
+    const char *g = getenv("DS4_CUDA_GRAPHS");
+    if (g) {
+        if (strcmp(g, "0") != 0 && strcmp(g, "1") != 0) {
+            errf(err, errlen, "DS4_CUDA_GRAPHS='%s' is not 0 or 1",
+                 ds4_show(shown, sizeof shown, g, strlen(g), 48));
+            return -1;
+        }
+        env->cuda_graphs = g[0] == '1';
     }
     return 0;
 }

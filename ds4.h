@@ -117,6 +117,8 @@ const char *ds4_show(char *out, size_t cap, const char *s, size_t n, size_t max)
  * and malformed values are errors.  Fills the config read by the engine. */
 typedef struct ds4_env {
     int threads;      /* DS4_THREADS: CPU threads, 0 = all online cores */
+    int cuda_graphs;  /* DS4_CUDA_GRAPHS: 1 = capture decode steps as CUDA graphs (patches/series
+                         stage 2; until then read and validated, and nothing changes) */
 } ds4_env;
 int ds4_env_read(ds4_env *env, char *err, size_t errlen);
 

@@ -28,14 +28,17 @@
  * integer counter, reduces the partials in a fixed order and finishes the
  * step).
  *
- * What it deliberately is not (yet).  This is the baseline eager engine:
- * every kernel and every cuBLAS call goes to the legacy default stream, some
- * copies are synchronous, scratch buffers grow with cudaMalloc on demand, and
- * the prefill MoE path reads the routing back to the host.  There are no
- * streams, no CUDA graphs and no activation hooks.  To keep the later
- * conversion mechanical, each kernel has exactly one launcher (a static host
- * function that sizes the grid; `grep '<<<'` finds nothing else), and every
- * launch goes through DS4_LAUNCH, which checks and counts it.
+ * Streams (stage 0 of patches/series).  Every kernel launch, memset, cuBLAS
+ * call and event record goes to ds4_current_stream() (ds4_stream.h): the
+ * calling thread's override, else the legacy default stream.  Nothing here
+ * sets an override yet, so all work still runs on stream 0 as in the eager
+ * baseline: some copies are synchronous and some ops synchronise (each marked
+ * NOTE(stage 1)), scratch buffers grow with cudaMalloc on demand, and the
+ * prefill MoE path reads the routing back to the host.  There are no CUDA
+ * graphs and no activation hooks yet.  Each kernel has exactly one launcher
+ * (a static host function that sizes the grid), and every launch goes through
+ * DS4_LAUNCH, whose ds4_launch_kernel holds the file's only `<<<>>>`;
+ * scripts/check_streams.py keeps it that way.
  *
  * Determinism.  Same inputs give byte-identical outputs run to run: no
  * floating-point atomics, every reduction has a fixed shape (warp butterflies,
@@ -73,6 +76,7 @@
 #include <time.h>
 
 #include "ds4_gpu.h"
+#include "ds4_stream.h"
 
 /* Exported for the benchmark; to be declared in ds4_gpu.h under DS4_CUDA:
  *
@@ -90,9 +94,11 @@ extern "C" void ds4_cuda_stats_reset(void);
  *
  * A failure inside an op cannot be recovered (ds4_gpu.h), so every CUDA and
  * cuBLAS call is wrapped: on error the statement, file and line are printed
- * and the process exits.  DS4_LAUNCH wraps a kernel launch: it times the host
- * side of the launch, checks cudaGetLastError and counts it.  DS4_CUBLAS does
- * the same for a cuBLAS call.
+ * and the process exits.  DS4_LAUNCH(kernel, grid, block, smem, args...)
+ * launches on the current stream (ds4_launch_kernel, the one `<<<>>>` of the
+ * backend), times the host side, checks cudaGetLastError and counts it.
+ * DS4_CUBLAS sets the handle's stream to the current one, then does the same
+ * for a cuBLAS call.
  * ------------------------------------------------------------------------- */
 
 #define DS4_CUDA_CHECK(stmt) do {                                                   \
@@ -120,16 +126,41 @@ static struct {
     double   launch_seconds;  /* host time inside them */
 } g_stats;
 
+/* ds4_stream.h: the calling thread's stack of stream overrides (empty: stream 0). */
+static thread_local cudaStream_t g_stream_stack[DS4_STREAM_DEPTH];
+static thread_local int g_stream_depth;
+
+extern "C" cudaStream_t ds4_current_stream(void) {
+    return g_stream_depth > 0 ? g_stream_stack[g_stream_depth - 1] : (cudaStream_t)0;
+}
+
+extern "C" int ds4_stream_push(cudaStream_t s) {
+    if (g_stream_depth >= DS4_STREAM_DEPTH) return -1;
+    g_stream_stack[g_stream_depth++] = s;
+    return 0;
+}
+
+extern "C" void ds4_stream_pop(void) {
+    if (g_stream_depth > 0) g_stream_depth--;
+}
+
 static double ds4_now(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-/* Variadic because a launch `k<<<g, b>>>(args)` contains top-level commas. */
+/* The one place a kernel is launched: on the current stream.  The parameter packs are
+ * separate so an argument converts to its parameter type as in a direct launch. */
+template <typename... P, typename... A>
+static void ds4_launch_kernel(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, A... args) {
+    kernel<<<grid, block, smem, ds4_current_stream()>>>(args...);
+}
+
+/* Variadic: a kernel template's name (k<a, b>) contains top-level commas. */
 #define DS4_LAUNCH(...) do {                                                        \
         const double t0_ = ds4_now();                                               \
-        __VA_ARGS__;                                                                \
+        ds4_launch_kernel(__VA_ARGS__);                                             \
         DS4_CUDA_CHECK(cudaGetLastError());                                         \
         g_stats.launches++;                                                         \
         g_stats.launch_seconds += ds4_now() - t0_;                                  \
@@ -137,6 +168,7 @@ static double ds4_now(void) {
 
 #define DS4_CUBLAS(...) do {                                                        \
         const double t0_ = ds4_now();                                               \
+        DS4_CUBLAS_CHECK(cublasSetStream(g_cuda.blas, ds4_current_stream()));       \
         DS4_CUBLAS_CHECK(__VA_ARGS__);                                              \
         g_stats.launches++;                                                         \
         g_stats.launch_seconds += ds4_now() - t0_;                                  \
@@ -270,6 +302,7 @@ static void *scratch_get(scratch_t *s, size_t bytes) {
     if (bytes == 0) bytes = 16;
     if (bytes <= s->cap) return s->p;
     if (s->p) {
+        /* NOTE(stage 1): growth synchronises and reallocates; a captured step must not */
         DS4_CUDA_CHECK(cudaDeviceSynchronize());
         DS4_CUDA_CHECK(cudaFree(s->p));
         s->p = NULL;
@@ -331,9 +364,9 @@ static int cuda_init(void) {
     DS4_CUBLAS_CHECK(cublasSetAtomicsMode(g_cuda.blas, CUBLAS_ATOMICS_NOT_ALLOWED));
     DS4_CUBLAS_CHECK(cublasSetPointerMode(g_cuda.blas, CUBLAS_POINTER_MODE_HOST));
     DS4_CUDA_CHECK(cudaMalloc(&g_cuda.hc_count, HC_SPLIT_MAX_NT * sizeof(unsigned)));
-    DS4_CUDA_CHECK(cudaMemset(g_cuda.hc_count, 0, HC_SPLIT_MAX_NT * sizeof(unsigned)));
+    DS4_CUDA_CHECK(cudaMemsetAsync(g_cuda.hc_count, 0, HC_SPLIT_MAX_NT * sizeof(unsigned), ds4_current_stream()));
     DS4_CUDA_CHECK(cudaMalloc(&g_cuda.gate_count, HC_SPLIT_MAX_NT * sizeof(unsigned)));
-    DS4_CUDA_CHECK(cudaMemset(g_cuda.gate_count, 0, HC_SPLIT_MAX_NT * sizeof(unsigned)));
+    DS4_CUDA_CHECK(cudaMemsetAsync(g_cuda.gate_count, 0, HC_SPLIT_MAX_NT * sizeof(unsigned), ds4_current_stream()));
     fprintf(stderr, "ds4: CUDA device 0: %s (sm_%d%d, %d SMs, %.1f GiB)\n", prop.name,
             prop.major, prop.minor, prop.multiProcessorCount,
             (double)prop.totalGlobalMem / (1024.0 * 1024.0 * 1024.0));
@@ -350,7 +383,7 @@ static void *cuda_alloc(size_t bytes) {
         (void)cudaGetLastError();
         return NULL;
     }
-    DS4_CUDA_CHECK(cudaMemset(p, 0, bytes));
+    DS4_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, ds4_current_stream()));
     return p;
 }
 
@@ -358,15 +391,20 @@ static void cuda_free(void *p) {
     if (p) DS4_CUDA_CHECK(cudaFree(p));
 }
 
+/* The contract's copies are synchronous (ds4_gpu.h): the host reads a download
+ * (the logits) right after it, and an upload's source may change right after. */
 static void cuda_upload(void *dst, const void *src, size_t bytes) {
+    /* NOTE(stage 1): synchronous host-to-device copy (the step's tokens and positions) */
     DS4_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
 }
 
 static void cuda_download(void *dst, const void *src, size_t bytes) {
+    /* NOTE(stage 1): synchronous device-to-host copy (the logits), waits for the step */
     DS4_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
 }
 
 static void cuda_copy(void *dst, const void *src, size_t bytes) {
+    /* NOTE(stage 1): synchronous device-to-device copy */
     DS4_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToDevice));
 }
 
@@ -388,6 +426,7 @@ static int cuda_upload_weight(ds4_weight *w) {
         (void)cudaGetLastError();
         return -1;
     }
+    /* NOTE(load time): weights go up once, before any step */
     if (w->nbytes) DS4_CUDA_CHECK(cudaMemcpy(p, w->host, w->nbytes, cudaMemcpyHostToDevice));
     w->dev = p;
     return 0;
@@ -399,6 +438,7 @@ static void cuda_release_weight(ds4_weight *w) {
 }
 
 static void cuda_synchronize(void) {
+    /* NOTE(stage 1): the contract's synchronize */
     DS4_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
@@ -433,8 +473,8 @@ __global__ void k_embed(const uint8_t *table, int type, size_t row_bytes, int64_
 static void launch_embed(const ds4_weight *w, const int32_t *tokens, int nt, int n_hc, float *x) {
     if (nt <= 0) return;
     const int64_t D = w->ne[0];
-    DS4_LAUNCH(k_embed<<<nt, 256>>>((const uint8_t *)w->dev, w->type,
-                                     ds4_row_bytes(w->type, D), D, tokens, n_hc, x));
+    DS4_LAUNCH(k_embed, nt, 256, 0, (const uint8_t *)w->dev, w->type,
+                                     ds4_row_bytes(w->type, D), D, tokens, n_hc, x);
 }
 
 static void cuda_embed(const ds4_weight *w, const int32_t *tokens, int nt, int n_hc, float *x) {
@@ -563,7 +603,7 @@ static void launch_hc_mix(const float *mix, const float *scale, const float *bas
         exit(1);
     }
     dim3 grid((unsigned)((D + HC_TILE - 1) / HC_TILE > 0 ? (D + HC_TILE - 1) / HC_TILE : 1), (unsigned)nt);
-    DS4_LAUNCH(k_hc_mix<<<grid, 256>>>(mix, scale, base, x, D, h, head, eps, iters, y, post, comb));
+    DS4_LAUNCH(k_hc_mix, grid, 256, 0, mix, scale, base, x, D, h, head, eps, iters, y, post, comb);
 }
 
 static void cuda_hc_mix(const float *mix, const float *scale, const float *base, const float *x,
@@ -596,7 +636,7 @@ static void launch_hc_post(const float *f, const float *x_res, const float *post
         fprintf(stderr, "ds4: hc_post: n_hc = %d outside 1..%d\n", h, HC_MAX);
         exit(1);
     }
-    DS4_LAUNCH(k_hc_post<<<grid_for((int64_t)nt * D), 256>>>(f, x_res, post, comb, nt, D, h, x_out));
+    DS4_LAUNCH(k_hc_post, grid_for((int64_t)nt * D), 256, 0, f, x_res, post, comb, nt, D, h, x_out);
 }
 
 static void cuda_hc_post(const float *f, const float *x_res, const float *post, const float *comb,
@@ -834,13 +874,13 @@ static void launch_hc_pre_t(const float *f, const float *x_res, float *x, const 
                             double *ss_part, float *dot_part, float *y, float *post, float *comb) {
     const dim3 grid((unsigned)nb, (unsigned)nt);
     if (wt == DS4_TYPE_F16)
-        DS4_LAUNCH(k_hc_pre<H, DS4_TYPE_F16><<<grid, HCP_THREADS>>>(f, x_res, x, fn, scale, base, norm_w, D, head,
+        DS4_LAUNCH(k_hc_pre<H, DS4_TYPE_F16>, grid, HCP_THREADS, 0, f, x_res, x, fn, scale, base, norm_w, D, head,
                                                                     rms_eps, hc_eps, iters, ss_part, dot_part,
-                                                                    g_cuda.hc_count, y, post, comb));
+                                                                    g_cuda.hc_count, y, post, comb);
     else
-        DS4_LAUNCH(k_hc_pre<H, DS4_TYPE_F32><<<grid, HCP_THREADS>>>(f, x_res, x, fn, scale, base, norm_w, D, head,
+        DS4_LAUNCH(k_hc_pre<H, DS4_TYPE_F32>, grid, HCP_THREADS, 0, f, x_res, x, fn, scale, base, norm_w, D, head,
                                                                     rms_eps, hc_eps, iters, ss_part, dot_part,
-                                                                    g_cuda.hc_count, y, post, comb));
+                                                                    g_cuda.hc_count, y, post, comb);
 }
 
 /* The one launcher of k_hc_pre (a template over H and the fn type). */
@@ -967,11 +1007,11 @@ static void launch_rmsnorm(const float *x, const float *w, float *y, int rows, i
     if (rows <= 0 || n <= 0) return;
     const bool vec = n % 4 == 0 && (uintptr_t)x % 16 == 0 && (uintptr_t)y % 16 == 0 && (uintptr_t)w % 16 == 0;
     if (n >= 4096) {
-        if (vec) DS4_LAUNCH(k_rmsnorm<1024, true><<<rows, 1024>>>(x, w, y, n, eps));
-        else DS4_LAUNCH(k_rmsnorm<1024, false><<<rows, 1024>>>(x, w, y, n, eps));
+        if (vec) DS4_LAUNCH(k_rmsnorm<1024, true>, rows, 1024, 0, x, w, y, n, eps);
+        else DS4_LAUNCH(k_rmsnorm<1024, false>, rows, 1024, 0, x, w, y, n, eps);
     } else {
-        if (vec) DS4_LAUNCH(k_rmsnorm<256, true><<<rows, 256>>>(x, w, y, n, eps));
-        else DS4_LAUNCH(k_rmsnorm<256, false><<<rows, 256>>>(x, w, y, n, eps));
+        if (vec) DS4_LAUNCH(k_rmsnorm<256, true>, rows, 256, 0, x, w, y, n, eps);
+        else DS4_LAUNCH(k_rmsnorm<256, false>, rows, 256, 0, x, w, y, n, eps);
     }
 }
 
@@ -1413,7 +1453,7 @@ static void launch_matvec_fast_t(mv_args a, int n_prob, int n_tok_grid) {
         if (bps < 1) bps = 1;
     }
     const dim3 grid = mv_plan(a, n_prob, n_tok_grid, bps);
-    DS4_LAUNCH(k_matvec<TYPE, NT, MODE><<<grid, MV_THREADS, smem>>>(a));
+    DS4_LAUNCH(k_matvec<TYPE, NT, MODE>, grid, MV_THREADS, smem, a);
 }
 
 template <int TYPE>
@@ -1488,7 +1528,7 @@ __global__ void __launch_bounds__(MV_THREADS) k_matvec_generic(const mv_args a, 
 
 template <int TYPE, int MODE>
 static void launch_matvec_generic_t(const mv_args &a, dim3 grid, int n_tok_loop) {
-    DS4_LAUNCH(k_matvec_generic<TYPE, MODE><<<grid, MV_THREADS>>>(a, n_tok_loop));
+    DS4_LAUNCH(k_matvec_generic<TYPE, MODE>, grid, MV_THREADS, 0, a, n_tok_loop);
 }
 
 template <int TYPE>
@@ -1579,7 +1619,7 @@ static void launch_dequant(const uint8_t *src, int type, size_t row_bytes, int64
         launch_dequant_q(src, type, row_bytes, K, nrows, dst);
         return;
     }
-    DS4_LAUNCH(k_dequant<<<grid_for(nrows * K), 256>>>(src, type, row_bytes, K, nrows, dst));
+    DS4_LAUNCH(k_dequant, grid_for(nrows * K), 256, 0, src, type, row_bytes, K, nrows, dst);
 }
 
 /* y[t][r] (row stride ldy) = sum_k W[row0 + r][k] x[t][k] (row stride ldx) for
@@ -1832,7 +1872,7 @@ static void launch_rope(float *x, int nt, int nh, int dh, int pos0, int pos_step
     if (nt <= 0 || nh <= 0 || rp->n_rot <= 0) return;
     const rope_args r = rope_args_of(rp);
     const int64_t n = (int64_t)nt * nh * (rp->n_rot / 2);
-    DS4_LAUNCH(k_rope<<<grid_for(n), 256>>>(x, nt, nh, dh, pos0, pos_step, r, inverse));
+    DS4_LAUNCH(k_rope, grid_for(n), 256, 0, x, nt, nh, dh, pos0, pos_step, r, inverse);
 }
 
 static void cuda_rope(float *x, int nt, int nh, int dh, int pos0, int pos_step, const ds4_rope *rp, int inverse) {
@@ -1894,8 +1934,7 @@ static void launch_head_norm_rope(float *x, const float *w, int nt, int nh, floa
         fprintf(stderr, "ds4: head_norm_rope: head width %d (rope %d) outside 1..%d\n", dh, rp->n_rot, HNR_MAX_DH);
         exit(1);
     }
-    DS4_LAUNCH(k_head_norm_rope<<<(unsigned)((int64_t)nt * (nh + nh2)), HNR_THREADS, (size_t)dh * sizeof(float)>>>(
-        x, w, nh, x2, w2, nh2, nt, dh, eps, pos0, rope_args_of(rp)));
+    DS4_LAUNCH(k_head_norm_rope, (unsigned)((int64_t)nt * (nh + nh2)), HNR_THREADS, (size_t)dh * sizeof(float), x, w, nh, x2, w2, nh2, nt, dh, eps, pos0, rope_args_of(rp));
 }
 
 static void cuda_head_norm_rope(float *x, const float *w, int nt, int nh, float *x2, const float *w2, int nh2,
@@ -2117,7 +2156,7 @@ __global__ void __launch_bounds__(ATT_THREADS) k_attention(const attn_args a) {
 
 template <int DM>
 static void launch_attention_t(const attn_args &a, dim3 grid) {
-    DS4_LAUNCH(k_attention<DM><<<grid, ATT_THREADS>>>(a));
+    DS4_LAUNCH(k_attention<DM>, grid, ATT_THREADS, 0, a);
 }
 
 /* One block per (head, query), one thread per dim: merge the chunk partials
@@ -2162,7 +2201,7 @@ __global__ void k_attention_combine(const attn_args a) {
 
 static void launch_attention_combine(const attn_args &a) {
     const unsigned threads = (unsigned)((a.d + 31) / 32 * 32);
-    DS4_LAUNCH(k_attention_combine<<<dim3((unsigned)a.H, (unsigned)a.nt), threads>>>(a));
+    DS4_LAUNCH(k_attention_combine, dim3((unsigned)a.H, (unsigned)a.nt), threads, 0, a);
 }
 
 /* Resident k_attention blocks per SM (registers and shared memory decide). */
@@ -2282,8 +2321,8 @@ static void launch_ring_store(float *ring, const float *rows, int slots, int wid
     const int t_first = nt - slots > 0 ? nt - slots : 0;
     const int n_rows = nt - t_first;
     if (n_rows <= 0 || width <= 0) return;
-    DS4_LAUNCH(k_ring_store<<<grid_for((int64_t)n_rows * width), 256>>>(ring, rows, slots, width, pos0,
-                                                                         t_first, n_rows));
+    DS4_LAUNCH(k_ring_store, grid_for((int64_t)n_rows * width), 256, 0, ring, rows, slots, width, pos0,
+                                                                         t_first, n_rows);
 }
 
 static void cuda_ring_store(float *ring, const float *rows, int slots, int width, int pos0, int nt) {
@@ -2312,7 +2351,7 @@ __global__ void k_add_cyclic(float *x, const float *table, int pos0, int nt, int
 
 static void launch_add_cyclic(float *x, const float *table, int pos0, int nt, int period, int n) {
     if (nt <= 0 || n <= 0) return;
-    DS4_LAUNCH(k_add_cyclic<<<grid_for((int64_t)nt * n), 256>>>(x, table, pos0, nt, period, n));
+    DS4_LAUNCH(k_add_cyclic, grid_for((int64_t)nt * n), 256, 0, x, table, pos0, nt, period, n);
 }
 
 static void cuda_add_cyclic(float *x, const float *table, int pos0, int nt, int period, int n) {
@@ -2366,7 +2405,7 @@ static void launch_compress_pool(const float *kv, const float *sc, const float *
     if (ratio <= 0 || dc <= 0) return;
     const int w0 = pos0 / ratio, w1 = (pos0 + nt) / ratio;
     if (w1 <= w0) return;
-    DS4_LAUNCH(k_compress_pool<<<w1 - w0, 128>>>(kv, sc, st_kv, st_sc, pos0, ratio, c, dc, w0, out));
+    DS4_LAUNCH(k_compress_pool, w1 - w0, 128, 0, kv, sc, st_kv, st_sc, pos0, ratio, c, dc, w0, out);
 }
 
 static void cuda_compress_pool(const float *kv, const float *sc, const float *st_kv, const float *st_sc,
@@ -2423,8 +2462,7 @@ __global__ void __launch_bounds__(CST_THREADS) k_compressor_step(const float *kv
 static void launch_compressor_step(const float *kv, const float *sc, float *st_kv, float *st_sc, int pos0,
                                    int ratio, int c, int dc, int emit, const float *norm_w, float eps,
                                    const ds4_rope *rp, float *rows) {
-    DS4_LAUNCH(k_compressor_step<<<1, CST_THREADS, (size_t)dc * sizeof(float)>>>(
-        kv, sc, st_kv, st_sc, pos0, ratio, c, dc, emit, norm_w, eps, rope_args_of(rp), rows));
+    DS4_LAUNCH(k_compressor_step, 1, CST_THREADS, (size_t)dc * sizeof(float), kv, sc, st_kv, st_sc, pos0, ratio, c, dc, emit, norm_w, eps, rope_args_of(rp), rows);
 }
 
 static void cuda_compressor_step(const float *kv, const float *sc, float *st_kv, float *st_sc,
@@ -2559,8 +2597,8 @@ static void launch_indexer_scores(const float *q, const float *w, float w_scale,
         raised = smem;
     }
     dim3 grid((unsigned)((nvis_max + IX_RT - 1) / IX_RT), (unsigned)n_q);
-    DS4_LAUNCH(k_indexer_scores<<<grid, IX_THREADS, smem>>>(q, w, w_scale, rows, pos0, t0, Hi, di, ratio,
-                                                            scores, nvis_max));
+    DS4_LAUNCH(k_indexer_scores, grid, IX_THREADS, smem, q, w, w_scale, rows, pos0, t0, Hi, di, ratio,
+                                                            scores, nvis_max);
 }
 
 /* Order-preserving bits of a score (-0 counts as +0, so equal scores tie). */
@@ -2708,7 +2746,7 @@ __global__ void __launch_bounds__(IX_SEL) k_indexer_select(const float *scores, 
 
 static void launch_indexer_select(const float *scores, int64_t ld, int pos0, int t0, int n_q, int ratio,
                                   int k, int32_t *out) {
-    DS4_LAUNCH(k_indexer_select<<<n_q, IX_SEL>>>(scores, ld, pos0, t0, ratio, k, out));
+    DS4_LAUNCH(k_indexer_select, n_q, IX_SEL, 0, scores, ld, pos0, t0, ratio, k, out);
 }
 
 static void cuda_indexer_topk(const float *q, const float *w, float w_scale, const float *rows,
@@ -2839,8 +2877,8 @@ __global__ void k_moe_route(const float *logits, const float *bias, const int32_
 static void launch_moe_route(const float *logits, const float *bias, const int32_t *tid2eid, int64_t tid_ld,
                              const int32_t *tokens, int nt, int E, int k, int norm, float wscale,
                              int32_t *sel, float *wts) {
-    DS4_LAUNCH(k_moe_route<<<nt, 32, (size_t)2 * E * sizeof(float)>>>(logits, bias, tid2eid, tid_ld, tokens,
-                                                                     E, k, norm, wscale, sel, wts));
+    DS4_LAUNCH(k_moe_route, nt, 32, (size_t)2 * E * sizeof(float), logits, bias, tid2eid, tid_ld, tokens,
+                                                                     E, k, norm, wscale, sel, wts);
 }
 
 /* moe_gate at decode: the router's logits and the routing in one launch.
@@ -2920,13 +2958,13 @@ static void launch_moe_gate(const void *gw, int wt, const float *x, int64_t K, i
     const dim3 grid((unsigned)((E + MG_ROWS - 1) / MG_ROWS), (unsigned)nt);
     const size_t smem = (size_t)2 * E * sizeof(float);
     if (wt == DS4_TYPE_F16)
-        DS4_LAUNCH(k_moe_gate<DS4_TYPE_F16><<<grid, MG_THREADS, smem>>>(gw, x, K, E, logits, bias, tid2eid, tid_ld,
+        DS4_LAUNCH(k_moe_gate<DS4_TYPE_F16>, grid, MG_THREADS, smem, gw, x, K, E, logits, bias, tid2eid, tid_ld,
                                                                        tokens, k, norm, wscale, g_cuda.gate_count,
-                                                                       sel, wts));
+                                                                       sel, wts);
     else
-        DS4_LAUNCH(k_moe_gate<DS4_TYPE_F32><<<grid, MG_THREADS, smem>>>(gw, x, K, E, logits, bias, tid2eid, tid_ld,
+        DS4_LAUNCH(k_moe_gate<DS4_TYPE_F32>, grid, MG_THREADS, smem, gw, x, K, E, logits, bias, tid2eid, tid_ld,
                                                                        tokens, k, norm, wscale, g_cuda.gate_count,
-                                                                       sel, wts));
+                                                                       sel, wts);
 }
 
 static void cuda_moe_route(const float *logits, const float *bias, const ds4_weight *tid2eid,
@@ -2975,7 +3013,7 @@ __global__ void k_swiglu(const float *g, const float *u, float *y, int64_t rows,
 static void launch_swiglu(const float *g, const float *u, float *y, int64_t rows, int64_t cols,
                           int64_t ld_in, int64_t ld_out, float limit) {
     if (rows <= 0 || cols <= 0) return;
-    DS4_LAUNCH(k_swiglu<<<grid_for(rows * cols), 256>>>(g, u, y, rows, cols, ld_in, ld_out, limit));
+    DS4_LAUNCH(k_swiglu, grid_for(rows * cols), 256, 0, g, u, y, rows, cols, ld_in, ld_out, limit);
 }
 
 static void cuda_swiglu(const float *g, const float *u, float *y, int64_t n, float limit) {
@@ -3002,7 +3040,7 @@ __global__ void k_moe_combine(const float *slot_out, const int32_t *pos, const f
 
 static void launch_moe_combine(const float *slot_out, const int32_t *pos, const float *wts, int nt, int k,
                                int64_t D, const float *add, float *out) {
-    DS4_LAUNCH(k_moe_combine<<<grid_for((int64_t)nt * D), 256>>>(slot_out, pos, wts, nt, k, D, add, out));
+    DS4_LAUNCH(k_moe_combine, grid_for((int64_t)nt * D), 256, 0, slot_out, pos, wts, nt, k, D, add, out);
 }
 
 /* xg[i][:] = x[perm[i] / k][:] */
@@ -3016,7 +3054,7 @@ __global__ void k_moe_gather(const float *x, const int32_t *perm, int k, int64_t
 }
 
 static void launch_moe_gather(const float *x, const int32_t *perm, int k, int64_t n_pairs, int64_t D, float *xg) {
-    DS4_LAUNCH(k_moe_gather<<<grid_for(n_pairs * D), 256>>>(x, perm, k, n_pairs, D, xg));
+    DS4_LAUNCH(k_moe_gather, grid_for(n_pairs * D), 256, 0, x, perm, k, n_pairs, D, xg);
 }
 
 static void moe_decode(const float *x, const int32_t *sel, const float *wts,
@@ -3076,6 +3114,7 @@ static void cuda_moe_experts(const float *x, const int32_t *sel, const float *wt
     /* host tables: sel | perm (pairs grouped by expert) | pos (pair -> row) */
     int32_t *hs = host_idx_get((size_t)(3 * pairs + E + 1));
     int32_t *hperm = hs + pairs, *hpos = hs + 2 * pairs, *off = hs + 3 * pairs;
+    /* NOTE(stage 1): the prefill path groups pairs by expert on the host (a synchronous read) */
     DS4_CUDA_CHECK(cudaMemcpy(hs, sel, (size_t)pairs * sizeof(int32_t), cudaMemcpyDeviceToHost));
     for (int64_t e = 0; e <= E; e++) off[e] = 0;
     for (int64_t i = 0; i < pairs; i++) {
@@ -3103,6 +3142,7 @@ static void cuda_moe_experts(const float *x, const int32_t *sel, const float *wt
 
     int32_t *dperm = (int32_t *)scratch_get(&g_cuda.moe_idx, (size_t)(2 * pairs) * sizeof(int32_t));
     int32_t *dpos = dperm + pairs;
+    /* NOTE(stage 1): and sends the grouping back synchronously */
     DS4_CUDA_CHECK(cudaMemcpy(dperm, hperm, (size_t)(2 * pairs) * sizeof(int32_t), cudaMemcpyHostToDevice));
 
     float *xg = (float *)scratch_get(&g_cuda.moe_xg, (size_t)(pairs * D) * sizeof(float));
@@ -3139,7 +3179,7 @@ __global__ void k_add(const float *a, const float *b, float *y, int64_t n) {
 
 static void launch_add(const float *a, const float *b, float *y, int64_t n) {
     if (n <= 0) return;
-    DS4_LAUNCH(k_add<<<grid_for(n), 256>>>(a, b, y, n));
+    DS4_LAUNCH(k_add, grid_for(n), 256, 0, a, b, y, n);
 }
 
 static void cuda_add(const float *a, const float *b, float *y, int64_t n) {
@@ -3153,7 +3193,7 @@ __global__ void k_scale(float *x, float s, int64_t n) {
 
 static void launch_scale(float *x, float s, int64_t n) {
     if (n <= 0) return;
-    DS4_LAUNCH(k_scale<<<grid_for(n), 256>>>(x, s, n));
+    DS4_LAUNCH(k_scale, grid_for(n), 256, 0, x, s, n);
 }
 
 static void cuda_scale(float *x, float s, int64_t n) {

@@ -1204,7 +1204,7 @@ static void mvq_launch_t(mv_args a, int n_prob, int n_tok_grid) {
         if (nsb < 65) occ[nsb] = bps;
     }
     const dim3 grid = mvq_plan(a, n_prob, n_tok_grid, bps);
-    DS4_LAUNCH(k_matvec_q<TYPE, MODE, NT><<<grid, MV_THREADS, smem>>>(a));
+    DS4_LAUNCH(k_matvec_q<TYPE, MODE, NT>, grid, MV_THREADS, smem, a);
 }
 
 template <int TYPE>
@@ -1264,7 +1264,7 @@ __global__ void k_dequant_q(const uint8_t *src, int type, size_t row_bytes, int6
 static void launch_dequant_q(const uint8_t *src, int type, size_t row_bytes, int64_t K, int64_t nrows,
                              float *dst) {
     if (nrows <= 0 || K <= 0) return;
-    DS4_LAUNCH(k_dequant_q<<<grid_for(nrows * (K / DS4_QK_K) * 32), 256>>>(src, type, row_bytes, K, nrows, dst));
+    DS4_LAUNCH(k_dequant_q, grid_for(nrows * (K / DS4_QK_K) * 32), 256, 0, src, type, row_bytes, K, nrows, dst);
 }
 
 #endif /* DSQ_DECODERS_ONLY */

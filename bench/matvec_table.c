@@ -24,7 +24,8 @@
  * 3 x L2) (at least 2 copies): the weights come from DRAM, as in a real
  * decode, not from L2.  After a warm-up pass over every copy (one-time costs:
  * cudaFuncSetAttribute, scratch growth), each repetition records a CUDA event
- * on the legacy stream 0, issues --calls calls, records another, and divides.
+ * on the backend's current stream (ds4_stream.h), issues --calls calls,
+ * records another, and divides.
  * The reported time is the median over --reps repetitions.  Two timings per
  * row:
  *   us/call    the GPU's pace: the stream is held by a host function until all
@@ -65,6 +66,7 @@
 
 #include "../ds4_gpu.h"
 #include "../ds4_quant.h"
+#include "../ds4_stream.h"
 
 #ifndef DS4_CUDA
 #error "matvec_table measures the CUDA backend: build it with -DDS4_CUDA (make build/cuda-ARCH/matvec_table)"
@@ -390,7 +392,7 @@ static void run_call(const row_t *r, ds4_weight *W, const float *const *tabs) {
     }
 }
 
-/* ---- the hold: a host function that keeps stream 0 waiting while calls queue up ---- */
+/* ---- the hold: a host function that keeps the current stream waiting while calls queue up ---- */
 static atomic_int g_open, g_timed_out;
 static void CUDART_CB hold_stream(void *arg) {
     (void)arg;
@@ -416,14 +418,14 @@ static double time_calls(row_t *r, ds4_weight *copies, const float *const *tabs,
     if (held) {
         atomic_store(&g_open, 0);
         atomic_store(&g_timed_out, 0);
-        CK(cudaLaunchHostFunc(0, hold_stream, NULL));
+        CK(cudaLaunchHostFunc(ds4_current_stream(), hold_stream, NULL));
     }
-    CK(cudaEventRecord(ev0, 0));
+    CK(cudaEventRecord(ev0, ds4_current_stream()));
     for (int i = 0; i < calls; i++) {
         run_call(r, copies + (size_t)(*next) * r->nw, tabs);
         *next = (*next + 1) % ncopies;
     }
-    CK(cudaEventRecord(ev1, 0));
+    CK(cudaEventRecord(ev1, ds4_current_stream()));
     if (held) atomic_store_explicit(&g_open, 1, memory_order_release);
     CK(cudaEventSynchronize(ev1));
     if (held && atomic_load(&g_timed_out)) r->gate_timeouts++;

@@ -84,6 +84,9 @@ ENV_CASES = [
     ({"DS4_THREADS": "-1"}, "DS4_THREADS='-1'"),
     ({"DS4_THREADS": "100000"}, "DS4_THREADS='100000'"),
     ({"DS4_NOPE": "1"}, "unknown environment variable DS4_NOPE"),
+    ({"DS4_CUDA_GRAPHS": "2"}, "DS4_CUDA_GRAPHS='2' is not 0 or 1"),
+    ({"DS4_CUDA_GRAPHS": "yes"}, "DS4_CUDA_GRAPHS='yes'"),
+    ({"DS4_CUDA_GRAPHS": ""}, "DS4_CUDA_GRAPHS=''"),
     # found by tests/fuzz/fuzz_env: a newline in a value made the error two lines
     ({"DS4_THREADS": "1\n2"}, "DS4_THREADS='1\\x0a2'"),
 ]
@@ -92,6 +95,21 @@ ENV_CASES = [
 @pytest.mark.parametrize("env,needle", ENV_CASES, ids=[list(e)[0] + "=" + list(e.values())[0] for e, _ in ENV_CASES])
 def test_bad_env(env, needle):
     expect_error(["-m", make_model("tiny"), "-n", "1"], needle, env=env)
+
+
+def test_cuda_graphs_flag_changes_nothing_yet():
+    """DS4_CUDA_GRAPHS=0/1 are read and validated at start-up; until stage 2 of patches/series
+    captures graphs, the flag changes nothing: the three dumps are byte-identical."""
+    dumps = []
+    for v in (None, "0", "1"):
+        e = {k: x for k, x in os.environ.items() if not k.startswith("DS4_")}
+        if v is not None:
+            e["DS4_CUDA_GRAPHS"] = v
+        p = os.path.join(OUT, f"graphs-{v}.ds4logit")
+        ds4_run(["-m", make_model("tiny"), "--tokens", "1,2,3,4", "-n", "8", "--backend", "cpu",
+                 "--dump-logits", p], env=e)
+        dumps.append(open(p, "rb").read())
+    assert dumps[0] == dumps[1] == dumps[2]
 
 
 def bad_model(name, data):

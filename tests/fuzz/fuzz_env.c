@@ -2,8 +2,8 @@
  *
  * The input, split at NUL bytes, becomes the whole environment (environ), e.g.
  * "DS4_THREADS=12\0PATH=/bin". Invariants: ds4_env_read returns 0 with threads in
- * [0, DS4_MAX_THREADS] when every DS4_* name is known and DS4_THREADS (if set) is an integer in
- * range, or -1 with a non-empty one-line error; never crashes. (The command-line flags of
+ * [0, DS4_MAX_THREADS] and cuda_graphs 0 or 1 when every DS4_* name is known and its value
+ * valid, or -1 with a non-empty one-line error; never crashes. (The command-line flags of
  * ds4_cli.c: fuzz_cli.c.)
  */
 #define _POSIX_C_SOURCE 200809L
@@ -31,6 +31,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     environ = saved;
     if (rc == 0) {
         if (e.threads < 0 || e.threads > DS4_MAX_THREADS) { fprintf(stderr, "fuzz_env: threads %d out of range\n", e.threads); abort(); }
+        if (e.cuda_graphs != 0 && e.cuda_graphs != 1) { fprintf(stderr, "fuzz_env: cuda_graphs %d\n", e.cuda_graphs); abort(); }
     } else if (rc != -1 || !err[0]
 #ifndef DS4_FUZZ_ENV_ALLOW_NL   /* for a long run past the known finding (crashers/env/) */
                || strchr(err, '\n')

@@ -1,0 +1,212 @@
+#!/usr/bin/env python3
+"""check_streams.py -- every GPU operation of the CUDA backend goes to ds4_current_stream().
+
+The invariant of stage 0 (patches/series, ds4_stream.h), checked on the source text so that
+it holds for every later change:
+
+  launch    every `<<<grid, block, smem, stream>>>` passes ds4_current_stream() as its
+            stream (the backend has one, in ds4_launch_kernel; DS4_LAUNCH calls it);
+  memset    no synchronous cudaMemset/2D/3D (cudaMemsetAsync on the current stream instead);
+  stream    every call that takes a stream (async copies and memsets, event records, host
+            functions, kernel and graph launches, stream waits, async allocations) passes
+            ds4_current_stream();
+  cublas    every cuBLAS call that does GPU work is the statement of DS4_CUBLAS(...), whose
+            definition sets the handle's stream to ds4_current_stream() first (handle set-up
+            and status strings are exempt);
+  sync      (engine files only) every synchronous copy and synchronisation carries a
+            `NOTE(stage 1)` or `NOTE(load time)` comment on its line or the 3 lines above:
+            stage 1 removes the first kind from the decode step, the second never runs in one.
+
+Comments and string literals are ignored (their text is blanked, line numbers kept).
+
+  scripts/check_streams.py [--engine FILE ...] [--other FILE ...]
+
+Without arguments it checks the repository's files: engine = ds4_cuda.cu and every *.cuh and
+ds4_stream.h at the top level; other (all rules but sync) = the benchmark programs that drive
+the backend (bench/ds4_bench.c, bench/matvec_table.c).  bench/bandwidth.cu is not checked: it
+is a standalone copy-bandwidth probe with its own kernels, not the engine.  One line per
+violation (FILE:LINE: rule: what), then a summary line; exit 0 when clean, 1 on a violation, 2
+on a usage or I/O error.  tests/test_stream_check.py plants violations and expects each to fail.
+"""
+import glob
+import os
+import re
+import sys
+
+STREAM = "ds4_current_stream()"
+STREAM_CALLS = [
+    "cudaMemsetAsync", "cudaMemset2DAsync", "cudaMemset3DAsync", "cudaMemcpyAsync", "cudaMemcpy2DAsync",
+    "cudaMemcpy3DAsync", "cudaMemcpyPeerAsync", "cudaMemcpyToSymbolAsync", "cudaMemcpyFromSymbolAsync",
+    "cudaMemPrefetchAsync", "cudaLaunchHostFunc", "cudaEventRecord", "cudaEventRecordWithFlags",
+    "cudaStreamWaitEvent", "cudaLaunchKernel", "cudaLaunchKernelExC", "cudaLaunchCooperativeKernel",
+    "cudaMallocAsync", "cudaFreeAsync", "cudaGraphLaunch", "cudaStreamAddCallback",
+]
+SYNC_MEMSET = ["cudaMemset", "cudaMemset2D", "cudaMemset3D"]
+SYNC_OPS = ["cudaMemcpy", "cudaMemcpy2D", "cudaMemcpy3D", "cudaMemcpyPeer", "cudaMemcpyToSymbol",
+            "cudaMemcpyFromSymbol", "cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize"]
+CUBLAS_EXEMPT = {"cublasCreate", "cublasCreate_v2", "cublasDestroy", "cublasDestroy_v2", "cublasSetStream",
+                 "cublasSetStream_v2", "cublasSetMathMode", "cublasSetAtomicsMode", "cublasSetPointerMode",
+                 "cublasSetPointerMode_v2", "cublasGetStatusName", "cublasGetStatusString", "cublasSetWorkspace",
+                 "cublasSetWorkspace_v2", "cublasGetVersion", "cublasGetVersion_v2"}
+MARKERS = ("NOTE(stage 1)", "NOTE(load time)")
+
+
+def blank(text):
+    """Comments and string/char literals replaced by spaces (newlines kept)."""
+    out = []
+    i, n = 0, len(text)
+    while i < n:
+        c = text[i]
+        if text.startswith("//", i):
+            j = text.find("\n", i)
+            j = n if j < 0 else j
+            out.append(" " * (j - i))
+            i = j
+        elif text.startswith("/*", i):
+            j = text.find("*/", i + 2)
+            j = n if j < 0 else j + 2
+            out.append("".join(ch if ch == "\n" else " " for ch in text[i:j]))
+            i = j
+        elif c in "\"'":
+            j = i + 1
+            while j < n and text[j] != c:
+                j += 2 if text[j] == "\\" else 1
+            j = min(j + 1, n)
+            out.append("".join(ch if ch == "\n" else " " for ch in text[i:j]))
+            i = j
+        else:
+            out.append(c)
+            i += 1
+    return "".join(out)
+
+
+def call_args(code, open_paren):
+    """The text between the parenthesis at open_paren and its match (None if unbalanced)."""
+    depth = 0
+    for j in range(open_paren, len(code)):
+        if code[j] == "(":
+            depth += 1
+        elif code[j] == ")":
+            depth -= 1
+            if depth == 0:
+                return code[open_paren + 1:j]
+    return None
+
+
+def split_top(s):
+    parts, depth, cur = [], 0, ""
+    for ch in s:
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    parts.append(cur)
+    return [p.strip() for p in parts]
+
+
+def norm(s):
+    return re.sub(r"\s+", "", s)
+
+
+def calls(code, names):
+    """(name, offset of '(') for every call of one of names (whole identifiers)."""
+    pat = re.compile(r"\b(" + "|".join(map(re.escape, names)) + r")\s*\(")
+    for m in pat.finditer(code):
+        yield m.group(1), m.end() - 1
+
+
+def check_file(path, engine):
+    try:
+        text = open(path, encoding="utf-8", errors="replace").read()
+    except OSError as e:
+        print(f"check_streams: cannot read {path}: {e.strerror}", file=sys.stderr)
+        sys.exit(2)
+    code = blank(text)
+    lines = text.split("\n")
+    found = []
+
+    def line_of(off):
+        return code.count("\n", 0, off) + 1
+
+    def bad(off, rule, what):
+        found.append((line_of(off), rule, what))
+
+    # launch: <<<...>>> with the current stream as the 4th configuration argument
+    for m in re.finditer(r"<<<", code):
+        end = code.find(">>>", m.end())
+        cfg = split_top(code[m.end():end]) if end >= 0 else []
+        if len(cfg) != 4 or norm(cfg[3]) != norm(STREAM):
+            bad(m.start(), "launch", f"kernel launch without {STREAM} as its stream "
+                                     "(launch through DS4_LAUNCH(kernel, grid, block, smem, args...))")
+    # memset: no synchronous memsets
+    for name, p in calls(code, SYNC_MEMSET):
+        bad(p, "memset", f"synchronous {name} (use {name}Async(..., {STREAM}))")
+    # stream: calls taking a stream pass the current one
+    for name, p in calls(code, STREAM_CALLS):
+        args = call_args(code, p)
+        if args is None or norm(STREAM) not in norm(args):
+            bad(p, "stream", f"{name} without {STREAM}")
+    # cublas: GPU work only inside DS4_CUBLAS(...), whose definition sets the stream
+    for m in re.finditer(r"\bcublas[A-Z]\w*(?=\s*\()", code):
+        name = m.group(0)
+        if name in CUBLAS_EXEMPT:
+            continue
+        before = code[:m.start()].rstrip()
+        if not before.endswith("DS4_CUBLAS("):
+            bad(m.start(), "cublas", f"{name} outside DS4_CUBLAS(...) (which sets the handle's stream to {STREAM})")
+    for m in re.finditer(r"#\s*define\s+DS4_CUBLAS\s*\(", code):
+        j = m.end()
+        while True:                               # the macro body: continued lines
+            k = code.find("\n", j)
+            if k < 0 or not code[:k].rstrip().endswith("\\"):
+                break
+            j = k + 1
+        body = code[m.end():k if k >= 0 else len(code)]
+        if not re.search(r"cublasSetStream\s*\([^;]*" + re.escape(STREAM), body):
+            bad(m.start(), "cublas", f"DS4_CUBLAS does not call cublasSetStream(..., {STREAM})")
+    # sync: synchronous copies and synchronisations are marked (engine files)
+    if engine:
+        for name, p in calls(code, SYNC_OPS):
+            ln = line_of(p)
+            window = lines[max(0, ln - 4):ln]
+            if not any(mk in l for l in window for mk in MARKERS):
+                bad(p, "sync", f"{name} without a NOTE(stage 1) / NOTE(load time) comment on its line or the 3 above")
+    return found
+
+
+def main(argv):
+    engine, other, mode = [], [], None
+    for a in argv:
+        if a in ("--engine", "--other"):
+            mode = a
+        elif a in ("-h", "--help"):
+            print(__doc__)
+            return 0
+        elif mode == "--engine":
+            engine.append(a)
+        elif mode == "--other":
+            other.append(a)
+        else:
+            print(f"check_streams: unexpected argument '{a}' (see --help)", file=sys.stderr)
+            return 2
+    if not engine and not other:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        engine = [os.path.join(root, "ds4_cuda.cu"), os.path.join(root, "ds4_stream.h")]
+        engine += sorted(glob.glob(os.path.join(root, "*.cuh")))
+        other = [os.path.join(root, "bench", "ds4_bench.c"), os.path.join(root, "bench", "matvec_table.c")]
+    n = 0
+    for path, is_engine in [(p, True) for p in engine] + [(p, False) for p in other]:
+        for ln, rule, what in check_file(path, is_engine):
+            print(f"{os.path.relpath(path)}:{ln}: {rule}: {what}")
+            n += 1
+    print(f"stream-check: {len(engine) + len(other)} files, {n} violation{'s' if n != 1 else ''}")
+    return 1 if n else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

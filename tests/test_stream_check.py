@@ -1,0 +1,96 @@
+"""scripts/check_streams.py: the stage-0 invariant (every GPU operation on ds4_current_stream()).
+
+The repository passes; each rule fails on a planted violation, both in a small file and inside a
+copy of the real ds4_cuda.cu; comments and strings do not count.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import OUT, REPO
+
+CHECK = os.path.join(REPO, "scripts", "check_streams.py")
+
+
+def check(*args):
+    return subprocess.run([sys.executable, CHECK, *args], capture_output=True, text=True)
+
+
+def test_repository_is_clean():
+    r = check()
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "0 violations" in r.stdout
+
+
+GOOD = """\
+#define DS4_CUBLAS(...) do { cublasSetStream(g.blas, ds4_current_stream()); (__VA_ARGS__); } while (0)
+static void f(void) {
+    k<<<g, b, 0, ds4_current_stream()>>>(x);
+    cudaMemsetAsync(p, 0, n, ds4_current_stream());
+    cudaEventRecord(ev, ds4_current_stream());
+    DS4_CUBLAS(cublasSgemm(h, a, b));
+    /* NOTE(stage 1): the logits */
+    cudaMemcpy(d, s, n, cudaMemcpyDeviceToHost);
+    // a comment: k<<<1, 1>>>(); cudaMemset(p, 0, n); cublasSgemm(h);
+    puts("cudaMemset(p, 0, n) <<<1, 1>>> cudaDeviceSynchronize()");
+}
+"""
+
+PLANTED = {
+    "launch-no-stream": ("k<<<g, b>>>(x);", "launch"),
+    "launch-stream-0": ("k<<<g, b, 0, 0>>>(x);", "launch"),
+    "memset": ("cudaMemset(p, 0, n);", "memset"),
+    "memcpy-async": ("cudaMemcpyAsync(d, s, n, cudaMemcpyDeviceToDevice, 0);", "stream"),
+    "event": ("cudaEventRecord(ev, 0);", "stream"),
+    "host-func": ("cudaLaunchHostFunc(0, fn, NULL);", "stream"),
+    "cublas-bare": ("cublasSgemm(h, a, b);", "cublas"),
+    "sync-unmarked": ("cudaDeviceSynchronize();", "sync"),
+    "memcpy-unmarked": ("cudaMemcpy(d, s, n, cudaMemcpyHostToDevice);", "sync"),
+}
+
+
+def write(name, text):
+    p = os.path.join(OUT, f"streamcheck-{name}.cu")
+    with open(p, "w") as f:
+        f.write(text)
+    return p
+
+
+def test_good_snippet_passes():
+    r = check("--engine", write("good", GOOD))
+    assert r.returncode == 0, r.stdout
+
+
+@pytest.mark.parametrize("name", sorted(PLANTED))
+def test_planted_violation_fails(name):
+    stmt, rule = PLANTED[name]
+    text = GOOD.replace("static void f(void) {\n", "static void f(void) {\n\n\n\n    " + stmt + "\n", 1)
+    r = check("--engine", write(name, text))
+    assert r.returncode == 1, r.stdout
+    assert f":6: {rule}:" in r.stdout, r.stdout          # the planted line, named
+    assert "1 violation" in r.stdout
+
+
+def test_define_without_set_stream_fails():
+    text = GOOD.replace("cublasSetStream(g.blas, ds4_current_stream()); ", "", 1)
+    r = check("--engine", write("define", text))
+    assert r.returncode == 1 and "cublas: DS4_CUBLAS does not call cublasSetStream" in r.stdout, r.stdout
+
+
+def test_sync_rule_only_for_engine_files():
+    text = GOOD.replace("    /* NOTE(stage 1): the logits */\n", "", 1)
+    assert check("--engine", write("sync-engine", text)).returncode == 1
+    assert check("--other", write("sync-other", text)).returncode == 0
+
+
+def test_planted_in_the_real_backend():
+    """A raw launch and a synchronous memset put into a copy of ds4_cuda.cu are both found."""
+    src = open(os.path.join(REPO, "ds4_cuda.cu")).read()
+    anchor = "static void cuda_free(void *p) {\n"
+    assert anchor in src
+    src = src.replace(anchor, anchor + "    k_scale<<<1, 32>>>((float *)p, 1.0f, 1);\n    cudaMemset(p, 0, 4);\n", 1)
+    r = check("--engine", write("real", src))
+    assert r.returncode == 1
+    assert "launch:" in r.stdout and "memset:" in r.stdout and "2 violations" in r.stdout, r.stdout
