@@ -157,7 +157,7 @@ cmd_add() {
   file=$(printf '%04d-%s.patch' "$n" "$name")
   local header
   header=$(printf 'From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001\nFrom: ds4 <ds4@localhost>\nSubject: [PATCH %d] %s\n\nWhat changes:\nWhy behaviour cannot change (or what does):\nVerification:\n---\n\n' "$n" "$name")
-  git -C "$ROOT" diff --binary --full-index "$rev" HEAD -- . ':(exclude)patches' | write_patch "$PATCHES/$file" "$header"
+  git -C "$ROOT" diff --binary --full-index "$rev" HEAD -- . ':(exclude)patches' | write_patch "$PATCHES/$file" "$header"$'\n\n'
   echo "$file" >> "$PATCHES/series"
   echo "series.sh: wrote patches/$file ($(grep -c '^diff --git ' "$PATCHES/$file") files); fill in its header, then commit"
 }
