@@ -11,6 +11,10 @@
 #   bench     copy bandwidth, ds4_bench on flash16, flash-q2@256 and flash-q4@128 (the published
 #             files' layouts at the largest expert counts an H200 holds), then tiny and small
 #   kernels   scripts/kernel_report.sh flash16 and flash-q2@64, build/cuda-$ARCH/matvec_table
+#   series    the patch series (patches/): the baseline (scripts/series.sh base) built for CUDA
+#             beside HEAD; CUDA logits (32 prompt tokens + 300 decode steps) of tiny, small and
+#             other under the baseline, HEAD and HEAD with DS4_CUDA_GRAPHS=1 must be byte-
+#             identical; flash16 decode tok/s of the baseline and HEAD, side by side
 #   all       all of these: build, test, hf, sanitize, spot, bench flash16, kernels, bench tiny+small
 #
 # Rough times on one H200: build ~1 min, test ~2 min, sanitize a few minutes (19 runs, 3 at
@@ -35,8 +39,8 @@ mkdir -p "$OUT" build/test-out
 rm -f "$OUT/table.txt"      # this run's rows only (build/gpu-out persists between runs)
 WHAT=" ${*:-all} "
 for w in $WHAT; do
-  case "$w" in all|test|hf|sanitize|spot|bench|kernels) ;;
-    *) echo "gpu-check: unknown WHAT '$w' (all, test, hf, sanitize, spot, bench, kernels)"; exit 2 ;; esac
+  case "$w" in all|test|hf|sanitize|spot|bench|kernels|series) ;;
+    *) echo "gpu-check: unknown WHAT '$w' (all, test, hf, sanitize, spot, bench, kernels, series)"; exit 2 ;; esac
 done
 want() { [[ "$WHAT" == *" all "* || "$WHAT" == *" $1 "* ]]; }
 ARCH=${CUDA_ARCH:-sm_90}
@@ -145,6 +149,38 @@ if want kernels; then
     row "matvec_table: rc $mrc$([ "$mrc" -eq 124 ] && echo ' (timed out after 300 s)'), output in matvec_table.log"
   else
     row "matvec_table: build/cuda-$ARCH/matvec_table not built, skipped"
+  fi
+fi
+
+if want series; then
+  step "series: the baseline vs HEAD (flag off / on), CUDA logits byte for byte"
+  SB=build/series-base
+  rm -rf "$SB"
+  if bash scripts/series.sh base "$SB" > "$OUT/series.log" 2>&1 \
+     && (cd "$SB" && make cuda CUDA_ARCH="$ARCH" -j16 && make build/cuda-"$ARCH"/ds4_bench CUDA_ARCH="$ARCH" -j16) >> "$OUT/series.log" 2>&1; then
+    TOK=1,5,9,14,2,7,3,30,11,4,8,6,12,19,25,17,21,13,10,16,27,22,15,18,24,20,23,26,28,29,31,33
+    for m in tiny small other; do
+      p=build/test-out/$m.gguf
+      case "$m" in tiny|small) ./ds4 synth --config "$m" --seed 1 --type f32 -o "$p" > /dev/null 2>&1 ;; esac
+      [ -f "$p" ] || { row "series $m: model missing ($p), skipped"; continue; }
+      "$SB"/ds4 -m "$p" --backend cuda --tokens "$TOK" -n 300 --dump-logits "$OUT/series-$m-base.ds4logit" > /dev/null 2>&1
+      ./ds4 -m "$p" --backend cuda --tokens "$TOK" -n 300 --dump-logits "$OUT/series-$m-off.ds4logit" > /dev/null 2>&1
+      DS4_CUDA_GRAPHS=1 ./ds4 -m "$p" --backend cuda --tokens "$TOK" -n 300 --dump-logits "$OUT/series-$m-on.ds4logit" > /dev/null 2>&1
+      if cmp -s "$OUT/series-$m-base.ds4logit" "$OUT/series-$m-off.ds4logit" && cmp -s "$OUT/series-$m-base.ds4logit" "$OUT/series-$m-on.ds4logit"; then
+        row "series $m: baseline, HEAD, HEAD+DS4_CUDA_GRAPHS=1 byte-identical ($(wc -c < "$OUT/series-$m-base.ds4logit") bytes)"
+      else
+        row "series $m: DUMPS DIFFER (series-$m-{base,off,on}.ds4logit)"
+      fi
+    done
+    for r in 1; do        # side by side (one run of each: medians of 3 reps)
+      for b in base head; do
+        bin=build/cuda-"$ARCH"/ds4_bench; [ "$b" = base ] && bin=$SB/$bin
+        timeout 150 "$bin" --model flash16 --backend cuda --reps 3 --decode 32 --prefill 512 > "$OUT/series-bench-$b-$r.log" 2>&1
+        row "series bench $b run $r: $(grep -o 'metric=decode_tok_s value=[0-9.]*' "$OUT/series-bench-$b-$r.log" || echo 'no result')"
+      done
+    done
+  else
+    tail -20 "$OUT/series.log"; row "series: the baseline did not build (series.log)"
   fi
 fi
 
