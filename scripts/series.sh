@@ -115,8 +115,9 @@ check_stage() {
     else
       echo "cuda-check: skipped (nvcc not found)"
     fi
-    ./ds4 synth --config tiny --seed 1 --type f32 -o tiny.gguf > /dev/null
-    ./ds4 -m tiny.gguf --backend cpu --tokens 1,5,9,14,2,7,3,30,11,4,8,6 -n 64 --dump-logits "$dump" > /dev/null
+    { ./ds4 synth --config tiny --seed 1 --type f32 -o tiny.gguf \
+        && ./ds4 -m tiny.gguf --backend cpu --tokens 1,5,9,14,2,7,3,30,11,4,8,6 -n 64 --dump-logits "$dump"; } \
+        > dump.log 2>&1 || { tail -5 dump.log; exit 1; }
   ) || die "$label failed (its logs: $w)"
   [ "${KEEP:-0}" = 1 ] || rm -rf "$w"
 }
