@@ -37,6 +37,15 @@ PATCHES=$ROOT/patches
 JOBS=${SERIES_JOBS:-2}
 
 die() { echo "series.sh: $*" >&2; exit 2; }
+
+# git apply in directory $1, as a plain patch tool there: a repository that merely encloses $1
+# (a tree exported under a checkout's build/) must not make git apply skip "outside" paths;
+# $1's own repository (an edit worktree) still counts.
+gapply() {
+  local d
+  d=$(cd "$1" && pwd -P); shift
+  (cd "$d" && GIT_CEILING_DIRECTORIES=$(dirname "$d") git apply "$@")
+}
 usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
 
 # the patch files, in order
@@ -65,7 +74,7 @@ unapply_all() {
   mapfile -t ps < <(series)
   for ((i = ${#ps[@]} - 1; i >= 0; i--)); do
     p=${ps[$i]}
-    (cd "$d" && git apply -R --binary --whitespace=nowarn "$PATCHES/$p") \
+    gapply "$d" -R --binary --whitespace=nowarn "$PATCHES/$p" \
       || die "patch $p does not reverse-apply to HEAD's tree (HEAD != baseline + series: run refresh)"
   done
 }
@@ -136,7 +145,7 @@ cmd_check() {
   local k=0 p
   for p in "${ps[@]}"; do
     k=$((k + 1))
-    (cd "$WORK/src" && git apply --binary --whitespace=nowarn "$PATCHES/$p") || die "$p does not apply on stage $((k - 1))"
+    gapply "$WORK/src" --binary --whitespace=nowarn "$PATCHES/$p" || die "$p does not apply on stage $((k - 1))"
     check_stage "$WORK/src" "stage $k ($p)" "$WORK/dump-$k.ds4logit"
     cmp -s "$WORK/dump-0.ds4logit" "$WORK/dump-$k.ds4logit" \
       || die "stage $k: the tiny model's CPU logits differ from the baseline's"
@@ -189,7 +198,7 @@ cmd_edit() {
   git -C "$dir" tag stage-0
   local k
   for ((k = 1; k <= n; k++)); do
-    (cd "$dir" && git apply --binary --whitespace=nowarn "$PATCHES/${ps[$((k - 1))]}")
+    gapply "$dir" --binary --whitespace=nowarn "$PATCHES/${ps[$((k - 1))]}"
     git -C "$dir" add -A
     git -C "$dir" -c user.name=series -c user.email=series@localhost commit -qm "stage $k: ${ps[$((k - 1))]}"
     git -C "$dir" tag "stage-$k"
@@ -215,7 +224,7 @@ cmd_refresh() {
   for ((k = n + 1; k <= ${#ps[@]}; k++)); do
     p=${ps[$((k - 1))]}
     prev=$("${g[@]}" rev-parse HEAD)
-    (cd "$dir" && git apply --3way --binary --whitespace=nowarn "$PATCHES/$p") \
+    gapply "$dir" --3way --binary --whitespace=nowarn "$PATCHES/$p" \
       || die "$p does not apply on the changed stage $((k - 1)): resolve in $dir, commit, then refresh $k $dir"
     "${g[@]}" add -A
     "${g[@]}" commit -qm "stage $k: $p" --allow-empty
