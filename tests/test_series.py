@@ -1,0 +1,147 @@
+"""scripts/series.sh's maintenance verbs on a throw-away clone (make series-check covers `check`):
+export + git apply, a baseline fix through edit 0 / refresh 0, a stage fix through edit 1 /
+refresh 1, regen, and the refusal when HEAD and the series disagree.  Git operations only (no
+builds): a few seconds.
+"""
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from conftest import OUT, REPO
+
+SERIES = os.path.join("scripts", "series.sh")
+
+
+def sh(args, cwd, check=True, env=None):
+    r = subprocess.run(args, cwd=cwd, capture_output=True, text=True, env=env)
+    if check:
+        assert r.returncode == 0, f"{args} failed ({r.returncode}):\n{r.stdout}{r.stderr}"
+    return r
+
+
+def git(cwd, *args):
+    return sh(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd)
+
+
+@pytest.fixture()
+def clone():
+    if not os.path.isdir(os.path.join(REPO, ".git")):
+        pytest.skip("skipped: not a git checkout")
+    top = os.path.join(OUT, "series-test")
+    shutil.rmtree(top, ignore_errors=True)
+    os.makedirs(top)
+    d = os.path.join(top, "repo")
+    sh(["git", "clone", "-q", REPO, d], top)       # the committed series (HEAD)
+    return top, d
+
+
+def series(d, *args, check=True):
+    return sh(["bash", SERIES, *args], d, check=check)
+
+
+def patch_files(d):
+    names = [l.strip() for l in open(os.path.join(d, "patches", "series")) if l.strip()]
+    assert names, "empty series"
+    return names
+
+
+def test_export_then_apply(clone):
+    top, d = clone
+    series(d, "export", os.path.join(top, "exp"))
+    base = os.path.join(top, "exp", "base")
+    assert not os.path.exists(os.path.join(base, "patches"))
+    same = subprocess.run(["diff", "-rq", "-x", "patches", "-x", ".git", base, d], capture_output=True)
+    assert same.returncode == 1, "the exported baseline equals HEAD: nothing was reverse-applied"
+    # the reviewer's git apply, as a plain patch tool (OUT may sit inside a checkout)
+    env = dict(os.environ, GIT_CEILING_DIRECTORIES=os.path.dirname(os.path.realpath(base)))
+    for p in patch_files(d):
+        sh(["git", "apply", os.path.join(top, "exp", "patches", p)], base, env=env)
+    # the baseline + every patch is HEAD's tree outside patches/
+    r = subprocess.run(["diff", "-r", "-x", "patches", "-x", ".git", base, d], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout[:2000]
+
+
+def test_baseline_fix_through_refresh(clone):
+    top, d = clone
+    e = os.path.join(top, "e0")
+    series(d, "edit", "0", e)
+    target = os.path.join(e, "ds4_quant.c")
+    with open(target, "a") as f:
+        f.write("/* a baseline fix */\n")
+    series(d, "refresh", "0", e)
+    assert open(os.path.join(d, "ds4_quant.c")).read().endswith("/* a baseline fix */\n")
+    git(d, "commit", "-qam", "baseline fix")
+    b = os.path.join(top, "b")
+    series(d, "base", b)
+    assert open(os.path.join(b, "ds4_quant.c")).read().endswith("/* a baseline fix */\n")
+
+
+def test_stage_fix_through_refresh(clone):
+    top, d = clone
+    n = len(patch_files(d))
+    last = patch_files(d)[-1]
+    e = os.path.join(top, "e1")
+    series(d, "edit", str(n), e)
+    added = os.path.join(e, "series-test-added.txt")
+    with open(added, "w") as f:
+        f.write("added by the newest stage\n")
+    series(d, "refresh", str(n), e)
+    assert os.path.exists(os.path.join(d, "series-test-added.txt"))
+    text = open(os.path.join(d, "patches", last)).read()
+    assert "series-test-added.txt" in text
+    assert text.startswith("From ")                        # the header survived
+    git(d, "add", "-A")
+    git(d, "commit", "-qm", "stage fix")
+    b = os.path.join(top, "b")
+    series(d, "base", b)
+    assert not os.path.exists(os.path.join(b, "series-test-added.txt"))
+    # a commit that changes a patched file without refreshing: HEAD != baseline + series,
+    # and the series says so instead of producing a wrong baseline
+    with open(os.path.join(d, "series-test-added.txt"), "a") as f:
+        f.write("and one more line\n")
+    git(d, "commit", "-qam", "more stage work, no refresh")
+    r = series(d, "base", os.path.join(top, "b2"), check=False)
+    assert r.returncode == 2 and "does not reverse-apply" in r.stderr, r.stderr
+
+
+def test_regen_after_more_work(clone):
+    top, d = clone
+    # the commit where the newest patch starts: rebuild it as a commit of its own
+    b = os.path.join(top, "b")
+    series(d, "base", b)
+    names = patch_files(d)
+    for p in names[:-1]:
+        sh(["git", "apply", os.path.join(d, "patches", p)], b)
+    # the checkout's files outside patches/ := b's
+    for f in sh(["git", "ls-files", "--", ".", ":(exclude)patches"], d).stdout.split("\n"):
+        if f and not os.path.exists(os.path.join(b, f)):
+            os.remove(os.path.join(d, f))
+    for root, _, files in os.walk(b):
+        for f in files:
+            rel = os.path.relpath(os.path.join(root, f), b)
+            os.makedirs(os.path.dirname(os.path.join(d, rel)) or d, exist_ok=True)
+            shutil.copy2(os.path.join(root, f), os.path.join(d, rel))
+    git(d, "add", "-A")
+    git(d, "commit", "-qm", "the tree before the newest stage", "--allow-empty")
+    rev = sh(["git", "rev-parse", "HEAD"], d).stdout.strip()
+    git(d, "checkout", "-q", "HEAD~1", "--", ".")           # back to the full series' files
+    git(d, "commit", "-qm", "the newest stage again", "--allow-empty")
+    with open(os.path.join(d, "series-test-regen.txt"), "w") as f:
+        f.write("more work on the newest stage\n")
+    git(d, "add", "-A")
+    git(d, "commit", "-qm", "more work")
+    series(d, "regen", rev)
+    assert "series-test-regen.txt" in open(os.path.join(d, "patches", names[-1])).read()
+    git(d, "commit", "-qam", "regen")
+    b2 = os.path.join(top, "b2")
+    series(d, "base", b2)
+    assert not os.path.exists(os.path.join(b2, "series-test-regen.txt"))
+
+
+def test_bad_usage(clone):
+    top, d = clone
+    assert series(d, "edit", "99", os.path.join(top, "x"), check=False).returncode == 2
+    assert series(d, "add", "Bad_Name", "HEAD", check=False).returncode == 2
+    assert series(d, "frobnicate", check=False).returncode == 2
