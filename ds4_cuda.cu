@@ -474,7 +474,7 @@ static void launch_embed(const ds4_weight *w, const int32_t *tokens, int nt, int
     if (nt <= 0) return;
     const int64_t D = w->ne[0];
     DS4_LAUNCH(k_embed, nt, 256, 0, (const uint8_t *)w->dev, w->type,
-                                     ds4_row_bytes(w->type, D), D, tokens, n_hc, x);
+               ds4_row_bytes(w->type, D), D, tokens, n_hc, x);
 }
 
 static void cuda_embed(const ds4_weight *w, const int32_t *tokens, int nt, int n_hc, float *x) {
@@ -875,12 +875,12 @@ static void launch_hc_pre_t(const float *f, const float *x_res, float *x, const 
     const dim3 grid((unsigned)nb, (unsigned)nt);
     if (wt == DS4_TYPE_F16)
         DS4_LAUNCH(k_hc_pre<H, DS4_TYPE_F16>, grid, HCP_THREADS, 0, f, x_res, x, fn, scale, base, norm_w, D, head,
-                                                                    rms_eps, hc_eps, iters, ss_part, dot_part,
-                                                                    g_cuda.hc_count, y, post, comb);
+                   rms_eps, hc_eps, iters, ss_part, dot_part,
+                   g_cuda.hc_count, y, post, comb);
     else
         DS4_LAUNCH(k_hc_pre<H, DS4_TYPE_F32>, grid, HCP_THREADS, 0, f, x_res, x, fn, scale, base, norm_w, D, head,
-                                                                    rms_eps, hc_eps, iters, ss_part, dot_part,
-                                                                    g_cuda.hc_count, y, post, comb);
+                   rms_eps, hc_eps, iters, ss_part, dot_part,
+                   g_cuda.hc_count, y, post, comb);
 }
 
 /* The one launcher of k_hc_pre (a template over H and the fn type). */
@@ -1934,7 +1934,8 @@ static void launch_head_norm_rope(float *x, const float *w, int nt, int nh, floa
         fprintf(stderr, "ds4: head_norm_rope: head width %d (rope %d) outside 1..%d\n", dh, rp->n_rot, HNR_MAX_DH);
         exit(1);
     }
-    DS4_LAUNCH(k_head_norm_rope, (unsigned)((int64_t)nt * (nh + nh2)), HNR_THREADS, (size_t)dh * sizeof(float), x, w, nh, x2, w2, nh2, nt, dh, eps, pos0, rope_args_of(rp));
+    DS4_LAUNCH(k_head_norm_rope, (unsigned)((int64_t)nt * (nh + nh2)), HNR_THREADS, (size_t)dh * sizeof(float),
+               x, w, nh, x2, w2, nh2, nt, dh, eps, pos0, rope_args_of(rp));
 }
 
 static void cuda_head_norm_rope(float *x, const float *w, int nt, int nh, float *x2, const float *w2, int nh2,
@@ -2322,7 +2323,7 @@ static void launch_ring_store(float *ring, const float *rows, int slots, int wid
     const int n_rows = nt - t_first;
     if (n_rows <= 0 || width <= 0) return;
     DS4_LAUNCH(k_ring_store, grid_for((int64_t)n_rows * width), 256, 0, ring, rows, slots, width, pos0,
-                                                                         t_first, n_rows);
+               t_first, n_rows);
 }
 
 static void cuda_ring_store(float *ring, const float *rows, int slots, int width, int pos0, int nt) {
@@ -2462,7 +2463,8 @@ __global__ void __launch_bounds__(CST_THREADS) k_compressor_step(const float *kv
 static void launch_compressor_step(const float *kv, const float *sc, float *st_kv, float *st_sc, int pos0,
                                    int ratio, int c, int dc, int emit, const float *norm_w, float eps,
                                    const ds4_rope *rp, float *rows) {
-    DS4_LAUNCH(k_compressor_step, 1, CST_THREADS, (size_t)dc * sizeof(float), kv, sc, st_kv, st_sc, pos0, ratio, c, dc, emit, norm_w, eps, rope_args_of(rp), rows);
+    DS4_LAUNCH(k_compressor_step, 1, CST_THREADS, (size_t)dc * sizeof(float),
+               kv, sc, st_kv, st_sc, pos0, ratio, c, dc, emit, norm_w, eps, rope_args_of(rp), rows);
 }
 
 static void cuda_compressor_step(const float *kv, const float *sc, float *st_kv, float *st_sc,
@@ -2598,7 +2600,7 @@ static void launch_indexer_scores(const float *q, const float *w, float w_scale,
     }
     dim3 grid((unsigned)((nvis_max + IX_RT - 1) / IX_RT), (unsigned)n_q);
     DS4_LAUNCH(k_indexer_scores, grid, IX_THREADS, smem, q, w, w_scale, rows, pos0, t0, Hi, di, ratio,
-                                                            scores, nvis_max);
+               scores, nvis_max);
 }
 
 /* Order-preserving bits of a score (-0 counts as +0, so equal scores tie). */
@@ -2878,7 +2880,7 @@ static void launch_moe_route(const float *logits, const float *bias, const int32
                              const int32_t *tokens, int nt, int E, int k, int norm, float wscale,
                              int32_t *sel, float *wts) {
     DS4_LAUNCH(k_moe_route, nt, 32, (size_t)2 * E * sizeof(float), logits, bias, tid2eid, tid_ld, tokens,
-                                                                     E, k, norm, wscale, sel, wts);
+               E, k, norm, wscale, sel, wts);
 }
 
 /* moe_gate at decode: the router's logits and the routing in one launch.
@@ -2959,12 +2961,12 @@ static void launch_moe_gate(const void *gw, int wt, const float *x, int64_t K, i
     const size_t smem = (size_t)2 * E * sizeof(float);
     if (wt == DS4_TYPE_F16)
         DS4_LAUNCH(k_moe_gate<DS4_TYPE_F16>, grid, MG_THREADS, smem, gw, x, K, E, logits, bias, tid2eid, tid_ld,
-                                                                       tokens, k, norm, wscale, g_cuda.gate_count,
-                                                                       sel, wts);
+                   tokens, k, norm, wscale, g_cuda.gate_count,
+                   sel, wts);
     else
         DS4_LAUNCH(k_moe_gate<DS4_TYPE_F32>, grid, MG_THREADS, smem, gw, x, K, E, logits, bias, tid2eid, tid_ld,
-                                                                       tokens, k, norm, wscale, g_cuda.gate_count,
-                                                                       sel, wts);
+                   tokens, k, norm, wscale, g_cuda.gate_count,
+                   sel, wts);
 }
 
 static void cuda_moe_route(const float *logits, const float *bias, const ds4_weight *tid2eid,
