@@ -905,8 +905,8 @@ __global__ void __launch_bounds__(MV_THREADS, MVQ_MIN_BLOCKS) k_matvec_q(const m
         if (threadIdx.x < 128) s8tab[threadIdx.x] = (uint8_t)dsq_iq2_s8(threadIdx.x);
     }
 
-    /* activations: per token, per SB (a warp each): the input norm, the scale 2^a, the three
-     * parts into B-fragment order, the group sums (of the unscaled values) for the mins */
+    /* activations: per token, per SB (a warp each): the input norm, the scale 2^a, and the B
+     * fragments (integer path: four digits; f16 path: three parts) in the MMA's order */
 #pragma unroll 1
     for (int u = 0; u < NT; u++) {
         const float *xu = x + (int64_t)u * a.x_tok;
