@@ -16,9 +16,10 @@
 #   scripts/series.sh add NAME REV      append patch NNNN-NAME.patch: HEAD's tracked files against
 #                                       commit REV's (the last commit of the previous stage),
 #                                       outside patches/, with a header to fill in
-#   scripts/series.sh regen REV         the last patch := HEAD's tracked files against commit REV
-#                                       (the last commit of the previous stage), its header kept:
-#                                       after more commits of the newest stage
+#   scripts/series.sh regen REV         after more commits of the newest stage: its patch := HEAD's
+#                                       files against the stage before it as commit REV held it
+#                                       (REV: a commit where the series was consistent, e.g. the
+#                                       one before the new work), its header kept
 #   scripts/series.sh edit N DIR        a git repository in DIR at stage N (0 = the baseline), one
 #                                       commit per stage (tags stage-0 .. stage-N): change it there
 #   scripts/series.sh refresh N DIR     patch N := DIR's stage N-1 .. DIR's working tree (N = 0:
@@ -176,12 +177,27 @@ cmd_regen() {
   local rev=${1:-}
   [ -n "$rev" ] || die "usage: series.sh regen REV"
   git -C "$ROOT" rev-parse --verify -q "$rev^{commit}" > /dev/null || die "$rev is not a commit"
-  local p
+  local p t
   p=$(series | tail -1)
   [ -n "$p" ] || die "the series is empty"
-  git -C "$ROOT" diff --binary --full-index "$rev" HEAD -- . ':(exclude)patches' \
-    | write_patch "$PATCHES/$p" "$(header_of "$PATCHES/$p")"$'\n'
-  echo "series.sh: regenerated patches/$p against $rev ($(grep -c '^diff --git ' "$PATCHES/$p") files)"
+  t=$(mktemp -d)
+  # the stage before the newest, as REV held it: REV's files without REV's newest patch
+  git -C "$ROOT" archive "$rev" | tar -x -C "$t"
+  git -C "$ROOT" show "$rev:patches/$p" > "$t.patch" 2> /dev/null || die "$rev has no patches/$p"
+  rm -rf "$t/patches"
+  gapply "$t" -R --binary --whitespace=nowarn "$t.patch" 2> /dev/null \
+    || die "at $rev the series is not consistent (its $p does not reverse-apply to its files)"
+  git -C "$t" init -q
+  git -C "$t" add -A
+  git -C "$t" -c user.name=series -c user.email=series@localhost commit -qm "stage before $p"
+  # the newest patch: that stage against HEAD's files
+  find "$t" -mindepth 1 -maxdepth 1 ! -name .git -exec rm -rf {} +
+  git -C "$ROOT" archive HEAD | tar -x -C "$t"
+  rm -rf "$t/patches"
+  git -C "$t" add -A
+  git -C "$t" diff --cached --binary --full-index | write_patch "$PATCHES/$p" "$(header_of "$PATCHES/$p")"$'\n'
+  rm -rf "$t" "$t.patch"
+  echo "series.sh: regenerated patches/$p: the stage before it as at $rev, against HEAD ($(grep -c '^diff --git ' "$PATCHES/$p") files)"
 }
 
 cmd_edit() {
@@ -224,8 +240,9 @@ cmd_refresh() {
   for ((k = n + 1; k <= ${#ps[@]}; k++)); do
     p=${ps[$((k - 1))]}
     prev=$("${g[@]}" rev-parse HEAD)
-    gapply "$dir" --3way --binary --whitespace=nowarn "$PATCHES/$p" \
-      || die "$p does not apply on the changed stage $((k - 1)): resolve in $dir, commit, then refresh $k $dir"
+    gapply "$dir" --3way --binary --whitespace=nowarn "$PATCHES/$p" 2> "$dir/.git/series-apply.log" \
+      || { cat "$dir/.git/series-apply.log" >&2
+           die "$p does not apply on the changed stage $((k - 1)): resolve in $dir, commit, then refresh $k $dir"; }
     "${g[@]}" add -A
     "${g[@]}" commit -qm "stage $k: $p" --allow-empty
     "${g[@]}" diff --binary --full-index "$prev" HEAD | write_patch "$PATCHES/$p" "$(header_of "$PATCHES/$p")"$'\n'
