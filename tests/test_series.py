@@ -107,37 +107,30 @@ def test_stage_fix_through_refresh(clone):
 
 
 def test_regen_after_more_work(clone):
+    """More commits of the newest stage, folded in by regen; also right after a baseline fix."""
     top, d = clone
-    # the commit where the newest patch starts: rebuild it as a commit of its own
-    b = os.path.join(top, "b")
-    series(d, "base", b)
     names = patch_files(d)
-    for p in names[:-1]:
-        sh(["git", "apply", os.path.join(d, "patches", p)], b)
-    # the checkout's files outside patches/ := b's
-    for f in sh(["git", "ls-files", "--", ".", ":(exclude)patches"], d).stdout.split("\n"):
-        if f and not os.path.exists(os.path.join(b, f)):
-            os.remove(os.path.join(d, f))
-    for root, _, files in os.walk(b):
-        for f in files:
-            rel = os.path.relpath(os.path.join(root, f), b)
-            os.makedirs(os.path.dirname(os.path.join(d, rel)) or d, exist_ok=True)
-            shutil.copy2(os.path.join(root, f), os.path.join(d, rel))
-    git(d, "add", "-A")
-    git(d, "commit", "-qm", "the tree before the newest stage", "--allow-empty")
-    rev = sh(["git", "rev-parse", "HEAD"], d).stdout.strip()
-    git(d, "checkout", "-q", "HEAD~1", "--", ".")           # back to the full series' files
-    git(d, "commit", "-qm", "the newest stage again", "--allow-empty")
+    # a baseline fix first (edit 0 / refresh 0, committed: the series is consistent again)
+    e = os.path.join(top, "e0")
+    series(d, "edit", "0", e)
+    with open(os.path.join(e, "ds4_quant.c"), "a") as f:
+        f.write("/* a baseline fix */\n")
+    series(d, "refresh", "0", e)
+    git(d, "commit", "-qam", "baseline fix")
+    # then more work on the newest stage, and regen against the commit before it
     with open(os.path.join(d, "series-test-regen.txt"), "w") as f:
         f.write("more work on the newest stage\n")
     git(d, "add", "-A")
     git(d, "commit", "-qm", "more work")
-    series(d, "regen", rev)
-    assert "series-test-regen.txt" in open(os.path.join(d, "patches", names[-1])).read()
+    series(d, "regen", "HEAD~1")
+    text = open(os.path.join(d, "patches", names[-1])).read()
+    assert "series-test-regen.txt" in text and text.startswith("From ")
+    assert "a baseline fix" not in text                   # the fix stays in the baseline
     git(d, "commit", "-qam", "regen")
-    b2 = os.path.join(top, "b2")
-    series(d, "base", b2)
-    assert not os.path.exists(os.path.join(b2, "series-test-regen.txt"))
+    b = os.path.join(top, "b")
+    series(d, "base", b)
+    assert not os.path.exists(os.path.join(b, "series-test-regen.txt"))
+    assert open(os.path.join(b, "ds4_quant.c")).read().endswith("/* a baseline fix */\n")
 
 
 def test_bad_usage(clone):
