@@ -30,8 +30,8 @@
 #
 # Patches are `git format-patch`-style files: the header (everything before the first
 # "diff --git") is the pull request's description and is kept when a patch is regenerated.
-# Environment: SERIES_JOBS (make -j for check, default 2), CUDA_ARCH (sm_90, for the compile
-# check), KEEP=1 (check keeps its work directory and says where).
+# Environment: SERIES_JOBS (make -j for check, default 2), CHECK_ARCH (make cuda-check's
+# architecture, sm_90), KEEP=1 (check keeps its work directory and says where).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PATCHES=$ROOT/patches
