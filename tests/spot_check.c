@@ -2,6 +2,7 @@
  * without writing the model to disk.
  *
  *   spot_check [--model flash16] [--type q8_0] [--seed 1] [--prompt 8] [-n 8] [--tol 5e-5]
+ *              [--dump-cuda FILE]
  *
  * What it is.  The flash16 spot check of scripts/gpu-check.sh: the Flash-shaped
  * model (43 layers, hidden 4096, 64 heads x 512, 16 experts, vocab 129280,
@@ -19,6 +20,9 @@
  * ds4.  It needs about twice the model's size in host memory (52 GB for
  * flash16) and a GPU; without a GPU it prints "skipped: no GPU" and exits 0.
  * Output: one line per phase, then `spot: PASS|FAIL ...`; exit 0 on PASS.
+ * --dump-cuda FILE also writes the CUDA rows' logits to FILE ((prompt + n) x vocab floats,
+ * raw little-endian f32, row after row): scripts/gpu-check.sh series byte-compares them
+ * across builds of the patch series.
  */
 #include <math.h>
 #include <stdio.h>
@@ -62,7 +66,7 @@ static float *run(ds4_model *m, const ds4_backend *be, const int32_t *prompt, in
 }
 
 int main(int argc, char **argv) {
-    const char *model = "flash16", *type = "q8_0";
+    const char *model = "flash16", *type = "q8_0", *dump = NULL;
     int seed = 1, P = 8, n = 8;
     double tol = 5e-5;
     for (int i = 1; i < argc; i++) {
@@ -74,6 +78,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--prompt")) P = atoi(v);
         else if (!strcmp(a, "-n")) n = atoi(v);
         else if (!strcmp(a, "--tol")) tol = atof(v);
+        else if (!strcmp(a, "--dump-cuda")) dump = v;
         else { fprintf(stderr, "spot_check: unknown option %s\n", a); return 2; }
         i++;
     }
@@ -109,6 +114,16 @@ int main(int argc, char **argv) {
     t0 = now_s();
     float *lg = run(mg, cuda, prompt, P, n, fed_c + P, fed_g);
     printf("spot: CUDA prefill %d + %d forced steps in %.1f s\n", P, n, now_s() - t0);
+
+    if (dump) {
+        FILE *f = fopen(dump, "wb");
+        const size_t nf = (size_t)(P + n) * (size_t)V;
+        if (!f || fwrite(lg, sizeof(float), nf, f) != nf || fclose(f) != 0) {
+            fprintf(stderr, "spot_check: cannot write %s\n", dump);
+            return 2;
+        }
+        printf("spot: CUDA logits written to %s (%zu floats)\n", dump, nf);
+    }
 
     double worst = 0.0;
     int worst_row = 0, argmax_bad = 0, first_bad = -1;
