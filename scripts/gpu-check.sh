@@ -14,7 +14,8 @@
 #   series    the patch series (patches/): the baseline (scripts/series.sh base) built for CUDA
 #             beside HEAD; CUDA logits (32 prompt tokens + 300 decode steps) of tiny, small and
 #             other under the baseline, HEAD and HEAD with DS4_CUDA_GRAPHS=1 must be byte-
-#             identical; flash16 decode tok/s of the baseline and HEAD, side by side
+#             identical, and so must the flash16 spot check's CUDA logits (a few minutes: the CPU
+#             reference runs in each build); flash16 decode tok/s of the baseline and HEAD
 #   all       all of these: build, test, hf, sanitize, spot, bench flash16, kernels, bench tiny+small
 #
 # Rough times on one H200: build ~1 min, test ~2 min, sanitize a few minutes (19 runs, 3 at
@@ -172,6 +173,19 @@ if want series; then
         row "series $m: DUMPS DIFFER (series-$m-{base,off,on}.ds4logit)"
       fi
     done
+    # the flash16 spot check (Q8_0, built in host memory): CUDA logits byte for byte
+    make --no-print-directory build/cuda-"$ARCH"/spot_check CUDA_ARCH="$ARCH" -j16 >> "$OUT/series.log" 2>&1
+    (cd "$SB" && make --no-print-directory build/cuda-"$ARCH"/spot_check CUDA_ARCH="$ARCH" -j16) >> "$OUT/series.log" 2>&1
+    timeout "${SPOT_LIMIT:-600}" "$SB"/build/cuda-"$ARCH"/spot_check --dump-cuda "$OUT/series-spot-base.f32" > "$OUT/series-spot-base.log" 2>&1
+    timeout "${SPOT_LIMIT:-600}" build/cuda-"$ARCH"/spot_check --dump-cuda "$OUT/series-spot-off.f32" > "$OUT/series-spot-off.log" 2>&1
+    DS4_CUDA_GRAPHS=1 timeout "${SPOT_LIMIT:-600}" build/cuda-"$ARCH"/spot_check --dump-cuda "$OUT/series-spot-on.f32" > "$OUT/series-spot-on.log" 2>&1
+    if [ -s "$OUT/series-spot-base.f32" ] && cmp -s "$OUT/series-spot-base.f32" "$OUT/series-spot-off.f32" \
+       && cmp -s "$OUT/series-spot-base.f32" "$OUT/series-spot-on.f32"; then
+      row "series flash16 spot: baseline, HEAD, HEAD+DS4_CUDA_GRAPHS=1 byte-identical ($(wc -c < "$OUT/series-spot-base.f32") bytes)"
+    else
+      row "series flash16 spot: DUMPS DIFFER or missing (series-spot-*.log)"
+    fi
+    rm -f "$OUT"/series-spot-*.f32     # 16 x 129280 floats each: the verdict and logs stay
     for r in 1; do        # side by side (one run of each: medians of 3 reps)
       for b in base head; do
         bin=build/cuda-"$ARCH"/ds4_bench; [ "$b" = base ] && bin=$SB/$bin
