@@ -2527,6 +2527,15 @@ static int  cpu_init(void) { pool_start(); return 0; }
 static int  cpu_upload_weight(ds4_weight *w) { w->dev = (void *)w->host; return 0; }
 static void cpu_release_weight(ds4_weight *w) { w->dev = NULL; }
 static void cpu_synchronize(void) {}
+/* The CPU backend keeps no per-context state: a session is a token. */
+static char g_cpu_session;
+static void *cpu_session_new(const ds4_limits *lim) { (void)lim; return &g_cpu_session; }
+static void  cpu_session_free(void *s) { (void)s; }
+static void *cpu_session_bind(void *s) { (void)s; return NULL; }
+static void  cpu_session_stats(void *s, ds4_backend_stats *st, int reset) {
+    (void)s; (void)reset;
+    memset(st, 0, sizeof *st);
+}
 
 /* -- embed -- */
 typedef struct { const ds4_weight *w; const int32_t *tok; int n_hc; float *x; } embed_args;
@@ -2710,7 +2719,7 @@ static void rope_task(void *a_, int64_t i0, int64_t i1) {
         }
     }
 }
-static void cpu_rope(float *x, int nt, int nh, int dh, int pos0, int pos_step, const ds4_rope *rp, int inverse) {
+static void cpu_rope_at(float *x, int nt, int nh, int dh, int pos0, int pos_step, const ds4_rope *rp, int inverse) {
     rope_args a = { x, nh, dh, pos0, pos_step, inverse, rp };
     parallel_for(nt, 4, rope_task, &a);
 }
@@ -2756,7 +2765,7 @@ static void att_task(void *a_, int64_t i0, int64_t i1) {
     free(s);
     free(rows);
 }
-static void cpu_attention(const float *q, const float *kv, const float *ring, int W,
+static void cpu_attention_at(const float *q, const float *kv, const float *ring, int W,
                           int pos0, int nt, int H, int d,
                           const float *comp, int ratio, const int32_t *topk, int k,
                           const float *sinks, float scale, float *out) {
@@ -2766,12 +2775,12 @@ static void cpu_attention(const float *q, const float *kv, const float *ring, in
     parallel_for((int64_t)nt * H, 4, att_task, &a);
 }
 
-static void cpu_ring_store(float *ring, const float *rows, int slots, int width, int pos0, int nt) {
+static void cpu_ring_store_at(float *ring, const float *rows, int slots, int width, int pos0, int nt) {
     for (int t = nt - slots < 0 ? 0 : nt - slots; t < nt; t++)
         memcpy(ring + (size_t)((pos0 + t) % slots) * width, rows + (size_t)t * width, (size_t)width * 4);
 }
 
-static void cpu_add_cyclic(float *x, const float *table, int pos0, int nt, int period, int n) {
+static void cpu_add_cyclic_at(float *x, const float *table, int pos0, int nt, int period, int n) {
     for (int t = 0; t < nt; t++) {
         const float *r = table + (size_t)((pos0 + t) % period) * n;
         float *xr = x + (size_t)t * n;
@@ -2817,11 +2826,33 @@ static void cp_task(void *a_, int64_t i0, int64_t i1) {
         }
     }
 }
+static void cpu_compress_pool_at(const float *kv, const float *sc, const float *st_kv, const float *st_sc,
+                                 int pos0, int nt, int ratio, int c, int dc, float *out) {
+    cp_args a = { kv, sc, st_kv, st_sc, pos0, nt, ratio, c, dc, ds4_emit_first(pos0, ratio), out };
+    parallel_for(ds4_emit_count(pos0, nt, ratio), 1, cp_task, &a);
+}
+
+/* The ops as the contract has them: the position comes from the step block
+ * (host memory on this backend). */
+static void cpu_rope(float *x, int nt, int nh, int dh, const ds4_step *step, int pos_step, const ds4_rope *rp,
+                     int inverse) {
+    cpu_rope_at(x, nt, nh, dh, step->pos0, pos_step, rp, inverse);
+}
+static void cpu_attention(const float *q, const float *kv, const float *ring, int W,
+                          const ds4_step *step, int nt, int H, int d,
+                          const float *comp, int ratio, const int32_t *topk, int k,
+                          const float *sinks, float scale, float *out) {
+    cpu_attention_at(q, kv, ring, W, step->pos0, nt, H, d, comp, ratio, topk, k, sinks, scale, out);
+}
+static void cpu_ring_store(float *ring, const float *rows, int slots, int width, const ds4_step *step, int nt) {
+    cpu_ring_store_at(ring, rows, slots, width, step->pos0, nt);
+}
+static void cpu_add_cyclic(float *x, const float *table, const ds4_step *step, int nt, int period, int n) {
+    cpu_add_cyclic_at(x, table, step->pos0, nt, period, n);
+}
 static void cpu_compress_pool(const float *kv, const float *sc, const float *st_kv, const float *st_sc,
-                              int pos0, int nt, int ratio, int c, int dc, float *out) {
-    const int w0 = pos0 / ratio, w1 = (pos0 + nt) / ratio;
-    cp_args a = { kv, sc, st_kv, st_sc, pos0, nt, ratio, c, dc, w0, out };
-    parallel_for(w1 - w0, 1, cp_task, &a);
+                              const ds4_step *step, int nt, int ratio, int c, int dc, float *out) {
+    cpu_compress_pool_at(kv, sc, st_kv, st_sc, step->pos0, nt, ratio, c, dc, out);
 }
 
 /* -- lightning indexer -- */
@@ -2836,7 +2867,7 @@ typedef struct { const float *q, *w; float ws; const float *rows; int pos0, Hi, 
 static void ix_task(void *a_, int64_t i0, int64_t i1) {
     ix_args *a = a_;
     for (int64_t t = i0; t < i1; t++) {
-        const int n_vis = (a->pos0 + (int)t + 1) / a->ratio;
+        const int n_vis = ds4_comp_rows(a->pos0 + (int)t, a->ratio);
         scored *sc = malloc((size_t)(n_vis > 0 ? n_vis : 1) * sizeof(scored));
         for (int r = 0; r < n_vis; r++) {
             float acc = 0.0f;
@@ -2854,8 +2885,8 @@ static void ix_task(void *a_, int64_t i0, int64_t i1) {
     }
 }
 static void cpu_indexer_topk(const float *q, const float *w, float w_scale, const float *rows,
-                             int pos0, int nt, int Hi, int di, int ratio, int k, int32_t *out) {
-    ix_args a = { q, w, w_scale, rows, pos0, Hi, di, ratio, k, out };
+                             const ds4_step *step, int nt, int Hi, int di, int ratio, int k, int32_t *out) {
+    ix_args a = { q, w, w_scale, rows, step->pos0, Hi, di, ratio, k, out };
     parallel_for(nt, 1, ix_task, &a);
 }
 
@@ -3001,44 +3032,46 @@ static void cpu_hc_pre(const float *f, const float *x_res, float *x,
 }
 
 static void cpu_matmul_multi(int n, const ds4_weight *const *w, float *const *y, float *x, int nt,
-                             const float *norm_w, float eps, const float *const *add_tab, int pos0, int period) {
+                             const float *norm_w, float eps, const float *const *add_tab, const ds4_step *step,
+                             int period) {
     if (norm_w) cpu_rmsnorm(x, norm_w, x, nt, (int)w[0]->ne[0], eps);
     for (int i = 0; i < n; i++) {
         cpu_matmul(w[i], 0, x, y[i], nt);
-        if (add_tab && add_tab[i]) cpu_add_cyclic(y[i], add_tab[i], pos0, nt, period, (int)w[i]->ne[1]);
+        if (add_tab && add_tab[i]) cpu_add_cyclic(y[i], add_tab[i], step, nt, period, (int)w[i]->ne[1]);
     }
 }
 
 static void cpu_head_norm_rope(float *x, const float *w, int nt, int nh, float *x2, const float *w2, int nh2,
-                               int dh, float eps, int pos0, const ds4_rope *rp) {
+                               int dh, float eps, const ds4_step *step, const ds4_rope *rp) {
     cpu_rmsnorm(x, w, x, nt * nh, dh, eps);
-    cpu_rope(x, nt, nh, dh, pos0, 1, rp, 0);
+    cpu_rope(x, nt, nh, dh, step, 1, rp, 0);
     if (nh2 > 0) {
         cpu_rmsnorm(x2, w2, x2, nt * nh2, dh, eps);
-        cpu_rope(x2, nt, nh2, dh, pos0, 1, rp, 0);
+        cpu_rope(x2, nt, nh2, dh, step, 1, rp, 0);
     }
 }
 
-static void cpu_attention_step(const float *q, const float *kv, float *ring, int W, int pos0, int nt, int H, int d,
-                               const float *comp, int ratio, const int32_t *topk, int k,
+static void cpu_attention_step(const float *q, const float *kv, float *ring, int W, const ds4_step *step, int nt,
+                               int H, int d, const float *comp, int ratio, const int32_t *topk, int k,
                                const float *sinks, float scale, const ds4_rope *rp, float *out) {
-    cpu_attention(q, kv, ring, W, pos0, nt, H, d, comp, ratio, topk, k, sinks, scale, out);
-    cpu_ring_store(ring, kv, W, d, pos0, nt);
-    cpu_rope(out, nt, H, d, pos0, 1, rp, 1);
+    cpu_attention(q, kv, ring, W, step, nt, H, d, comp, ratio, topk, k, sinks, scale, out);
+    cpu_ring_store(ring, kv, W, d, step, nt);
+    cpu_rope(out, nt, H, d, step, 1, rp, 1);
 }
 
 static void cpu_compressor_step(const float *kv, const float *sc, float *st_kv, float *st_sc,
-                                int pos0, int nt, int ratio, int c, int dc, const float *norm_w, float eps,
-                                const ds4_rope *rp, float *rows) {
-    const int w0 = pos0 / ratio, n_emit = (pos0 + nt) / ratio - w0;
+                                const ds4_step *step, int nt, int ratio, int c, int dc, const float *norm_w,
+                                float eps, const ds4_rope *rp, float *rows) {
+    const int pos0 = step->pos0;
+    const int w0 = ds4_emit_first(pos0, ratio), n_emit = ds4_emit_count(pos0, nt, ratio);
     if (n_emit > 0) {
         float *out = rows + (size_t)w0 * dc;
-        cpu_compress_pool(kv, sc, st_kv, st_sc, pos0, nt, ratio, c, dc, out);
+        cpu_compress_pool(kv, sc, st_kv, st_sc, step, nt, ratio, c, dc, out);
         cpu_rmsnorm(out, norm_w, out, n_emit, dc, eps);
-        cpu_rope(out, n_emit, 1, dc, w0 * ratio, ratio, rp, 0);
+        cpu_rope_at(out, n_emit, 1, dc, w0 * ratio, ratio, rp, 0);
     }
-    cpu_ring_store(st_kv, kv, c * ratio, c * dc, pos0, nt);
-    cpu_ring_store(st_sc, sc, c * ratio, c * dc, pos0, nt);
+    cpu_ring_store(st_kv, kv, c * ratio, c * dc, step, nt);
+    cpu_ring_store(st_sc, sc, c * ratio, c * dc, step, nt);
 }
 
 static void cpu_moe_gate(const ds4_weight *gate_inp, const float *x, float *logits, const float *bias,
@@ -3061,6 +3094,8 @@ static const ds4_backend g_cpu_backend = {
     .upload = cpu_memcpy, .download = cpu_memcpy, .copy = cpu_memcpy,
     .upload_weight = cpu_upload_weight, .release_weight = cpu_release_weight,
     .synchronize = cpu_synchronize,
+    .session_new = cpu_session_new, .session_free = cpu_session_free, .session_bind = cpu_session_bind,
+    .session_stats = cpu_session_stats,
     .embed = cpu_embed, .rmsnorm = cpu_rmsnorm, .matmul = cpu_matmul,
     .matmul_grouped = cpu_matmul_grouped, .hc_mix = cpu_hc_mix, .hc_post = cpu_hc_post,
     .rope = cpu_rope, .attention = cpu_attention, .ring_store = cpu_ring_store,
@@ -3434,6 +3469,8 @@ struct ds4_ctx {
     ds4_rope           rope_window;   /* ratio-0 layers: plain RoPE */
     ds4_rope           rope_comp;     /* compressed layers, compressor rows, indexer: YaRN */
     ds4_layer_state    L[DS4_MAX_LAYERS];
+    void              *sess;      /* the backend's session: stream, scratch, counters */
+    ds4_step          *step;      /* the step block (backend memory), written before each call */
     /* activations, all [B][...] with B = max_batch */
     int32_t *tok;                 /* [B] */
     float   *x, *x2;              /* [B][hc][D] residual streams */
@@ -3537,6 +3574,7 @@ ds4_ctx *ds4_ctx_new(ds4_model *m, const ds4_backend *be, int n_ctx, int max_bat
             S->ist_sc = ctx_alloc(c, 8 * 2 * di * 4, &fail);
         }
     }
+    c->step = ctx_alloc(c, sizeof(ds4_step), &fail);
     c->tok  = ctx_alloc(c, B * 4, &fail);
     c->x    = ctx_alloc(c, B * hc * D * 4, &fail);
     c->x2   = ctx_alloc(c, B * hc * D * 4, &fail);
@@ -3571,13 +3609,47 @@ ds4_ctx *ds4_ctx_new(ds4_model *m, const ds4_backend *be, int n_ctx, int max_bat
         ds4_ctx_free(c);
         return NULL;
     }
+    /* everything the backend's ops will need, sized now: nothing is allocated
+     * once the context exists */
+    ds4_limits lim;
+    memset(&lim, 0, sizeof lim);
+    lim.max_batch = max_batch;
+    lim.n_ctx = n_ctx;
+    lim.n_embd = hp->n_embd;
+    lim.n_head = hp->n_head;
+    lim.head_dim = hp->head_dim;
+    lim.idx_topk = hp->idx_topk;
+    lim.n_expert = hp->n_expert;
+    lim.n_expert_used = hp->n_expert_used;
+    lim.n_ff_exp = hp->n_ff_exp;
+    lim.n_vocab = hp->n_vocab;
+    ds4_weight **ws = malloc(sizeof(*ws) * DS4_MAX_WEIGHTS);
+    if (!ws) { errf(err, errlen, "out of memory"); ds4_ctx_free(c); return NULL; }
+    const int nw = model_weights(m, ws, DS4_MAX_WEIGHTS);
+    for (int i = 0; i < nw; i++) {
+        if (ws[i]->ne[0] > lim.max_k) lim.max_k = ws[i]->ne[0];
+        if (ws[i]->ne[0] * ws[i]->ne[1] > lim.max_matrix) lim.max_matrix = ws[i]->ne[0] * ws[i]->ne[1];
+    }
+    free(ws);
+    c->sess = be->session_new(&lim);
+    if (!c->sess) {
+        /* the backend has printed its one line */
+        if (err && errlen) err[0] = 0;
+        ds4_ctx_free(c);
+        return NULL;
+    }
     return c;
 }
 
 void ds4_ctx_free(ds4_ctx *c) {
     if (!c) return;
+    if (c->sess) c->be->session_free(c->sess);
     for (int i = 0; i < c->n_allocs; i++) c->be->free(c->allocs[i]);
     free(c);
+}
+
+void ds4_ctx_stats(ds4_ctx *c, ds4_backend_stats *st, int reset) {
+    c->be->session_stats(c->sess, st, reset);
 }
 
 int ds4_ctx_pos(const ds4_ctx *c) { return c->pos; }
@@ -3594,7 +3666,7 @@ void ds4_ctx_reset(ds4_ctx *c) { c->pos = 0; }
  *   mHC post; then the mHC head, RMSNorm and the output projection.
  * ------------------------------------------------------------------------- */
 
-static void fwd_attention(ds4_ctx *c, int il, const float *hn, int pos0, int nt, float *out) {
+static void fwd_attention(ds4_ctx *c, int il, const float *hn, int nt, float *out) {
     const ds4_backend *be = c->be;
     const ds4_hparams *hp = &c->m->hp;
     const ds4_layer_w *L = &c->m->layers[il];
@@ -3621,35 +3693,35 @@ static void fwd_attention(ds4_ctx *c, int il, const float *hn, int pos0, int nt,
         PROJ(&L->idx_comp_gate, c->isc, L->idx_comp_ape.dev);
         PROJ(&L->idx_proj, c->iw, NULL);
     }
-    be->matmul_multi(n, pw, py, (float *)hn, nt, NULL, 0.0f, pt, pos0, ratio ? ratio : 1);
+    be->matmul_multi(n, pw, py, (float *)hn, nt, NULL, 0.0f, pt, c->step, ratio ? ratio : 1);
 
     /* queries (and the indexer's) from the normed latent; one unweighted norm per head */
     n = 0;
     PROJ(&L->q_b, c->q, NULL);
     if (ratio == 4) PROJ(&L->idx_q_b, c->iq, NULL);
 #undef PROJ
-    be->matmul_multi(n, pw, py, c->qr, nt, L->q_a_norm.dev, hp->rms_eps, NULL, 0, 1);
-    be->head_norm_rope(c->q, NULL, nt, H, c->kv, L->kv_a_norm.dev, 1, d, hp->rms_eps, pos0, rp);
+    be->matmul_multi(n, pw, py, c->qr, nt, L->q_a_norm.dev, hp->rms_eps, NULL, c->step, 1);
+    be->head_norm_rope(c->q, NULL, nt, H, c->kv, L->kv_a_norm.dev, 1, d, hp->rms_eps, c->step, rp);
 
     /* compressors: pool finished blocks into rows (normalised, rotated), then
      * remember the batch's kv and gate rows in their state rings */
     int k = 0;
     if (ratio) {
-        be->compressor_step(c->ckv, c->csc, S->st_kv, S->st_sc, pos0, nt, ratio, ratio == 4 ? 2 : 1, d,
+        be->compressor_step(c->ckv, c->csc, S->st_kv, S->st_sc, c->step, nt, ratio, ratio == 4 ? 2 : 1, d,
                             L->comp_norm.dev, hp->rms_eps, &c->rope_comp, S->comp);
     }
     if (ratio == 4) {
-        be->compressor_step(c->ikv, c->isc, S->ist_kv, S->ist_sc, pos0, nt, 4, 2, di,
+        be->compressor_step(c->ikv, c->isc, S->ist_kv, S->ist_sc, c->step, nt, 4, 2, di,
                             L->idx_comp_norm.dev, hp->rms_eps, &c->rope_comp, S->irows);
-        be->rope(c->iq, nt, Hi, di, pos0, 1, &c->rope_comp, 0);
+        be->rope(c->iq, nt, Hi, di, c->step, 1, &c->rope_comp, 0);
         k = hp->idx_topk;
-        be->indexer_topk(c->iq, c->iw, 1.0f / sqrtf((float)di * (float)Hi), S->irows, pos0, nt, Hi, di, 4, k,
+        be->indexer_topk(c->iq, c->iw, 1.0f / sqrtf((float)di * (float)Hi), S->irows, c->step, nt, Hi, di, 4, k,
                          c->topk);
     }
 
     /* attention, the window ring update, and the query-position rotation
      * undone; then the grouped low-rank output */
-    be->attention_step(c->q, c->kv, S->ring, hp->n_swa, pos0, nt, H, d, S->comp, ratio,
+    be->attention_step(c->q, c->kv, S->ring, hp->n_swa, c->step, nt, H, d, S->comp, ratio,
                        ratio == 4 ? c->topk : NULL, k, L->attn_sinks.dev, 1.0f / sqrtf((float)d), rp, c->o);
     be->matmul_grouped(&L->out_a, hp->o_groups, c->o, c->oa, nt);
     be->matmul(&L->out_b, 0, c->oa, out, nt);
@@ -3681,7 +3753,7 @@ static void fwd_batch(ds4_ctx *c, int nt, int all_rows) {
     const ds4_backend *be = c->be;
     const ds4_model *m = c->m;
     const ds4_hparams *hp = &m->hp;
-    const int D = hp->n_embd, hc = hp->n_hc, pos0 = c->pos;
+    const int D = hp->n_embd, hc = hp->n_hc;
     const float eps = hp->rms_eps, heps = hp->hc_eps;
     const int it = hp->sinkhorn_iters;
 
@@ -3691,7 +3763,7 @@ static void fwd_batch(ds4_ctx *c, int nt, int all_rows) {
         be->hc_pre(il > 0 ? c->f : NULL, c->x2, c->x, &L->hc_attn_fn, L->hc_attn_scale.dev,
                    L->hc_attn_base.dev, L->attn_norm.dev, nt, D, hc, 0, eps, heps, it,
                    c->flat, c->mix, c->h, c->post, c->comb);
-        fwd_attention(c, il, c->h, pos0, nt, c->f);
+        fwd_attention(c, il, c->h, nt, c->f);
         be->hc_pre(c->f, c->x, c->x2, &L->hc_ffn_fn, L->hc_ffn_scale.dev, L->hc_ffn_base.dev,
                    L->ffn_norm.dev, nt, D, hc, 0, eps, heps, it, c->flat, c->mix, c->h, c->post, c->comb);
         fwd_moe(c, il, c->h, nt, c->f);
@@ -3717,11 +3789,18 @@ int ds4_eval(ds4_ctx *c, const int32_t *tokens, int n, float *logits, int all_ro
             errf(err, errlen, "token id %d out of range [0, %d)", tokens[i], hp->n_vocab);
             return -1;
         }
-    c->be->upload(c->tok, tokens, (size_t)n * 4);
+    /* The step's inputs go up as two small ordered copies (the position in the
+     * step block, the tokens); the ops read them when they run.  The host
+     * waits once, for the logits (or, without them, for the step to end). */
+    const ds4_backend *be = c->be;
+    void *prev = be->session_bind(c->sess);
+    const ds4_step st = { c->pos, n, { 0, 0 } };
+    be->upload(c->step, &st, sizeof st);
+    be->upload(c->tok, tokens, (size_t)n * 4);
     fwd_batch(c, n, all_rows);
-    if (logits)
-        c->be->download(logits, c->logits, (size_t)(all_rows ? n : 1) * hp->n_vocab * 4);
-    c->be->synchronize();
+    if (logits) be->download(logits, c->logits, (size_t)(all_rows ? n : 1) * hp->n_vocab * 4);
+    else be->synchronize();
+    be->session_bind(prev);
     c->pos += n;
     return 0;
 }
@@ -3787,7 +3866,7 @@ extern char **environ;
 /* Up to 48 bytes of s (n bytes) for an error line: control and non-ASCII bytes
  * as \xNN, so the message stays one line whatever the environment holds. */
 int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
-    static const char *known[] = { "DS4_THREADS", "DS4_CUDA_GRAPHS" };
+    static const char *known[] = { "DS4_THREADS", "DS4_CUDA_GRAPHS", "DS4_LAUNCH_TRACE" };
     char shown[256];
     memset(env, 0, sizeof(*env));
     for (char **e = environ; e && *e; e++) {
@@ -3798,7 +3877,7 @@ int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
         for (size_t i = 0; i < sizeof(known) / sizeof(known[0]); i++)
             if (strlen(known[i]) == nl && !strncmp(known[i], *e, nl)) ok = 1;
         if (!ok) {
-            errf(err, errlen, "unknown environment variable %s (ds4 reads: DS4_THREADS, DS4_CUDA_GRAPHS; see README)",
+            errf(err, errlen, "unknown environment variable %s (ds4 reads: DS4_THREADS, DS4_CUDA_GRAPHS, DS4_LAUNCH_TRACE; see README)",
                  ds4_show(shown, sizeof shown, *e, nl, 48));
             return -1;
         }
@@ -3823,6 +3902,14 @@ int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
             return -1;
         }
         env->cuda_graphs = g[0] == '1';
+    }
+    const char *lt = getenv("DS4_LAUNCH_TRACE");
+    if (lt) {
+        if (!*lt) {
+            errf(err, errlen, "DS4_LAUNCH_TRACE is empty (give the file to write the launch trace to)");
+            return -1;
+        }
+        env->launch_trace = lt;
     }
     return 0;
 }

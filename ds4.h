@@ -84,6 +84,10 @@ void     ds4_ctx_free(ds4_ctx *c);
 int      ds4_ctx_pos(const ds4_ctx *c);   /* tokens consumed so far */
 /* Start over at position 0 (the state is overwritten before it is read again). */
 void     ds4_ctx_reset(ds4_ctx *c);
+/* The backend's counters for this context (ds4_gpu.h: launches, device
+ * allocations and waits); reset != 0 zeroes them after reading. */
+struct ds4_backend_stats;
+void     ds4_ctx_stats(ds4_ctx *c, struct ds4_backend_stats *st, int reset);
 
 /* Feed n tokens at the current position: one prefill batch when n > 1, one
  * decode step when n == 1.  logits (host, may be NULL) receives [n][n_vocab]
@@ -119,6 +123,8 @@ typedef struct ds4_env {
     int threads;      /* DS4_THREADS: CPU threads, 0 = all online cores */
     int cuda_graphs;  /* DS4_CUDA_GRAPHS: 1 = capture decode steps as CUDA graphs (patches/series
                          stage 2; until then read and validated, and nothing changes) */
+    const char *launch_trace;   /* DS4_LAUNCH_TRACE: file the CUDA backend writes every launch to
+                                   (a debug trace; NULL = none) */
 } ds4_env;
 int ds4_env_read(ds4_env *env, char *err, size_t errlen);
 

@@ -19,6 +19,7 @@
 #include <unistd.h>
 
 #include "ds4.h"
+#include "ds4_gpu.h"
 #include "ds4_tok.h"
 
 static double now_s(void) {
@@ -71,6 +72,8 @@ static void usage(FILE *f) {
         "  --dump-logits FILE  write every row's logits in the DS4LOGIT format (README)\n"
         "  --force IDS         teacher forcing: decode step j feeds IDS[j] instead of the sample\n"
         "  --threads N         CPU threads (default: DS4_THREADS or all cores)\n"
+        "  --stats             after the run, the backend's counters over the decode steps:\n"
+        "                      launches per step, device allocations, frees and waits\n"
         "  -h, --help          this text\n"
         "\n"
         "synth options:\n"
@@ -175,6 +178,7 @@ struct cli_opts {
     float temp, top_p;                         /* [0, 100], [1e-6, 1] */
     uint64_t seed;
     int chat, think;
+    int stats;                                 /* --stats */
     int threads;                               /* --threads in [1, 64]; 0: not given */
 };
 
@@ -199,6 +203,7 @@ static int cli_parse(int argc, char **argv, struct cli_opts *o, char *err, size_
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) { o->help = 1; return 0; }
         if (!strcmp(a, "--chat")) { o->chat = 1; continue; }       /* the flags without a value */
         if (!strcmp(a, "--think")) { o->think = 1; continue; }
+        if (!strcmp(a, "--stats")) { o->stats = 1; continue; }
         int is_known = 0;
         for (size_t q = 0; q < sizeof(known) / sizeof(known[0]); q++) if (!strcmp(a, known[q])) is_known = 1;
         if (!is_known) return fail(err, errlen, "unknown option '%s' (see ds4 --help)", show(sh, a));
@@ -420,6 +425,8 @@ int main(int argc, char **argv) {
 #ifdef DS4_CUDA
     if (!strcmp(o.backend, "cuda")) be = ds4_backend_cuda();
 #endif
+    if (env.launch_trace && !strcmp(be->name, "cpu"))
+        fprintf(stderr, "ds4: DS4_LAUNCH_TRACE: the cpu backend launches no kernels; nothing is traced\n");
 
     char defpath[PATH_MAX + 32], sh[SHOW_BUF];
     if (!model_path) {
@@ -506,6 +513,8 @@ int main(int argc, char **argv) {
         return 1;
     }
     const double t_prefill = now_s() - tp0;
+    ds4_backend_stats bst;
+    ds4_ctx_stats(c, &bst, 1);                  /* --stats counts the decode steps only */
     const float *prev = dump ? logits + (size_t)(P - 1) * V : last;
 
     printf("prompt ids:");
@@ -539,6 +548,16 @@ int main(int argc, char **argv) {
     printf("speed: load %.2f s, prefill %d tokens in %.3f s (%.1f tok/s), decode %d tokens in %.3f s (%.2f tok/s), backend %s\n",
            t_load, P, t_prefill, P / (t_prefill > 0 ? t_prefill : 1e-9), n_gen, t_decode,
            n_gen / (t_decode > 0 ? t_decode : 1e-9), be->name);
+
+    if (o.stats) {
+        ds4_ctx_stats(c, &bst, 0);
+        const double ns = n_gen > 0 ? (double)n_gen : 1.0;
+        printf("stats: decode %d steps on %s: %.1f launches per step (%.1f us of host time), "
+               "%llu device allocations, %llu frees, %llu device syncs, %llu stream syncs\n",
+               n_gen, be->name, (double)bst.launches / ns, bst.launch_seconds * 1e6 / ns,
+               (unsigned long long)bst.mallocs, (unsigned long long)bst.frees,
+               (unsigned long long)bst.device_syncs, (unsigned long long)bst.stream_syncs);
+    }
 
     int rc = 0;
     if (dumpf && write_dump(dumpf, dump, V, P, n_gen, fed, logits) != 0) rc = 1;

@@ -28,17 +28,28 @@
  * integer counter, reduces the partials in a fixed order and finishes the
  * step).
  *
- * Streams (stage 0 of patches/series).  Every kernel launch, memset, cuBLAS
- * call and event record goes to ds4_current_stream() (ds4_stream.h): the
- * calling thread's override, else the legacy default stream.  Nothing here
- * sets an override yet, so all work still runs on stream 0 as in the eager
- * baseline: some copies are synchronous and some ops synchronise (each marked
- * NOTE(stage 1)), scratch buffers grow with cudaMalloc on demand, and the
- * prefill MoE path reads the routing back to the host.  There are no CUDA
- * graphs and no activation hooks yet.  Each kernel has exactly one launcher
- * (a static host function that sizes the grid), and every launch goes through
- * DS4_LAUNCH, whose ds4_launch_kernel holds the file's only `<<<>>>`;
- * scripts/check_streams.py keeps it that way.
+ * Streams and sessions (stages 0 and 1 of patches/series).  Every kernel
+ * launch, memset, copy, cuBLAS call and event record goes to
+ * ds4_current_stream() (ds4_stream.h); scripts/check_streams.py keeps it
+ * that way.  Each context owns a session (ds4_gpu.h): a non-blocking stream,
+ * which becomes the thread's current stream while the session is bound, a
+ * cuBLAS handle with a fixed workspace, and every scratch buffer, sized from
+ * the context's limits when it is made.  A decode step is therefore
+ * replayable: no op allocates, frees or waits; the position is read from the
+ * step block when a kernel runs, never passed by value, so each kernel's
+ * grid is sized for the most a step of that shape can need (blocks with
+ * nothing to do return at once) and a compressor's emit work runs or not on
+ * the device; the launches of a step -- kernels, grids and argument bytes --
+ * are the same at every position (DS4_LAUNCH_TRACE records them and
+ * tests/test_gpu.py compares them).  The step's inputs go up through pinned
+ * staging, its logits come down the same way, and that download is the one
+ * wait of the step.  Kernel attributes and occupancies are settled at init.
+ * A prompt's MoE layers still read the routing back to group tokens by
+ * expert (one ordered read and wait per layer, never in a decode step).
+ * Each kernel has exactly one launcher (a static host function that sizes
+ * the grid), and every launch goes through DS4_LAUNCH, whose
+ * ds4_launch_kernel holds the file's only `<<<>>>`.  There are no CUDA
+ * graphs and no activation hooks yet.
  *
  * Determinism.  Same inputs give byte-identical outputs run to run: no
  * floating-point atomics, every reduction has a fixed shape (warp butterflies,
@@ -46,9 +57,9 @@
  * cuBLAS runs with atomics disallowed on one handle and one stream.
  *
  * Sections, in pipeline order:
- *   Errors, launch accounting      DS4_CUDA_CHECK, DS4_CUBLAS_CHECK, DS4_LAUNCH, stats
+ *   Errors, launch accounting      DS4_CUDA_CHECK, DS4_CUBLAS_CHECK, DS4_LAUNCH, the launch trace
  *   Device helpers                 number formats, warp sums, async copies
- *   Backend state and lifetime     init, memory, weights, grow-only scratch
+ *   Backend state and lifetime     init, sessions' state, counted allocations and waits, copies
  *   Embedding
  *   mHC                            hc_mix (Sinkhorn), hc_post, hc_pre (split-K, one launch)
  *   RMSNorm
@@ -62,6 +73,7 @@
  *   MoE                            routing (with the router: moe_gate), SwiGLU, experts
  *                                  (decode and prefill)
  *   Elementwise                    add, scale
+ *   Sessions                       kernel set-up at init, session_new (every scratch sized), bind
  *   The backend table
  */
 #include <cuda_runtime.h>
@@ -74,20 +86,12 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <errno.h>
 
 #include "ds4_gpu.h"
 #include "ds4_stream.h"
 
-/* Exported for the benchmark; to be declared in ds4_gpu.h under DS4_CUDA:
- *
- *   // Kernel launches and cuBLAS calls made by the CUDA backend since the
- *   // last reset, and the host seconds spent issuing them (launch overhead,
- *   // not device time).
- *   void ds4_cuda_stats(uint64_t *launches, double *launch_host_seconds);
- *   void ds4_cuda_stats_reset(void);
- */
-extern "C" void ds4_cuda_stats(uint64_t *launches, double *launch_host_seconds);
-extern "C" void ds4_cuda_stats_reset(void);
+#include <atomic>
 
 /* ---------------------------------------------------------------------------
  * Errors and launch accounting
@@ -96,9 +100,11 @@ extern "C" void ds4_cuda_stats_reset(void);
  * cuBLAS call is wrapped: on error the statement, file and line are printed
  * and the process exits.  DS4_LAUNCH(kernel, grid, block, smem, args...)
  * launches on the current stream (ds4_launch_kernel, the one `<<<>>>` of the
- * backend), times the host side, checks cudaGetLastError and counts it.
- * DS4_CUBLAS sets the handle's stream to the current one, then does the same
- * for a cuBLAS call.
+ * backend), times the host side, checks cudaGetLastError and counts it in
+ * the bound session; with DS4_LAUNCH_TRACE it first writes the launch (its
+ * source line, kernel, grid, block, shared memory and argument bytes) to the
+ * session's trace.  DS4_CUBLAS sets the session's handle's stream to the
+ * current one, then does the same for a cuBLAS call.
  * ------------------------------------------------------------------------- */
 
 #define DS4_CUDA_CHECK(stmt) do {                                                   \
@@ -121,10 +127,20 @@ extern "C" void ds4_cuda_stats_reset(void);
         }                                                                           \
     } while (0)
 
-static struct {
-    uint64_t launches;        /* kernel launches + cuBLAS calls */
-    double   launch_seconds;  /* host time inside them */
-} g_stats;
+/* Device memory and waits, process-wide (ds4_backend_stats): every
+ * cudaMalloc/cudaHostAlloc, free and synchronisation of the backend goes
+ * through the wrappers below, which count it. */
+static std::atomic<uint64_t> g_n_malloc, g_n_free, g_n_dev_sync, g_n_stream_sync;
+
+/* The session bound to the calling thread (ds4_gpu.h session_bind); defined
+ * with the backend state below. */
+struct ds4_session;
+static thread_local ds4_session *g_sess;
+static ds4_session *sess(void);
+static void sess_count_launch(double seconds);
+static void sess_trace_launch(int line, const void *fn, dim3 grid, dim3 block, size_t smem,
+                              const unsigned char *args, size_t n_args);
+static bool sess_tracing(void);
 
 /* ds4_stream.h: the calling thread's stack of stream overrides (empty: stream 0). */
 static thread_local cudaStream_t g_stream_stack[DS4_STREAM_DEPTH];
@@ -150,39 +166,45 @@ static double ds4_now(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
+/* The launch trace (DS4_LAUNCH_TRACE): the argument bytes of a launch, each
+ * argument converted to its parameter type first, as the launch converts it. */
+template <typename... P>
+struct ds4_arg_bytes {
+    unsigned char b[4096];
+    size_t n = 0;
+    void put(const void *p, size_t sz) {
+        if (n + sz <= sizeof b) memcpy(b + n, p, sz);
+        n += sz;
+    }
+    void all(P... p) { (put(&p, sizeof p), ...); }
+};
+
 /* The one place a kernel is launched: on the current stream.  The parameter packs are
  * separate so an argument converts to its parameter type as in a direct launch. */
 template <typename... P, typename... A>
-static void ds4_launch_kernel(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, A... args) {
+static void ds4_launch_kernel(int line, void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, A... args) {
+    if (sess_tracing()) {
+        ds4_arg_bytes<P...> ab;
+        ab.all(args...);
+        sess_trace_launch(line, (const void *)kernel, grid, block, smem, ab.b, ab.n);
+    }
     kernel<<<grid, block, smem, ds4_current_stream()>>>(args...);
 }
 
 /* Variadic: a kernel template's name (k<a, b>) contains top-level commas. */
 #define DS4_LAUNCH(...) do {                                                        \
         const double t0_ = ds4_now();                                               \
-        ds4_launch_kernel(__VA_ARGS__);                                             \
+        ds4_launch_kernel(__LINE__, __VA_ARGS__);                                   \
         DS4_CUDA_CHECK(cudaGetLastError());                                         \
-        g_stats.launches++;                                                         \
-        g_stats.launch_seconds += ds4_now() - t0_;                                  \
+        sess_count_launch(ds4_now() - t0_);                                         \
     } while (0)
 
 #define DS4_CUBLAS(...) do {                                                        \
         const double t0_ = ds4_now();                                               \
-        DS4_CUBLAS_CHECK(cublasSetStream(g_cuda.blas, ds4_current_stream()));       \
+        DS4_CUBLAS_CHECK(cublasSetStream(sess_blas(), ds4_current_stream()));       \
         DS4_CUBLAS_CHECK(__VA_ARGS__);                                              \
-        g_stats.launches++;                                                         \
-        g_stats.launch_seconds += ds4_now() - t0_;                                  \
+        sess_count_launch(ds4_now() - t0_);                                         \
     } while (0)
-
-extern "C" void ds4_cuda_stats(uint64_t *launches, double *launch_host_seconds) {
-    if (launches) *launches = g_stats.launches;
-    if (launch_host_seconds) *launch_host_seconds = g_stats.launch_seconds;
-}
-
-extern "C" void ds4_cuda_stats_reset(void) {
-    g_stats.launches = 0;
-    g_stats.launch_seconds = 0.0;
-}
 
 /* ---------------------------------------------------------------------------
  * Device helpers
@@ -262,12 +284,21 @@ __device__ __forceinline__ uint2 ld_stream8(const void *p) {
 }
 
 /* ---------------------------------------------------------------------------
- * Backend state and lifetime
+ * Backend state, sessions and lifetime
  *
- * One device (0), one cuBLAS handle on the legacy stream, and grow-only
- * scratch buffers for the ops that need temporary device memory.  Growing a
- * scratch synchronizes the device first, so no queued kernel still reads the
- * old buffer.
+ * One device (0), whose properties, kernel attributes and occupancies are
+ * settled once by cuda_init.  Everything per context is a session
+ * (ds4_gpu.h): a non-blocking stream, a cuBLAS handle with a fixed
+ * workspace, the counters of the kernels that count their own blocks,
+ * scratch buffers sized from the context's limits when the session is made
+ * (session_new, at the end of the file, where every op's sizes are known),
+ * pinned staging for the step's copies, and the launch counters.  A thread
+ * binds a session (session_bind), which also makes its stream the thread's
+ * current stream (ds4_stream.h), so every launch, copy and wait of an op goes
+ * to the context's stream.  Nothing inside an op allocates, frees or waits:
+ * scratch_get only checks the size it was given at session creation, and
+ * the wrappers below count every allocation, free and wait the backend
+ * makes (ds4_backend_stats), so a run can show there were none.
  * ------------------------------------------------------------------------- */
 
 /* Above this many tokens (a prompt) the split-K partials would re-read fn
@@ -277,58 +308,121 @@ __device__ __forceinline__ uint2 ld_stream8(const void *p) {
 #define HC_SPLIT_MAX_NT 8
 
 typedef struct {
-    void  *p;
-    size_t cap;
+    void       *p;
+    size_t      cap;
+    const char *what;     /* named in the error when an op asks for more */
 } scratch_t;
 
 static struct {
     int            ready;
     int            n_sm;
+    int            cc_major;
     size_t         smem_optin;        /* max dynamic shared memory per block */
+    int            att_bps[17];       /* resident k_attention<DM> blocks per SM, by DM (cuda_init) */
+} g_cuda;
+
+struct ds4_session {
+    cudaStream_t   stream;
     cublasHandle_t blas;
+    void          *blas_ws;           /* cuBLAS workspace (cublasSetWorkspace): no allocation inside a call */
+    ds4_limits     lim;
     scratch_t      deq;               /* dequantized weight rows for cuBLAS, f32 */
     scratch_t      moe_h, moe_tmp;    /* MoE: swiglu activations, per-(token,expert) outputs */
     scratch_t      moe_xg, moe_gu;    /* MoE prefill: gathered inputs, gate|up products */
     scratch_t      moe_idx;           /* MoE prefill: perm and pos tables, int32 */
     scratch_t      att_part;          /* attention split-row partials */
-    scratch_t      ix_scores;         /* indexer scores, [queries][visible rows] */
+    scratch_t      ix_scores;         /* indexer scores, [query chunk][ix_ld] */
+    int64_t        ix_ld;             /* indexer score row: the most visible rows a context has */
+    int64_t        ix_chunk;          /* queries scored per pass */
     unsigned      *hc_count;          /* hc_pre: blocks done per token, zero between launches */
     unsigned      *gate_count;        /* k_moe_gate: blocks done per token */
-    int32_t       *host_idx;          /* MoE prefill host tables: sel, perm, pos */
+    int32_t       *host_idx;          /* MoE prefill host tables (pinned): sel, perm, pos, offsets */
     size_t         host_idx_cap;
-} g_cuda;
+    unsigned char *up_stage;          /* pinned staging of the step's uploads (bump, reset at each wait) */
+    size_t         up_cap, up_used;
+    unsigned char *down_stage;        /* pinned staging of a download */
+    size_t         down_cap;
+    uint64_t       launches;          /* kernel launches + cuBLAS calls */
+    double         launch_seconds;    /* host time inside them */
+    FILE          *trace;             /* DS4_LAUNCH_TRACE */
+    uint64_t       trace_launches;
+};
 
-static void *scratch_get(scratch_t *s, size_t bytes) {
-    if (bytes == 0) bytes = 16;
-    if (bytes <= s->cap) return s->p;
-    if (s->p) {
-        /* NOTE(stage 1): growth synchronises and reallocates; a captured step must not */
-        DS4_CUDA_CHECK(cudaDeviceSynchronize());
-        DS4_CUDA_CHECK(cudaFree(s->p));
-        s->p = NULL;
-        s->cap = 0;
+static ds4_session *sess(void) {
+    if (!g_sess) {
+        fprintf(stderr, "ds4: a CUDA op was called with no session bound (ds4_gpu.h: session_new, session_bind)\n");
+        exit(1);
     }
-    size_t cap = bytes + bytes / 4;
-    cap = (cap + ((size_t)2 << 20) - 1) & ~(((size_t)2 << 20) - 1);
-    DS4_CUDA_CHECK(cudaMalloc(&s->p, cap));
-    s->cap = cap;
+    return g_sess;
+}
+
+static cublasHandle_t sess_blas(void) { return sess()->blas; }
+
+static void sess_count_launch(double seconds) {
+    ds4_session *S = sess();
+    S->launches++;
+    S->launch_seconds += seconds;
+}
+
+static bool sess_tracing(void) { return g_sess && g_sess->trace; }
+
+/* One line per launch: source line of the DS4_LAUNCH, kernel address, grid,
+ * block, shared memory and every argument byte in hex.  Two steps that
+ * launch the same line sequence replay the same work. */
+static void sess_trace_launch(int line, const void *fn, dim3 grid, dim3 block, size_t smem,
+                              const unsigned char *args, size_t n_args) {
+    FILE *f = g_sess->trace;
+    fprintf(f, "launch L%d %p grid=%u,%u,%u block=%u,%u,%u smem=%zu args=", line, fn, grid.x, grid.y, grid.z,
+            block.x, block.y, block.z, smem);
+    const size_t n = n_args < 4096 ? n_args : 4096;
+    for (size_t i = 0; i < n; i++) fprintf(f, "%02x", args[i]);
+    fprintf(f, n < n_args ? " (+%zu bytes not shown)\n" : "\n", n_args - n);
+    g_sess->trace_launches++;
+}
+
+static void sess_trace_line(const char *what, size_t bytes) {
+    if (g_sess && g_sess->trace) fprintf(g_sess->trace, "%s %zu\n", what, bytes);
+}
+
+/* Size check only: every scratch was allocated when the session was made. */
+static void *scratch_get(scratch_t *s, size_t bytes) {
+    if (bytes > s->cap) {
+        fprintf(stderr, "ds4: %s need %zu bytes, the context was sized for %zu (ds4_limits too small)\n",
+                s->what, bytes, s->cap);
+        exit(1);
+    }
     return s->p;
 }
 
-static int32_t *host_idx_get(size_t n) {
-    if (n > g_cuda.host_idx_cap) {
-        free(g_cuda.host_idx);
-        g_cuda.host_idx = (int32_t *)malloc(n * sizeof(int32_t));
-        if (!g_cuda.host_idx) {
-            fprintf(stderr, "ds4: out of host memory (%zu index entries)\n", n);
-            exit(1);
-        }
-        g_cuda.host_idx_cap = n;
-    }
-    return g_cuda.host_idx;
+/* The counted allocations, frees and waits. */
+static cudaError_t dev_malloc(void **p, size_t bytes) {
+    g_n_malloc++;
+    return cudaMalloc(p, bytes);
+}
+static void dev_free(void *p) {
+    if (!p) return;
+    g_n_free++;
+    DS4_CUDA_CHECK(cudaFree(p));
+}
+static cudaError_t host_alloc(void **p, size_t bytes) {
+    g_n_malloc++;
+    return cudaHostAlloc(p, bytes, cudaHostAllocDefault);
+}
+static void host_free(void *p) {
+    if (!p) return;
+    g_n_free++;
+    DS4_CUDA_CHECK(cudaFreeHost(p));
+}
+/* The current stream's work is done; the session's upload staging is free again. */
+static void stream_wait(void) {
+    g_n_stream_sync++;
+    DS4_CUDA_CHECK(cudaStreamSynchronize(ds4_current_stream()));   /* NOTE(step result) */
+    if (g_sess) g_sess->up_used = 0;
+    sess_trace_line("wait", 0);
 }
 
 __global__ void k_probe(void) {}
+static void ops_setup(void);   /* kernel attributes and occupancies, defined after the kernels */
 
 static int cuda_init(void) {
     if (g_cuda.ready) return 0;
@@ -357,16 +451,9 @@ static int cuda_init(void) {
         return -1;
     }
     g_cuda.n_sm = prop.multiProcessorCount;
+    g_cuda.cc_major = prop.major;
     g_cuda.smem_optin = prop.sharedMemPerBlockOptin;
-    DS4_CUBLAS_CHECK(cublasCreate(&g_cuda.blas));
-    /* f32 products stay f32: default math never uses TF32 for Sgemm. */
-    DS4_CUBLAS_CHECK(cublasSetMathMode(g_cuda.blas, CUBLAS_DEFAULT_MATH));
-    DS4_CUBLAS_CHECK(cublasSetAtomicsMode(g_cuda.blas, CUBLAS_ATOMICS_NOT_ALLOWED));
-    DS4_CUBLAS_CHECK(cublasSetPointerMode(g_cuda.blas, CUBLAS_POINTER_MODE_HOST));
-    DS4_CUDA_CHECK(cudaMalloc(&g_cuda.hc_count, HC_SPLIT_MAX_NT * sizeof(unsigned)));
-    DS4_CUDA_CHECK(cudaMemsetAsync(g_cuda.hc_count, 0, HC_SPLIT_MAX_NT * sizeof(unsigned), ds4_current_stream()));
-    DS4_CUDA_CHECK(cudaMalloc(&g_cuda.gate_count, HC_SPLIT_MAX_NT * sizeof(unsigned)));
-    DS4_CUDA_CHECK(cudaMemsetAsync(g_cuda.gate_count, 0, HC_SPLIT_MAX_NT * sizeof(unsigned), ds4_current_stream()));
+    ops_setup();
     fprintf(stderr, "ds4: CUDA device 0: %s (sm_%d%d, %d SMs, %.1f GiB)\n", prop.name,
             prop.major, prop.minor, prop.multiProcessorCount,
             (double)prop.totalGlobalMem / (1024.0 * 1024.0 * 1024.0));
@@ -374,38 +461,65 @@ static int cuda_init(void) {
     return 0;
 }
 
+/* Zero-filled, and finished before it returns: buffers are made when a
+ * context is, never inside a step, and the context's stream must not race
+ * the fill. */
 static void *cuda_alloc(size_t bytes) {
     void *p = NULL;
     if (bytes == 0) bytes = 16;
-    cudaError_t e = cudaMalloc(&p, bytes);
+    cudaError_t e = dev_malloc(&p, bytes);
     if (e != cudaSuccess) {
         fprintf(stderr, "ds4: cudaMalloc of %zu bytes failed: %s\n", bytes, cudaGetErrorString(e));
         (void)cudaGetLastError();
         return NULL;
     }
     DS4_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, ds4_current_stream()));
+    g_n_stream_sync++;
+    DS4_CUDA_CHECK(cudaStreamSynchronize(ds4_current_stream()));   /* NOTE(load time) */
     return p;
 }
 
 static void cuda_free(void *p) {
-    if (p) DS4_CUDA_CHECK(cudaFree(p));
+    dev_free(p);
 }
 
-/* The contract's copies are synchronous (ds4_gpu.h): the host reads a download
- * (the logits) right after it, and an upload's source may change right after. */
+/* Uploads are ordered on the current stream.  The step's small ones (the
+ * step block, the tokens) are copied into the session's pinned staging and
+ * go up asynchronously; anything that does not fit (a test's inputs, a
+ * prompt larger than the staging) is copied and waited for. */
 static void cuda_upload(void *dst, const void *src, size_t bytes) {
-    /* NOTE(stage 1): synchronous host-to-device copy (the step's tokens and positions) */
-    DS4_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
+    if (bytes == 0) return;
+    ds4_session *S = g_sess;
+    sess_trace_line("upload", bytes);
+    if (S && S->up_used + bytes <= S->up_cap) {
+        unsigned char *st = S->up_stage + S->up_used;
+        S->up_used += (bytes + 15) & ~(size_t)15;
+        memcpy(st, src, bytes);
+        DS4_CUDA_CHECK(cudaMemcpyAsync(dst, st, bytes, cudaMemcpyHostToDevice, ds4_current_stream()));
+        return;
+    }
+    DS4_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, ds4_current_stream()));
+    stream_wait();
 }
 
+/* The one wait of a step: after every op issued before it, the bytes come
+ * down (through pinned staging when they fit) and are in dst on return. */
 static void cuda_download(void *dst, const void *src, size_t bytes) {
-    /* NOTE(stage 1): synchronous device-to-host copy (the logits), waits for the step */
-    DS4_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
+    ds4_session *S = g_sess;
+    sess_trace_line("download", bytes);
+    if (S && bytes <= S->down_cap) {
+        DS4_CUDA_CHECK(cudaMemcpyAsync(S->down_stage, src, bytes, cudaMemcpyDeviceToHost, ds4_current_stream()));
+        stream_wait();
+        memcpy(dst, S->down_stage, bytes);
+        return;
+    }
+    DS4_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, ds4_current_stream()));
+    stream_wait();
 }
 
 static void cuda_copy(void *dst, const void *src, size_t bytes) {
-    /* NOTE(stage 1): synchronous device-to-device copy */
-    DS4_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToDevice));
+    if (bytes == 0) return;
+    DS4_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, ds4_current_stream()));
 }
 
 static int type_supported(int type);
@@ -419,27 +533,28 @@ static int cuda_upload_weight(ds4_weight *w) {
         return -1;
     }
     void *p = NULL;
-    cudaError_t e = cudaMalloc(&p, w->nbytes ? w->nbytes : 16);
+    cudaError_t e = dev_malloc(&p, w->nbytes ? w->nbytes : 16);
     if (e != cudaSuccess) {
         fprintf(stderr, "ds4: cannot upload weight %s (%zu bytes): %s\n",
                 w->name ? w->name : "?", w->nbytes, cudaGetErrorString(e));
         (void)cudaGetLastError();
         return -1;
     }
-    /* NOTE(load time): weights go up once, before any step */
+    /* NOTE(load time): weights go up once, before any step; the copy is
+     * complete when cudaMemcpy returns only up to the driver's staging, so
+     * session_new waits for the device before a context's stream runs */
     if (w->nbytes) DS4_CUDA_CHECK(cudaMemcpy(p, w->host, w->nbytes, cudaMemcpyHostToDevice));
     w->dev = p;
     return 0;
 }
 
 static void cuda_release_weight(ds4_weight *w) {
-    if (w->dev) DS4_CUDA_CHECK(cudaFree(w->dev));
+    dev_free(w->dev);
     w->dev = NULL;
 }
 
 static void cuda_synchronize(void) {
-    /* NOTE(stage 1): the contract's synchronize */
-    DS4_CUDA_CHECK(cudaDeviceSynchronize());
+    stream_wait();
 }
 
 /* Grid size for a grid-stride loop over n items with 256-thread blocks. */
@@ -876,11 +991,11 @@ static void launch_hc_pre_t(const float *f, const float *x_res, float *x, const 
     if (wt == DS4_TYPE_F16)
         DS4_LAUNCH(k_hc_pre<H, DS4_TYPE_F16>, grid, HCP_THREADS, 0, f, x_res, x, fn, scale, base, norm_w, D, head,
                    rms_eps, hc_eps, iters, ss_part, dot_part,
-                   g_cuda.hc_count, y, post, comb);
+                   sess()->hc_count, y, post, comb);
     else
         DS4_LAUNCH(k_hc_pre<H, DS4_TYPE_F32>, grid, HCP_THREADS, 0, f, x_res, x, fn, scale, base, norm_w, D, head,
                    rms_eps, hc_eps, iters, ss_part, dot_part,
-                   g_cuda.hc_count, y, post, comb);
+                   sess()->hc_count, y, post, comb);
 }
 
 /* The one launcher of k_hc_pre (a template over H and the fn type). */
@@ -944,16 +1059,40 @@ static void cuda_hc_pre(const float *f, const float *x_res, float *x,
  * happen before the barrier, so y == x is safe.
  * ------------------------------------------------------------------------- */
 
+/* The rows a compressor emits in a step (the composition path of
+ * compressor_step): with er.step set, a kernel over rows handles row i <
+ * ds4_emit_count(pos0, er.nt, er.ratio) at row offset w0 + i, w0 =
+ * ds4_emit_first(pos0, er.ratio); rows past the count do nothing.  The grid
+ * is sized for the most a batch of er.nt tokens can emit. */
+typedef struct {
+    const ds4_step *step;     /* NULL: the plain op */
+    int ratio, nt;
+} emit_rows;
+
+static emit_rows no_emit(void) { emit_rows e = { NULL, 0, 0 }; return e; }
+static int emit_rows_max(int nt, int ratio) { return (nt + ratio - 1) / ratio; }
+
+/* Rows of the launch (all of them, or this step's emitted ones) and the first row's index. */
+__device__ __forceinline__ int emit_span(const emit_rows &e, int rows, int *first) {
+    if (!e.step) { *first = 0; return rows; }
+    const int p0 = e.step->pos0;
+    *first = ds4_emit_first(p0, e.ratio);
+    return ds4_emit_count(p0, e.nt, e.ratio);
+}
+
 #define RMS_PER 16   /* elements per thread kept in registers between the passes */
 
 /* VEC: rows, x, y and w are 16-byte aligned, so the cached elements move as
  * float4 (four times fewer load/store instructions: a decode row is a single
  * block, and its issue rate is the limit). */
 template <int THREADS, bool VEC>
-__global__ void __launch_bounds__(THREADS) k_rmsnorm(const float *x, const float *w, float *y, int64_t n, float eps) {
+__global__ void __launch_bounds__(THREADS) k_rmsnorm(const float *x, const float *w, float *y, int64_t n, float eps,
+                                                     emit_rows er) {
     __shared__ double part[THREADS / 32];
-    const float *xr = x + (int64_t)blockIdx.x * n;
-    float *yr = y + (int64_t)blockIdx.x * n;
+    int first;
+    if ((int)blockIdx.x >= emit_span(er, gridDim.x, &first)) return;
+    const float *xr = x + ((int64_t)first + blockIdx.x) * n;
+    float *yr = y + ((int64_t)first + blockIdx.x) * n;
     constexpr int STEP = VEC ? 4 : 1;
     constexpr int NV = RMS_PER / STEP;
     /* element i of vector j of thread tid: (j * THREADS + tid) * STEP + i */
@@ -1003,16 +1142,22 @@ __global__ void __launch_bounds__(THREADS) k_rmsnorm(const float *x, const float
     }
 }
 
-static void launch_rmsnorm(const float *x, const float *w, float *y, int rows, int n, float eps) {
+/* rows: the rows to normalise, or with er.step the most a step can emit
+ * (the row offset w0*n keeps the float4 alignment of x and y when n % 4 == 0). */
+static void launch_rmsnorm_rows(const float *x, const float *w, float *y, int rows, int n, float eps, emit_rows er) {
     if (rows <= 0 || n <= 0) return;
     const bool vec = n % 4 == 0 && (uintptr_t)x % 16 == 0 && (uintptr_t)y % 16 == 0 && (uintptr_t)w % 16 == 0;
     if (n >= 4096) {
-        if (vec) DS4_LAUNCH(k_rmsnorm<1024, true>, rows, 1024, 0, x, w, y, n, eps);
-        else DS4_LAUNCH(k_rmsnorm<1024, false>, rows, 1024, 0, x, w, y, n, eps);
+        if (vec) DS4_LAUNCH(k_rmsnorm<1024, true>, rows, 1024, 0, x, w, y, n, eps, er);
+        else DS4_LAUNCH(k_rmsnorm<1024, false>, rows, 1024, 0, x, w, y, n, eps, er);
     } else {
-        if (vec) DS4_LAUNCH(k_rmsnorm<256, true>, rows, 256, 0, x, w, y, n, eps);
-        else DS4_LAUNCH(k_rmsnorm<256, false>, rows, 256, 0, x, w, y, n, eps);
+        if (vec) DS4_LAUNCH(k_rmsnorm<256, true>, rows, 256, 0, x, w, y, n, eps, er);
+        else DS4_LAUNCH(k_rmsnorm<256, false>, rows, 256, 0, x, w, y, n, eps, er);
     }
+}
+
+static void launch_rmsnorm(const float *x, const float *w, float *y, int rows, int n, float eps) {
+    launch_rmsnorm_rows(x, w, y, rows, n, eps, no_emit());
 }
 
 static void cuda_rmsnorm(const float *x, const float *w, float *y, int rows, int n, float eps) {
@@ -1086,14 +1231,16 @@ typedef struct {
     /* dense mode, several matrices of one K and type sharing x (matmul_multi):
      * segment i owns blocks [seg_tile0[i], seg_tile0[i+1]) of blockIdx.x and
      * writes y = seg_y[i] (token stride seg_ytok[i]), optionally adding row
-     * (pos0 + token) % period of seg_tab[i].  n_seg == 0: the single matrix above. */
+     * (pos0 + token) % period of seg_tab[i], pos0 read from *tab_step when the
+     * kernel runs.  n_seg == 0: the single matrix above. */
     int      n_seg;
     int      seg_tile0[DS4_MULTI_MAX + 1];
     int      seg_rows[DS4_MULTI_MAX];
     const uint8_t *seg_w[DS4_MULTI_MAX];
     float   *seg_y[DS4_MULTI_MAX];
     const float *seg_tab[DS4_MULTI_MAX];
-    int      tok0, tab_pos0, tab_period;   /* tok0: first token of this launch's chunk */
+    const ds4_step *tab_step;  /* the step block (seg_tab rows follow its position) */
+    int      tok0, tab_period;  /* tok0: first token of this launch's chunk */
     const float *in_norm;      /* dense: use rmsnorm(x)*in_norm in place of x (NULL: x) */
     float    in_eps;
 } mv_args;
@@ -1393,7 +1540,7 @@ __global__ void __launch_bounds__(MV_THREADS, NT >= 4 ? 1 : NT >= 2 ? 2 : MV_MIN
             for (int q = 0; q < S; q++) v1 += part[NPLANE - 1][lr * S + q];
             y[row] = silu_mul(v0, v1, a.clamp);
         } else {
-            if (tab) v0 = __fadd_rn(v0, tab[(int64_t)((a.tab_pos0 + a.tok0 + u) % a.tab_period) * rows + row]);
+            if (tab) v0 = __fadd_rn(v0, tab[(int64_t)((a.tab_step->pos0 + a.tok0 + u) % a.tab_period) * rows + row]);
             y[(int64_t)u * y_tok + row] = v0;
         }
     }
@@ -1433,24 +1580,44 @@ static dim3 mv_plan(mv_args &a, int n_prob, int n_tok_grid, int blocks_per_sm) {
     return dim3((unsigned)tiles, (unsigned)n_prob, (unsigned)n_tok_grid);
 }
 
-/* The one launcher of k_matvec (a template over its instantiations).  The
- * shared-memory limit is raised once per instantiation (for the largest S,
- * with the norm buffer), and the occupancy of each (S, norm) is asked once. */
+/* Resident blocks per SM of each k_matvec instantiation, by (S, norm):
+ * asked once, at init (mv_setup_t, from ops_setup), never inside a step. */
+template <int TYPE, int NT, int MODE> struct mv_occ { static int bps[MV_WARPS + 1][2]; };
+template <int TYPE, int NT, int MODE> int mv_occ<TYPE, NT, MODE>::bps[MV_WARPS + 1][2];
+
+/* Raise the instantiation's shared-memory limit (for the largest S, with the
+ * norm buffer) and ask its occupancy for every S the fast path takes. */
+template <int TYPE, int NT, int MODE>
+static void mv_setup_t(void) {
+    DS4_CUDA_CHECK(cudaFuncSetAttribute(k_matvec<TYPE, NT, MODE>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        (int)mv_smem_bytes<TYPE, MODE>(MV_WARPS, MODE == MV_DENSE)));
+    for (int S = 1; S <= MV_WARPS; S *= 2)
+        for (int norm = 0; norm < 2; norm++) {
+            int n = 0;
+            DS4_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k_matvec<TYPE, NT, MODE>, MV_THREADS,
+                                                                         mv_smem_bytes<TYPE, MODE>(S, norm != 0)));
+            mv_occ<TYPE, NT, MODE>::bps[S][norm] = n > 0 ? n : 1;
+        }
+}
+
+template <int TYPE>
+static void mv_setup_type(void) {
+    mv_setup_t<TYPE, 1, MV_GATE_UP>();
+    mv_setup_t<TYPE, 1, MV_DOWN>();
+    mv_setup_t<TYPE, 1, MV_DENSE>();
+    mv_setup_t<TYPE, 2, MV_DENSE>();
+    mv_setup_t<TYPE, 4, MV_DENSE>();
+}
+
+/* The one launcher of k_matvec (a template over its instantiations). */
 template <int TYPE, int NT, int MODE>
 static void launch_matvec_fast_t(mv_args a, int n_prob, int n_tok_grid) {
     const bool norm = a.in_norm != NULL;
     const size_t smem = mv_smem_bytes<TYPE, MODE>(a.S, norm);
-    static bool raised = false;
-    static int occ[MV_WARPS + 1][2];
-    if (!raised) {
-        DS4_CUDA_CHECK(cudaFuncSetAttribute(k_matvec<TYPE, NT, MODE>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            (int)mv_smem_bytes<TYPE, MODE>(MV_WARPS, MODE == MV_DENSE)));
-        raised = true;
-    }
-    int &bps = occ[a.S][norm];
-    if (!bps) {
-        DS4_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&bps, k_matvec<TYPE, NT, MODE>, MV_THREADS, smem));
-        if (bps < 1) bps = 1;
+    const int bps = mv_occ<TYPE, NT, MODE>::bps[a.S][norm];
+    if (bps < 1) {
+        fprintf(stderr, "ds4: matvec: no occupancy for S = %d (ops_setup did not run)\n", a.S);
+        exit(1);
     }
     const dim3 grid = mv_plan(a, n_prob, n_tok_grid, bps);
     DS4_LAUNCH(k_matvec<TYPE, NT, MODE>, grid, MV_THREADS, smem, a);
@@ -1550,7 +1717,7 @@ static void check_matrix_type(int type, const char *what) {
     }
 }
 
-static void launch_add_cyclic(float *x, const float *table, int pos0, int nt, int period, int n);
+static void launch_add_cyclic(float *x, const float *table, const ds4_step *step, int nt, int period, int n);
 static void launch_swiglu(const float *g, const float *u, float *y, int64_t rows, int64_t cols,
                           int64_t ld_in, int64_t ld_out, float limit);
 
@@ -1637,7 +1804,7 @@ static void gemm_rows(const ds4_weight *w, size_t mat_off, int64_t row0, int64_t
     if (tile < 1) tile = 1;
     if (tile > nrows) tile = nrows;
     float *deq = w->type == DS4_TYPE_F32 ? NULL
-                                        : (float *)scratch_get(&g_cuda.deq, (size_t)(tile * K) * sizeof(float));
+                                        : (float *)scratch_get(&sess()->deq, (size_t)(tile * K) * sizeof(float));
     for (int64_t r0 = 0; r0 < nrows; r0 += tile) {
         const int64_t nr = nrows - r0 < tile ? nrows - r0 : tile;
         const float *A;
@@ -1647,7 +1814,7 @@ static void gemm_rows(const ds4_weight *w, size_t mat_off, int64_t row0, int64_t
             launch_dequant(base + (size_t)r0 * rb, w->type, rb, K, nr, deq);
             A = deq;
         }
-        DS4_CUBLAS(cublasSgemm(g_cuda.blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)nr, nt, (int)K,
+        DS4_CUBLAS(cublasSgemm(sess_blas(), CUBLAS_OP_T, CUBLAS_OP_N, (int)nr, nt, (int)K,
                                &one, A, (int)K, x, (int)ldx, &zero, y + r0, (int)ldy));
     }
 }
@@ -1704,7 +1871,8 @@ static void cuda_matmul_grouped(const ds4_weight *w, int groups, const float *x,
  * runs as the composition the contract defines, after the fast launches,
  * since that path normalises x in place. */
 static void cuda_matmul_multi(int n, const ds4_weight *const *w, float *const *y, float *x, int nt,
-                              const float *norm_w, float eps, const float *const *add_tab, int pos0, int period) {
+                              const float *norm_w, float eps, const float *const *add_tab, const ds4_step *step,
+                              int period) {
     if (n <= 0 || nt <= 0) return;
     if (n > DS4_MULTI_MAX) {
         fprintf(stderr, "ds4: matmul_multi: %d matrices above %d\n", n, DS4_MULTI_MAX);
@@ -1749,7 +1917,7 @@ static void cuda_matmul_multi(int n, const ds4_weight *const *w, float *const *y
             a.K = (int)K;
             a.x = x; a.x_tok = K;
             a.in_norm = norm_w; a.in_eps = eps;
-            a.tab_pos0 = pos0; a.tab_period = period > 0 ? period : 1;
+            a.tab_step = step; a.tab_period = period > 0 ? period : 1;
             matvec_run(type, MV_DENSE, a, 1, 1, nt);
         }
     }
@@ -1761,7 +1929,7 @@ static void cuda_matmul_multi(int n, const ds4_weight *const *w, float *const *y
             normed = true;
         }
         cuda_matmul(w[i], 0, x, y[i], nt);
-        if (add_tab && add_tab[i]) launch_add_cyclic(y[i], add_tab[i], pos0, nt, period, (int)w[i]->ne[1]);
+        if (add_tab && add_tab[i]) launch_add_cyclic(y[i], add_tab[i], step, nt, period, (int)w[i]->ne[1]);
     }
 }
 
@@ -1844,15 +2012,23 @@ __device__ __forceinline__ void rope_pair(float *v, const rope_args &r, int p, i
     v[1] = rope_rot1(x0, x1, c, s);
 }
 
-__global__ void k_rope(float *x, int nt, int nh, int dh, int pos0, int pos_step, rope_args r, int inverse) {
+/* Rotation of rows at positions pos0 + t*pos_step (pos0 from the step block),
+ * or, for emitted compressor rows (er.step), of row w0 + t at position
+ * (w0 + t)*ratio. */
+__global__ void k_rope(float *x, int nt, int nh, int dh, const ds4_step *step, int pos_step, emit_rows er,
+                       rope_args r, int inverse) {
     const int half = r.n_rot / 2;
-    const int64_t n = (int64_t)nt * nh * half;
+    int first;
+    const int rows = emit_span(er, nt, &first);
+    const int p0 = er.step ? first * er.ratio : step->pos0;
+    const int64_t n = (int64_t)(rows < nt ? rows : nt) * nh * half;
+    x += (int64_t)first * nh * dh;
     for (int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; idx < n;
          idx += (int64_t)gridDim.x * blockDim.x) {
         const int i = (int)(idx % half);
         const int64_t th = idx / half;          /* t * nh + head */
         const int t = (int)(th / nh);
-        rope_pair(x + th * dh + (dh - r.n_rot) + 2 * i, r, pos0 + t * pos_step, i, inverse);
+        rope_pair(x + th * dh + (dh - r.n_rot) + 2 * i, r, p0 + t * pos_step, i, inverse);
     }
 }
 
@@ -1867,16 +2043,22 @@ static rope_args rope_args_of(const ds4_rope *rp) {
     return r;
 }
 
-static void launch_rope(float *x, int nt, int nh, int dh, int pos0, int pos_step, const ds4_rope *rp,
-                        int inverse) {
+static void launch_rope_rows(float *x, int nt, int nh, int dh, const ds4_step *step, int pos_step, emit_rows er,
+                             const ds4_rope *rp, int inverse) {
     if (nt <= 0 || nh <= 0 || rp->n_rot <= 0) return;
     const rope_args r = rope_args_of(rp);
     const int64_t n = (int64_t)nt * nh * (rp->n_rot / 2);
-    DS4_LAUNCH(k_rope, grid_for(n), 256, 0, x, nt, nh, dh, pos0, pos_step, r, inverse);
+    DS4_LAUNCH(k_rope, grid_for(n), 256, 0, x, nt, nh, dh, step, pos_step, er, r, inverse);
 }
 
-static void cuda_rope(float *x, int nt, int nh, int dh, int pos0, int pos_step, const ds4_rope *rp, int inverse) {
-    launch_rope(x, nt, nh, dh, pos0, pos_step, rp, inverse);
+static void launch_rope(float *x, int nt, int nh, int dh, const ds4_step *step, int pos_step, const ds4_rope *rp,
+                        int inverse) {
+    launch_rope_rows(x, nt, nh, dh, step, pos_step, no_emit(), rp, inverse);
+}
+
+static void cuda_rope(float *x, int nt, int nh, int dh, const ds4_step *step, int pos_step, const ds4_rope *rp,
+                      int inverse) {
+    launch_rope(x, nt, nh, dh, step, pos_step, rp, inverse);
 }
 
 /* head_norm_rope: one block per (token, head) row: the row's RMSNorm (squares
@@ -1890,7 +2072,7 @@ static void cuda_rope(float *x, int nt, int nh, int dh, int pos0, int pos_step, 
 
 __global__ void __launch_bounds__(HNR_THREADS) k_head_norm_rope(float *x, const float *w, int nh, float *x2,
                                                                const float *w2, int nh2, int nt, int dh,
-                                                               float eps, int pos0, rope_args r) {
+                                                               float eps, const ds4_step *step, rope_args r) {
     extern __shared__ float row_s[];
     __shared__ double red[HNR_THREADS / 32];
     /* blocks [0, nt*nh): rows of x; the next nt*nh2: rows of x2 */
@@ -1921,13 +2103,13 @@ __global__ void __launch_bounds__(HNR_THREADS) k_head_norm_rope(float *x, const 
         row_s[i] = w ? row_s[i] * scale * w[i] : row_s[i] * scale;
     __syncthreads();
     for (int i = threadIdx.x; i < r.n_rot / 2; i += HNR_THREADS)
-        rope_pair(row_s + (dh - r.n_rot) + 2 * i, r, pos0 + t, i, 0);
+        rope_pair(row_s + (dh - r.n_rot) + 2 * i, r, step->pos0 + t, i, 0);
     __syncthreads();
     for (int i = threadIdx.x; i < dh; i += HNR_THREADS) xr[i] = row_s[i];
 }
 
 static void launch_head_norm_rope(float *x, const float *w, int nt, int nh, float *x2, const float *w2, int nh2,
-                                  int dh, float eps, int pos0, const ds4_rope *rp) {
+                                  int dh, float eps, const ds4_step *step, const ds4_rope *rp) {
     if (nh2 < 0 || !x2) nh2 = 0;
     if (nt <= 0 || nh < 0 || nh + nh2 <= 0 || dh <= 0) return;
     if (dh > HNR_MAX_DH || rp->n_rot > dh) {
@@ -1935,12 +2117,12 @@ static void launch_head_norm_rope(float *x, const float *w, int nt, int nh, floa
         exit(1);
     }
     DS4_LAUNCH(k_head_norm_rope, (unsigned)((int64_t)nt * (nh + nh2)), HNR_THREADS, (size_t)dh * sizeof(float),
-               x, w, nh, x2, w2, nh2, nt, dh, eps, pos0, rope_args_of(rp));
+               x, w, nh, x2, w2, nh2, nt, dh, eps, step, rope_args_of(rp));
 }
 
 static void cuda_head_norm_rope(float *x, const float *w, int nt, int nh, float *x2, const float *w2, int nh2,
-                                int dh, float eps, int pos0, const ds4_rope *rp) {
-    launch_head_norm_rope(x, w, nt, nh, x2, w2, nh2, dh, eps, pos0, rp);
+                                int dh, float eps, const ds4_step *step, const ds4_rope *rp) {
+    launch_head_norm_rope(x, w, nt, nh, x2, w2, nh2, dh, eps, step, rp);
 }
 
 /* ---------------------------------------------------------------------------
@@ -1982,7 +2164,9 @@ typedef struct {
     const float *q, *kv, *ring, *comp, *sinks;
     const int32_t *topk;
     float *out, *part_o, *part_ml;
-    int W, pos0, H, d, ratio, k, chunks, chunk_rows;
+    const ds4_step *step;   /* pos0 is read from here when the kernel runs */
+    int W, H, d, ratio, k;
+    int want;               /* row chunks wanted (the grid's y); the chunking of a step: att_chunks */
     float scale;
     int nt;
     int derot;          /* attention_step: de-rotate the output (inverse RoPE at P) as it is written */
@@ -2006,11 +2190,11 @@ __device__ __forceinline__ float att_derot(const attn_args &a, float v, int e, i
 
 /* Row i of a query's list (window, then compressed), or NULL for a -1 pick;
  * ids_s holds the query's ratio-4 picks. */
-__device__ __forceinline__ const float *att_row(const attn_args &a, const int *ids_s, int n_win, int p_first,
-                                                int i) {
+__device__ __forceinline__ const float *att_row(const attn_args &a, int pos0, const int *ids_s, int n_win,
+                                                int p_first, int i) {
     if (i < n_win) {
         const int p = p_first + i;
-        return p >= a.pos0 ? a.kv + (int64_t)(p - a.pos0) * a.d : a.ring + (int64_t)(p % a.W) * a.d;
+        return p >= pos0 ? a.kv + (int64_t)(p - pos0) * a.d : a.ring + (int64_t)(p % a.W) * a.d;
     }
     if (a.ratio == 4) {
         const int id = ids_s[i - n_win];
@@ -2035,6 +2219,24 @@ __device__ __forceinline__ void att_online2(float sa, float sb, const float (&va
     for (int k = 0; k < DM; k++) o[k] = fmaf(pb, vb[k], fmaf(pa, va[k], o[k] * corr));
 }
 
+/* How a step's rows are split: the longest row list of the batch (its last
+ * query's) into chunks of a multiple of 16 rows (two per warp per step), at
+ * least 32, so that about `want` chunks run; one chunk when the list is
+ * short or want is 1.  A function of the position, computed where it runs. */
+__host__ __device__ __forceinline__ void att_chunks(int pos0, int nt, int W, int ratio, int k, int want,
+                                                   int *chunks, int *chunk_rows) {
+    const int Lmax = ds4_att_rows(pos0 + nt - 1, W, ratio, k);
+    int c = 1, rows = Lmax > 0 ? Lmax : 1;
+    if (want > 1 && Lmax > 32) {
+        rows = (Lmax + want - 1) / want;
+        rows = (rows + 15) / 16 * 16;
+        if (rows < 32) rows = 32;
+        c = (Lmax + rows - 1) / rows;
+    }
+    *chunks = c;
+    *chunk_rows = rows;
+}
+
 template <int DM>
 __global__ void __launch_bounds__(ATT_THREADS) k_attention(const attn_args a) {
     __shared__ float q_s[ATT_HB][32 * DM];
@@ -2043,13 +2245,16 @@ __global__ void __launch_bounds__(ATT_THREADS) k_attention(const attn_args a) {
     __shared__ int ids_s[ATT_MAX_TOPK];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int h0 = blockIdx.x * ATT_HB, c = blockIdx.y, t = blockIdx.z;
-    const int P = a.pos0 + t;
-    const int n_win = min(a.W, P + 1);
+    const int pos0 = a.step->pos0;
+    int chunks, chunk_rows;
+    att_chunks(pos0, a.nt, a.W, a.ratio, a.k, a.want, &chunks, &chunk_rows);
+    if (c >= chunks) return;                     /* the grid is sized for `want` chunks */
+    const int P = pos0 + t;
+    const int n_win = ds4_win_rows(P, a.W);
     const int p_first = P - n_win + 1;
-    const int n_extra = a.ratio == 128 ? (P + 1) / 128 : a.ratio == 4 ? a.k : 0;
-    const int L = n_win + n_extra;
-    const int i0 = c * a.chunk_rows;
-    const int i1 = min(L, i0 + a.chunk_rows);
+    const int L = ds4_att_rows(P, a.W, a.ratio, a.k);
+    const int i0 = c * chunk_rows;
+    const int i1 = min(L, i0 + chunk_rows);
 
 #pragma unroll
     for (int idx = threadIdx.x; idx < ATT_HB * 32 * DM; idx += ATT_THREADS) {
@@ -2073,8 +2278,8 @@ __global__ void __launch_bounds__(ATT_THREADS) k_attention(const attn_args a) {
 
     /* two rows per step (i and i + 8), loaded together so their latencies overlap */
     for (int i = i0 + warp; i < i1; i += 2 * ATT_WARPS) {
-        const float *ra = att_row(a, ids_s, n_win, p_first, i);
-        const float *rb = i + ATT_WARPS < i1 ? att_row(a, ids_s, n_win, p_first, i + ATT_WARPS) : NULL;
+        const float *ra = att_row(a, pos0, ids_s, n_win, p_first, i);
+        const float *rb = i + ATT_WARPS < i1 ? att_row(a, pos0, ids_s, n_win, p_first, i + ATT_WARPS) : NULL;
         float va[DM], vb[DM];
 #pragma unroll
         for (int m = 0; m < DM; m++) {
@@ -2132,7 +2337,7 @@ __global__ void __launch_bounds__(ATT_THREADS) k_attention(const attn_args a) {
         const int h = h0 + hb;
         if (h >= a.H) break;
         const int64_t oh = (int64_t)t * a.H + h;
-        if (a.chunks == 1) {
+        if (chunks == 1) {
             const float sink = a.sinks[h];
             const float M = fmaxf(m_r[hb], sink);
             const float f = m_r[hb] == -INFINITY ? 0.0f : expf(m_r[hb] - M);
@@ -2144,7 +2349,7 @@ __global__ void __launch_bounds__(ATT_THREADS) k_attention(const attn_args a) {
                 if (e < a.d) a.out[oh * a.d + e] = v;
             }
         } else {
-            const int64_t pidx = oh * a.chunks + c;
+            const int64_t pidx = oh * chunks + c;
             if (lane == 0) { a.part_ml[2 * pidx] = m_r[hb]; a.part_ml[2 * pidx + 1] = l_r[hb]; }
 #pragma unroll
             for (int m = 0; m < DM; m++) {
@@ -2165,12 +2370,23 @@ static void launch_attention_t(const attn_args &a, dim3 grid) {
  * fixed butterflies; every thread then issues all its chunk loads at once.
  * For attention_step the output is de-rotated as it is written, and the
  * head-0 blocks store the batch's kv rows into the window ring: every
- * k_attention block has finished reading the ring by then. */
+ * k_attention block has finished reading the ring by then.  It is launched
+ * whenever the rows may be split (want > 1); on a step whose rows fit one
+ * chunk k_attention has written the output, and only the ring store is left. */
 __global__ void k_attention_combine(const attn_args a) {
     __shared__ float f_s[ATT_MAX_CHUNKS];
     __shared__ float denom_s;
     const int h = blockIdx.x, t = blockIdx.y;
-    const int H = a.H, d = a.d, chunks = a.chunks;
+    const int pos0 = a.step->pos0;
+    int chunks, chunk_rows;
+    att_chunks(pos0, a.nt, a.W, a.ratio, a.k, a.want, &chunks, &chunk_rows);
+    const int H = a.H, d = a.d;
+    if (chunks == 1) {
+        const int e = threadIdx.x;
+        if (a.ring_out && h == 0 && e < d && t >= a.nt - a.W)
+            a.ring_out[(int64_t)((pos0 + t) % a.W) * d + e] = a.kv[(int64_t)t * d + e];
+        return;
+    }
     const int64_t base = ((int64_t)t * H + h) * chunks;
     if (threadIdx.x < 32) {
         const int c = threadIdx.x;
@@ -2194,10 +2410,10 @@ __global__ void k_attention_combine(const attn_args a) {
     float acc = 0.0f;
 #pragma unroll
     for (int c = 0; c < ATT_MAX_CHUNKS; c++) acc = fmaf(v[c], c < chunks ? f_s[c] : 0.0f, acc);
-    const float o = att_derot(a, acc / denom, e, a.pos0 + t);
+    const float o = att_derot(a, acc / denom, e, pos0 + t);
     if (e < d) a.out[((int64_t)t * H + h) * d + e] = o;
     if (a.ring_out && h == 0 && e < d && t >= a.nt - a.W)
-        a.ring_out[(int64_t)((a.pos0 + t) % a.W) * d + e] = a.kv[(int64_t)t * d + e];
+        a.ring_out[(int64_t)((pos0 + t) % a.W) * d + e] = a.kv[(int64_t)t * d + e];
 }
 
 static void launch_attention_combine(const attn_args &a) {
@@ -2205,28 +2421,50 @@ static void launch_attention_combine(const attn_args &a) {
     DS4_LAUNCH(k_attention_combine, dim3((unsigned)a.H, (unsigned)a.nt), threads, 0, a);
 }
 
-/* Resident k_attention blocks per SM (registers and shared memory decide). */
-static int attention_blocks_per_sm(int DM) {
-    static int cache[17];
-    if (!cache[DM]) {
-        int n = 0;
-        switch (DM) {
-        case 2:  DS4_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k_attention<2>, ATT_THREADS, 0)); break;
-        case 4:  DS4_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k_attention<4>, ATT_THREADS, 0)); break;
-        case 8:  DS4_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k_attention<8>, ATT_THREADS, 0)); break;
-        default: DS4_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k_attention<16>, ATT_THREADS, 0)); break;
-        }
-        cache[DM] = n > 0 ? n : 1;
-    }
-    return cache[DM];
+/* Resident k_attention blocks per SM (registers and shared memory decide): asked at init. */
+static void attention_setup(void) {
+    int n = 0;
+    DS4_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k_attention<2>, ATT_THREADS, 0));
+    g_cuda.att_bps[2] = n > 0 ? n : 1;
+    DS4_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k_attention<4>, ATT_THREADS, 0));
+    g_cuda.att_bps[4] = n > 0 ? n : 1;
+    DS4_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k_attention<8>, ATT_THREADS, 0));
+    g_cuda.att_bps[8] = n > 0 ? n : 1;
+    DS4_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k_attention<16>, ATT_THREADS, 0));
+    g_cuda.att_bps[16] = n > 0 ? n : 1;
 }
 
-static void launch_ring_store(float *ring, const float *rows, int slots, int width, int pos0, int nt);
+static int attention_dm(int d) { return d <= 64 ? 2 : d <= 128 ? 4 : d <= 256 ? 8 : 16; }
+
+/* Row chunks a launch of nt queries of H heads asks for: decode has few
+ * (query, head group) blocks, so its rows are split until the launch fills
+ * one wave of resident blocks (at most ATT_MAX_CHUNKS); 1 when the blocks
+ * fill the device already.  A shape, not a position. */
+static int attention_want(int nt, int H, int d) {
+    const int64_t hgroups = (H + ATT_HB - 1) / ATT_HB;
+    const int64_t base_blocks = hgroups * nt;
+    const int64_t wave = (int64_t)g_cuda.att_bps[attention_dm(d)] * g_cuda.n_sm;
+    if (base_blocks >= wave) return 1;
+    int64_t want = wave / base_blocks;
+    if (want > ATT_MAX_CHUNKS) want = ATT_MAX_CHUNKS;
+    return (int)want;
+}
+
+/* Partial rows (one per query, head and chunk) of the largest split: nt*H*want
+ * <= H*wave/hgroups <= ATT_HB*wave, whatever nt and H. */
+static size_t attention_part_floats(int d) {
+    int64_t wave = 0;
+    for (int dm = 2; dm <= 16; dm *= 2)
+        if ((int64_t)g_cuda.att_bps[dm] * g_cuda.n_sm > wave) wave = (int64_t)g_cuda.att_bps[dm] * g_cuda.n_sm;
+    return (size_t)(ATT_HB * wave) * (size_t)(d + 2);
+}
+
+static void launch_ring_store(float *ring, const float *rows, int slots, int width, const ds4_step *step, int nt);
 
 /* attention, and for attention_step (ring_out != NULL) the ring update and
  * the de-rotation by rp, fused into the output writes where the shapes allow. */
 static void attention_run(const float *q, const float *kv, const float *ring, int W,
-                          int pos0, int nt, int H, int d,
+                          const ds4_step *step, int nt, int H, int d,
                           const float *comp, int ratio, const int32_t *topk, int k,
                           const float *sinks, float scale, float *out, float *ring_out, const ds4_rope *rp) {
     if (nt <= 0 || H <= 0) return;
@@ -2241,74 +2479,56 @@ static void attention_run(const float *q, const float *kv, const float *ring, in
     attn_args a;
     memset(&a, 0, sizeof a);
     a.q = q; a.kv = kv; a.ring = ring; a.comp = comp; a.sinks = sinks; a.topk = topk; a.out = out;
-    a.W = W; a.pos0 = pos0; a.H = H; a.d = d; a.ratio = ratio; a.k = k; a.scale = scale; a.nt = nt;
+    a.W = W; a.step = step; a.H = H; a.d = d; a.ratio = ratio; a.k = k; a.scale = scale; a.nt = nt;
     /* fused de-rotation needs the rotated dims to start at an even offset (pairs in lanes 2i, 2i+1) */
     const bool derot_fused = rp && rp->n_rot > 0 && rp->n_rot <= d && (d - rp->n_rot) % 2 == 0;
     if (derot_fused) { a.derot = 1; a.rope = rope_args_of(rp); }
-    /* longest row list of any query in the batch (the last one's) */
-    const int P_last = pos0 + nt - 1;
-    const int64_t Lmax = (int64_t)(W < P_last + 1 ? W : P_last + 1) +
-                         (ratio == 128 ? (P_last + 1) / 128 : ratio == 4 ? k : 0);
     const int hgroups = (H + ATT_HB - 1) / ATT_HB;
-    const int DM = d <= 64 ? 2 : d <= 128 ? 4 : d <= 256 ? 8 : 16;
-    const int64_t base_blocks = (int64_t)hgroups * nt;
-    /* Decode has few (query, head group) blocks: split the rows into chunks
-     * until the launch fills one wave of resident blocks, with chunks of a
-     * multiple of 16 rows (two per warp per step) and at least 32 rows. */
-    const int64_t wave = (int64_t)attention_blocks_per_sm(DM) * g_cuda.n_sm;
-    int64_t chunks = 1;
-    int64_t chunk_rows = Lmax > 0 ? Lmax : 1;
-    if (base_blocks < wave && Lmax > 32) {
-        int64_t want = wave / base_blocks;
-        if (want > ATT_MAX_CHUNKS) want = ATT_MAX_CHUNKS;
-        if (want > 1) {
-            chunk_rows = (Lmax + want - 1) / want;
-            chunk_rows = (chunk_rows + 15) / 16 * 16;
-            if (chunk_rows < 32) chunk_rows = 32;
-            chunks = (Lmax + chunk_rows - 1) / chunk_rows;
-        }
-    }
-    a.chunks = (int)chunks;
-    a.chunk_rows = (int)chunk_rows;
-    if (chunks > 1) {
-        const int64_t np = (int64_t)nt * H * chunks;
-        float *p = (float *)scratch_get(&g_cuda.att_part, (size_t)np * (d + 2) * sizeof(float));
+    const int DM = attention_dm(d);
+    /* The launches depend on the shape only: k_attention over `want` row
+     * chunks (the blocks of chunks a step does not use return at once), and
+     * the combine whenever a step may split its rows. */
+    a.want = attention_want(nt, H, d);
+    if (a.want > 1) {
+        const int64_t np = (int64_t)nt * H * a.want;
+        float *p = (float *)scratch_get(&sess()->att_part, (size_t)np * (d + 2) * sizeof(float));
         a.part_o = p;
         a.part_ml = p + np * d;
     }
-    dim3 grid((unsigned)hgroups, (unsigned)chunks, (unsigned)nt);
+    dim3 grid((unsigned)hgroups, (unsigned)a.want, (unsigned)nt);
     switch (DM) {
     case 2:  launch_attention_t<2>(a, grid); break;
     case 4:  launch_attention_t<4>(a, grid); break;
     case 8:  launch_attention_t<8>(a, grid); break;
     default: launch_attention_t<16>(a, grid); break;
     }
-    if (chunks > 1) {
+    if (a.want > 1) {
         a.ring_out = ring_out;
         launch_attention_combine(a);
     } else if (ring_out) {
-        launch_ring_store(ring_out, kv, W, d, pos0, nt);
+        launch_ring_store(ring_out, kv, W, d, step, nt);
     }
-    if (rp && !derot_fused) launch_rope(out, nt, H, d, pos0, 1, rp, 1);
+    if (rp && !derot_fused) launch_rope(out, nt, H, d, step, 1, rp, 1);
 }
 
 static void cuda_attention(const float *q, const float *kv, const float *ring, int W,
-                           int pos0, int nt, int H, int d,
+                           const ds4_step *step, int nt, int H, int d,
                            const float *comp, int ratio, const int32_t *topk, int k,
                            const float *sinks, float scale, float *out) {
-    attention_run(q, kv, ring, W, pos0, nt, H, d, comp, ratio, topk, k, sinks, scale, out, NULL, NULL);
+    attention_run(q, kv, ring, W, step, nt, H, d, comp, ratio, topk, k, sinks, scale, out, NULL, NULL);
 }
 
 static void cuda_attention_step(const float *q, const float *kv, float *ring, int W,
-                                int pos0, int nt, int H, int d,
+                                const ds4_step *step, int nt, int H, int d,
                                 const float *comp, int ratio, const int32_t *topk, int k,
                                 const float *sinks, float scale, const ds4_rope *rp, float *out) {
-    attention_run(q, kv, ring, W, pos0, nt, H, d, comp, ratio, topk, k, sinks, scale, out, ring, rp);
+    attention_run(q, kv, ring, W, step, nt, H, d, comp, ratio, topk, k, sinks, scale, out, ring, rp);
 }
 
 /* Window ring update: the last min(nt, slots) rows of the batch. */
-__global__ void k_ring_store(float *ring, const float *rows, int slots, int64_t width, int pos0,
+__global__ void k_ring_store(float *ring, const float *rows, int slots, int64_t width, const ds4_step *step,
                              int t_first, int n_rows) {
+    const int pos0 = step->pos0;
     const int64_t n = (int64_t)n_rows * width;
     for (int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; idx < n;
          idx += (int64_t)gridDim.x * blockDim.x) {
@@ -2318,16 +2538,16 @@ __global__ void k_ring_store(float *ring, const float *rows, int slots, int64_t 
     }
 }
 
-static void launch_ring_store(float *ring, const float *rows, int slots, int width, int pos0, int nt) {
+static void launch_ring_store(float *ring, const float *rows, int slots, int width, const ds4_step *step, int nt) {
     const int t_first = nt - slots > 0 ? nt - slots : 0;
     const int n_rows = nt - t_first;
     if (n_rows <= 0 || width <= 0) return;
-    DS4_LAUNCH(k_ring_store, grid_for((int64_t)n_rows * width), 256, 0, ring, rows, slots, width, pos0,
+    DS4_LAUNCH(k_ring_store, grid_for((int64_t)n_rows * width), 256, 0, ring, rows, slots, width, step,
                t_first, n_rows);
 }
 
-static void cuda_ring_store(float *ring, const float *rows, int slots, int width, int pos0, int nt) {
-    launch_ring_store(ring, rows, slots, width, pos0, nt);
+static void cuda_ring_store(float *ring, const float *rows, int slots, int width, const ds4_step *step, int nt) {
+    launch_ring_store(ring, rows, slots, width, step, nt);
 }
 
 /* ---------------------------------------------------------------------------
@@ -2341,7 +2561,8 @@ static void cuda_ring_store(float *ring, const float *rows, int slots, int width
  * two passes (max, then exp-sum and weighted sum) in entry order.
  * ------------------------------------------------------------------------- */
 
-__global__ void k_add_cyclic(float *x, const float *table, int pos0, int nt, int period, int64_t n) {
+__global__ void k_add_cyclic(float *x, const float *table, const ds4_step *step, int nt, int period, int64_t n) {
+    const int pos0 = step->pos0;
     const int64_t total = (int64_t)nt * n;
     for (int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; idx < total;
          idx += (int64_t)gridDim.x * blockDim.x) {
@@ -2350,13 +2571,13 @@ __global__ void k_add_cyclic(float *x, const float *table, int pos0, int nt, int
     }
 }
 
-static void launch_add_cyclic(float *x, const float *table, int pos0, int nt, int period, int n) {
+static void launch_add_cyclic(float *x, const float *table, const ds4_step *step, int nt, int period, int n) {
     if (nt <= 0 || n <= 0) return;
-    DS4_LAUNCH(k_add_cyclic, grid_for((int64_t)nt * n), 256, 0, x, table, pos0, nt, period, n);
+    DS4_LAUNCH(k_add_cyclic, grid_for((int64_t)nt * n), 256, 0, x, table, step, nt, period, n);
 }
 
-static void cuda_add_cyclic(float *x, const float *table, int pos0, int nt, int period, int n) {
-    launch_add_cyclic(x, table, pos0, nt, period, n);
+static void cuda_add_cyclic(float *x, const float *table, const ds4_step *step, int nt, int period, int n) {
+    launch_add_cyclic(x, table, step, nt, period, n);
 }
 
 /* Pooled value of channel ch of the block starting at position s. */
@@ -2393,29 +2614,36 @@ __device__ __forceinline__ float pool_channel(const float *kv, const float *sc, 
     return acc / sum;
 }
 
+/* One block per block the batch may close (the grid is sized for the most
+ * nt tokens can close); those past this step's count return.  Row i goes to
+ * out + i*dc, or with at_w0 (compressor_step's rows) to row w0 + i of out. */
 __global__ void k_compress_pool(const float *kv, const float *sc, const float *st_kv, const float *st_sc,
-                                int pos0, int ratio, int c, int dc, int w0, float *out) {
+                                const ds4_step *step, int nt, int ratio, int c, int dc, int at_w0, float *out) {
+    const int pos0 = step->pos0;
     const int i = blockIdx.x;
+    if (i >= ds4_emit_count(pos0, nt, ratio)) return;
+    const int w0 = ds4_emit_first(pos0, ratio);
     const int s = (w0 + i) * ratio;
+    float *o = out + ((int64_t)(at_w0 ? w0 : 0) + i) * dc;
     for (int ch = threadIdx.x; ch < dc; ch += blockDim.x)
-        out[(int64_t)i * dc + ch] = pool_channel(kv, sc, st_kv, st_sc, pos0, ratio, c, dc, s, ch);
+        o[ch] = pool_channel(kv, sc, st_kv, st_sc, pos0, ratio, c, dc, s, ch);
 }
 
 static void launch_compress_pool(const float *kv, const float *sc, const float *st_kv, const float *st_sc,
-                                 int pos0, int nt, int ratio, int c, int dc, float *out) {
-    if (ratio <= 0 || dc <= 0) return;
-    const int w0 = pos0 / ratio, w1 = (pos0 + nt) / ratio;
-    if (w1 <= w0) return;
-    DS4_LAUNCH(k_compress_pool, w1 - w0, 128, 0, kv, sc, st_kv, st_sc, pos0, ratio, c, dc, w0, out);
+                                 const ds4_step *step, int nt, int ratio, int c, int dc, int at_w0, float *out) {
+    if (nt <= 0 || ratio <= 0 || dc <= 0) return;
+    DS4_LAUNCH(k_compress_pool, emit_rows_max(nt, ratio), 128, 0, kv, sc, st_kv, st_sc, step, nt, ratio, c, dc,
+               at_w0, out);
 }
 
 static void cuda_compress_pool(const float *kv, const float *sc, const float *st_kv, const float *st_sc,
-                               int pos0, int nt, int ratio, int c, int dc, float *out) {
-    launch_compress_pool(kv, sc, st_kv, st_sc, pos0, nt, ratio, c, dc, out);
+                               const ds4_step *step, int nt, int ratio, int c, int dc, float *out) {
+    launch_compress_pool(kv, sc, st_kv, st_sc, step, nt, ratio, c, dc, 0, out);
 }
 
 /* compressor_step for one token: one block does the whole step.  When the
- * token closes a block (emit) it pools the row into shared memory, applies
+ * token closes a block (emit, decided from the step block when the kernel
+ * runs: the launch is the same on every step) it pools the row into shared memory, applies
  * its RMSNorm (squares in double, fixed reduction) and RoPE at the row's
  * position, and writes it; after a barrier it stores the token's kv and
  * gate rows into the state rings (the slot it overwrites, position
@@ -2425,13 +2653,14 @@ static void cuda_compress_pool(const float *kv, const float *sc, const float *st
 #define CST_MAX_DC  4096
 
 __global__ void __launch_bounds__(CST_THREADS) k_compressor_step(const float *kv, const float *sc, float *st_kv,
-                                                                float *st_sc, int pos0, int ratio, int c, int dc,
-                                                                int emit, const float *norm_w, float eps,
+                                                                float *st_sc, const ds4_step *step, int ratio, int c,
+                                                                int dc, const float *norm_w, float eps,
                                                                 rope_args r, float *rows) {
     extern __shared__ float cst_row[];
     __shared__ double red[CST_THREADS / 32];
-    const int w0 = pos0 / ratio;
-    if (emit) {
+    const int pos0 = step->pos0;
+    const int w0 = ds4_emit_first(pos0, ratio);
+    if (ds4_emit_count(pos0, 1, ratio) > 0) {
         double ss = 0.0;
         for (int ch = threadIdx.x; ch < dc; ch += CST_THREADS) {
             const float v = pool_channel(kv, sc, st_kv, st_sc, pos0, ratio, c, dc, w0 * ratio, ch);
@@ -2460,30 +2689,31 @@ __global__ void __launch_bounds__(CST_THREADS) k_compressor_step(const float *kv
     }
 }
 
-static void launch_compressor_step(const float *kv, const float *sc, float *st_kv, float *st_sc, int pos0,
-                                   int ratio, int c, int dc, int emit, const float *norm_w, float eps,
+static void launch_compressor_step(const float *kv, const float *sc, float *st_kv, float *st_sc,
+                                   const ds4_step *step, int ratio, int c, int dc, const float *norm_w, float eps,
                                    const ds4_rope *rp, float *rows) {
     DS4_LAUNCH(k_compressor_step, 1, CST_THREADS, (size_t)dc * sizeof(float),
-               kv, sc, st_kv, st_sc, pos0, ratio, c, dc, emit, norm_w, eps, rope_args_of(rp), rows);
+               kv, sc, st_kv, st_sc, step, ratio, c, dc, norm_w, eps, rope_args_of(rp), rows);
 }
 
+/* Batches: the composition, each launch over the most rows the batch can
+ * emit, the emitted ones (and their destination, row w0 on) found from the
+ * step block when the kernels run. */
 static void cuda_compressor_step(const float *kv, const float *sc, float *st_kv, float *st_sc,
-                                 int pos0, int nt, int ratio, int c, int dc, const float *norm_w, float eps,
-                                 const ds4_rope *rp, float *rows) {
+                                 const ds4_step *step, int nt, int ratio, int c, int dc, const float *norm_w,
+                                 float eps, const ds4_rope *rp, float *rows) {
     if (nt <= 0 || ratio <= 0 || dc <= 0) return;
-    const int w0 = pos0 / ratio, n_emit = (pos0 + nt) / ratio - w0;
     if (nt == 1 && dc <= CST_MAX_DC && rp->n_rot <= dc) {
-        launch_compressor_step(kv, sc, st_kv, st_sc, pos0, ratio, c, dc, n_emit > 0, norm_w, eps, rp, rows);
+        launch_compressor_step(kv, sc, st_kv, st_sc, step, ratio, c, dc, norm_w, eps, rp, rows);
         return;
     }
-    if (n_emit > 0) {
-        float *out = rows + (size_t)w0 * dc;
-        launch_compress_pool(kv, sc, st_kv, st_sc, pos0, nt, ratio, c, dc, out);
-        launch_rmsnorm(out, norm_w, out, n_emit, dc, eps);
-        launch_rope(out, n_emit, 1, dc, w0 * ratio, ratio, rp, 0);
-    }
-    launch_ring_store(st_kv, kv, c * ratio, c * dc, pos0, nt);
-    launch_ring_store(st_sc, sc, c * ratio, c * dc, pos0, nt);
+    const emit_rows er = { step, ratio, nt };
+    const int max_rows = emit_rows_max(nt, ratio);
+    launch_compress_pool(kv, sc, st_kv, st_sc, step, nt, ratio, c, dc, 1, rows);
+    launch_rmsnorm_rows(rows, norm_w, rows, max_rows, dc, eps, er);
+    launch_rope_rows(rows, max_rows, 1, dc, step, ratio, er, rp, 0);
+    launch_ring_store(st_kv, kv, c * ratio, c * dc, step, nt);
+    launch_ring_store(st_sc, sc, c * ratio, c * dc, step, nt);
 }
 
 /* ---------------------------------------------------------------------------
@@ -2510,6 +2740,7 @@ static void cuda_compressor_step(const float *kv, const float *sc, float *st_kv,
 #define IX_SEL       1024                   /* max k; also the select block size */
 #define IX_CACHE     4                      /* keys per select thread held in registers */
 #define IX_SCORE_CAP ((int64_t)64 << 20)    /* floats of score scratch */
+#define IX_MIN_RATIO 4                      /* score rows hold n_ctx/4 + 1 entries */
 
 static size_t ix_smem_bytes(int Hi, int di) {
     size_t f = (size_t)Hi * (di + 1) + Hi;
@@ -2520,13 +2751,12 @@ static size_t ix_smem_bytes(int Hi, int di) {
 
 __global__ void __launch_bounds__(IX_THREADS) k_indexer_scores(const float *q, const float *w, float w_scale,
                                                                const float *rows,
-                                                               int pos0, int t0, int Hi, int di, int ratio,
+                                                               const ds4_step *step, int t0, int Hi, int di, int ratio,
                                                                float *scores, int64_t ld) {
     extern __shared__ __align__(16) float ix_s[];
     const int t = t0 + blockIdx.y;
-    const int n_vis = (pos0 + t + 1) / ratio;
-    const int r0 = blockIdx.x * IX_RT;
-    if (r0 >= n_vis) return;
+    const int n_vis = ds4_comp_rows(step->pos0 + t, ratio);
+    if ((int)blockIdx.x * IX_RT >= n_vis) return;    /* the grid is sized for the context, not the step */
     const int qld = di + 1, rld = IX_RT + 4, vld = Hi + 1;
     float *q_s = ix_s;
     float *w_s = q_s + (size_t)Hi * qld;
@@ -2552,55 +2782,59 @@ __global__ void __launch_bounds__(IX_THREADS) k_indexer_scores(const float *q, c
         if (qc >= di) { qc -= di; qh++; }
     }
     for (int h = threadIdx.x; h < Hi; h += IX_THREADS) w_s[h] = __fmul_rn(w[(int64_t)t * Hi + h], w_scale);
-    int rr = threadIdx.x / di, rc = threadIdx.x % di;
+    /* the block's tiles of IX_RT rows: blockIdx.x, then every gridDim.x-th */
+    for (int r0 = blockIdx.x * IX_RT; r0 < n_vis; r0 += gridDim.x * IX_RT) {
+        if (r0 != (int)blockIdx.x * IX_RT) __syncthreads();   /* the previous tile's readers are done */
+        int rr = threadIdx.x / di, rc = threadIdx.x % di;
 #pragma unroll 16
-    for (int idx = threadIdx.x; idx < IX_RT * di; idx += IX_THREADS) {
-        r_s[rc * rld + rr] = r0 + rr < n_vis ? rows[(int64_t)(r0 + rr) * di + rc] : 0.0f;
-        rr += hs; rc += cs;
-        if (rc >= di) { rc -= di; rr++; }
-    }
-    __syncthreads();
-
-    for (int task = threadIdx.x; task < Hi * (IX_RT / 4); task += IX_THREADS) {
-        const int h = task % Hi, rq = task / Hi;
-        float acc[4] = { 0, 0, 0, 0 };
-        const float *qh = q_s + (size_t)h * qld;
-        for (int cc = 0; cc < di; cc++) {
-            const float qv = qh[cc];
-            const float4 rv = *(const float4 *)(r_s + (size_t)cc * rld + 4 * rq);
-            acc[0] = fmaf(qv, rv.x, acc[0]); acc[1] = fmaf(qv, rv.y, acc[1]);
-            acc[2] = fmaf(qv, rv.z, acc[2]); acc[3] = fmaf(qv, rv.w, acc[3]);
+        for (int idx = threadIdx.x; idx < IX_RT * di; idx += IX_THREADS) {
+            r_s[rc * rld + rr] = r0 + rr < n_vis ? rows[(int64_t)(r0 + rr) * di + rc] : 0.0f;
+            rr += hs; rc += cs;
+            if (rc >= di) { rc -= di; rr++; }
         }
+        __syncthreads();
+
+        for (int task = threadIdx.x; task < Hi * (IX_RT / 4); task += IX_THREADS) {
+            const int h = task % Hi, rq = task / Hi;
+            float acc[4] = { 0, 0, 0, 0 };
+            const float *qh = q_s + (size_t)h * qld;
+            for (int cc = 0; cc < di; cc++) {
+                const float qv = qh[cc];
+                const float4 rv = *(const float4 *)(r_s + (size_t)cc * rld + 4 * rq);
+                acc[0] = fmaf(qv, rv.x, acc[0]); acc[1] = fmaf(qv, rv.y, acc[1]);
+                acc[2] = fmaf(qv, rv.z, acc[2]); acc[3] = fmaf(qv, rv.w, acc[3]);
+            }
 #pragma unroll
-        for (int j = 0; j < 4; j++)
-            v_s[(4 * rq + j) * vld + h] = __fmul_rn(w_s[h], acc[j] > 0.0f ? acc[j] : 0.0f);
-    }
-    __syncthreads();
-    for (int r = threadIdx.x; r < IX_RT; r += IX_THREADS) {
-        if (r0 + r >= n_vis) continue;
-        float sacc = 0.0f;
-        for (int h = 0; h < Hi; h++) sacc += v_s[r * vld + h];
-        scores[(int64_t)blockIdx.y * ld + r0 + r] = sacc;
+            for (int j = 0; j < 4; j++)
+                v_s[(4 * rq + j) * vld + h] = __fmul_rn(w_s[h], acc[j] > 0.0f ? acc[j] : 0.0f);
+        }
+        __syncthreads();
+        for (int r = threadIdx.x; r < IX_RT; r += IX_THREADS) {
+            if (r0 + r >= n_vis) continue;
+            float sacc = 0.0f;
+            for (int h = 0; h < Hi; h++) sacc += v_s[r * vld + h];
+            scores[(int64_t)blockIdx.y * ld + r0 + r] = sacc;
+        }
     }
 }
 
-static void launch_indexer_scores(const float *q, const float *w, float w_scale, const float *rows, int pos0, int t0,
-                                  int n_q, int Hi, int di, int ratio, int nvis_max, float *scores) {
+/* The grid covers the most rows a context can have visible (ld), at most two
+ * blocks per SM; each block takes every gridDim.x-th tile of the rows its
+ * query sees on this step, and the rest return at once. */
+static void launch_indexer_scores(const float *q, const float *w, float w_scale, const float *rows,
+                                  const ds4_step *step, int t0, int n_q, int Hi, int di, int ratio, int64_t ld,
+                                  float *scores) {
     const size_t smem = ix_smem_bytes(Hi, di);
-    static size_t raised = 48 * 1024;
-    if (smem > raised) {
-        if (smem > g_cuda.smem_optin) {
-            fprintf(stderr, "ds4: indexer: %d heads x %d dims need %zu bytes of shared memory (device max %zu)\n",
-                    Hi, di, smem, g_cuda.smem_optin);
-            exit(1);
-        }
-        DS4_CUDA_CHECK(cudaFuncSetAttribute(k_indexer_scores, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            (int)smem));
-        raised = smem;
+    if (smem > g_cuda.smem_optin) {
+        fprintf(stderr, "ds4: indexer: %d heads x %d dims need %zu bytes of shared memory (device max %zu)\n",
+                Hi, di, smem, g_cuda.smem_optin);
+        exit(1);
     }
-    dim3 grid((unsigned)((nvis_max + IX_RT - 1) / IX_RT), (unsigned)n_q);
-    DS4_LAUNCH(k_indexer_scores, grid, IX_THREADS, smem, q, w, w_scale, rows, pos0, t0, Hi, di, ratio,
-               scores, nvis_max);
+    int64_t tiles = (ld + IX_RT - 1) / IX_RT;
+    if (tiles > 2 * (int64_t)g_cuda.n_sm) tiles = 2 * (int64_t)g_cuda.n_sm;
+    dim3 grid((unsigned)(tiles > 0 ? tiles : 1), (unsigned)n_q);
+    DS4_LAUNCH(k_indexer_scores, grid, IX_THREADS, smem, q, w, w_scale, rows, step, t0, Hi, di, ratio,
+               scores, ld);
 }
 
 /* Order-preserving bits of a score (-0 counts as +0, so equal scores tie). */
@@ -2640,7 +2874,7 @@ __device__ void ix_bitonic(uint64_t *keys, int sz) {
     __syncthreads();
 }
 
-__global__ void __launch_bounds__(IX_SEL) k_indexer_select(const float *scores, int64_t ld, int pos0,
+__global__ void __launch_bounds__(IX_SEL) k_indexer_select(const float *scores, int64_t ld, const ds4_step *step,
                                                            int t0, int ratio, int k, int32_t *out) {
     __shared__ uint32_t hist[256];
     __shared__ uint64_t sel[IX_SEL];
@@ -2648,7 +2882,7 @@ __global__ void __launch_bounds__(IX_SEL) k_indexer_select(const float *scores, 
     __shared__ uint32_t s_prefix, s_remaining, n_sel;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int t = t0 + blockIdx.x;
-    const int n = (pos0 + t + 1) / ratio;
+    const int n = ds4_comp_rows(step->pos0 + t, ratio);
     const int kk = k < n ? k : n;
     const float *sc = scores + (int64_t)blockIdx.x * ld;
     if (kk > 0) {
@@ -2746,29 +2980,36 @@ __global__ void __launch_bounds__(IX_SEL) k_indexer_select(const float *scores, 
         out[(int64_t)t * k + j] = j < kk ? (int32_t)(0xffffffffu - (uint32_t)sel[j]) : -1;
 }
 
-static void launch_indexer_select(const float *scores, int64_t ld, int pos0, int t0, int n_q, int ratio,
+static void launch_indexer_select(const float *scores, int64_t ld, const ds4_step *step, int t0, int n_q, int ratio,
                                   int k, int32_t *out) {
-    DS4_LAUNCH(k_indexer_select, n_q, IX_SEL, 0, scores, ld, pos0, t0, ratio, k, out);
+    DS4_LAUNCH(k_indexer_select, n_q, IX_SEL, 0, scores, ld, step, t0, ratio, k, out);
 }
 
+/* Scores go to the session's buffer: rows of ld = the most rows the context
+ * can have visible, for ix_chunk queries at a time (both fixed when the
+ * session was made, so the launches do not depend on the position). */
 static void cuda_indexer_topk(const float *q, const float *w, float w_scale, const float *rows,
-                              int pos0, int nt, int Hi, int di, int ratio, int k, int32_t *out) {
+                              const ds4_step *step, int nt, int Hi, int di, int ratio, int k, int32_t *out) {
     if (nt <= 0 || k <= 0) return;
     if (k > IX_SEL) {
         fprintf(stderr, "ds4: indexer: top-k %d above %d\n", k, IX_SEL);
         exit(1);
     }
-    const int nvis_max = (pos0 + nt) / ratio;
-    const int64_t per_q = nvis_max > 0 ? nvis_max : 1;
-    int64_t chunk = IX_SCORE_CAP / per_q;
-    if (chunk < 1) chunk = 1;
-    if (chunk > nt) chunk = nt;
-    float *scores = (float *)scratch_get(&g_cuda.ix_scores, (size_t)(chunk * per_q) * sizeof(float));
+    ds4_session *S = sess();
+    if (ratio < IX_MIN_RATIO) {
+        fprintf(stderr, "ds4: indexer: ratio %d below %d (the score rows are sized for it)\n", ratio, IX_MIN_RATIO);
+        exit(1);
+    }
+    if (nt > S->lim.max_batch) {
+        fprintf(stderr, "ds4: indexer: %d queries above the context's batch %d\n", nt, S->lim.max_batch);
+        exit(1);
+    }
+    const int64_t chunk = S->ix_chunk;
+    float *scores = (float *)scratch_get(&S->ix_scores, (size_t)(chunk * S->ix_ld) * sizeof(float));
     for (int t0 = 0; t0 < nt; t0 += (int)chunk) {
         const int n_q = nt - t0 < chunk ? nt - t0 : (int)chunk;
-        const int nv = (pos0 + t0 + n_q) / ratio;   /* the chunk's last query sees the most */
-        if (nv > 0) launch_indexer_scores(q, w, w_scale, rows, pos0, t0, n_q, Hi, di, ratio, nv, scores);
-        launch_indexer_select(scores, nv > 0 ? nv : 1, pos0, t0, n_q, ratio, k, out);
+        launch_indexer_scores(q, w, w_scale, rows, step, t0, n_q, Hi, di, ratio, S->ix_ld, scores);
+        launch_indexer_select(scores, S->ix_ld, step, t0, n_q, ratio, k, out);
     }
 }
 
@@ -2894,7 +3135,7 @@ static void launch_moe_route(const float *logits, const float *bias, const int32
  * tested bound is the matmul's). */
 #define MG_THREADS 256
 #define MG_ROWS    2
-static_assert(MOE_DECODE_MAX_NT <= HC_SPLIT_MAX_NT, "g_cuda.gate_count holds HC_SPLIT_MAX_NT counters");
+static_assert(MOE_DECODE_MAX_NT <= HC_SPLIT_MAX_NT, "a session's gate_count holds HC_SPLIT_MAX_NT counters");
 template <int WT>
 __global__ void __launch_bounds__(MG_THREADS) k_moe_gate(const void *gw, const float *x, int64_t K, int E,
                                                         float *logits, const float *bias,
@@ -2961,11 +3202,11 @@ static void launch_moe_gate(const void *gw, int wt, const float *x, int64_t K, i
     const size_t smem = (size_t)2 * E * sizeof(float);
     if (wt == DS4_TYPE_F16)
         DS4_LAUNCH(k_moe_gate<DS4_TYPE_F16>, grid, MG_THREADS, smem, gw, x, K, E, logits, bias, tid2eid, tid_ld,
-                   tokens, k, norm, wscale, g_cuda.gate_count,
+                   tokens, k, norm, wscale, sess()->gate_count,
                    sel, wts);
     else
         DS4_LAUNCH(k_moe_gate<DS4_TYPE_F32>, grid, MG_THREADS, smem, gw, x, K, E, logits, bias, tid2eid, tid_ld,
-                   tokens, k, norm, wscale, g_cuda.gate_count,
+                   tokens, k, norm, wscale, sess()->gate_count,
                    sel, wts);
 }
 
@@ -3065,8 +3306,8 @@ static void moe_decode(const float *x, const int32_t *sel, const float *wts,
     const int64_t D = gate->ne[0], F = gate->ne[1];
     const size_t rb_g = ds4_row_bytes(gate->type, D), rb_d = ds4_row_bytes(down->type, F);
     const int64_t pairs = (int64_t)nt * k;
-    float *h = (float *)scratch_get(&g_cuda.moe_h, (size_t)(pairs * F) * sizeof(float));
-    float *tmp = (float *)scratch_get(&g_cuda.moe_tmp, (size_t)(pairs * D) * sizeof(float));
+    float *h = (float *)scratch_get(&sess()->moe_h, (size_t)(pairs * F) * sizeof(float));
+    float *tmp = (float *)scratch_get(&sess()->moe_tmp, (size_t)(pairs * D) * sizeof(float));
 
     mv_args a;
     memset(&a, 0, sizeof a);
@@ -3113,11 +3354,22 @@ static void cuda_moe_experts(const float *x, const int32_t *sel, const float *wt
     const int64_t D = gate->ne[0], F = gate->ne[1], E = gate->ne[2];
     const int64_t pairs = (int64_t)nt * k;
 
-    /* host tables: sel | perm (pairs grouped by expert) | pos (pair -> row) */
-    int32_t *hs = host_idx_get((size_t)(3 * pairs + E + 1));
+    /* host tables (the session's pinned buffer): sel | perm (pairs grouped by
+     * expert) | pos (pair -> row) | expert offsets */
+    ds4_session *S = sess();
+    if ((size_t)(3 * pairs + E + 1) > S->host_idx_cap) {
+        fprintf(stderr, "ds4: moe_experts: %lld (token, expert) pairs of %lld experts above the context's %zu entries\n",
+                (long long)pairs, (long long)E, S->host_idx_cap);
+        exit(1);
+    }
+    int32_t *hs = S->host_idx;
     int32_t *hperm = hs + pairs, *hpos = hs + 2 * pairs, *off = hs + 3 * pairs;
-    /* NOTE(stage 1): the prefill path groups pairs by expert on the host (a synchronous read) */
-    DS4_CUDA_CHECK(cudaMemcpy(hs, sel, (size_t)pairs * sizeof(int32_t), cudaMemcpyDeviceToHost));
+    /* NOTE(prefill): a prompt's routing is grouped by expert on the host, so
+     * the GEMM sizes are known: one ordered read and one wait per MoE layer
+     * of a batch above MOE_DECODE_MAX_NT tokens (never in a decode step) */
+    DS4_CUDA_CHECK(cudaMemcpyAsync(hs, sel, (size_t)pairs * sizeof(int32_t), cudaMemcpyDeviceToHost,
+                                   ds4_current_stream()));
+    stream_wait();
     for (int64_t e = 0; e <= E; e++) off[e] = 0;
     for (int64_t i = 0; i < pairs; i++) {
         if (hs[i] < 0 || hs[i] >= E) {
@@ -3142,15 +3394,17 @@ static void cuda_moe_experts(const float *x, const int32_t *sel, const float *wt
     for (int64_t e = E; e > 0; e--) off[e] = off[e - 1];   /* restore starts */
     off[0] = 0;
 
-    int32_t *dperm = (int32_t *)scratch_get(&g_cuda.moe_idx, (size_t)(2 * pairs) * sizeof(int32_t));
+    int32_t *dperm = (int32_t *)scratch_get(&S->moe_idx, (size_t)(2 * pairs) * sizeof(int32_t));
     int32_t *dpos = dperm + pairs;
-    /* NOTE(stage 1): and sends the grouping back synchronously */
-    DS4_CUDA_CHECK(cudaMemcpy(dperm, hperm, (size_t)(2 * pairs) * sizeof(int32_t), cudaMemcpyHostToDevice));
+    /* the grouping goes back ordered on the stream; the pinned tables are not
+     * written again before the next layer's wait, after this copy */
+    DS4_CUDA_CHECK(cudaMemcpyAsync(dperm, hperm, (size_t)(2 * pairs) * sizeof(int32_t), cudaMemcpyHostToDevice,
+                                   ds4_current_stream()));
 
-    float *xg = (float *)scratch_get(&g_cuda.moe_xg, (size_t)(pairs * D) * sizeof(float));
-    float *gu = (float *)scratch_get(&g_cuda.moe_gu, (size_t)(pairs * 2 * F) * sizeof(float));
-    float *h = (float *)scratch_get(&g_cuda.moe_h, (size_t)(pairs * F) * sizeof(float));
-    float *tmp = (float *)scratch_get(&g_cuda.moe_tmp, (size_t)(pairs * D) * sizeof(float));
+    float *xg = (float *)scratch_get(&sess()->moe_xg, (size_t)(pairs * D) * sizeof(float));
+    float *gu = (float *)scratch_get(&sess()->moe_gu, (size_t)(pairs * 2 * F) * sizeof(float));
+    float *h = (float *)scratch_get(&sess()->moe_h, (size_t)(pairs * F) * sizeof(float));
+    float *tmp = (float *)scratch_get(&sess()->moe_tmp, (size_t)(pairs * D) * sizeof(float));
     launch_moe_gather(x, dperm, k, pairs, D, xg);
 
     const size_t gbytes = (size_t)F * ds4_row_bytes(gate->type, D);
@@ -3203,6 +3457,214 @@ static void cuda_scale(float *x, float s, int64_t n) {
 }
 
 /* ---------------------------------------------------------------------------
+ * Sessions
+ *
+ * ops_setup settles every kernel attribute and occupancy once, at init.
+ * session_new sizes each scratch from the context's limits with the same
+ * rules the ops use to ask for it (named next to each), so an op never finds
+ * its buffer short; allocates the stream, the cuBLAS handle and workspace,
+ * the block counters and the pinned staging; and waits once for the device
+ * (the weights' copies, the zero fills) before the stream is used.
+ * ------------------------------------------------------------------------- */
+
+static void ops_setup(void) {
+    mv_setup_type<DS4_TYPE_F32>();
+    mv_setup_type<DS4_TYPE_F16>();
+    mv_setup_type<DS4_TYPE_BF16>();
+    mv_setup_type<DS4_TYPE_Q8_0>();
+    mvq_setup_type<DS4_TYPE_Q2_K>();
+    mvq_setup_type<DS4_TYPE_Q4_K>();
+    mvq_setup_type<DS4_TYPE_IQ2_XXS>();
+    attention_setup();
+    /* k_indexer_scores has only dynamic shared memory: allow all of it */
+    DS4_CUDA_CHECK(cudaFuncSetAttribute(k_indexer_scores, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        (int)g_cuda.smem_optin));
+}
+
+static void session_release(ds4_session *S) {
+    if (!S) return;
+    if (S->stream) {
+        g_n_stream_sync++;
+        DS4_CUDA_CHECK(cudaStreamSynchronize(S->stream));   /* NOTE(load time): a context ends */
+    }
+    scratch_t *all[] = { &S->deq, &S->moe_h, &S->moe_tmp, &S->moe_xg, &S->moe_gu, &S->moe_idx, &S->att_part,
+                         &S->ix_scores };
+    for (scratch_t *x : all) dev_free(x->p);
+    dev_free(S->hc_count);
+    dev_free(S->gate_count);
+    dev_free(S->blas_ws);
+    host_free(S->host_idx);
+    host_free(S->up_stage);
+    host_free(S->down_stage);
+    if (S->blas) DS4_CUBLAS_CHECK(cublasDestroy(S->blas));
+    if (S->stream) DS4_CUDA_CHECK(cudaStreamDestroy(S->stream));
+    if (S->trace) fclose(S->trace);
+    if (g_sess == S) g_sess = NULL;
+    free(S);
+}
+
+static bool session_scratch(scratch_t *x, const char *what, size_t bytes) {
+    x->what = what;
+    if (bytes == 0) return true;
+    const cudaError_t e = dev_malloc(&x->p, bytes);
+    if (e != cudaSuccess) {
+        fprintf(stderr, "ds4: cannot allocate the context's %s (%zu bytes): %s\n", what, bytes, cudaGetErrorString(e));
+        (void)cudaGetLastError();
+        x->p = NULL;
+        return false;
+    }
+    x->cap = bytes;
+    return true;
+}
+
+static bool session_pinned(void **p, const char *what, size_t bytes) {
+    const cudaError_t e = host_alloc(p, bytes);
+    if (e != cudaSuccess) {
+        fprintf(stderr, "ds4: cannot allocate the context's %s (%zu bytes of pinned memory): %s\n", what, bytes,
+                cudaGetErrorString(e));
+        (void)cudaGetLastError();
+        *p = NULL;
+        return false;
+    }
+    return true;
+}
+
+static void *cuda_session_new(const ds4_limits *lim) {
+    if (!g_cuda.ready && cuda_init() != 0) return NULL;
+    if (lim->max_batch < 1 || lim->n_ctx < 1) {
+        fprintf(stderr, "ds4: a CUDA session needs a batch and a context of at least 1 (got %d, %d)\n",
+                lim->max_batch, lim->n_ctx);
+        return NULL;
+    }
+    ds4_session *S = (ds4_session *)calloc(1, sizeof *S);
+    if (!S) {
+        fprintf(stderr, "ds4: out of host memory\n");
+        return NULL;
+    }
+    S->lim = *lim;
+    const int64_t B = lim->max_batch, k = lim->n_expert_used > 0 ? lim->n_expert_used : 0;
+    const int64_t D = lim->n_embd, F = lim->n_ff_exp, E = lim->n_expert;
+    bool ok = true;
+    const char *trace = getenv("DS4_LAUNCH_TRACE");
+    if (trace && *trace) {
+        S->trace = fopen(trace, "w");
+        if (!S->trace) {
+            fprintf(stderr, "ds4: DS4_LAUNCH_TRACE: cannot write %s: %s\n", trace, strerror(errno));
+            free(S);
+            return NULL;
+        }
+    }
+    DS4_CUDA_CHECK(cudaStreamCreateWithFlags(&S->stream, cudaStreamNonBlocking));
+    DS4_CUBLAS_CHECK(cublasCreate(&S->blas));
+    /* f32 products stay f32: default math never uses TF32 for Sgemm. */
+    DS4_CUBLAS_CHECK(cublasSetMathMode(S->blas, CUBLAS_DEFAULT_MATH));
+    DS4_CUBLAS_CHECK(cublasSetAtomicsMode(S->blas, CUBLAS_ATOMICS_NOT_ALLOWED));
+    DS4_CUBLAS_CHECK(cublasSetPointerMode(S->blas, CUBLAS_POINTER_MODE_HOST));
+    DS4_CUBLAS_CHECK(cublasSetStream(S->blas, S->stream));
+    /* cuBLAS's recommended workspace (32 MiB on Hopper and later, 4 MiB before),
+     * given up front so that no call allocates one */
+    const size_t ws = g_cuda.cc_major >= 9 ? ((size_t)32 << 20) : ((size_t)4 << 20);
+    if (dev_malloc(&S->blas_ws, ws) != cudaSuccess) {
+        fprintf(stderr, "ds4: cannot allocate the context's cuBLAS workspace (%zu bytes)\n", ws);
+        (void)cudaGetLastError();
+        S->blas_ws = NULL;
+        session_release(S);
+        return NULL;
+    }
+    DS4_CUBLAS_CHECK(cublasSetWorkspace(S->blas, S->blas_ws, ws));
+    /* the counters hc_pre and k_moe_gate leave at zero */
+    ok = ok && dev_malloc((void **)&S->hc_count, HC_SPLIT_MAX_NT * sizeof(unsigned)) == cudaSuccess;
+    ok = ok && dev_malloc((void **)&S->gate_count, HC_SPLIT_MAX_NT * sizeof(unsigned)) == cudaSuccess;
+    if (!ok) {
+        fprintf(stderr, "ds4: cannot allocate the context's block counters\n");
+        (void)cudaGetLastError();
+        session_release(S);
+        return NULL;
+    }
+    DS4_CUDA_CHECK(cudaMemsetAsync(S->hc_count, 0, HC_SPLIT_MAX_NT * sizeof(unsigned), ds4_current_stream()));
+    DS4_CUDA_CHECK(cudaMemsetAsync(S->gate_count, 0, HC_SPLIT_MAX_NT * sizeof(unsigned), ds4_current_stream()));
+    /* attention partials: attention_run asks nt*H*want*(d+2) floats, at most attention_part_floats */
+    ok = ok && session_scratch(&S->att_part, "attention partials",
+                               lim->head_dim > 0 ? attention_part_floats(lim->head_dim) * sizeof(float) : 0);
+    /* indexer scores: cuda_indexer_topk asks ix_chunk rows of ix_ld */
+    if (lim->idx_topk > 0) {
+        S->ix_ld = (int64_t)lim->n_ctx / IX_MIN_RATIO + 1;
+        S->ix_chunk = IX_SCORE_CAP / S->ix_ld;
+        if (S->ix_chunk < 1) S->ix_chunk = 1;
+        if (S->ix_chunk > B) S->ix_chunk = B;
+        ok = ok && session_scratch(&S->ix_scores, "indexer scores",
+                                   (size_t)(S->ix_chunk * S->ix_ld) * sizeof(float));
+    }
+    /* MoE: moe_decode asks [pairs][F] and [pairs][D] (pairs = nt*k), the prefill path
+     * also the gathered inputs [pairs][D], gate|up [pairs][2F] and the tables */
+    if (k > 0 && D > 0 && F > 0) {
+        const int64_t pairs = B * k;
+        ok = ok && session_scratch(&S->moe_h, "MoE activations", (size_t)(pairs * F) * sizeof(float));
+        ok = ok && session_scratch(&S->moe_tmp, "MoE expert outputs", (size_t)(pairs * D) * sizeof(float));
+        if (B > MOE_DECODE_MAX_NT) {
+            ok = ok && session_scratch(&S->moe_xg, "MoE gathered inputs", (size_t)(pairs * D) * sizeof(float));
+            ok = ok && session_scratch(&S->moe_gu, "MoE gate|up products", (size_t)(pairs * 2 * F) * sizeof(float));
+            ok = ok && session_scratch(&S->moe_idx, "MoE pair tables", (size_t)(2 * pairs) * sizeof(int32_t));
+            S->host_idx_cap = (size_t)(3 * pairs + E + 1);
+            ok = ok && session_pinned((void **)&S->host_idx, "MoE host tables", S->host_idx_cap * sizeof(int32_t));
+        }
+    }
+    /* dequantised rows for cuBLAS (gemm_rows: tiles of at most DEQ_CAP_FLOATS, whole rows) */
+    if (B > MV_MAX_NT) {
+        int64_t deq = lim->max_matrix < DEQ_CAP_FLOATS ? lim->max_matrix : DEQ_CAP_FLOATS;
+        if (deq < lim->max_k) deq = lim->max_k;
+        ok = ok && session_scratch(&S->deq, "dequantised weight rows", (size_t)deq * sizeof(float));
+    }
+    /* staging: the step block and tokens up, one row of logits down */
+    S->up_cap = 64 * 1024 + (size_t)B * sizeof(int32_t);
+    ok = ok && session_pinned((void **)&S->up_stage, "upload staging", S->up_cap);
+    S->down_cap = (size_t)(lim->n_vocab > 0 ? lim->n_vocab : 1) * sizeof(float);
+    ok = ok && session_pinned((void **)&S->down_stage, "download staging", S->down_cap);
+    if (!ok) {
+        session_release(S);
+        return NULL;
+    }
+    g_n_dev_sync++;
+    DS4_CUDA_CHECK(cudaDeviceSynchronize());   /* NOTE(load time): weights and fills are in place */
+    return S;
+}
+
+static void cuda_session_free(void *s) {
+    session_release((ds4_session *)s);
+}
+
+/* The session's stream becomes the thread's current stream while it is bound. */
+static void *cuda_session_bind(void *s) {
+    ds4_session *prev = g_sess;
+    if (prev) ds4_stream_pop();
+    g_sess = (ds4_session *)s;
+    if (g_sess && ds4_stream_push(g_sess->stream) != 0) {
+        fprintf(stderr, "ds4: session_bind: the thread's stream overrides are %d deep already\n", DS4_STREAM_DEPTH);
+        exit(1);
+    }
+    return prev;
+}
+
+static void cuda_session_stats(void *s, ds4_backend_stats *st, int reset) {
+    ds4_session *S = (ds4_session *)s;
+    memset(st, 0, sizeof *st);
+    st->launches = S->launches;
+    st->launch_seconds = S->launch_seconds;
+    st->mallocs = g_n_malloc;
+    st->frees = g_n_free;
+    st->device_syncs = g_n_dev_sync;
+    st->stream_syncs = g_n_stream_sync;
+    if (reset) {
+        S->launches = 0;
+        S->launch_seconds = 0.0;
+        g_n_malloc = 0;
+        g_n_free = 0;
+        g_n_dev_sync = 0;
+        g_n_stream_sync = 0;
+    }
+}
+
+/* ---------------------------------------------------------------------------
  * The backend table
  * ------------------------------------------------------------------------- */
 
@@ -3219,6 +3681,10 @@ static ds4_backend make_cuda_backend(void) {
     b.upload_weight = cuda_upload_weight;
     b.release_weight = cuda_release_weight;
     b.synchronize = cuda_synchronize;
+    b.session_new = cuda_session_new;
+    b.session_free = cuda_session_free;
+    b.session_bind = cuda_session_bind;
+    b.session_stats = cuda_session_stats;
     b.embed = cuda_embed;
     b.rmsnorm = cuda_rmsnorm;
     b.matmul = cuda_matmul;

@@ -1112,7 +1112,7 @@ __global__ void __launch_bounds__(MV_THREADS, MVQ_MIN_BLOCKS) k_matvec_q(const m
             for (int qq = 0; qq < S; qq++) v1 += part[NPLANE - 1][lr * S + qq];
             y[row] = silu_mul(v0, v1, a.clamp);
         } else {
-            if (tab) v0 = __fadd_rn(v0, tab[(int64_t)((a.tab_pos0 + a.tok0 + u) % a.tab_period) * rows + row]);
+            if (tab) v0 = __fadd_rn(v0, tab[(int64_t)((a.tab_step->pos0 + a.tok0 + u) % a.tab_period) * rows + row]);
             y[(int64_t)u * y_tok + row] = v0;
         }
     }
@@ -1161,9 +1161,10 @@ static size_t mvq_smem_bytes(int nsb) {
 
 /* Does the fast kernel take this shape (for NT tokens per launch)?  Rows, matrices and bases
  * 4-byte aligned (IQ2_XXS rows are 66 n bytes: n even), and the staged activations fit. */
+#define MVQ_MAX_NSB 64   /* the longest row the fast kernel takes: 64 super-blocks (K = 16384) */
 static bool mvq_shape_ok(int type, int mode, int nt, int64_t K, size_t row_bytes, size_t mat_bytes,
                          const void *w, const void *w2) {
-    if (!dsq_is_type(type) || K <= 0 || K % DS4_QK_K != 0) return false;
+    if (!dsq_is_type(type) || K <= 0 || K % DS4_QK_K != 0 || K / DS4_QK_K > MVQ_MAX_NSB) return false;
     if (((uintptr_t)w | (uintptr_t)w2 | row_bytes | mat_bytes) & 3u) return false;
     const int nsb = (int)(K / DS4_QK_K);
     size_t smem;
@@ -1183,25 +1184,44 @@ static bool mvq_fast_ok(int type, int mode, int64_t K, size_t row_bytes, size_t 
     return mvq_shape_ok(type, mode, 1, K, row_bytes, mat_bytes, w, w2);
 }
 
-/* The one launcher of k_matvec_q (a template over its instantiations).  The shared-memory
- * limit is raised once per instantiation; the occupancy of each K is asked once. */
+/* Resident blocks per SM of each k_matvec_q instantiation by super-blocks per row (K/256,
+ * up to MVQ_MAX_NSB): asked once, at init (mvq_setup_t), never inside a step. */
+template <int TYPE, int MODE, int NT> struct mvq_occ { static int bps[MVQ_MAX_NSB + 1]; };
+template <int TYPE, int MODE, int NT> int mvq_occ<TYPE, MODE, NT>::bps[MVQ_MAX_NSB + 1];
+
+/* Raise the instantiation's shared-memory limit and ask its occupancy for every K it takes. */
+template <int TYPE, int MODE, int NT>
+static void mvq_setup_t(void) {
+    DS4_CUDA_CHECK(cudaFuncSetAttribute(k_matvec_q<TYPE, MODE, NT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        (int)(g_cuda.smem_optin - sizeof(float) * 2 * MVQ_PART
+                                              - sizeof(double) * MV_WARPS)));
+    for (int nsb = 1; nsb <= MVQ_MAX_NSB; nsb++) {
+        const size_t smem = mvq_smem_bytes<TYPE, MODE, NT>(nsb);
+        int n = 0;
+        if (smem + sizeof(float) * 2 * MVQ_PART + sizeof(double) * MV_WARPS <= g_cuda.smem_optin)
+            DS4_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k_matvec_q<TYPE, MODE, NT>,
+                                                                         MV_THREADS, smem));
+        mvq_occ<TYPE, MODE, NT>::bps[nsb] = n > 0 ? n : 1;
+    }
+}
+
+template <int TYPE>
+static void mvq_setup_type(void) {
+    mvq_setup_t<TYPE, MV_GATE_UP, 1>();
+    mvq_setup_t<TYPE, MV_DOWN, 1>();
+    mvq_setup_t<TYPE, MV_DENSE, 1>();
+    mvq_setup_t<TYPE, MV_DENSE, 2>();
+}
+
+/* The one launcher of k_matvec_q (a template over its instantiations). */
 template <int TYPE, int MODE, int NT>
 static void mvq_launch_t(mv_args a, int n_prob, int n_tok_grid) {
     const int nsb = a.K / DS4_QK_K;
     const size_t smem = mvq_smem_bytes<TYPE, MODE, NT>(nsb);
-    static bool raised = false;
-    static int occ[65];
-    if (!raised) {
-        DS4_CUDA_CHECK(cudaFuncSetAttribute(k_matvec_q<TYPE, MODE, NT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            (int)(g_cuda.smem_optin - sizeof(float) * 2 * MVQ_PART
-                                                  - sizeof(double) * MV_WARPS)));
-        raised = true;
-    }
-    int bps = nsb < 65 ? occ[nsb] : 0;
-    if (!bps) {
-        DS4_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&bps, k_matvec_q<TYPE, MODE, NT>, MV_THREADS, smem));
-        if (bps < 1) bps = 1;
-        if (nsb < 65) occ[nsb] = bps;
+    const int bps = nsb <= MVQ_MAX_NSB ? mvq_occ<TYPE, MODE, NT>::bps[nsb] : 0;
+    if (bps < 1) {
+        fprintf(stderr, "ds4: matvec_q: no occupancy for %d super-blocks per row\n", nsb);
+        exit(1);
     }
     const dim3 grid = mvq_plan(a, n_prob, n_tok_grid, bps);
     DS4_LAUNCH(k_matvec_q<TYPE, MODE, NT>, grid, MV_THREADS, smem, a);

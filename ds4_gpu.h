@@ -26,7 +26,18 @@
  *    statement with file and line and exits the process.
  *  - Ops that take "in place allowed" may be called with y == x.
  *  - No op reads host state that the core changes between calls other than
- *    through its arguments (positions and counts are passed as arguments).
+ *    through its arguments.  The position is not an argument: it is read at
+ *    run time from the step block (ds4_step, below), a backend buffer the
+ *    core writes before each forward call, so that the same sequence of
+ *    launches -- same kernels, grids and argument bytes -- serves every
+ *    decode step and can be captured once and replayed (patches/series,
+ *    stages 1 and 2).  Counts (nt, heads, widths) are arguments: they are the
+ *    shape of a step, not its position.
+ *  - A backend may keep per-context state (a stream, scratch sized up front,
+ *    counters): a session.  Ops run in the session the calling thread has
+ *    bound; the CPU backend has none to speak of.  Nothing an op does
+ *    allocates or frees memory or waits for the device, except download and
+ *    synchronize, which wait for the bound session's work.
  */
 #ifndef DS4_GPU_H
 #define DS4_GPU_H
@@ -109,6 +120,67 @@ typedef struct ds4_rope {
     float corr_hi;
 } ds4_rope;
 
+/* Marks the position helpers below as callable from device code too. */
+#ifdef __CUDACC__
+#define DS4_HD __host__ __device__
+#else
+#define DS4_HD
+#endif
+
+/* The step block: what changes from one forward call to the next.  The core
+ * fills it ({position of the batch's first token, tokens in the batch}) and
+ * uploads it to the context's block before the call; an op is given the
+ * block's backend pointer and reads pos0 there when it runs.  Everything
+ * derived from the position -- window ring slots and fill, compressed rows
+ * visible, the blocks a compressor emits and their destination rows, the
+ * indexer's visible rows, how attention splits its rows -- is computed from
+ * pos0 at run time with the helpers below (one definition for both
+ * backends; a few integer operations each). */
+typedef struct ds4_step {
+    int32_t pos0;   /* position of the first token of the batch */
+    int32_t nt;     /* tokens in the batch (== the ops' nt argument) */
+    int32_t reserved[2];
+} ds4_step;
+
+/* Window rows a query at position P attends (positions max(0, P-W+1) .. P). */
+static inline DS4_HD int ds4_win_rows(int P, int W) { return W < P + 1 ? W : P + 1; }
+/* Compressed rows of ratio r that exist once position P is in: blocks [w*r, w*r + r) with w*r + r - 1 <= P. */
+static inline DS4_HD int ds4_comp_rows(int P, int r) { return r > 0 ? (P + 1) / r : 0; }
+/* Rows a query at P attends: its window, then every compressed row (ratio 128) or its k picks (ratio 4). */
+static inline DS4_HD int ds4_att_rows(int P, int W, int ratio, int k) {
+    return ds4_win_rows(P, W) + (ratio == 128 ? ds4_comp_rows(P, 128) : ratio == 4 ? k : 0);
+}
+/* The first block a batch at pos0 closes (w0: its row index, its first position w0*r)... */
+static inline DS4_HD int ds4_emit_first(int pos0, int r) { return pos0 / r; }
+/* ...and how many blocks it closes (0 on most decode steps). */
+static inline DS4_HD int ds4_emit_count(int pos0, int nt, int r) { return (pos0 + nt) / r - pos0 / r; }
+
+/* What a session is sized for (ds4_ctx_new fills it from the model and its
+ * arguments).  An op asked for more than its session holds is a bug in the
+ * caller; the backend says which limit and exits. */
+typedef struct ds4_limits {
+    int     max_batch;        /* tokens of one forward call (the ops' nt) */
+    int     n_ctx;            /* positions */
+    int     n_embd;           /* D */
+    int     n_head, head_dim; /* attention */
+    int     idx_topk;         /* ratio-4 picks per query */
+    int     n_expert, n_expert_used, n_ff_exp;   /* routed experts {D, F, E}, k used per token */
+    int     n_vocab;
+    int64_t max_k;            /* the longest weight row (K) of any matmul */
+    int64_t max_matrix;       /* the most elements of one weight matrix (K x N) */
+} ds4_limits;
+
+/* What a session has done: kernel launches and cuBLAS calls (and the host
+ * time inside them), and the device allocations, frees and waits the backend
+ * made process-wide since the counters were last reset. */
+typedef struct ds4_backend_stats {
+    uint64_t launches;
+    double   launch_seconds;
+    uint64_t mallocs, frees;          /* cudaMalloc/cudaHostAlloc, cudaFree/cudaFreeHost */
+    uint64_t device_syncs;            /* cudaDeviceSynchronize */
+    uint64_t stream_syncs;            /* cudaStreamSynchronize */
+} ds4_backend_stats;
+
 typedef struct ds4_backend {
     const char *name;
 
@@ -116,12 +188,25 @@ typedef struct ds4_backend {
     int   (*init)(void);
     void *(*alloc)(size_t bytes);                          /* zero-filled */
     void  (*free)(void *p);
-    void  (*upload)(void *dst, const void *src, size_t bytes);    /* host -> backend */
-    void  (*download)(void *dst, const void *src, size_t bytes);  /* backend -> host, complete on return */
-    void  (*copy)(void *dst, const void *src, size_t bytes);      /* backend -> backend */
+    /* host -> backend, ordered with the ops; src may change as soon as it returns */
+    void  (*upload)(void *dst, const void *src, size_t bytes);
+    /* backend -> host after every op issued before it; complete on return (it waits) */
+    void  (*download)(void *dst, const void *src, size_t bytes);
+    void  (*copy)(void *dst, const void *src, size_t bytes);      /* backend -> backend, ordered */
     int   (*upload_weight)(ds4_weight *w);                 /* sets w->dev */
     void  (*release_weight)(ds4_weight *w);
-    void  (*synchronize)(void);
+    void  (*synchronize)(void);                            /* wait for every op issued */
+
+    /* ---- sessions ----
+     * session_new sizes and allocates everything the ops will need for these
+     * limits (NULL after one line when it cannot); session_bind makes s the
+     * calling thread's session and returns the one it replaces (NULL: none).
+     * Ops, copies and synchronize run in the bound session.  session_stats
+     * reads (and with reset, zeroes) the counters. */
+    void *(*session_new)(const ds4_limits *lim);
+    void  (*session_free)(void *s);
+    void *(*session_bind)(void *s);
+    void  (*session_stats)(void *s, ds4_backend_stats *st, int reset);
 
     /* ---- ops ---- */
 
@@ -178,39 +263,42 @@ typedef struct ds4_backend {
                    float *flat, float *mix, float *y, float *post, float *comb);
 
     /* Several projections of one input x [nt][K]: for i < n, all w[i] with ne[0] == K,
-     *   matmul(w[i], 0, xn, y[i], nt);  if add_tab[i]: add_cyclic(y[i], add_tab[i], pos0, nt, period, w[i]->ne[1])
+     *   matmul(w[i], 0, xn, y[i], nt);  if add_tab[i]: add_cyclic(y[i], add_tab[i], step, nt, period, w[i]->ne[1])
      * where xn = x, or, when norm_w != NULL, xn = rmsnorm(x, norm_w, eps) (x may be left
      * normalised in place or unchanged: read it again only through this op).  add_tab may be
      * NULL (no tables).  n <= DS4_MULTI_MAX. */
     void (*matmul_multi)(int n, const ds4_weight *const *w, float *const *y, float *x, int nt,
-                         const float *norm_w, float eps, const float *const *add_tab, int pos0, int period);
+                         const float *norm_w, float eps, const float *const *add_tab, const ds4_step *step,
+                         int period);
 
     /* Per-row RMSNorm then RoPE of nh heads of width dh per token (x [nt][nh][dh], in place),
      * and the same for a second tensor x2 [nt][nh2][dh] with its own weights w2 when nh2 > 0
      * (the queries and the key/value row of a layer in one call):
-     *   rmsnorm(x, w, x, nt*nh, dh, eps); rope(x, nt, nh, dh, pos0, 1, rp, 0)
-     *   if nh2 > 0: rmsnorm(x2, w2, x2, nt*nh2, dh, eps); rope(x2, nt, nh2, dh, pos0, 1, rp, 0) */
+     *   rmsnorm(x, w, x, nt*nh, dh, eps); rope(x, nt, nh, dh, step, 1, rp, 0)
+     *   if nh2 > 0: rmsnorm(x2, w2, x2, nt*nh2, dh, eps); rope(x2, nt, nh2, dh, step, 1, rp, 0) */
     void (*head_norm_rope)(float *x, const float *w, int nt, int nh, float *x2, const float *w2, int nh2,
-                           int dh, float eps, int pos0, const ds4_rope *rp);
+                           int dh, float eps, const ds4_step *step, const ds4_rope *rp);
 
     /* Attention of a layer, then the window ring update and the de-rotation of the output:
-     *   attention(q, kv, ring, W, pos0, nt, H, d, comp, ratio, topk, k, sinks, scale, out)
-     *   ring_store(ring, kv, W, d, pos0, nt)
-     *   rope(out, nt, H, d, pos0, 1, rp, 1) */
+     *   attention(q, kv, ring, W, step, nt, H, d, comp, ratio, topk, k, sinks, scale, out)
+     *   ring_store(ring, kv, W, d, step, nt)
+     *   rope(out, nt, H, d, step, 1, rp, 1) */
     void (*attention_step)(const float *q, const float *kv, float *ring, int W,
-                           int pos0, int nt, int H, int d,
+                           const ds4_step *step, int nt, int H, int d,
                            const float *comp, int ratio, const int32_t *topk, int k,
                            const float *sinks, float scale, const ds4_rope *rp, float *out);
 
     /* A compressor after its projections (kv, sc [nt][c*dc], ape added): with
-     * w0 = pos0/ratio and n_emit = (pos0+nt)/ratio - w0,
+     * w0 = ds4_emit_first(pos0, ratio) and n_emit = ds4_emit_count(pos0, nt, ratio),
      *   if n_emit > 0: out = rows + w0*dc;
-     *                  compress_pool(kv, sc, st_kv, st_sc, pos0, nt, ratio, c, dc, out)
+     *                  compress_pool(kv, sc, st_kv, st_sc, step, nt, ratio, c, dc, out)
      *                  rmsnorm(out, norm_w, out, n_emit, dc, eps)
-     *                  rope(out, n_emit, 1, dc, w0*ratio, ratio, rp, 0)
-     *   ring_store(st_kv, kv, c*ratio, c*dc, pos0, nt); ring_store(st_sc, sc, c*ratio, c*dc, pos0, nt) */
+     *                  rope out's rows i < n_emit at positions (w0 + i)*ratio (rope's formula, forward)
+     *   ring_store(st_kv, kv, c*ratio, c*dc, step, nt); ring_store(st_sc, sc, c*ratio, c*dc, step, nt)
+     * Whether a step emits is decided when the op runs: a backend issues the
+     * same launches either way. */
     void (*compressor_step)(const float *kv, const float *sc, float *st_kv, float *st_sc,
-                            int pos0, int nt, int ratio, int c, int dc, const float *norm_w, float eps,
+                            const ds4_step *step, int nt, int ratio, int c, int dc, const float *norm_w, float eps,
                             const ds4_rope *rp, float *rows);
 
     /* Shared-expert style gated projection: y = swiglu(matmul(gate, x), matmul(up, x), limit),
@@ -226,16 +314,17 @@ typedef struct ds4_backend {
                      float wscale, int32_t *sel, float *wts);
 
     /* Rotate the last rp->n_rot dims of x[t][h][0:dh] (nh heads) in place, at
-     * position pos0 + t*pos_step; inverse != 0 rotates by -theta. */
-    void (*rope)(float *x, int nt, int nh, int dh, int pos0, int pos_step, const ds4_rope *rp, int inverse);
+     * position step->pos0 + t*pos_step; inverse != 0 rotates by -theta. */
+    void (*rope)(float *x, int nt, int nh, int dh, const ds4_step *step, int pos_step, const ds4_rope *rp,
+                 int inverse);
 
-    /* Attention with sinks for nt queries at positions P = pos0 + t.
+    /* Attention with sinks for nt queries at positions P = pos0 + t (pos0 = step->pos0).
      *   q       [nt][H][d]
      *   kv      [nt][d]      this batch's key/value rows (one shared head, key == value)
      *   ring    [W][d]       window ring: the row of position p < pos0 sits at slot p % W
      *   comp    [*][d]       compressed rows (NULL when ratio == 0)
      *   topk    [nt][k]      for ratio 4: compressed-row ids to attend, -1 = none
-     * Rows attended by query t: window positions p in [max(0, P-W+1), P] (row =
+     * Rows attended by query t (ds4_att_rows of them): window positions p in [max(0, P-W+1), P] (row =
      * p >= pos0 ? kv[p-pos0] : ring[p % W]), in increasing p; then for ratio 128
      * the compressed rows w < (P+1)/128 in increasing w; for ratio 4 the rows
      * topk[t][j] != -1 in j order.  s_i = scale * q.row_i; the head's sink
@@ -243,18 +332,18 @@ typedef struct ds4_backend {
      *   out[t][h] = sum_i exp(s_i - m) row_i / (sum_i exp(s_i - m) + exp(sink[h] - m)),
      *   m = max(max_i s_i, sink[h]). */
     void (*attention)(const float *q, const float *kv, const float *ring, int W,
-                      int pos0, int nt, int H, int d,
+                      const ds4_step *step, int nt, int H, int d,
                       const float *comp, int ratio, const int32_t *topk, int k,
                       const float *sinks, float scale, float *out);
 
-    /* Ring update after a batch: for each t with pos0+t >= pos0+nt-slots:
+    /* Ring update after a batch (pos0 = step->pos0): for each t with pos0+t >= pos0+nt-slots:
      * ring[(pos0+t) % slots][:] = rows[t][:] (width floats per row). */
-    void (*ring_store)(float *ring, const float *rows, int slots, int width, int pos0, int nt);
+    void (*ring_store)(float *ring, const float *rows, int slots, int width, const ds4_step *step, int nt);
 
-    /* x[t][:] += table[(pos0+t) % period][:], rows of width n (ape positional bias). */
-    void (*add_cyclic)(float *x, const float *table, int pos0, int nt, int period, int n);
+    /* x[t][:] += table[(pos0+t) % period][:], rows of width n (ape positional bias; pos0 = step->pos0). */
+    void (*add_cyclic)(float *x, const float *table, const ds4_step *step, int nt, int period, int n);
 
-    /* Compressor pooling.  kv, sc: [nt][c*dc] this batch's compressor rows
+    /* Compressor pooling (pos0 = step->pos0).  kv, sc: [nt][c*dc] this batch's compressor rows
      * (scores with ape already added); st_kv, st_sc: state rings of c*ratio
      * slots, the row of position p < pos0 at slot p % (c*ratio).  For every
      * block w with pos0 <= w*ratio + ratio - 1 < pos0 + nt, in increasing w,
@@ -265,17 +354,17 @@ typedef struct ds4_backend {
      *           then entries j < ratio: row(s+j)[dc + ch]
      *   out[ch] = sum_e softmax_e(score_e) * kv_e   (per channel, over the entries). */
     void (*compress_pool)(const float *kv, const float *sc, const float *st_kv, const float *st_sc,
-                          int pos0, int nt, int ratio, int c, int dc, float *out);
+                          const ds4_step *step, int nt, int ratio, int c, int dc, float *out);
 
     /* Lightning indexer.  q [nt][Hi][di] (rope applied), w [nt][Hi] raw head
      * weights, used as w' = w*w_scale (one float product, as scale() computes
      * it; the forward pass passes 1/sqrt(di*Hi)), rows [*][di] indexer
-     * compressed rows.  For query t at P = pos0+t, n_vis = (P+1)/ratio rows are
+     * compressed rows.  For query t at P = pos0+t, n_vis = ds4_comp_rows(P, ratio) rows are
      * visible; score(r) = sum_h w'[t][h] * max(0, q[t][h].rows[r]).  out[t][0:k]
      * = the min(k, n_vis) visible rows of highest score (ties: lower r first),
      * in descending score order, then -1 padding. */
     void (*indexer_topk)(const float *q, const float *w, float w_scale, const float *rows,
-                         int pos0, int nt, int Hi, int di, int ratio, int k, int32_t *out);
+                         const ds4_step *step, int nt, int Hi, int di, int ratio, int k, int32_t *out);
 
     /* MoE routing.  probs = sqrt(softplus(logits)) with softplus(x) = x > 20 ? x : logf(1+expf(x)).
      * Scored layers (tid2eid == NULL): sel = top-k of probs + bias (ties: lower expert first,
@@ -312,10 +401,6 @@ void ds4_cpu_set_threads(int n);
 #ifdef DS4_CUDA
 /* The CUDA backend (ds4_cuda.cu). */
 const ds4_backend *ds4_backend_cuda(void);
-/* Benchmark instrumentation: kernel launches and cuBLAS calls made since the
- * last reset, and the host time spent inside those launch calls. */
-void ds4_cuda_stats(uint64_t *launches, double *launch_host_seconds);
-void ds4_cuda_stats_reset(void);
 #endif
 
 #ifdef __cplusplus

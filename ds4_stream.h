@@ -9,10 +9,9 @@
  *
  * Why.  CUDA graph capture (DS4_CUDA_GRAPHS, the later stages of patches/series) needs all GPU
  * work of a decode step on one stream the engine controls.  This header is stage 0 of that
- * series: with no override set -- and nothing in stage 0 sets one, whatever DS4_CUDA_GRAPHS
- * says -- every operation goes to stream 0, exactly where the unconverted code sent it, so
- * behaviour cannot change (and the three dumps in bench/RESULTS.md are byte-identical).
- * Synchronous copies and synchronisations stay as they were, each marked NOTE(stage 1).
+ * series.  From stage 1 on a context's session (ds4_gpu.h session_bind) pushes its own
+ * non-blocking stream while it is bound, so a step's work goes there; with nothing bound,
+ * operations go to stream 0.
  *
  * Usable from C (the benchmark programs) and C++ (ds4_cuda.cu, which defines the functions).
  */

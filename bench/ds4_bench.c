@@ -19,14 +19,13 @@
  *
  * --profile-step (CUDA backend only) runs after the throughput runs: a
  * prefill of the FIRST --prefill length, --profile-warmup decode steps (they
- * take every one-time cost out of the way: cudaFuncSetAttribute, scratch
- * growth, lazy module loading), --profile-timed decode steps each timed with
+ * take every one-time cost out of the way, such as lazy module loading), --profile-timed decode steps each timed with
  * the host clock (median -> `RESULT ... metric=step_wall_ms`), and then
  * exactly one more decode step (ds4_eval with n = 1) between
  * cudaProfilerStart() and cudaProfilerStop().  Under
  * `ncu --profile-from-start off` only that step's kernels are profiled;
  * without a profiler the bracket costs nothing.  The launches of that step
- * (ds4_cuda_stats) are printed as `metric=profiled_step_launches`, to check
+ * (ds4_ctx_stats) are printed as `metric=profiled_step_launches`, to check
  * the profiler's kernel count against.  It measures nothing by itself beyond
  * the host-timed steps: scripts/kernel_report.sh runs it under ncu and turns
  * the kernel times into a table.  Quick profiled run:
@@ -41,6 +40,7 @@
 #include <unistd.h>
 
 #include "../ds4.h"
+#include "../ds4_gpu.h"
 
 #ifdef DS4_CUDA
 #include <cuda_profiler_api.h>
@@ -166,27 +166,23 @@ int main(int argc, char **argv) {
         const int P0 = max_p < 512 ? max_p : 512;
         const size_t bytes_tok = ds4_model_decode_bytes(m);
         double launches_tok = 0, launch_s_tok = 0;
+        ds4_backend_stats ds;
+        memset(&ds, 0, sizeof ds);
         for (int r = -1; r < reps; r++) {
             ds4_ctx_reset(c);
             if (ds4_eval(c, tok, P0, logits, 0, err, sizeof(err)) != 0) fail("prefill", err);
             for (int w = 0; w < 4; w++)
                 if (ds4_eval(c, tok + P0 + w, 1, logits, 0, err, sizeof(err)) != 0) fail("decode", err);
-#ifdef DS4_CUDA
-            if (r == 0 && !strcmp(be->name, "cuda")) ds4_cuda_stats_reset();
-#endif
+            if (r == 0) ds4_ctx_stats(c, &ds, 1);
             double s = now_s();
             for (int j = 0; j < n_decode; j++)
                 if (ds4_eval(c, tok + P0 + 4 + j, 1, logits, 0, err, sizeof(err)) != 0) fail("decode", err);
             const double dt = now_s() - s;
-#ifdef DS4_CUDA
-            if (r == 0 && !strcmp(be->name, "cuda")) {
-                uint64_t n;
-                double hs;
-                ds4_cuda_stats(&n, &hs);
-                launches_tok = (double)n / n_decode;
-                launch_s_tok = hs / n_decode;
+            if (r == 0) {
+                ds4_ctx_stats(c, &ds, 0);
+                launches_tok = (double)ds.launches / n_decode;
+                launch_s_tok = ds.launch_seconds / n_decode;
             }
-#endif
             if (r >= 0) v[r] = n_decode / dt;
         }
         const double tps = median(v, reps);
@@ -207,6 +203,14 @@ int main(int argc, char **argv) {
                    launches_tok, launch_s_tok * 1e6);
             printf("RESULT model=%s backend=%s metric=launches_per_token value=%.0f host_launch_us_per_token=%.1f\n",
                    model, be->name, launches_tok, launch_s_tok * 1e6);
+            /* what stage 1 of patches/series promises: no allocation and one wait per step */
+            printf("decode: over %d steps %llu device allocations, %llu frees, %llu device syncs, "
+                   "%llu stream syncs\n", n_decode, (unsigned long long)ds.mallocs, (unsigned long long)ds.frees,
+                   (unsigned long long)ds.device_syncs, (unsigned long long)ds.stream_syncs);
+            printf("RESULT model=%s backend=%s metric=decode_waits steps=%d mallocs=%llu frees=%llu device_syncs=%llu "
+                   "stream_syncs=%llu\n", model, be->name, n_decode, (unsigned long long)ds.mallocs,
+                   (unsigned long long)ds.frees, (unsigned long long)ds.device_syncs,
+                   (unsigned long long)ds.stream_syncs);
         }
     }
 
@@ -245,7 +249,8 @@ int main(int argc, char **argv) {
         printf("RESULT model=%s backend=%s metric=step_wall_ms value=%.3f prefill=%d warmup=%d steps=%d "
                "min=%.3f max=%.3f\n", model, be->name, step_ms, prof_p, prof_warmup, prof_timed, lo, hi);
 
-        ds4_cuda_stats_reset();
+        ds4_backend_stats ps;
+        ds4_ctx_stats(c, &ps, 1);
         cudaError_t pe = cudaProfilerStart();
         if (pe != cudaSuccess) fprintf(stderr, "ds4_bench: cudaProfilerStart: %s\n", cudaGetErrorString(pe));
         const double s = now_s();
@@ -253,9 +258,9 @@ int main(int argc, char **argv) {
         const double prof_ms = (now_s() - s) * 1e3;
         pe = cudaProfilerStop();
         if (pe != cudaSuccess) fprintf(stderr, "ds4_bench: cudaProfilerStop: %s\n", cudaGetErrorString(pe));
-        uint64_t n_launch;
-        double launch_s;
-        ds4_cuda_stats(&n_launch, &launch_s);
+        ds4_ctx_stats(c, &ps, 0);
+        const uint64_t n_launch = ps.launches;
+        const double launch_s = ps.launch_seconds;
         printf("profile: the bracketed step (position %d) made %llu kernel launches (incl. cuBLAS calls), "
                "%.1f us of host time launching them; it took %.3f ms (much longer under a profiler)\n",
                pos, (unsigned long long)n_launch, launch_s * 1e6, prof_ms);

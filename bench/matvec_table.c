@@ -318,6 +318,7 @@ static struct {
     int32_t *sel;
     float *wts, *add, *out;                            /* moe_experts */
     float *qnorm;                                      /* matmul_multi's input norm */
+    ds4_step *step;                                    /* the step block: position 517 */
 } d;
 #define X_FLOATS ((size_t)1 << 16)
 #define Y_FLOATS ((size_t)1 << 17)
@@ -365,6 +366,8 @@ static void buffers_init(void) {
     for (int i = 0; i < F_Q_LORA; i++) ones[i] = 1.0f;
     d.qnorm = dev_put(ones, F_Q_LORA * sizeof(float));
     free(ones);
+    const ds4_step st = { 517, 1, { 0, 0 } };
+    d.step = dev_put(&st, sizeof st);
 }
 
 /* One call of a row's op on weight copy W[0..nw). */
@@ -383,7 +386,7 @@ static void run_call(const row_t *r, ds4_weight *W, const float *const *tabs) {
     case OP_MULTI: {
         const ds4_weight *wp[DS4_MULTI_MAX];
         for (int i = 0; i < r->nw; i++) wp[i] = &W[i];
-        be->matmul_multi(r->nw, wp, d.y, d.x, 1, r->norm ? d.qnorm : NULL, eps, tabs, 517, r->period);
+        be->matmul_multi(r->nw, wp, d.y, d.x, 1, r->norm ? d.qnorm : NULL, eps, tabs, d.step, r->period);
         break;
     }
     case OP_SWIGLU:
@@ -557,6 +560,23 @@ int main(int argc, char **argv) {
         fprintf(stderr, "matvec_table: the CUDA backend failed to start on a machine with %d GPU(s)\n", n);
         return 1;
     }
+    /* one session (ds4_gpu.h), sized for one flash16 token; its stream is the current one */
+    ds4_limits lim;
+    memset(&lim, 0, sizeof lim);
+    lim.max_batch = 1;
+    lim.n_ctx = 1024;
+    lim.n_embd = F_D;
+    lim.n_head = F_HEADS;
+    lim.head_dim = F_HEAD_DIM;
+    lim.n_expert = F_EXPERTS;
+    lim.n_expert_used = F_USED;
+    lim.n_ff_exp = F_FF;
+    lim.n_vocab = F_VOCAB;
+    lim.max_k = (int64_t)F_HC * F_D;
+    lim.max_matrix = (int64_t)F_VOCAB * F_D;
+    void *sess = be->session_new(&lim);
+    if (!sess) return 1;
+    be->session_bind(sess);
     int l2 = 0;
     CK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, 0));
     double pool = pool_mb * MB;

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """check_streams.py -- every GPU operation of the CUDA backend goes to ds4_current_stream().
 
-The invariant of stage 0 (patches/series, ds4_stream.h), checked on the source text so that
-it holds for every later change:
+The invariants of stages 0 and 1 (patches/series, ds4_stream.h), checked on the source text so
+that they hold for every later change:
 
   launch    every `<<<grid, block, smem, stream>>>` passes ds4_current_stream() as its
             stream (the backend has one, in ds4_launch_kernel; DS4_LAUNCH calls it);
@@ -14,8 +14,13 @@ it holds for every later change:
             definition sets the handle's stream to ds4_current_stream() first (handle set-up
             and status strings are exempt);
   sync      (engine files only) every synchronous copy and synchronisation carries a
-            `NOTE(stage 1)` or `NOTE(load time)` comment on its line or the 3 lines above:
-            stage 1 removes the first kind from the decode step, the second never runs in one.
+            `NOTE(load time)`, `NOTE(step result)` or `NOTE(prefill)` comment on its line or the
+            3 lines above: the first never runs in a step, the second is the one wait of a step
+            (the results), the third a prompt's expert grouping (never in a decode step);
+  count     (engine files only) every device or pinned allocation, free and synchronisation
+            (cudaMalloc, cudaFree, cudaHostAlloc, cudaMallocHost, cudaFreeHost,
+            cudaDeviceSynchronize, cudaStreamSynchronize) sits in a function whose body also
+            bumps one of the backend's counters (g_n_...), so ds4_backend_stats sees it.
 
 Comments and string literals are ignored (their text is blanked, line numbers kept).
 
@@ -48,7 +53,9 @@ CUBLAS_EXEMPT = {"cublasCreate", "cublasCreate_v2", "cublasDestroy", "cublasDest
                  "cublasSetStream_v2", "cublasSetMathMode", "cublasSetAtomicsMode", "cublasSetPointerMode",
                  "cublasSetPointerMode_v2", "cublasGetStatusName", "cublasGetStatusString", "cublasSetWorkspace",
                  "cublasSetWorkspace_v2", "cublasGetVersion", "cublasGetVersion_v2"}
-MARKERS = ("NOTE(stage 1)", "NOTE(load time)")
+MARKERS = ("NOTE(load time)", "NOTE(step result)", "NOTE(prefill)")
+COUNTED = ["cudaMalloc", "cudaFree", "cudaHostAlloc", "cudaMallocHost", "cudaFreeHost", "cudaDeviceSynchronize",
+           "cudaStreamSynchronize"]
 
 
 def blank(text):
@@ -175,7 +182,20 @@ def check_file(path, engine):
             ln = line_of(p)
             window = lines[max(0, ln - 4):ln]
             if not any(mk in l for l in window for mk in MARKERS):
-                bad(p, "sync", f"{name} without a NOTE(stage 1) / NOTE(load time) comment on its line or the 3 above")
+                bad(p, "sync", f"{name} without a NOTE(load time) / NOTE(step result) / NOTE(prefill) comment "
+                               "on its line or the 3 above")
+        # count: the enclosing function (from the last line starting at column 0 with an
+        # identifier and a parenthesis, to the next line that is a lone "}") bumps a counter
+        for name, p in calls(code, COUNTED):
+            start = code.rfind("\n", 0, p) + 1
+            fn = None
+            for m in re.finditer(r"^[A-Za-z_][^\n;]*\(", code[:start], re.M):
+                fn = m.start()
+            end = code.find("\n}", p)
+            body = code[fn if fn is not None else 0:end if end >= 0 else len(code)]
+            if not re.search(r"\bg_n_\w+\s*(\+\+|\+=)", body):
+                bad(p, "count", f"{name} in a function that does not bump a g_n_ counter "
+                                "(ds4_backend_stats would not see it)")
     return found
 
 

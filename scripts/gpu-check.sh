@@ -11,11 +11,12 @@
 #   bench     copy bandwidth, ds4_bench on flash16, flash-q2@256 and flash-q4@128 (the published
 #             files' layouts at the largest expert counts an H200 holds), then tiny and small
 #   kernels   scripts/kernel_report.sh flash16 and flash-q2@64, build/cuda-$ARCH/matvec_table
-#   series    the patch series (patches/): the baseline (scripts/series.sh base) built for CUDA
-#             beside HEAD; CUDA logits (32 prompt tokens + 300 decode steps) of tiny, small and
-#             other under the baseline, HEAD and HEAD with DS4_CUDA_GRAPHS=1 must be byte-
-#             identical, and so must the flash16 spot check's CUDA logits (a few minutes: the CPU
-#             reference runs in each build); flash16 decode tok/s of the baseline and HEAD
+#   series    the patch series (patches/): the stage before the newest (scripts/series.sh tree -1)
+#             built for CUDA beside HEAD; CUDA logits (32 prompt tokens + 1000 decode steps on tiny
+#             and small, 300 on other) under it, HEAD and HEAD with DS4_CUDA_GRAPHS=1 must be
+#             byte-identical, and so must the flash16 spot check's CUDA logits (a few minutes: the
+#             CPU reference runs in each build); HEAD's decode waits (ds4 --stats); flash16 decode
+#             tok/s of both, side by side
 #   all       all of these: build, test, hf, sanitize, spot, bench flash16, kernels, bench tiny+small
 #
 # Rough times on one H200: build ~1 min, test ~2 min, sanitize a few minutes (19 runs, 3 at
@@ -154,47 +155,55 @@ if want kernels; then
 fi
 
 if want series; then
-  step "series: the baseline vs HEAD (flag off / on), CUDA logits byte for byte"
-  SB=build/series-base
+  # HEAD against the stage before it: the baseline with every patch but the newest
+  # (scripts/series.sh tree -1); each earlier stage was checked the same way against its own
+  # predecessor when it was the newest (bench/RESULTS.md)
+  step "series: the previous stage vs HEAD (DS4_CUDA_GRAPHS off / on), CUDA logits byte for byte"
+  SB=build/series-prev
   rm -rf "$SB"
-  if bash scripts/series.sh base "$SB" > "$OUT/series.log" 2>&1 \
+  if bash scripts/series.sh tree -1 "$SB" > "$OUT/series.log" 2>&1 \
      && (cd "$SB" && make cuda CUDA_ARCH="$ARCH" -j16 && make build/cuda-"$ARCH"/ds4_bench CUDA_ARCH="$ARCH" -j16) >> "$OUT/series.log" 2>&1; then
     TOK=1,5,9,14,2,7,3,30,11,4,8,6,12,19,25,17,21,13,10,16,27,22,15,18,24,20,23,26,28,29,31,33
+    # 32 prompt tokens + N decode steps: 1000 on tiny and small cross the window (32, 64), the
+    # indexer's top-k threshold (8, 16 visible rows) and 8 ratio-128 emissions; 300 on other
     for m in tiny small other; do
-      p=build/test-out/$m.gguf
-      case "$m" in tiny|small) ./ds4 synth --config "$m" --seed 1 --type f32 -o "$p" > /dev/null 2>&1 ;; esac
+      p=build/test-out/$m.gguf; n=1000
+      case "$m" in tiny|small) ./ds4 synth --config "$m" --seed 1 --type f32 -o "$p" > /dev/null 2>&1 ;; other) n=300 ;; esac
       [ -f "$p" ] || { row "series $m: model missing ($p), skipped"; continue; }
-      "$SB"/ds4 -m "$p" --backend cuda --tokens "$TOK" -n 300 --dump-logits "$OUT/series-$m-base.ds4logit" > /dev/null 2>&1
-      ./ds4 -m "$p" --backend cuda --tokens "$TOK" -n 300 --dump-logits "$OUT/series-$m-off.ds4logit" > /dev/null 2>&1
-      DS4_CUDA_GRAPHS=1 ./ds4 -m "$p" --backend cuda --tokens "$TOK" -n 300 --dump-logits "$OUT/series-$m-on.ds4logit" > /dev/null 2>&1
-      if cmp -s "$OUT/series-$m-base.ds4logit" "$OUT/series-$m-off.ds4logit" && cmp -s "$OUT/series-$m-base.ds4logit" "$OUT/series-$m-on.ds4logit"; then
-        row "series $m: baseline, HEAD, HEAD+DS4_CUDA_GRAPHS=1 byte-identical ($(wc -c < "$OUT/series-$m-base.ds4logit") bytes)"
+      "$SB"/ds4 -m "$p" --backend cuda --tokens "$TOK" -n $n --dump-logits "$OUT/series-$m-prev.ds4logit" > /dev/null 2>&1
+      ./ds4 -m "$p" --backend cuda --tokens "$TOK" -n $n --dump-logits "$OUT/series-$m-head.ds4logit" > /dev/null 2>&1
+      DS4_CUDA_GRAPHS=1 ./ds4 -m "$p" --backend cuda --tokens "$TOK" -n $n --dump-logits "$OUT/series-$m-on.ds4logit" > /dev/null 2>&1
+      if [ -s "$OUT/series-$m-prev.ds4logit" ] && cmp -s "$OUT/series-$m-prev.ds4logit" "$OUT/series-$m-head.ds4logit" \
+         && cmp -s "$OUT/series-$m-prev.ds4logit" "$OUT/series-$m-on.ds4logit"; then
+        row "series $m ($n steps): previous stage, HEAD, HEAD+DS4_CUDA_GRAPHS=1 byte-identical ($(wc -c < "$OUT/series-$m-prev.ds4logit") bytes)"
       else
-        row "series $m: DUMPS DIFFER (series-$m-{base,off,on}.ds4logit)"
+        row "series $m ($n steps): DUMPS DIFFER or missing (series-$m-{prev,head,on}.ds4logit)"
       fi
+      rm -f "$OUT"/series-$m-*.ds4logit
     done
+    # decode waits and allocations, counted by the backend (ds4 --stats)
+    ./ds4 -m build/test-out/small.gguf --backend cuda --tokens "$TOK" -n 256 --stats 2>/dev/null | grep '^stats:' > "$OUT/series-stats.log"
+    row "series waits (small, 256 steps): $(cat "$OUT/series-stats.log")"
     # the flash16 spot check (Q8_0, built in host memory): CUDA logits byte for byte
     make --no-print-directory build/cuda-"$ARCH"/spot_check CUDA_ARCH="$ARCH" -j16 >> "$OUT/series.log" 2>&1
     (cd "$SB" && make --no-print-directory build/cuda-"$ARCH"/spot_check CUDA_ARCH="$ARCH" -j16) >> "$OUT/series.log" 2>&1
-    timeout "${SPOT_LIMIT:-600}" "$SB"/build/cuda-"$ARCH"/spot_check --dump-cuda "$OUT/series-spot-base.f32" > "$OUT/series-spot-base.log" 2>&1
-    timeout "${SPOT_LIMIT:-600}" build/cuda-"$ARCH"/spot_check --dump-cuda "$OUT/series-spot-off.f32" > "$OUT/series-spot-off.log" 2>&1
-    DS4_CUDA_GRAPHS=1 timeout "${SPOT_LIMIT:-600}" build/cuda-"$ARCH"/spot_check --dump-cuda "$OUT/series-spot-on.f32" > "$OUT/series-spot-on.log" 2>&1
-    if [ -s "$OUT/series-spot-base.f32" ] && cmp -s "$OUT/series-spot-base.f32" "$OUT/series-spot-off.f32" \
-       && cmp -s "$OUT/series-spot-base.f32" "$OUT/series-spot-on.f32"; then
-      row "series flash16 spot: baseline, HEAD, HEAD+DS4_CUDA_GRAPHS=1 byte-identical ($(wc -c < "$OUT/series-spot-base.f32") bytes)"
+    timeout "${SPOT_LIMIT:-600}" "$SB"/build/cuda-"$ARCH"/spot_check --dump-cuda "$OUT/series-spot-prev.f32" > "$OUT/series-spot-prev.log" 2>&1
+    timeout "${SPOT_LIMIT:-600}" build/cuda-"$ARCH"/spot_check --dump-cuda "$OUT/series-spot-head.f32" > "$OUT/series-spot-head.log" 2>&1
+    if [ -s "$OUT/series-spot-prev.f32" ] && cmp -s "$OUT/series-spot-prev.f32" "$OUT/series-spot-head.f32"; then
+      row "series flash16 spot: previous stage, HEAD byte-identical ($(wc -c < "$OUT/series-spot-prev.f32") bytes)"
     else
       row "series flash16 spot: DUMPS DIFFER or missing (series-spot-*.log)"
     fi
     rm -f "$OUT"/series-spot-*.f32     # 16 x 129280 floats each: the verdict and logs stay
-    for r in 1; do        # side by side (one run of each: medians of 3 reps)
-      for b in base head; do
-        bin=build/cuda-"$ARCH"/ds4_bench; [ "$b" = base ] && bin=$SB/$bin
+    for r in 1 2; do        # side by side, alternating (medians of 3 reps each)
+      for b in prev head; do
+        bin=build/cuda-"$ARCH"/ds4_bench; [ "$b" = prev ] && bin=$SB/$bin
         timeout 150 "$bin" --model flash16 --backend cuda --reps 3 --decode 32 --prefill 512 > "$OUT/series-bench-$b-$r.log" 2>&1
-        row "series bench $b run $r: $(grep -o 'metric=decode_tok_s value=[0-9.]*' "$OUT/series-bench-$b-$r.log" || echo 'no result')"
+        row "series bench $b run $r: $(grep -o 'metric=decode_tok_s value=[0-9.]*' "$OUT/series-bench-$b-$r.log" || echo 'no result') $(grep -o 'metric=decode_waits.*' "$OUT/series-bench-$b-$r.log")"
       done
     done
   else
-    tail -20 "$OUT/series.log"; row "series: the baseline did not build (series.log)"
+    tail -20 "$OUT/series.log"; row "series: the previous stage did not build (series.log)"
   fi
 fi
 

@@ -5,6 +5,10 @@
 # == HEAD, byte for byte.
 #
 #   scripts/series.sh base DIR          the baseline tree into DIR (created; must not exist)
+#   scripts/series.sh tree N DIR        the baseline with the first N patches applied, into DIR
+#                                       (N = 0: the baseline; 1: with 0001, mission stage 0; N = -1:
+#                                       all but the newest patch, which the GPU series check
+#                                       compares HEAD with)
 #   scripts/series.sh export DIR        DIR/base (the baseline) and DIR/patches (the numbered
 #                                       patches and series): for a reviewer to `git apply` one at
 #                                       a time
@@ -94,6 +98,21 @@ cmd_base() {
   head_tree "$dir"
   unapply_all "$dir"
   echo "series.sh: baseline in $dir ($(series | wc -l) patches reverse-applied)"
+}
+
+cmd_tree() {
+  local n=${1:-} dir=${2:-}
+  [ -n "$n" ] && [ -n "$dir" ] || die "usage: series.sh tree N DIR"
+  local -a ps
+  mapfile -t ps < <(series)
+  [ "$n" = "-1" ] && n=$(( ${#ps[@]} - 1 ))
+  [[ "$n" =~ ^[0-9]+$ ]] && [ "$n" -le ${#ps[@]} ] || die "tree $n: the series has 0..${#ps[@]} patches"
+  cmd_base "$dir" > /dev/null
+  local i
+  for ((i = 0; i < n; i++)); do
+    gapply "$dir" --binary --whitespace=nowarn "$PATCHES/${ps[$i]}" || die "patch ${ps[$i]} does not apply"
+  done
+  echo "series.sh: the baseline and $n patches in $dir"
 }
 
 cmd_export() {
@@ -264,6 +283,7 @@ cmd_refresh() {
 verb=${1:-}; shift || true
 case "$verb" in
   base) cmd_base "$@" ;;
+  tree) cmd_tree "$@" ;;
   export) cmd_export "$@" ;;
   check) cmd_check "$@" ;;
   add) cmd_add "$@" ;;

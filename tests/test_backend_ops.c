@@ -122,6 +122,11 @@ static void *dev_get(int bi, const void *dev, size_t bytes) {
     if (bytes) B[bi]->download(h, dev, bytes);
     return h;
 }
+/* The step block of a call at position pos0 (ds4_gpu.h): a buffer of the test. */
+static const ds4_step *at(int bi, int pos0) {
+    const ds4_step st = { pos0, 0, { 0, 0 } };
+    return dev_put(bi, &st, sizeof st);
+}
 static void dev_free_all(int bi) {
     for (int i = 0; i < g_nbufs[bi]; i++) B[bi]->free(g_bufs[bi][i]);
     g_nbufs[bi] = 0;
@@ -457,7 +462,7 @@ static void test_matmul_multi(int n, const int *types, const int *rows, int64_t 
         }
         float *dx = dev_put(bi, x, (size_t)nt * K * 4);
         float *dn = with_norm ? dev_put(bi, nw, (size_t)K * 4) : NULL;
-        B[bi]->matmul_multi(n, wp, dy, dx, nt, dn, 1e-6f, with_tab ? dt : NULL, pos0, period);
+        B[bi]->matmul_multi(n, wp, dy, dx, nt, dn, 1e-6f, with_tab ? dt : NULL, at(bi, pos0), period);
         for (int i = 0; i < n; i++) {
             out[bi][i] = dev_get(bi, dy[i], (size_t)nt * rows[i] * 4);
             B[bi]->release_weight(&wb[i]);
@@ -487,7 +492,7 @@ static void test_head_norm_rope(int nt, int nh, int dh, int n_rot, int pos0, int
         float *dw = with_w ? dev_put(bi, w, (size_t)dh * 4) : NULL;
         float *dx2 = nh2 > 0 ? dev_put(bi, x2, n2 * 4) : NULL;
         float *dw2 = nh2 > 0 ? dev_put(bi, w2, (size_t)dh * 4) : NULL;
-        B[bi]->head_norm_rope(dx, dw, nt, nh, dx2, dw2, nh2, dh, 1e-6f, pos0, &rp);
+        B[bi]->head_norm_rope(dx, dw, nt, nh, dx2, dw2, nh2, dh, 1e-6f, at(bi, pos0), &rp);
         out[bi] = dev_get(bi, dx, n * 4);
         out2[bi] = nh2 > 0 ? dev_get(bi, dx2, n2 * 4) : NULL;
         dev_free_all(bi);
@@ -515,7 +520,7 @@ static void test_compressor_step(int pos0, int nt, int ratio, int c, int dc, int
         float *a = dev_put(bi, kv, (size_t)nt * width * 4), *b = dev_put(bi, sc, (size_t)nt * width * 4);
         float *sa = dev_put(bi, skv, (size_t)slots * width * 4), *sb = dev_put(bi, ssc, (size_t)slots * width * 4);
         float *dr = dev_put(bi, rows, (size_t)n_rows * dc * 4), *dn = dev_put(bi, nw, (size_t)dc * 4);
-        B[bi]->compressor_step(a, b, sa, sb, pos0, nt, ratio, c, dc, dn, 1e-6f, &rp, dr);
+        B[bi]->compressor_step(a, b, sa, sb, at(bi, pos0), nt, ratio, c, dc, dn, 1e-6f, &rp, dr);
         o_rows[bi] = dev_get(bi, dr, (size_t)n_rows * dc * 4);
         o_kv[bi] = dev_get(bi, sa, (size_t)slots * width * 4);
         o_sc[bi] = dev_get(bi, sb, (size_t)slots * width * 4);
@@ -530,6 +535,86 @@ static void test_compressor_step(int pos0, int nt, int ratio, int c, int dc, int
     check_f32("compressor_step st", shape, o_sc[0], o_sc[1], (size_t)slots * width, TOL_EXACT);
     for (int bi = 0; bi < 2; bi++) { free(o_rows[bi]); free(o_kv[bi]); free(o_sc[bi]); }
     free(kv); free(sc); free(skv); free(ssc); free(rows); free(nw);
+}
+
+/* A decode run on fixed buffers, as a captured step replays it: one step
+ * block per backend, rewritten before every step, and the same op arguments
+ * (every pointer, count and shape) at every position.  Each step draws new
+ * q, kv and compressor rows, runs compressor_step (ratio > 0) and
+ * attention_step, and keeps the output.  `steps` positions from 0 cross the
+ * window wrap (p = W), every block the compressor closes (p % ratio ==
+ * ratio - 1: the emit steps) and the position at which attention first
+ * splits its rows (more than 32 rows), and, for ratio 4, the picks of
+ * visible rows as they appear.  Compared at the end: every step's output,
+ * the window ring, the compressed rows and the compressor state. */
+static void test_decode_run(int W, int H, int d, int ratio, int k, int steps) {
+    const ds4_rope rp = test_rope_params(d >= 128 ? 64 : 16, ratio != 0);
+    const int c = ratio == 4 ? 2 : 1, width = c * d, slots = c * ratio;
+    const int n_comp = ratio ? steps / ratio + 1 : 1;
+    const size_t nq = (size_t)H * d;
+    float *sinks = rnd_vec(H, 2.0f), *nw = rnd_vec(d, 1.0f);
+    float *outs[2];
+    float *q[2], *kv[2], *ckv[2], *csc[2], *ring[2], *comp[2], *skv[2], *ssc[2], *sk[2], *nwd[2], *y[2];
+    int32_t *tk[2];
+    ds4_step *st[2];
+    for (int bi = 0; bi < 2; bi++) {
+        outs[bi] = malloc((size_t)steps * nq * sizeof(float));
+        q[bi] = dev_poison(bi, nq);
+        kv[bi] = dev_poison(bi, d);
+        ckv[bi] = dev_poison(bi, width > 0 ? width : 1);
+        csc[bi] = dev_poison(bi, width > 0 ? width : 1);
+        float *z = calloc((size_t)W * d + (size_t)n_comp * d + 2 * (size_t)(slots > 0 ? slots : 1) * (width > 0 ? width : 1), 4);
+        ring[bi] = dev_put(bi, z, (size_t)W * d * 4);
+        comp[bi] = dev_put(bi, z, (size_t)n_comp * d * 4);
+        skv[bi] = dev_put(bi, z, (size_t)(slots > 0 ? slots : 1) * (width > 0 ? width : 1) * 4);
+        ssc[bi] = dev_put(bi, z, (size_t)(slots > 0 ? slots : 1) * (width > 0 ? width : 1) * 4);
+        free(z);
+        sk[bi] = dev_put(bi, sinks, (size_t)H * 4);
+        nwd[bi] = dev_put(bi, nw, (size_t)d * 4);
+        tk[bi] = (int32_t *)dev_poison_i32(bi, k > 0 ? k : 1);
+        y[bi] = dev_poison(bi, nq);
+        st[bi] = (ds4_step *)dev_alloc(bi, sizeof(ds4_step));
+    }
+    for (int p = 0; p < steps; p++) {
+        float *hq = rnd_vec(nq, 1.0f), *hkv = rnd_vec(d, 1.0f);
+        float *hckv = rnd_vec(width, 1.0f), *hcsc = rnd_vec(width, 3.0f);
+        int32_t *htk = ratio == 4 ? rnd_topk(p, 1, k) : NULL;
+        const ds4_step hs = { p, 1, { 0, 0 } };
+        for (int bi = 0; bi < 2; bi++) {
+            B[bi]->upload(st[bi], &hs, sizeof hs);
+            B[bi]->upload(q[bi], hq, nq * 4);
+            B[bi]->upload(kv[bi], hkv, (size_t)d * 4);
+            if (ratio) {
+                B[bi]->upload(ckv[bi], hckv, (size_t)width * 4);
+                B[bi]->upload(csc[bi], hcsc, (size_t)width * 4);
+                B[bi]->compressor_step(ckv[bi], csc[bi], skv[bi], ssc[bi], st[bi], 1, ratio, c, d, nwd[bi], 1e-6f,
+                                       &rp, comp[bi]);
+            }
+            if (htk) B[bi]->upload(tk[bi], htk, (size_t)k * 4);
+            B[bi]->attention_step(q[bi], kv[bi], ring[bi], W, st[bi], 1, H, d, ratio ? comp[bi] : NULL, ratio,
+                                  ratio == 4 ? tk[bi] : NULL, ratio == 4 ? k : 0, sk[bi], 1.0f / sqrtf((float)d),
+                                  &rp, y[bi]);
+            B[bi]->download(outs[bi] + (size_t)p * nq, y[bi], nq * 4);
+        }
+        free(hq); free(hkv); free(hckv); free(hcsc); free(htk);
+    }
+    char shape[96];
+    snprintf(shape, sizeof shape, "W=%d H=%d d=%d ratio=%d k=%d steps=0..%d", W, H, d, ratio, k, steps - 1);
+    /* as attention_step (CHAIN), on compressed rows that carry compressor_step's ULP error */
+    check_f32("decode run: attention_step", shape, outs[0], outs[1], (size_t)steps * nq, TOL_CHAIN);
+    float *r0 = dev_get(0, ring[0], (size_t)W * d * 4), *r1 = dev_get(1, ring[1], (size_t)W * d * 4);
+    check_f32("decode run: window ring", shape, r0, r1, (size_t)W * d, TOL_EXACT);
+    free(r0); free(r1);
+    if (ratio) {
+        float *c0 = dev_get(0, comp[0], (size_t)n_comp * d * 4), *c1 = dev_get(1, comp[1], (size_t)n_comp * d * 4);
+        check_f32("decode run: compressed rows", shape, c0, c1, (size_t)n_comp * d, TOL_ULP);
+        free(c0); free(c1);
+        float *s0 = dev_get(0, ssc[0], (size_t)slots * width * 4), *s1 = dev_get(1, ssc[1], (size_t)slots * width * 4);
+        check_f32("decode run: compressor state", shape, s0, s1, (size_t)slots * width, TOL_EXACT);
+        free(s0); free(s1);
+    }
+    for (int bi = 0; bi < 2; bi++) { free(outs[bi]); dev_free_all(bi); }
+    free(sinks); free(nw);
 }
 
 static void test_matmul_swiglu(int type, int64_t K, int64_t F, int nt, float limit) {
@@ -560,7 +645,7 @@ static void test_rope(int nt, int nh, int dh, int n_rot, int pos0, int step, int
     float *out[2];
     for (int bi = 0; bi < 2; bi++) {
         float *dx = dev_put(bi, x, n * 4);
-        B[bi]->rope(dx, nt, nh, dh, pos0, step, &rp, inverse);
+        B[bi]->rope(dx, nt, nh, dh, at(bi, pos0), step, &rp, inverse);
         out[bi] = dev_get(bi, dx, n * 4);
         dev_free_all(bi);
     }
@@ -595,8 +680,8 @@ static void test_attention_rp(int W, int pos0, int nt, int H, int d, int ratio, 
         int32_t *dt = topk ? dev_put(bi, topk, (size_t)nt * k * 4) : NULL;
         float *ds = dev_put(bi, sinks, (size_t)H * 4);
         float *dy = dev_poison(bi, n);
-        if (rp) B[bi]->attention_step(dq, dkv, dr, W, pos0, nt, H, d, dc, ratio, dt, ratio == 4 ? k : 0, ds, scale, rp, dy);
-        else B[bi]->attention(dq, dkv, dr, W, pos0, nt, H, d, dc, ratio, dt, ratio == 4 ? k : 0, ds, scale, dy);
+        if (rp) B[bi]->attention_step(dq, dkv, dr, W, at(bi, pos0), nt, H, d, dc, ratio, dt, ratio == 4 ? k : 0, ds, scale, rp, dy);
+        else B[bi]->attention(dq, dkv, dr, W, at(bi, pos0), nt, H, d, dc, ratio, dt, ratio == 4 ? k : 0, ds, scale, dy);
         out[bi] = dev_get(bi, dy, n * 4);
         rg[bi] = dev_get(bi, dr, (size_t)W * d * 4);
         dev_free_all(bi);
@@ -626,7 +711,7 @@ static void test_ring_store(int slots, int width, int pos0, int nt) {
     for (int bi = 0; bi < 2; bi++) {
         float *dr = dev_put(bi, ring0, (size_t)slots * width * 4);
         float *dx = dev_put(bi, rows, (size_t)nt * width * 4);
-        B[bi]->ring_store(dr, dx, slots, width, pos0, nt);
+        B[bi]->ring_store(dr, dx, slots, width, at(bi, pos0), nt);
         out[bi] = dev_get(bi, dr, (size_t)slots * width * 4);
         dev_free_all(bi);
     }
@@ -642,7 +727,7 @@ static void test_add_cyclic(int pos0, int nt, int period, int n) {
     for (int bi = 0; bi < 2; bi++) {
         float *dx = dev_put(bi, x, (size_t)nt * n * 4);
         float *dt = dev_put(bi, table, (size_t)period * n * 4);
-        B[bi]->add_cyclic(dx, dt, pos0, nt, period, n);
+        B[bi]->add_cyclic(dx, dt, at(bi, pos0), nt, period, n);
         out[bi] = dev_get(bi, dx, (size_t)nt * n * 4);
         dev_free_all(bi);
     }
@@ -663,7 +748,7 @@ static void test_compress_pool(int pos0, int nt, int ratio, int c, int dc) {
         float *a = dev_put(bi, kv, (size_t)nt * width * 4), *b = dev_put(bi, sc, (size_t)nt * width * 4);
         float *sa = dev_put(bi, skv, (size_t)slots * width * 4), *sb = dev_put(bi, ssc, (size_t)slots * width * 4);
         float *dy = dev_poison(bi, n + 1);
-        B[bi]->compress_pool(a, b, sa, sb, pos0, nt, ratio, c, dc, dy);
+        B[bi]->compress_pool(a, b, sa, sb, at(bi, pos0), nt, ratio, c, dc, dy);
         out[bi] = dev_get(bi, dy, n * 4 + 4);
         dev_free_all(bi);
     }
@@ -702,7 +787,7 @@ static void test_indexer(int pos0, int nt, int Hi, int di, int ratio, int k) {
         float *dq = dev_put(bi, q, (size_t)nt * Hi * di * 4), *dw = dev_put(bi, w, (size_t)nt * Hi * 4);
         float *dr = dev_put(bi, rows, (size_t)n_rows * di * 4);
         int32_t *dy = dev_poison_i32(bi, (size_t)nt * k);
-        B[bi]->indexer_topk(dq, dw, w_scale, dr, pos0, nt, Hi, di, ratio, k, dy);
+        B[bi]->indexer_topk(dq, dw, w_scale, dr, at(bi, pos0), nt, Hi, di, ratio, k, dy);
         out[bi] = dev_get(bi, dy, (size_t)nt * k * 4);
         dev_free_all(bi);
     }
@@ -1017,7 +1102,7 @@ static void test_determinism(void) {
         int32_t *dt = dev_put(bi, topk, (size_t)k * 4);
         float *r[2];
         for (int rep = 0; rep < 2; rep++) {
-            B[bi]->attention(dq, dkv, dr, W, pos0, 1, H, d, dc, 4, dt, k, ds, 0.044f, dy);
+            B[bi]->attention(dq, dkv, dr, W, at(bi, pos0), 1, H, d, dc, 4, dt, k, ds, 0.044f, dy);
             r[rep] = dev_get(bi, dy, (size_t)H * d * 4);
         }
         check_same("attention decode ratio=4 k=512", r[0], r[1], (size_t)H * d * 4);
@@ -1146,6 +1231,27 @@ int main(void) {
         return 0;
     }
     if (B[0]->init() != 0) { fprintf(stderr, "test: CPU backend init failed\n"); return 2; }
+    /* one session per backend, sized for the largest case below (ds4_gpu.h: an
+     * op asked for more than its session holds exits, naming the limit) */
+    ds4_limits lim;
+    memset(&lim, 0, sizeof lim);
+    lim.max_batch = 256;                 /* test_compress_pool(0, 256, ...) */
+    lim.n_ctx = 32768;                   /* attention and indexer at position 20000 */
+    lim.n_embd = 8192;
+    lim.n_head = 64;
+    lim.head_dim = 512;
+    lim.idx_topk = 1024;
+    lim.n_expert = 256;
+    lim.n_expert_used = 8;
+    lim.n_ff_exp = 4096;
+    lim.n_vocab = 1;
+    lim.max_k = 16384;
+    lim.max_matrix = (int64_t)64 << 20;
+    for (int bi = 0; bi < 2; bi++) {
+        void *s = B[bi]->session_new(&lim);
+        if (!s) { fprintf(stderr, "test: session of backend %s failed\n", B[bi]->name); return 2; }
+        B[bi]->session_bind(s);
+    }
 
     const int types[4] = { DS4_TYPE_F32, DS4_TYPE_F16, DS4_TYPE_BF16, DS4_TYPE_Q8_0 };
     const int nts[3] = { 1, 3, 64 };
@@ -1338,6 +1444,20 @@ int main(void) {
     test_attention_step(16, 30, 1, 3, 49, 0, 0, 16, 0);
     test_attention_step(16, 300, 2, 3, 49, 128, 0, 16, 1);
     /* one token (fused kernel) with and without an emitted row, and batches */
+    /* decode runs on fixed buffers (the replay of a captured step): window
+     * wrap, emit steps of ratio 4 and 128, the first split of attention's rows */
+    test_decode_run(48, 8, 128, 0, 0, 80);
+    test_decode_run(32, 8, 128, 4, 16, 90);
+    test_decode_run(32, 4, 64, 128, 0, 300);
+    /* block boundaries: the steps just before, at and after a ratio-4 block
+     * closes, and the indexer's visible rows reaching k (16 at p = 63) */
+    test_compressor_step(11, 1, 4, 2, 128, 64);
+    test_compressor_step(12, 1, 4, 2, 128, 64);
+    test_compressor_step(126, 1, 128, 1, 128, 64);
+    test_compressor_step(128, 1, 128, 1, 128, 64);
+    test_indexer(62, 1, 8, 64, 4, 16);
+    test_indexer(63, 1, 8, 64, 4, 16);
+    test_indexer(64, 1, 8, 64, 4, 16);
     test_compressor_step(7, 1, 4, 2, 512, 64);
     test_compressor_step(8, 1, 4, 2, 512, 64);
     test_compressor_step(3, 1, 4, 2, 128, 64);

@@ -87,6 +87,7 @@ ENV_CASES = [
     ({"DS4_CUDA_GRAPHS": "2"}, "DS4_CUDA_GRAPHS='2' is not 0 or 1"),
     ({"DS4_CUDA_GRAPHS": "yes"}, "DS4_CUDA_GRAPHS='yes'"),
     ({"DS4_CUDA_GRAPHS": ""}, "DS4_CUDA_GRAPHS=''"),
+    ({"DS4_LAUNCH_TRACE": ""}, "DS4_LAUNCH_TRACE is empty"),
     # found by tests/fuzz/fuzz_env: a newline in a value made the error two lines
     ({"DS4_THREADS": "1\n2"}, "DS4_THREADS='1\\x0a2'"),
 ]
@@ -172,3 +173,16 @@ def test_info():
     expect_error(["info"], "usage: ds4 info FILE")
     good = open(make_model("tiny"), "rb").read()
     expect_error(["info", bad_model("info-trunc", good[:len(good) // 2])], "")
+
+
+def test_stats_flag():
+    """--stats prints the backend's counters over the decode steps (the CPU backend has none)."""
+    r = ds4_run(["-m", make_model("tiny"), "--tokens", "1,2,3", "-n", "5", "--backend", "cpu", "--stats"])
+    assert "stats: decode 5 steps on cpu: 0.0 launches per step" in r.stdout, r.stdout
+
+
+def test_launch_trace_on_cpu_says_so():
+    e = {k: x for k, x in os.environ.items() if not k.startswith("DS4_")}
+    e["DS4_LAUNCH_TRACE"] = os.path.join(OUT, "cpu-trace.txt")
+    r = ds4_run(["-m", make_model("tiny"), "--tokens", "1,2", "-n", "1", "--backend", "cpu"], env=e)
+    assert "DS4_LAUNCH_TRACE: the cpu backend launches no kernels; nothing is traced" in r.stderr

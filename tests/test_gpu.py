@@ -103,3 +103,63 @@ def test_cuda_graphs_flag_bit_identical(name):
                  "-n", "300", "--dump-logits", out], binary=CUDA_BIN, env=env)
         dumps.append(open(out, "rb").read())
     assert dumps[0] == dumps[1]
+
+
+def trace_steps(path):
+    """A DS4_LAUNCH_TRACE file split into forward calls: the lines from a call's first upload
+    (its step block) to its wait.  Returns [(uploads, launch lines)] in call order."""
+    steps, cur = [], None
+    for line in open(path):
+        line = line.rstrip("\n")
+        if line.startswith("upload ") and (cur is None or cur[1]):
+            cur = ([], [])          # a new call: its uploads come before any launch
+            steps.append(cur)
+        if cur is None:
+            continue
+        if line.startswith("upload "):
+            cur[0].append(line)
+        elif line.startswith("launch "):
+            cur[1].append(line)
+    return steps
+
+
+@skip_no_gpu
+@pytest.mark.parametrize("name,n", [("tiny", 200), ("small", 150)])
+def test_decode_launches_replayable(name, n):
+    """Stage 1 (patches/0002): the launch trace (DS4_LAUNCH_TRACE) of every decode step -- each
+    launch's kernel, grid, block, shared memory and argument bytes -- is byte-identical at every
+    position, across the window wrap (tiny 32, small 64), the indexer's top-k threshold and the
+    compressors' emit steps (every 4th and 128th).  So one captured step replays at any
+    position.  The prompt's batch is a different shape, and its trace must differ."""
+    trace = os.path.join(OUT, f"{name}.launch-trace.txt")
+    env = {k: x for k, x in os.environ.items() if not k.startswith("DS4_")}
+    env["DS4_LAUNCH_TRACE"] = trace
+    ds4_run(["-m", make_model(name), "--backend", "cuda", "--tokens", ",".join(map(str, PROMPT)),
+             "-n", str(n)], binary=CUDA_BIN, env=env)
+    steps = trace_steps(trace)
+    assert len(steps) == 1 + n, f"{len(steps)} forward calls traced, expected 1 prompt + {n} steps"
+    prefill, decode = steps[0], steps[1:]
+    ref = decode[0][1]
+    assert len(ref) > 20, f"a decode step traced only {len(ref)} launches"
+    for i, (ups, launches) in enumerate(decode):
+        assert ups == decode[0][0], f"decode step {i}: uploads {ups} != {decode[0][0]}"
+        if launches != ref:
+            diff = next(j for j in range(min(len(ref), len(launches))) if launches[j] != ref[j]) \
+                if len(launches) == len(ref) else "count"
+            raise AssertionError(f"decode step {i} (position {len(PROMPT) + i}): launches differ from step 0 "
+                                 f"({len(launches)} vs {len(ref)} launches; first difference: {diff})")
+    assert prefill[1] != ref
+
+
+@skip_no_gpu
+def test_decode_allocates_nothing_and_waits_once():
+    """Stage 1: between the prompt and the end of decode the backend makes no device allocation or
+    free and no device sync, and exactly one stream sync per step (the one that reads the
+    logits), as its counters (ds4 --stats) report them."""
+    n = 64
+    r = ds4_run(["-m", make_model("small"), "--backend", "cuda", "--tokens", ",".join(map(str, PROMPT)),
+                 "-n", str(n), "--stats"], binary=CUDA_BIN)
+    line = next(l for l in r.stdout.splitlines() if l.startswith("stats:"))
+    assert f"decode {n} steps on cuda" in line, line
+    assert ", 0 device allocations, 0 frees, 0 device syncs, " in line, line
+    assert line.endswith(f", {n} stream syncs"), line

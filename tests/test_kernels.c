@@ -36,6 +36,13 @@
 #define U 5.9604644775390625e-08 /* 2^-24: f32 unit roundoff */
 
 static const ds4_backend *be;
+
+/* The step block of a call at pos0 (ds4_gpu.h; host memory on the CPU backend). */
+static ds4_step g_step;
+static const ds4_step *at(int pos0) {
+    g_step.pos0 = pos0;
+    return &g_step;
+}
 static int n_pass, n_fail;
 
 /* ------------------------------------------------------------------ PRNG */
@@ -649,9 +656,9 @@ static void test_rope(int nt, int nh, int dh, int n_rot, int pos0, int pos_step,
     float *x = fbuf(n);
     fill(x, n, -2, 2);
     float *dx = dev_from(x, n);
-    be->rope(dx, nt, nh, dh, pos0, pos_step, &rp, 0);
+    be->rope(dx, nt, nh, dh, at(pos0), pos_step, &rp, 0);
     float *y = dl(dx, n);
-    be->rope(dx, nt, nh, dh, pos0, pos_step, &rp, 1);
+    be->rope(dx, nt, nh, dh, at(pos0), pos_step, &rp, 1);
     float *z = dl(dx, n);
 
     double *r1 = dbuf(n), *t1 = dbuf(n), *r2 = dbuf(n), *t2 = dbuf(n), *r3 = dbuf(n), *t3 = dbuf(n);
@@ -751,7 +758,7 @@ static void test_attention(int W, int pos0, int nt, int H, int d, int ratio, int
     int32_t *dtopk = ratio == 4 ? dev_from_i(topk, (size_t)nt * k) : NULL;
     float *dout = dev_nan(nq);
     const float scale = 1.0f / sqrtf((float)d);
-    be->attention(dq, dkv, dring, W, pos0, nt, H, d, dcomp, ratio, dtopk, k, dsinks, scale, dout);
+    be->attention(dq, dkv, dring, W, at(pos0), nt, H, d, dcomp, ratio, dtopk, k, dsinks, scale, dout);
     float *out = dl(dout, nq);
 
     double *ref = dbuf(nq), *tol = dbuf(nq);
@@ -809,7 +816,7 @@ static void test_ring_store(int slots, int width, int pos0, int nt) {
     float *ring = fbuf(nr), *rows = fbuf(nb);
     fill(ring, nr, -1, 1); fill(rows, nb, -1, 1);
     float *dring = dev_from(ring, nr), *drows = dev_from(rows, nb);
-    be->ring_store(dring, drows, slots, width, pos0, nt);
+    be->ring_store(dring, drows, slots, width, at(pos0), nt);
     float *got = dl(dring, nr);
     double *ref = dbuf(nr);
     for (size_t i = 0; i < nr; i++) ref[i] = ring[i];
@@ -828,7 +835,7 @@ static void test_add_cyclic(int period, int n, int pos0, int nt) {
     float *x = fbuf(nx), *tab = fbuf(ntab);
     fill(x, nx, -2, 2); fill(tab, ntab, -2, 2);
     float *dx = dev_from(x, nx), *dtab = dev_from(tab, ntab);
-    be->add_cyclic(dx, dtab, pos0, nt, period, n);
+    be->add_cyclic(dx, dtab, at(pos0), nt, period, n);
     float *got = dl(dx, nx);
     double *ref = dbuf(nx);
     for (int t = 0; t < nt; t++)
@@ -882,7 +889,7 @@ static void test_compress_pool(int ratio, int c, int dc, int pos0, int nt) {
     float *hout = fbuf(nout);
     for (size_t i = 0; i < nout; i++) hout[i] = i < (size_t)n_emit * dc ? NAN : 777.0f + (float)i;
     float *dout = dev_from(hout, nout);
-    be->compress_pool(dkv, dsc, dskv, dssc, pos0, nt, ratio, c, dc, dout);
+    be->compress_pool(dkv, dsc, dskv, dssc, at(pos0), nt, ratio, c, dc, dout);
     float *out = dl(dout, nout);
 
     size_t nr = (size_t)n_emit * dc;
@@ -960,7 +967,7 @@ static void test_indexer(int Hi, int di, int ratio, int k, int pos0, int nt, int
     int32_t *poison = xmalloc(no * 4);
     for (size_t i = 0; i < no; i++) poison[i] = 0x55555555;
     int32_t *dout = dev_from_i(poison, no);
-    be->indexer_topk(dq, dw, 0.5f, drows, pos0, nt, Hi, di, ratio, k, dout);
+    be->indexer_topk(dq, dw, 0.5f, drows, at(pos0), nt, Hi, di, ratio, k, dout);
     int32_t *out = xmalloc(no * 4), *ref = xmalloc(no * 4);
     be->synchronize();
     be->download(out, dout, no * 4);

@@ -1,4 +1,5 @@
-"""scripts/check_streams.py: the stage-0 invariant (every GPU operation on ds4_current_stream()).
+"""scripts/check_streams.py: the stage-0 and stage-1 invariants (every GPU operation on ds4_current_stream(),
+every wait marked, every allocation and wait counted).
 
 The repository passes; each rule fails on a planted violation, both in a small file and inside a
 copy of the real ds4_cuda.cu; comments and strings do not count.
@@ -31,8 +32,10 @@ static void f(void) {
     cudaMemsetAsync(p, 0, n, ds4_current_stream());
     cudaEventRecord(ev, ds4_current_stream());
     DS4_CUBLAS(cublasSgemm(h, a, b));
-    /* NOTE(stage 1): the logits */
+    /* NOTE(step result): the logits */
     cudaMemcpy(d, s, n, cudaMemcpyDeviceToHost);
+    g_n_stream_sync++;
+    cudaStreamSynchronize(ds4_current_stream());   /* NOTE(step result) */
     // a comment: k<<<1, 1>>>(); cudaMemset(p, 0, n); cublasSgemm(h);
     puts("cudaMemset(p, 0, n) <<<1, 1>>> cudaDeviceSynchronize()");
 }
@@ -48,7 +51,16 @@ PLANTED = {
     "cublas-bare": ("cublasSgemm(h, a, b);", "cublas"),
     "sync-unmarked": ("cudaDeviceSynchronize();", "sync"),
     "memcpy-unmarked": ("cudaMemcpy(d, s, n, cudaMemcpyHostToDevice);", "sync"),
+    "stage0-marker": ("cudaStreamSynchronize(s); /* NOTE(stage 1) */", "sync"),
 }
+
+
+def test_uncounted_allocation_fails():
+    """A cudaMalloc or a wait in a function that bumps no g_n_ counter is a count violation."""
+    text = GOOD + "static void g(void) {\n    cudaMalloc(&p, 16);\n    cudaFree(p);\n}\n"
+    r = check("--engine", write("count", text))
+    assert r.returncode == 1, r.stdout
+    assert r.stdout.count("count:") == 2, r.stdout
 
 
 def write(name, text):
@@ -80,7 +92,7 @@ def test_define_without_set_stream_fails():
 
 
 def test_sync_rule_only_for_engine_files():
-    text = GOOD.replace("    /* NOTE(stage 1): the logits */\n", "", 1)
+    text = GOOD.replace("    /* NOTE(step result): the logits */\n", "", 1)
     assert check("--engine", write("sync-engine", text)).returncode == 1
     assert check("--other", write("sync-other", text)).returncode == 0
 

@@ -32,6 +32,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (rc == 0) {
         if (e.threads < 0 || e.threads > DS4_MAX_THREADS) { fprintf(stderr, "fuzz_env: threads %d out of range\n", e.threads); abort(); }
         if (e.cuda_graphs != 0 && e.cuda_graphs != 1) { fprintf(stderr, "fuzz_env: cuda_graphs %d\n", e.cuda_graphs); abort(); }
+        if (e.launch_trace && !e.launch_trace[0]) { fprintf(stderr, "fuzz_env: empty launch_trace accepted\n"); abort(); }
     } else if (rc != -1 || !err[0]
 #ifndef DS4_FUZZ_ENV_ALLOW_NL   /* for a long run past the known finding (crashers/env/) */
                || strchr(err, '\n')
