@@ -3074,6 +3074,19 @@ static void cpu_compressor_step(const float *kv, const float *sc, float *st_kv, 
     cpu_ring_store(st_sc, sc, c * ratio, c * dc, step, nt);
 }
 
+static void cpu_compressor_steps(int n, const ds4_compressor *cs, const ds4_step *step, int nt, float eps,
+                                 const ds4_rope *rp) {
+    for (int i = 0; i < n; i++)
+        cpu_compressor_step(cs[i].kv, cs[i].sc, cs[i].st_kv, cs[i].st_sc, step, nt, cs[i].ratio, cs[i].c, cs[i].dc,
+                            cs[i].norm_w, eps, rp, cs[i].rows);
+}
+
+static void cpu_indexer_step(float *q, const float *w, float w_scale, const float *rows, const ds4_step *step,
+                             int nt, int Hi, int di, int ratio, int k, const ds4_rope *rp, int32_t *out) {
+    cpu_rope(q, nt, Hi, di, step, 1, rp, 0);
+    cpu_indexer_topk(q, w, w_scale, rows, step, nt, Hi, di, ratio, k, out);
+}
+
 static void cpu_moe_gate(const ds4_weight *gate_inp, const float *x, float *logits, const float *bias,
                          const ds4_weight *tid2eid, const int32_t *tokens, int nt, int E, int k, int norm,
                          float wscale, int32_t *sel, float *wts) {
@@ -3105,6 +3118,7 @@ static const ds4_backend g_cpu_backend = {
     .hc_pre = cpu_hc_pre, .matmul_multi = cpu_matmul_multi, .head_norm_rope = cpu_head_norm_rope,
     .matmul_swiglu = cpu_matmul_swiglu, .attention_step = cpu_attention_step,
     .compressor_step = cpu_compressor_step, .moe_gate = cpu_moe_gate,
+    .compressor_steps = cpu_compressor_steps, .indexer_step = cpu_indexer_step,
 };
 
 const ds4_backend *ds4_backend_cpu(void) { return &g_cpu_backend; }
@@ -3471,8 +3485,9 @@ struct ds4_ctx {
     ds4_layer_state    L[DS4_MAX_LAYERS];
     void              *sess;      /* the backend's session: stream, scratch, counters */
     ds4_step          *step;      /* the step block (backend memory), written before each call */
+    void              *step_host; /* its host image: the block, then the batch's tokens */
     /* activations, all [B][...] with B = max_batch */
-    int32_t *tok;                 /* [B] */
+    int32_t *tok;                 /* [B], right after the step block: one upload writes both */
     float   *x, *x2;              /* [B][hc][D] residual streams */
     float   *flat;                /* [B][hc*D] */
     float   *mix;                 /* [B][(2+hc)*hc] */
@@ -3574,8 +3589,10 @@ ds4_ctx *ds4_ctx_new(ds4_model *m, const ds4_backend *be, int n_ctx, int max_bat
             S->ist_sc = ctx_alloc(c, 8 * 2 * di * 4, &fail);
         }
     }
-    c->step = ctx_alloc(c, sizeof(ds4_step), &fail);
-    c->tok  = ctx_alloc(c, B * 4, &fail);
+    c->step = ctx_alloc(c, sizeof(ds4_step) + B * 4, &fail);
+    c->tok  = c->step ? (int32_t *)(c->step + 1) : NULL;
+    c->step_host = malloc(sizeof(ds4_step) + B * 4);
+    if (!c->step_host) fail = 1;
     c->x    = ctx_alloc(c, B * hc * D * 4, &fail);
     c->x2   = ctx_alloc(c, B * hc * D * 4, &fail);
     c->flat = ctx_alloc(c, B * hc * D * 4, &fail);
@@ -3644,6 +3661,7 @@ ds4_ctx *ds4_ctx_new(ds4_model *m, const ds4_backend *be, int n_ctx, int max_bat
 void ds4_ctx_free(ds4_ctx *c) {
     if (!c) return;
     if (c->sess) c->be->session_free(c->sess);
+    free(c->step_host);
     for (int i = 0; i < c->n_allocs; i++) c->be->free(c->allocs[i]);
     free(c);
 }
@@ -3706,17 +3724,22 @@ static void fwd_attention(ds4_ctx *c, int il, const float *hn, int nt, float *ou
     /* compressors: pool finished blocks into rows (normalised, rotated), then
      * remember the batch's kv and gate rows in their state rings */
     int k = 0;
+    ds4_compressor cs[2];
+    int ncs = 0;
     if (ratio) {
-        be->compressor_step(c->ckv, c->csc, S->st_kv, S->st_sc, c->step, nt, ratio, ratio == 4 ? 2 : 1, d,
-                            L->comp_norm.dev, hp->rms_eps, &c->rope_comp, S->comp);
+        cs[ncs++] = (ds4_compressor){ c->ckv, c->csc, S->st_kv, S->st_sc, ratio, ratio == 4 ? 2 : 1, d,
+                                      L->comp_norm.dev, S->comp };
     }
     if (ratio == 4) {
-        be->compressor_step(c->ikv, c->isc, S->ist_kv, S->ist_sc, c->step, nt, 4, 2, di,
-                            L->idx_comp_norm.dev, hp->rms_eps, &c->rope_comp, S->irows);
-        be->rope(c->iq, nt, Hi, di, c->step, 1, &c->rope_comp, 0);
+        cs[ncs++] = (ds4_compressor){ c->ikv, c->isc, S->ist_kv, S->ist_sc, 4, 2, di, L->idx_comp_norm.dev,
+                                      S->irows };
+    }
+    if (ncs) be->compressor_steps(ncs, cs, c->step, nt, hp->rms_eps, &c->rope_comp);
+    if (ratio == 4) {
+        /* the indexer's queries are rotated as its rows were, then score the rows */
         k = hp->idx_topk;
-        be->indexer_topk(c->iq, c->iw, 1.0f / sqrtf((float)di * (float)Hi), S->irows, c->step, nt, Hi, di, 4, k,
-                         c->topk);
+        be->indexer_step(c->iq, c->iw, 1.0f / sqrtf((float)di * (float)Hi), S->irows, c->step, nt, Hi, di, 4, k,
+                         &c->rope_comp, c->topk);
     }
 
     /* attention, the window ring update, and the query-position rotation
@@ -3789,14 +3812,15 @@ int ds4_eval(ds4_ctx *c, const int32_t *tokens, int n, float *logits, int all_ro
             errf(err, errlen, "token id %d out of range [0, %d)", tokens[i], hp->n_vocab);
             return -1;
         }
-    /* The step's inputs go up as two small ordered copies (the position in the
-     * step block, the tokens); the ops read them when they run.  The host
-     * waits once, for the logits (or, without them, for the step to end). */
+    /* The step's inputs go up as one small ordered copy (the position in the
+     * step block, then the tokens); the ops read them when they run.  The
+     * host waits once, for the logits (or, without them, for the step to end). */
     const ds4_backend *be = c->be;
     void *prev = be->session_bind(c->sess);
     const ds4_step st = { c->pos, n, { 0, 0 } };
-    be->upload(c->step, &st, sizeof st);
-    be->upload(c->tok, tokens, (size_t)n * 4);
+    memcpy(c->step_host, &st, sizeof st);
+    memcpy((ds4_step *)c->step_host + 1, tokens, (size_t)n * 4);
+    be->upload(c->step, c->step_host, sizeof st + (size_t)n * 4);
     fwd_batch(c, n, all_rows);
     if (logits) be->download(logits, c->logits, (size_t)(all_rows ? n : 1) * hp->n_vocab * 4);
     else be->synchronize();

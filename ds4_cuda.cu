@@ -20,7 +20,8 @@
  * the indexer, routing) is small next to the weights, but at decode each of
  * those kernels costs a few microseconds of latency, ~45 of them per layer
  * at first.  So the contract has fused ops (ds4_gpu.h: hc_pre, matmul_multi,
- * head_norm_rope, matmul_swiglu, attention_step, compressor_step, moe_gate),
+ * head_norm_rope, matmul_swiglu, attention_step, compressor_step(s),
+ * indexer_step, moe_gate),
  * each defined as a composition of plain ops, which this file runs as fewer
  * kernels at decode (~18 per layer) and as the composition where fusing does
  * not pay.  The mHC projection (24 rows of 16384 floats) is spread over
@@ -503,7 +504,12 @@ static void cuda_upload(void *dst, const void *src, size_t bytes) {
 }
 
 /* The one wait of a step: after every op issued before it, the bytes come
- * down (through pinned staging when they fit) and are in dst on return. */
+ * down and are in dst on return.  Small results go through the session's
+ * pinned staging.  A larger one (a row of logits is 517 KB on Flash) is
+ * copied straight into dst: for pageable memory the driver stages it in
+ * pieces and overlaps the DMA with its own copy out, where the pinned
+ * staging would add a full host copy after the DMA (DOWN_STAGE_MAX). */
+#define DOWN_STAGE_MAX ((size_t)64 << 10)
 static void cuda_download(void *dst, const void *src, size_t bytes) {
     ds4_session *S = g_sess;
     sess_trace_line("download", bytes);
@@ -1390,6 +1396,7 @@ __global__ void __launch_bounds__(MV_THREADS, NT >= 4 ? 1 : NT >= 2 ? 2 : MV_MIN
     int rows = a.rows, bx = blockIdx.x;
     int64_t y_tok = a.y_tok;
     const float *tab = NULL;
+    int tab_pos0 = 0;                           /* read now: its latency hides behind the main loop */
     if (MODE == MV_DENSE && a.n_seg > 0) {      /* matmul_multi: find this block's matrix */
         int sg = 0;
         while (sg + 1 < a.n_seg && bx >= a.seg_tile0[sg + 1]) sg++;
@@ -1399,6 +1406,7 @@ __global__ void __launch_bounds__(MV_THREADS, NT >= 4 ? 1 : NT >= 2 ? 2 : MV_MIN
         y = a.seg_y[sg];
         y_tok = rows;
         tab = a.seg_tab[sg];
+        if (tab) tab_pos0 = a.tab_step->pos0;
     }
 
     /* my rows: first + G*i, i < n_mine */
@@ -1540,7 +1548,7 @@ __global__ void __launch_bounds__(MV_THREADS, NT >= 4 ? 1 : NT >= 2 ? 2 : MV_MIN
             for (int q = 0; q < S; q++) v1 += part[NPLANE - 1][lr * S + q];
             y[row] = silu_mul(v0, v1, a.clamp);
         } else {
-            if (tab) v0 = __fadd_rn(v0, tab[(int64_t)((a.tab_step->pos0 + a.tok0 + u) % a.tab_period) * rows + row]);
+            if (tab) v0 = __fadd_rn(v0, tab[(int64_t)((tab_pos0 + a.tok0 + u) % a.tab_period) * rows + row]);
             y[(int64_t)u * y_tok + row] = v0;
         }
     }
@@ -2075,6 +2083,7 @@ __global__ void __launch_bounds__(HNR_THREADS) k_head_norm_rope(float *x, const 
                                                                float eps, const ds4_step *step, rope_args r) {
     extern __shared__ float row_s[];
     __shared__ double red[HNR_THREADS / 32];
+    const int pos0 = step->pos0;    /* read first: its latency hides behind the row's loads */
     /* blocks [0, nt*nh): rows of x; the next nt*nh2: rows of x2 */
     int64_t row = blockIdx.x;
     int t;
@@ -2103,7 +2112,7 @@ __global__ void __launch_bounds__(HNR_THREADS) k_head_norm_rope(float *x, const 
         row_s[i] = w ? row_s[i] * scale * w[i] : row_s[i] * scale;
     __syncthreads();
     for (int i = threadIdx.x; i < r.n_rot / 2; i += HNR_THREADS)
-        rope_pair(row_s + (dh - r.n_rot) + 2 * i, r, step->pos0 + t, i, 0);
+        rope_pair(row_s + (dh - r.n_rot) + 2 * i, r, pos0 + t, i, 0);
     __syncthreads();
     for (int i = threadIdx.x; i < dh; i += HNR_THREADS) xr[i] = row_s[i];
 }
@@ -2245,7 +2254,12 @@ __global__ void __launch_bounds__(ATT_THREADS) k_attention(const attn_args a) {
     __shared__ int ids_s[ATT_MAX_TOPK];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int h0 = blockIdx.x * ATT_HB, c = blockIdx.y, t = blockIdx.z;
-    const int pos0 = a.step->pos0;
+    const int pos0 = a.step->pos0;               /* in flight with the query loads below */
+#pragma unroll
+    for (int idx = threadIdx.x; idx < ATT_HB * 32 * DM; idx += ATT_THREADS) {
+        const int hb = idx / (32 * DM), e = idx % (32 * DM), h = h0 + hb;
+        q_s[hb][e] = (h < a.H && e < a.d) ? a.q[((int64_t)t * a.H + h) * a.d + e] : 0.0f;
+    }
     int chunks, chunk_rows;
     att_chunks(pos0, a.nt, a.W, a.ratio, a.k, a.want, &chunks, &chunk_rows);
     if (c >= chunks) return;                     /* the grid is sized for `want` chunks */
@@ -2256,11 +2270,6 @@ __global__ void __launch_bounds__(ATT_THREADS) k_attention(const attn_args a) {
     const int i0 = c * chunk_rows;
     const int i1 = min(L, i0 + chunk_rows);
 
-#pragma unroll
-    for (int idx = threadIdx.x; idx < ATT_HB * 32 * DM; idx += ATT_THREADS) {
-        const int hb = idx / (32 * DM), e = idx % (32 * DM), h = h0 + hb;
-        q_s[hb][e] = (h < a.H && e < a.d) ? a.q[((int64_t)t * a.H + h) * a.d + e] : 0.0f;
-    }
     if (a.ratio == 4) {      /* this chunk's picks, so a row costs one round trip, not two */
         const int j0 = max(i0 - n_win, 0), j1 = max(i1 - n_win, 0);
         for (int j = j0 + threadIdx.x; j < j1; j += ATT_THREADS) ids_s[j] = a.topk[(int64_t)t * a.k + j];
@@ -2349,7 +2358,7 @@ __global__ void __launch_bounds__(ATT_THREADS) k_attention(const attn_args a) {
                 if (e < a.d) a.out[oh * a.d + e] = v;
             }
         } else {
-            const int64_t pidx = oh * chunks + c;
+            const int64_t pidx = oh * a.want + c;   /* partials of a (query, head): want slots */
             if (lane == 0) { a.part_ml[2 * pidx] = m_r[hb]; a.part_ml[2 * pidx + 1] = l_r[hb]; }
 #pragma unroll
             for (int m = 0; m < DM; m++) {
@@ -2378,20 +2387,28 @@ __global__ void k_attention_combine(const attn_args a) {
     __shared__ float denom_s;
     const int h = blockIdx.x, t = blockIdx.y;
     const int pos0 = a.step->pos0;
+    const int H = a.H, d = a.d;
+    const int64_t base = ((int64_t)t * H + h) * a.want;   /* this (query, head)'s want partial slots */
+    /* the chunk maxima and sums, loaded with the position (slots past this step's chunks are dropped) */
+    float mc = -INFINITY, lc = 0.0f;
+    if (threadIdx.x < a.want) {
+        mc = a.part_ml[2 * (base + threadIdx.x)];
+        lc = a.part_ml[2 * (base + threadIdx.x) + 1];
+    }
+    const int e = threadIdx.x;                  /* blockDim.x = d rounded up to a warp */
+    float v[ATT_MAX_CHUNKS];                    /* every slot's partial row, in flight at once */
+#pragma unroll
+    for (int c = 0; c < ATT_MAX_CHUNKS; c++) v[c] = c < a.want && e < d ? a.part_o[(base + c) * d + e] : 0.0f;
     int chunks, chunk_rows;
     att_chunks(pos0, a.nt, a.W, a.ratio, a.k, a.want, &chunks, &chunk_rows);
-    const int H = a.H, d = a.d;
     if (chunks == 1) {
-        const int e = threadIdx.x;
         if (a.ring_out && h == 0 && e < d && t >= a.nt - a.W)
             a.ring_out[(int64_t)((pos0 + t) % a.W) * d + e] = a.kv[(int64_t)t * d + e];
         return;
     }
-    const int64_t base = ((int64_t)t * H + h) * chunks;
     if (threadIdx.x < 32) {
         const int c = threadIdx.x;
-        const float mc = c < chunks ? a.part_ml[2 * (base + c)] : -INFINITY;
-        const float lc = c < chunks ? a.part_ml[2 * (base + c) + 1] : 0.0f;
+        if (c >= chunks) { mc = -INFINITY; lc = 0.0f; }
         const float sink = a.sinks[h];
         float M = mc;
         for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(FULL_MASK, M, o));
@@ -2403,13 +2420,9 @@ __global__ void k_attention_combine(const attn_args a) {
     }
     __syncthreads();
     const float denom = denom_s;
-    const int e = threadIdx.x;                  /* blockDim.x = d rounded up to a warp */
-    float v[ATT_MAX_CHUNKS];
-#pragma unroll
-    for (int c = 0; c < ATT_MAX_CHUNKS; c++) v[c] = c < chunks && e < d ? a.part_o[(base + c) * d + e] : 0.0f;
     float acc = 0.0f;
 #pragma unroll
-    for (int c = 0; c < ATT_MAX_CHUNKS; c++) acc = fmaf(v[c], c < chunks ? f_s[c] : 0.0f, acc);
+    for (int c = 0; c < ATT_MAX_CHUNKS; c++) acc = fmaf(c < chunks ? v[c] : 0.0f, c < chunks ? f_s[c] : 0.0f, acc);
     const float o = att_derot(a, acc / denom, e, pos0 + t);
     if (e < d) a.out[((int64_t)t * H + h) * d + e] = o;
     if (a.ring_out && h == 0 && e < d && t >= a.nt - a.W)
@@ -2652,13 +2665,21 @@ static void cuda_compress_pool(const float *kv, const float *sc, const float *st
 #define CST_THREADS 512
 #define CST_MAX_DC  4096
 
-__global__ void __launch_bounds__(CST_THREADS) k_compressor_step(const float *kv, const float *sc, float *st_kv,
-                                                                float *st_sc, const ds4_step *step, int ratio, int c,
-                                                                int dc, const float *norm_w, float eps,
-                                                                rope_args r, float *rows) {
+/* The compressors of one launch: block b steps cs[b] (compressor_steps: a
+ * ratio-4 layer's kv compressor and its indexer's run side by side). */
+typedef struct {
+    ds4_compressor cs[DS4_MULTI_MAX];
+} cst_set;
+
+__global__ void __launch_bounds__(CST_THREADS) k_compressor_step(const cst_set set, const ds4_step *step, float eps,
+                                                                rope_args r) {
     extern __shared__ float cst_row[];
     __shared__ double red[CST_THREADS / 32];
     const int pos0 = step->pos0;
+    const ds4_compressor &cp = set.cs[blockIdx.x];
+    const float *kv = cp.kv, *sc = cp.sc, *norm_w = cp.norm_w;
+    float *st_kv = cp.st_kv, *st_sc = cp.st_sc, *rows = cp.rows;
+    const int ratio = cp.ratio, c = cp.c, dc = cp.dc;
     const int w0 = ds4_emit_first(pos0, ratio);
     if (ds4_emit_count(pos0, 1, ratio) > 0) {
         double ss = 0.0;
@@ -2689,11 +2710,9 @@ __global__ void __launch_bounds__(CST_THREADS) k_compressor_step(const float *kv
     }
 }
 
-static void launch_compressor_step(const float *kv, const float *sc, float *st_kv, float *st_sc,
-                                   const ds4_step *step, int ratio, int c, int dc, const float *norm_w, float eps,
-                                   const ds4_rope *rp, float *rows) {
-    DS4_LAUNCH(k_compressor_step, 1, CST_THREADS, (size_t)dc * sizeof(float),
-               kv, sc, st_kv, st_sc, step, ratio, c, dc, norm_w, eps, rope_args_of(rp), rows);
+static void launch_compressor_step(const cst_set &set, int n, int max_dc, const ds4_step *step, float eps,
+                                   const ds4_rope *rp) {
+    DS4_LAUNCH(k_compressor_step, n, CST_THREADS, (size_t)max_dc * sizeof(float), set, step, eps, rope_args_of(rp));
 }
 
 /* Batches: the composition, each launch over the most rows the batch can
@@ -2704,7 +2723,10 @@ static void cuda_compressor_step(const float *kv, const float *sc, float *st_kv,
                                  float eps, const ds4_rope *rp, float *rows) {
     if (nt <= 0 || ratio <= 0 || dc <= 0) return;
     if (nt == 1 && dc <= CST_MAX_DC && rp->n_rot <= dc) {
-        launch_compressor_step(kv, sc, st_kv, st_sc, step, ratio, c, dc, norm_w, eps, rp, rows);
+        cst_set set;
+        memset(&set, 0, sizeof set);
+        set.cs[0] = (ds4_compressor){ kv, sc, st_kv, st_sc, ratio, c, dc, norm_w, rows };
+        launch_compressor_step(set, 1, dc, step, eps, rp);
         return;
     }
     const emit_rows er = { step, ratio, nt };
@@ -2714,6 +2736,33 @@ static void cuda_compressor_step(const float *kv, const float *sc, float *st_kv,
     launch_rope_rows(rows, max_rows, 1, dc, step, ratio, er, rp, 0);
     launch_ring_store(st_kv, kv, c * ratio, c * dc, step, nt);
     launch_ring_store(st_sc, sc, c * ratio, c * dc, step, nt);
+}
+
+/* A step's compressors: at decode, every one the one-token kernel takes in
+ * one launch (a block each); otherwise each as compressor_step. */
+static void cuda_compressor_steps(int n, const ds4_compressor *cs, const ds4_step *step, int nt, float eps,
+                                  const ds4_rope *rp) {
+    if (n <= 0 || nt <= 0) return;
+    if (n > DS4_MULTI_MAX) {
+        fprintf(stderr, "ds4: compressor_steps: %d compressors above %d\n", n, DS4_MULTI_MAX);
+        exit(1);
+    }
+    bool one_launch = nt == 1;
+    int max_dc = 0;
+    for (int i = 0; i < n; i++) {
+        if (cs[i].ratio <= 0 || cs[i].dc <= 0 || cs[i].dc > CST_MAX_DC || rp->n_rot > cs[i].dc) one_launch = false;
+        if (cs[i].dc > max_dc) max_dc = cs[i].dc;
+    }
+    if (!one_launch) {
+        for (int i = 0; i < n; i++)
+            cuda_compressor_step(cs[i].kv, cs[i].sc, cs[i].st_kv, cs[i].st_sc, step, nt, cs[i].ratio, cs[i].c,
+                                 cs[i].dc, cs[i].norm_w, eps, rp, cs[i].rows);
+        return;
+    }
+    cst_set set;
+    memset(&set, 0, sizeof set);
+    for (int i = 0; i < n; i++) set.cs[i] = cs[i];
+    launch_compressor_step(set, n, max_dc, step, eps, rp);
 }
 
 /* ---------------------------------------------------------------------------
@@ -2752,7 +2801,7 @@ static size_t ix_smem_bytes(int Hi, int di) {
 __global__ void __launch_bounds__(IX_THREADS) k_indexer_scores(const float *q, const float *w, float w_scale,
                                                                const float *rows,
                                                                const ds4_step *step, int t0, int Hi, int di, int ratio,
-                                                               float *scores, int64_t ld) {
+                                                               float *scores, int64_t ld, int do_rope, rope_args rr) {
     extern __shared__ __align__(16) float ix_s[];
     const int t = t0 + blockIdx.y;
     const int n_vis = ds4_comp_rows(step->pos0 + t, ratio);
@@ -2782,6 +2831,15 @@ __global__ void __launch_bounds__(IX_THREADS) k_indexer_scores(const float *q, c
         if (qc >= di) { qc -= di; qh++; }
     }
     for (int h = threadIdx.x; h < Hi; h += IX_THREADS) w_s[h] = __fmul_rn(w[(int64_t)t * Hi + h], w_scale);
+    if (do_rope) {
+        /* indexer_step: the query's rotation (the rope op's rope_pair, on the staged copy) */
+        __syncthreads();
+        const int half = rr.n_rot / 2;
+        for (int task = threadIdx.x; task < Hi * half; task += IX_THREADS) {
+            const int h = task / half, i = task % half;
+            rope_pair(q_s + (size_t)h * qld + (di - rr.n_rot) + 2 * i, rr, step->pos0 + t, i, 0);
+        }
+    }
     /* the block's tiles of IX_RT rows: blockIdx.x, then every gridDim.x-th */
     for (int r0 = blockIdx.x * IX_RT; r0 < n_vis; r0 += gridDim.x * IX_RT) {
         if (r0 != (int)blockIdx.x * IX_RT) __syncthreads();   /* the previous tile's readers are done */
@@ -2823,7 +2881,7 @@ __global__ void __launch_bounds__(IX_THREADS) k_indexer_scores(const float *q, c
  * query sees on this step, and the rest return at once. */
 static void launch_indexer_scores(const float *q, const float *w, float w_scale, const float *rows,
                                   const ds4_step *step, int t0, int n_q, int Hi, int di, int ratio, int64_t ld,
-                                  float *scores) {
+                                  float *scores, const ds4_rope *rp) {
     const size_t smem = ix_smem_bytes(Hi, di);
     if (smem > g_cuda.smem_optin) {
         fprintf(stderr, "ds4: indexer: %d heads x %d dims need %zu bytes of shared memory (device max %zu)\n",
@@ -2833,8 +2891,11 @@ static void launch_indexer_scores(const float *q, const float *w, float w_scale,
     int64_t tiles = (ld + IX_RT - 1) / IX_RT;
     if (tiles > 2 * (int64_t)g_cuda.n_sm) tiles = 2 * (int64_t)g_cuda.n_sm;
     dim3 grid((unsigned)(tiles > 0 ? tiles : 1), (unsigned)n_q);
+    rope_args r;
+    memset(&r, 0, sizeof r);
+    if (rp) r = rope_args_of(rp);
     DS4_LAUNCH(k_indexer_scores, grid, IX_THREADS, smem, q, w, w_scale, rows, step, t0, Hi, di, ratio,
-               scores, ld);
+               scores, ld, rp ? 1 : 0, r);
 }
 
 /* Order-preserving bits of a score (-0 counts as +0, so equal scores tie). */
@@ -2988,9 +3049,14 @@ static void launch_indexer_select(const float *scores, int64_t ld, const ds4_ste
 /* Scores go to the session's buffer: rows of ld = the most rows the context
  * can have visible, for ix_chunk queries at a time (both fixed when the
  * session was made, so the launches do not depend on the position). */
-static void cuda_indexer_topk(const float *q, const float *w, float w_scale, const float *rows,
-                              const ds4_step *step, int nt, int Hi, int di, int ratio, int k, int32_t *out) {
+static void indexer_run(const float *q, const float *w, float w_scale, const float *rows,
+                        const ds4_step *step, int nt, int Hi, int di, int ratio, int k, const ds4_rope *rp,
+                        int32_t *out) {
     if (nt <= 0 || k <= 0) return;
+    if (rp && (rp->n_rot < 0 || rp->n_rot > di || rp->n_rot % 2)) {
+        fprintf(stderr, "ds4: indexer: rope of %d dims on heads of %d\n", rp->n_rot, di);
+        exit(1);
+    }
     if (k > IX_SEL) {
         fprintf(stderr, "ds4: indexer: top-k %d above %d\n", k, IX_SEL);
         exit(1);
@@ -3008,9 +3074,22 @@ static void cuda_indexer_topk(const float *q, const float *w, float w_scale, con
     float *scores = (float *)scratch_get(&S->ix_scores, (size_t)(chunk * S->ix_ld) * sizeof(float));
     for (int t0 = 0; t0 < nt; t0 += (int)chunk) {
         const int n_q = nt - t0 < chunk ? nt - t0 : (int)chunk;
-        launch_indexer_scores(q, w, w_scale, rows, step, t0, n_q, Hi, di, ratio, S->ix_ld, scores);
+        launch_indexer_scores(q, w, w_scale, rows, step, t0, n_q, Hi, di, ratio, S->ix_ld, scores, rp);
         launch_indexer_select(scores, S->ix_ld, step, t0, n_q, ratio, k, out);
     }
+}
+
+static void cuda_indexer_topk(const float *q, const float *w, float w_scale, const float *rows,
+                              const ds4_step *step, int nt, int Hi, int di, int ratio, int k, int32_t *out) {
+    indexer_run(q, w, w_scale, rows, step, nt, Hi, di, ratio, k, NULL, out);
+}
+
+/* indexer_step: the rope op is folded into the scores kernel, which rotates
+ * its staged copy of the query (q itself is left as it was) -- one launch
+ * less per ratio-4 layer. */
+static void cuda_indexer_step(float *q, const float *w, float w_scale, const float *rows, const ds4_step *step,
+                              int nt, int Hi, int di, int ratio, int k, const ds4_rope *rp, int32_t *out) {
+    indexer_run(q, w, w_scale, rows, step, nt, Hi, di, ratio, k, rp && rp->n_rot > 0 ? rp : NULL, out);
 }
 
 /* ---------------------------------------------------------------------------
@@ -3514,6 +3593,9 @@ static bool session_scratch(scratch_t *x, const char *what, size_t bytes) {
         return false;
     }
     x->cap = bytes;
+    /* zeroed once (session_new waits for it): kernels may read slots a step did not write
+     * (k_attention_combine loads every partial slot before it knows how many are used) */
+    DS4_CUDA_CHECK(cudaMemsetAsync(x->p, 0, bytes, ds4_current_stream()));
     return true;
 }
 
@@ -3615,10 +3697,10 @@ static void *cuda_session_new(const ds4_limits *lim) {
         if (deq < lim->max_k) deq = lim->max_k;
         ok = ok && session_scratch(&S->deq, "dequantised weight rows", (size_t)deq * sizeof(float));
     }
-    /* staging: the step block and tokens up, one row of logits down */
+    /* staging: the step block and tokens up, small results down */
     S->up_cap = 64 * 1024 + (size_t)B * sizeof(int32_t);
     ok = ok && session_pinned((void **)&S->up_stage, "upload staging", S->up_cap);
-    S->down_cap = (size_t)(lim->n_vocab > 0 ? lim->n_vocab : 1) * sizeof(float);
+    S->down_cap = DOWN_STAGE_MAX;
     ok = ok && session_pinned((void **)&S->down_stage, "download staging", S->down_cap);
     if (!ok) {
         session_release(S);
@@ -3709,6 +3791,8 @@ static ds4_backend make_cuda_backend(void) {
     b.matmul_swiglu = cuda_matmul_swiglu;
     b.attention_step = cuda_attention_step;
     b.compressor_step = cuda_compressor_step;
+    b.compressor_steps = cuda_compressor_steps;
+    b.indexer_step = cuda_indexer_step;
     return b;
 }
 

@@ -839,6 +839,7 @@ __global__ void __launch_bounds__(MV_THREADS, MVQ_MIN_BLOCKS) k_matvec_q(const m
     int rows = a.rows, bx = blockIdx.x;
     int64_t y_tok = a.y_tok;
     const float *tab = NULL;
+    int tab_pos0 = 0;                           /* read now: its latency hides behind the main loop */
     if (MODE == MV_DENSE && a.n_seg > 0) {      /* matmul_multi: find this block's matrix */
         int sg = 0;
         while (sg + 1 < a.n_seg && bx >= a.seg_tile0[sg + 1]) sg++;
@@ -848,6 +849,7 @@ __global__ void __launch_bounds__(MV_THREADS, MVQ_MIN_BLOCKS) k_matvec_q(const m
         y = a.seg_y[sg];
         y_tok = rows;
         tab = a.seg_tab[sg];
+        if (tab) tab_pos0 = a.tab_step->pos0;
     }
     const size_t rbytes = a.row_bytes;
     const bool cg16 = ((((uintptr_t)W[0]) | ((uintptr_t)W[NMAT - 1]) | (uintptr_t)rbytes) & 15u) == 0;
@@ -1112,7 +1114,7 @@ __global__ void __launch_bounds__(MV_THREADS, MVQ_MIN_BLOCKS) k_matvec_q(const m
             for (int qq = 0; qq < S; qq++) v1 += part[NPLANE - 1][lr * S + qq];
             y[row] = silu_mul(v0, v1, a.clamp);
         } else {
-            if (tab) v0 = __fadd_rn(v0, tab[(int64_t)((a.tab_step->pos0 + a.tok0 + u) % a.tab_period) * rows + row]);
+            if (tab) v0 = __fadd_rn(v0, tab[(int64_t)((tab_pos0 + a.tok0 + u) % a.tab_period) * rows + row]);
             y[(int64_t)u * y_tok + row] = v0;
         }
     }

@@ -181,6 +181,16 @@ typedef struct ds4_backend_stats {
     uint64_t stream_syncs;            /* cudaStreamSynchronize */
 } ds4_backend_stats;
 
+/* One compressor's buffers and shape, for compressor_steps (the arguments of
+ * compressor_step but the step, nt, eps and rope, which a layer's compressors share). */
+typedef struct ds4_compressor {
+    const float *kv, *sc;     /* [nt][c*dc] this batch's rows (ape added) */
+    float       *st_kv, *st_sc;
+    int          ratio, c, dc;
+    const float *norm_w;
+    float       *rows;
+} ds4_compressor;
+
 typedef struct ds4_backend {
     const char *name;
 
@@ -300,6 +310,20 @@ typedef struct ds4_backend {
     void (*compressor_step)(const float *kv, const float *sc, float *st_kv, float *st_sc,
                             const ds4_step *step, int nt, int ratio, int c, int dc, const float *norm_w, float eps,
                             const ds4_rope *rp, float *rows);
+
+    /* Several independent compressors (no buffer shared) of one step, n <= DS4_MULTI_MAX:
+     *   for i < n: compressor_step(cs[i].kv, cs[i].sc, cs[i].st_kv, cs[i].st_sc, step, nt,
+     *                              cs[i].ratio, cs[i].c, cs[i].dc, cs[i].norm_w, eps, rp, cs[i].rows)
+     * (a ratio-4 layer's kv compressor and its indexer's: one launch at decode). */
+    void (*compressor_steps)(int n, const ds4_compressor *cs, const ds4_step *step, int nt, float eps,
+                             const ds4_rope *rp);
+
+    /* The indexer of a layer after its projections:
+     *   rope(q, nt, Hi, di, step, 1, rp, 0)
+     *   indexer_topk(q, w, w_scale, rows, step, nt, Hi, di, ratio, k, out)
+     * q's contents are unspecified afterwards (a backend may rotate a copy). */
+    void (*indexer_step)(float *q, const float *w, float w_scale, const float *rows, const ds4_step *step, int nt,
+                         int Hi, int di, int ratio, int k, const ds4_rope *rp, int32_t *out);
 
     /* Shared-expert style gated projection: y = swiglu(matmul(gate, x), matmul(up, x), limit),
      * y [nt][F] with F = gate->ne[1]; g_scratch, u_scratch: [nt][F] scratch. */

@@ -159,9 +159,12 @@ if want series; then
   # (scripts/series.sh tree -1); each earlier stage was checked the same way against its own
   # predecessor when it was the newest (bench/RESULTS.md)
   step "series: the previous stage vs HEAD (DS4_CUDA_GRAPHS off / on), CUDA logits byte for byte"
+  # SERIES_PREV=DIR: that tree, prepared elsewhere (scripts/series.sh tree -1 DIR), e.g. where
+  # this checkout's git metadata is not its working tree's (a copied tree on the GPU machine)
   SB=build/series-prev
   rm -rf "$SB"
-  if bash scripts/series.sh tree -1 "$SB" > "$OUT/series.log" 2>&1 \
+  if { if [ -n "${SERIES_PREV:-}" ]; then cp -a "$SERIES_PREV" "$SB" && rm -rf "$SB/build" && echo "series: $SERIES_PREV"; \
+       else bash scripts/series.sh tree -1 "$SB"; fi; } > "$OUT/series.log" 2>&1 \
      && (cd "$SB" && make cuda CUDA_ARCH="$ARCH" -j16 && make build/cuda-"$ARCH"/ds4_bench CUDA_ARCH="$ARCH" -j16) >> "$OUT/series.log" 2>&1; then
     TOK=1,5,9,14,2,7,3,30,11,4,8,6,12,19,25,17,21,13,10,16,27,22,15,18,24,20,23,26,28,29,31,33
     # 32 prompt tokens + N decode steps: 1000 on tiny and small cross the window (32, 64), the

@@ -540,7 +540,7 @@ static void test_compressor_step(int pos0, int nt, int ratio, int c, int dc, int
 /* A decode run on fixed buffers, as a captured step replays it: one step
  * block per backend, rewritten before every step, and the same op arguments
  * (every pointer, count and shape) at every position.  Each step draws new
- * q, kv and compressor rows, runs compressor_step (ratio > 0) and
+ * q, kv and compressor rows, runs compressor_steps (ratio > 0) and
  * attention_step, and keeps the output.  `steps` positions from 0 cross the
  * window wrap (p = W), every block the compressor closes (p % ratio ==
  * ratio - 1: the emit steps) and the position at which attention first
@@ -587,8 +587,8 @@ static void test_decode_run(int W, int H, int d, int ratio, int k, int steps) {
             if (ratio) {
                 B[bi]->upload(ckv[bi], hckv, (size_t)width * 4);
                 B[bi]->upload(csc[bi], hcsc, (size_t)width * 4);
-                B[bi]->compressor_step(ckv[bi], csc[bi], skv[bi], ssc[bi], st[bi], 1, ratio, c, d, nwd[bi], 1e-6f,
-                                       &rp, comp[bi]);
+                const ds4_compressor cp = { ckv[bi], csc[bi], skv[bi], ssc[bi], ratio, c, d, nwd[bi], comp[bi] };
+                B[bi]->compressor_steps(1, &cp, st[bi], 1, 1e-6f, &rp);
             }
             if (htk) B[bi]->upload(tk[bi], htk, (size_t)k * 4);
             B[bi]->attention_step(q[bi], kv[bi], ring[bi], W, st[bi], 1, H, d, ratio ? comp[bi] : NULL, ratio,
@@ -615,6 +615,53 @@ static void test_decode_run(int W, int H, int d, int ratio, int k, int steps) {
     }
     for (int bi = 0; bi < 2; bi++) { free(outs[bi]); dev_free_all(bi); }
     free(sinks); free(nw);
+}
+
+/* compressor_steps: a ratio-4 layer's two compressors (kv: ratio, c = 2 for
+ * ratio 4, width dc0; indexer: ratio 4, c = 2, dc1) in one call, each checked as
+ * test_compressor_step checks one. */
+static void test_compressor_steps(int pos0, int nt, int ratio, int dc0, int dc1) {
+    const ds4_rope rp = test_rope_params(64 <= dc1 ? 64 : dc1 / 2, 1);
+    const int rt[2] = { ratio, 4 }, cc[2] = { ratio == 4 ? 2 : 1, 2 }, dcs[2] = { dc0, dc1 };
+    float *kv[2], *sc[2], *skv[2], *ssc[2], *rows[2], *nw[2];
+    int width[2], slots[2], n_rows[2];
+    for (int j = 0; j < 2; j++) {
+        width[j] = cc[j] * dcs[j]; slots[j] = cc[j] * rt[j]; n_rows[j] = (pos0 + nt) / rt[j] + 2;
+        kv[j] = rnd_vec((size_t)nt * width[j], 1.0f); sc[j] = rnd_vec((size_t)nt * width[j], 3.0f);
+        skv[j] = rnd_vec((size_t)slots[j] * width[j], 1.0f); ssc[j] = rnd_vec((size_t)slots[j] * width[j], 3.0f);
+        rows[j] = rnd_vec((size_t)n_rows[j] * dcs[j], 1.0f); nw[j] = rnd_vec(dcs[j], 1.0f);
+    }
+    float *o_rows[2][2], *o_kv[2][2], *o_sc[2][2];   /* [backend][compressor] */
+    for (int bi = 0; bi < 2; bi++) {
+        ds4_compressor cs[2];
+        for (int j = 0; j < 2; j++) {
+            cs[j].kv = dev_put(bi, kv[j], (size_t)nt * width[j] * 4);
+            cs[j].sc = dev_put(bi, sc[j], (size_t)nt * width[j] * 4);
+            cs[j].st_kv = dev_put(bi, skv[j], (size_t)slots[j] * width[j] * 4);
+            cs[j].st_sc = dev_put(bi, ssc[j], (size_t)slots[j] * width[j] * 4);
+            cs[j].rows = dev_put(bi, rows[j], (size_t)n_rows[j] * dcs[j] * 4);
+            cs[j].norm_w = dev_put(bi, nw[j], (size_t)dcs[j] * 4);
+            cs[j].ratio = rt[j]; cs[j].c = cc[j]; cs[j].dc = dcs[j];
+        }
+        B[bi]->compressor_steps(2, cs, at(bi, pos0), nt, 1e-6f, &rp);
+        for (int j = 0; j < 2; j++) {
+            o_rows[bi][j] = dev_get(bi, cs[j].rows, (size_t)n_rows[j] * dcs[j] * 4);
+            o_kv[bi][j] = dev_get(bi, cs[j].st_kv, (size_t)slots[j] * width[j] * 4);
+            o_sc[bi][j] = dev_get(bi, cs[j].st_sc, (size_t)slots[j] * width[j] * 4);
+        }
+        dev_free_all(bi);
+    }
+    for (int j = 0; j < 2; j++) {
+        char shape[96];
+        snprintf(shape, sizeof shape, "[%d] pos0=%d nt=%d ratio=%d dc=%d emit=%d", j, pos0, nt, rt[j], dcs[j],
+                 (pos0 + nt) / rt[j] - pos0 / rt[j]);
+        /* as compressor_step */
+        check_f32("compressor_steps rows", shape, o_rows[0][j], o_rows[1][j], (size_t)n_rows[j] * dcs[j], TOL_ULP);
+        check_f32("compressor_steps st", shape, o_kv[0][j], o_kv[1][j], (size_t)slots[j] * width[j], TOL_EXACT);
+        check_f32("compressor_steps st", shape, o_sc[0][j], o_sc[1][j], (size_t)slots[j] * width[j], TOL_EXACT);
+        for (int bi = 0; bi < 2; bi++) { free(o_rows[bi][j]); free(o_kv[bi][j]); free(o_sc[bi][j]); }
+        free(kv[j]); free(sc[j]); free(skv[j]); free(ssc[j]); free(rows[j]); free(nw[j]);
+    }
 }
 
 static void test_matmul_swiglu(int type, int64_t K, int64_t F, int nt, float limit) {
@@ -776,23 +823,33 @@ static double ix_score_d(const float *q, const float *w, const float *rows, int 
     return acc;
 }
 
-static void test_indexer(int pos0, int nt, int Hi, int di, int ratio, int k) {
+/* n_rot > 0: indexer_step (the queries rotated first, as the forward pass
+ * does); the tie check then scores with the CPU's rotated queries. */
+static void test_indexer_rp(int pos0, int nt, int Hi, int di, int ratio, int k, int n_rot) {
+    const ds4_rope rp = test_rope_params(n_rot, 1);
     const int n_rows = (pos0 + nt) / ratio + 1;
     /* raw head weights and the forward pass's scale, applied inside the op */
     const float w_scale = 1.0f / sqrtf((float)di * (float)Hi);
     float *q = rnd_vec((size_t)nt * Hi * di, 1.0f), *w = rnd_vec((size_t)nt * Hi, 1.0f);
     float *rows = rnd_vec((size_t)n_rows * di, 1.0f);
+    float *qs = NULL;                /* the queries as scored (indexer_step: rotated) */
     int32_t *out[2];
     for (int bi = 0; bi < 2; bi++) {
         float *dq = dev_put(bi, q, (size_t)nt * Hi * di * 4), *dw = dev_put(bi, w, (size_t)nt * Hi * 4);
         float *dr = dev_put(bi, rows, (size_t)n_rows * di * 4);
         int32_t *dy = dev_poison_i32(bi, (size_t)nt * k);
-        B[bi]->indexer_topk(dq, dw, w_scale, dr, at(bi, pos0), nt, Hi, di, ratio, k, dy);
+        if (n_rot > 0) {
+            B[bi]->indexer_step(dq, dw, w_scale, dr, at(bi, pos0), nt, Hi, di, ratio, k, &rp, dy);
+            if (bi == 0) qs = dev_get(bi, dq, (size_t)nt * Hi * di * 4);   /* rotated in place: what was scored */
+        } else {
+            B[bi]->indexer_topk(dq, dw, w_scale, dr, at(bi, pos0), nt, Hi, di, ratio, k, dy);
+        }
         out[bi] = dev_get(bi, dy, (size_t)nt * k * 4);
         dev_free_all(bi);
     }
     char shape[96];
-    snprintf(shape, sizeof shape, "pos0=%d nt=%d Hi=%d di=%d ratio=%d k=%d", pos0, nt, Hi, di, ratio, k);
+    snprintf(shape, sizeof shape, "pos0=%d nt=%d Hi=%d di=%d ratio=%d k=%d%s", pos0, nt, Hi, di, ratio, k,
+             n_rot > 0 ? " step" : "");
     size_t exact_bad = 0, near_ties = 0;
     for (int t = 0; t < nt; t++) {
         for (int j = 0; j < k; j++) {
@@ -801,17 +858,21 @@ static void test_indexer(int pos0, int nt, int Hi, int di, int ratio, int k) {
             if (a < 0 || b < 0) { exact_bad++; continue; }
             double smax = 1e-30;
             for (int jj = 0; jj < k && out[0][(size_t)t * k + jj] >= 0; jj++) {
-                const double s = fabs(ix_score_d(q, w, rows, t, out[0][(size_t)t * k + jj], Hi, di));
+                const double s = fabs(ix_score_d(qs ? qs : q, w, rows, t, out[0][(size_t)t * k + jj], Hi, di));
                 if (s > smax) smax = s;
             }
-            const double sa = ix_score_d(q, w, rows, t, a, Hi, di), sb = ix_score_d(q, w, rows, t, b, Hi, di);
+            const double sa = ix_score_d(qs ? qs : q, w, rows, t, a, Hi, di), sb = ix_score_d(qs ? qs : q, w, rows, t, b, Hi, di);
             if (fabs(sa - sb) <= 1e-5 * smax) near_ties++; else exact_bad++;
         }
     }
-    printf("%-15s %-44s mismatches %zu (+%zu near-tie swaps) / %zu  %s\n", "indexer_topk", shape,
+    printf("%-15s %-44s mismatches %zu (+%zu near-tie swaps) / %zu  %s\n", n_rot > 0 ? "indexer_step" : "indexer_topk", shape,
            exact_bad, near_ties, (size_t)nt * k, exact_bad ? "FAIL" : "ok");
     if (exact_bad) g_fail++; else g_pass++;
-    free(out[0]); free(out[1]); free(q); free(w); free(rows);
+    free(out[0]); free(out[1]); free(q); free(qs); free(w); free(rows);
+}
+
+static void test_indexer(int pos0, int nt, int Hi, int di, int ratio, int k) {
+    test_indexer_rp(pos0, nt, Hi, di, ratio, k, 0);
 }
 
 /* A hash layer's tid2eid table, I32 {k, V}: row v = (v*mult + 3j) % E, or an
@@ -1455,6 +1516,13 @@ int main(void) {
     test_compressor_step(12, 1, 4, 2, 128, 64);
     test_compressor_step(126, 1, 128, 1, 128, 64);
     test_compressor_step(128, 1, 128, 1, 128, 64);
+    test_compressor_steps(11, 1, 4, 512, 128);      /* one launch at decode: an emit step */
+    test_compressor_steps(12, 1, 4, 512, 128);      /* and one that does not emit */
+    test_compressor_steps(127, 1, 128, 512, 128);   /* ratio 128 beside a ratio-4 indexer */
+    test_compressor_steps(5, 6, 4, 128, 64);        /* a batch: the composition, each in turn */
+    test_indexer_rp(63, 1, 64, 128, 4, 16, 64);      /* indexer_step: the rope folded into the scores */
+    test_indexer_rp(4000, 1, 64, 128, 4, 512, 64);
+    test_indexer_rp(300, 3, 32, 64, 4, 40, 32);
     test_indexer(62, 1, 8, 64, 4, 16);
     test_indexer(63, 1, 8, 64, 4, 16);
     test_indexer(64, 1, 8, 64, 4, 16);
