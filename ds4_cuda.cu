@@ -2664,6 +2664,7 @@ static void cuda_compress_pool(const float *kv, const float *sc, const float *st
  * composition. */
 #define CST_THREADS 512
 #define CST_MAX_DC  4096
+#define CST_PRE     2      /* state-row floats per thread loaded up front (widths up to 1024) */
 
 /* The compressors of one launch: block b steps cs[b] (compressor_steps: a
  * ratio-4 layer's kv compressor and its indexer's run side by side). */
@@ -2680,6 +2681,16 @@ __global__ void __launch_bounds__(CST_THREADS) k_compressor_step(const cst_set s
     const float *kv = cp.kv, *sc = cp.sc, *norm_w = cp.norm_w;
     float *st_kv = cp.st_kv, *st_sc = cp.st_sc, *rows = cp.rows;
     const int ratio = cp.ratio, c = cp.c, dc = cp.dc;
+    const int width = c * dc;
+    /* the token's rows for the state store, loaded with the position (most
+     * steps emit nothing and only store them) */
+    float kv_r[CST_PRE], sc_r[CST_PRE];
+#pragma unroll
+    for (int j = 0; j < CST_PRE; j++) {
+        const int i = threadIdx.x + j * CST_THREADS;
+        kv_r[j] = i < width ? kv[i] : 0.0f;
+        sc_r[j] = i < width ? sc[i] : 0.0f;
+    }
     const int w0 = ds4_emit_first(pos0, ratio);
     if (ds4_emit_count(pos0, 1, ratio) > 0) {
         double ss = 0.0;
@@ -2703,8 +2714,16 @@ __global__ void __launch_bounds__(CST_THREADS) k_compressor_step(const cst_set s
         for (int ch = threadIdx.x; ch < dc; ch += CST_THREADS) rows[(int64_t)w0 * dc + ch] = cst_row[ch];
     }
     __syncthreads();
-    const int width = c * dc, slot = pos0 % (c * ratio);
-    for (int i = threadIdx.x; i < width; i += CST_THREADS) {
+    const int slot = pos0 % (c * ratio);
+#pragma unroll
+    for (int j = 0; j < CST_PRE; j++) {
+        const int i = threadIdx.x + j * CST_THREADS;
+        if (i < width) {
+            st_kv[(int64_t)slot * width + i] = kv_r[j];
+            st_sc[(int64_t)slot * width + i] = sc_r[j];
+        }
+    }
+    for (int i = threadIdx.x + CST_PRE * CST_THREADS; i < width; i += CST_THREADS) {
         st_kv[(int64_t)slot * width + i] = kv[i];
         st_sc[(int64_t)slot * width + i] = sc[i];
     }
@@ -2943,9 +2962,17 @@ __global__ void __launch_bounds__(IX_SEL) k_indexer_select(const float *scores, 
     __shared__ uint32_t s_prefix, s_remaining, n_sel;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int t = t0 + blockIdx.x;
+    const float *sc = scores + (int64_t)blockIdx.x * ld;
+    /* the first IX_CACHE*IX_SEL scores of the row, in flight with the position
+     * (entries past this step's visible rows are dropped below) */
+    float sv[IX_CACHE];
+#pragma unroll
+    for (int c = 0; c < IX_CACHE; c++) {
+        const int i = c * IX_SEL + tid;
+        sv[c] = i < ld ? sc[i] : 0.0f;
+    }
     const int n = ds4_comp_rows(step->pos0 + t, ratio);
     const int kk = k < n ? k : n;
-    const float *sc = scores + (int64_t)blockIdx.x * ld;
     if (kk > 0) {
         /* radix select: T = the kk-th largest key; `remaining` of the keys
          * equal to T belong to the top kk */
@@ -2953,7 +2980,7 @@ __global__ void __launch_bounds__(IX_SEL) k_indexer_select(const float *scores, 
 #pragma unroll
         for (int c = 0; c < IX_CACHE; c++) {
             const int i = c * IX_SEL + tid;
-            uk[c] = i < n ? ix_ukey(sc[i]) : 0u;
+            uk[c] = i < n ? ix_ukey(sv[c]) : 0u;
         }
         uint32_t prefix = 0, mask = 0, remaining = (uint32_t)kk;
         for (int shift = 24; shift >= 0; shift -= 8) {
