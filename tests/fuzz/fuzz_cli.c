@@ -55,7 +55,7 @@ static void check_error(int rc, const char *err, char **argv, int argc) {
  * known flag nor a flag's value, which an accepted argv must not have. */
 struct flag { const char *name; int slot; };   /* slot -1: no value (bare[slot] set to 1 instead) */
 struct reading {
-    int help, bare[2];
+    int help, bare[3];
     const char *val[16];
 };
 
@@ -117,10 +117,11 @@ static void check_run(const struct cli_opts *o, int argc, char **argv) {
         { "-m", R_M }, { "-p", R_P }, { "--tokens", R_TOKENS }, { "-n", R_N }, { "--temp", R_TEMP },
         { "--top-p", R_TOPP }, { "--seed", R_SEED }, { "-c", R_CTX }, { "--ctx", R_CTX }, { "--backend", R_BACKEND },
         { "--dump-logits", R_DUMP }, { "--force", R_FORCE }, { "--threads", R_THREADS },
-        { "--chat", -1 }, { "--think", -2 }, { NULL, 0 } };
+        { "--chat", -1 }, { "--think", -2 }, { "--stats", -3 }, { NULL, 0 } };
     struct reading r;
     if (!read_argv(1, argc, argv, flags, &r)) bad("accepted an argument that is no option", argv, argc);
     if (o->help != r.help || o->chat != r.bare[0] || o->think != r.bare[1]) bad("-h/--chat/--think not as given", argv, argc);
+    if (o->stats != r.bare[2]) bad("--stats not as given", argv, argc);
     if (o->model_path != r.val[R_M] || o->prompt != r.val[R_P] || o->dump != r.val[R_DUMP])
         bad("-m/-p/--dump-logits not the last value given", argv, argc);
     check_ids(r.val[R_TOKENS], o->prompt_ids, o->n_prompt_ids, "--tokens list not as given", argv, argc);
@@ -198,7 +199,8 @@ static int same_run(const struct cli_opts *a, const struct cli_opts *b) {
            (!a->force || !memcmp(a->force, b->force, sizeof(int32_t) * (size_t)a->n_force)) &&
            a->n_gen == b->n_gen && a->n_gen_set == b->n_gen_set && a->n_ctx == b->n_ctx &&
            !memcmp(&a->temp, &b->temp, sizeof a->temp) && !memcmp(&a->top_p, &b->top_p, sizeof a->top_p) &&
-           a->seed == b->seed && a->chat == b->chat && a->think == b->think && a->threads == b->threads;
+           a->seed == b->seed && a->chat == b->chat && a->think == b->think && a->threads == b->threads &&
+           a->stats == b->stats;
 }
 
 static int same_synth(const struct synth_opts *a, const struct synth_opts *b) {
