@@ -2536,6 +2536,10 @@ static void  cpu_session_stats(void *s, ds4_backend_stats *st, int reset) {
     (void)s; (void)reset;
     memset(st, 0, sizeof *st);
 }
+/* Nothing is recorded on the CPU: every region is issued. */
+static int   cpu_region_begin(uint64_t key) { (void)key; return DS4_REGION_ISSUE; }
+static int   cpu_region_end(uint64_t key) { (void)key; return 0; }
+static void  cpu_session_reset(void *s) { (void)s; }
 
 /* -- embed -- */
 typedef struct { const ds4_weight *w; const int32_t *tok; int n_hc; float *x; } embed_args;
@@ -3108,7 +3112,8 @@ static const ds4_backend g_cpu_backend = {
     .upload_weight = cpu_upload_weight, .release_weight = cpu_release_weight,
     .synchronize = cpu_synchronize,
     .session_new = cpu_session_new, .session_free = cpu_session_free, .session_bind = cpu_session_bind,
-    .session_stats = cpu_session_stats,
+    .session_stats = cpu_session_stats, .region_begin = cpu_region_begin, .region_end = cpu_region_end,
+    .session_reset = cpu_session_reset,
     .embed = cpu_embed, .rmsnorm = cpu_rmsnorm, .matmul = cpu_matmul,
     .matmul_grouped = cpu_matmul_grouped, .hc_mix = cpu_hc_mix, .hc_post = cpu_hc_post,
     .rope = cpu_rope, .attention = cpu_attention, .ring_store = cpu_ring_store,
@@ -3484,6 +3489,9 @@ struct ds4_ctx {
     ds4_rope           rope_comp;     /* compressed layers, compressor rows, indexer: YaRN */
     ds4_layer_state    L[DS4_MAX_LAYERS];
     void              *sess;      /* the backend's session: stream, scratch, counters */
+    int                graphs;    /* record decode steps as regions (DS4_CUDA_GRAPHS) */
+    int                graph_layers;  /* layers per region, 0 = the whole step (DS4_CUDA_GRAPH_LAYERS) */
+    uint32_t           generation;    /* bumped by ds4_ctx_reset: part of every region key */
     ds4_step          *step;      /* the step block (backend memory), written before each call */
     void              *step_host; /* its host image: the block, then the batch's tokens */
     /* activations, all [B][...] with B = max_batch */
@@ -3556,6 +3564,8 @@ ds4_ctx *ds4_ctx_new(ds4_model *m, const ds4_backend *be, int n_ctx, int max_bat
              hp->n_rot, hp->n_expert);
         return NULL;
     }
+    ds4_env env;
+    if (ds4_env_read(&env, err, errlen) != 0) return NULL;
     if (be->init() != 0) {
         /* the backend has printed its one line (ds4_gpu.h's convention); add nothing */
         if (err && errlen) err[0] = 0;
@@ -3566,6 +3576,8 @@ ds4_ctx *ds4_ctx_new(ds4_model *m, const ds4_backend *be, int n_ctx, int max_bat
     ds4_ctx *c = calloc(1, sizeof(*c));
     if (!c) { errf(err, errlen, "out of memory"); return NULL; }
     c->m = m; c->be = be; c->n_ctx = n_ctx; c->max_batch = max_batch;
+    c->graphs = env.cuda_graphs;
+    c->graph_layers = env.graph_layers;
     ctx_init_rope(c);
 
     const size_t B = (size_t)max_batch, D = hp->n_embd, hc = hp->n_hc, d = hp->head_dim;
@@ -3640,6 +3652,9 @@ ds4_ctx *ds4_ctx_new(ds4_model *m, const ds4_backend *be, int n_ctx, int max_bat
     lim.n_expert_used = hp->n_expert_used;
     lim.n_ff_exp = hp->n_ff_exp;
     lim.n_vocab = hp->n_vocab;
+    lim.graphs = env.cuda_graphs;
+    lim.graph_cache = env.graph_cache;
+    lim.graph_fail = env.graph_fail;
     ds4_weight **ws = malloc(sizeof(*ws) * DS4_MAX_WEIGHTS);
     if (!ws) { errf(err, errlen, "out of memory"); ds4_ctx_free(c); return NULL; }
     const int nw = model_weights(m, ws, DS4_MAX_WEIGHTS);
@@ -3671,7 +3686,14 @@ void ds4_ctx_stats(ds4_ctx *c, ds4_backend_stats *st, int reset) {
 }
 
 int ds4_ctx_pos(const ds4_ctx *c) { return c->pos; }
-void ds4_ctx_reset(ds4_ctx *c) { c->pos = 0; }
+/* The recordings of the old context go with it: they would replay correctly
+ * (they bake no position), but keying on the generation keeps the promise
+ * simple: nothing recorded before a reset runs after it. */
+void ds4_ctx_reset(ds4_ctx *c) {
+    c->pos = 0;
+    c->generation++;
+    c->be->session_reset(c->sess);
+}
 
 /* ---------------------------------------------------------------------------
  * Forward pass
@@ -3771,8 +3793,10 @@ static void fwd_moe(ds4_ctx *c, int il, const float *hn, int nt, float *out) {
 
 /* Each sublayer starts with hc_pre, which first applies the residual update
  * of the sublayer before it (its output f, with the post/comb of its own mHC
- * step): x --attention--> x2 --MoE--> x, and the head folds in the last one. */
-static void fwd_batch(ds4_ctx *c, int nt, int all_rows) {
+ * step): x --attention--> x2 --MoE--> x, and the head folds in the last one.
+ * fwd_span runs layers [l0, l1), with the embedding when l0 == 0 and the head
+ * when l1 is the last layer: the whole step, or one region of it. */
+static void fwd_span(ds4_ctx *c, int l0, int l1, int nt, int all_rows) {
     const ds4_backend *be = c->be;
     const ds4_model *m = c->m;
     const ds4_hparams *hp = &m->hp;
@@ -3780,8 +3804,8 @@ static void fwd_batch(ds4_ctx *c, int nt, int all_rows) {
     const float eps = hp->rms_eps, heps = hp->hc_eps;
     const int it = hp->sinkhorn_iters;
 
-    be->embed(&m->tok_embd, c->tok, nt, hc, c->x);
-    for (int il = 0; il < hp->n_layer; il++) {
+    if (l0 == 0) be->embed(&m->tok_embd, c->tok, nt, hc, c->x);
+    for (int il = l0; il < l1; il++) {
         const ds4_layer_w *L = &m->layers[il];
         be->hc_pre(il > 0 ? c->f : NULL, c->x2, c->x, &L->hc_attn_fn, L->hc_attn_scale.dev,
                    L->hc_attn_base.dev, L->attn_norm.dev, nt, D, hc, 0, eps, heps, it,
@@ -3791,11 +3815,35 @@ static void fwd_batch(ds4_ctx *c, int nt, int all_rows) {
                    L->ffn_norm.dev, nt, D, hc, 0, eps, heps, it, c->flat, c->mix, c->h, c->post, c->comb);
         fwd_moe(c, il, c->h, nt, c->f);
     }
+    if (l1 < hp->n_layer) return;
     /* head: the last update, collapse the streams, normalise, project to the vocabulary */
     be->hc_pre(c->f, c->x2, c->x, &m->output_hc_fn, m->output_hc_scale.dev, m->output_hc_base.dev,
                m->output_norm.dev, nt, D, hc, 1, eps, heps, it, c->flat, c->mix, c->h, c->post, c->comb);
     if (all_rows) be->matmul(&m->output, 0, c->h, c->logits, nt);
     else be->matmul(&m->output, 0, c->h + (size_t)(nt - 1) * D, c->logits, 1);
+}
+
+/* A decode step (one token, the last row's logits) with DS4_CUDA_GRAPHS=1 runs
+ * as recorded regions (ds4_gpu.h region_begin/end): the whole step, or
+ * clusters of DS4_CUDA_GRAPH_LAYERS layers.  A region's key names everything
+ * its ops bake in: its layers, the token count and the context generation
+ * (the buffers are the context's own, the position is in the step block).
+ * A prompt's batch runs eagerly. */
+static void fwd_batch(ds4_ctx *c, int nt, int all_rows) {
+    const ds4_backend *be = c->be;
+    const int L = c->m->hp.n_layer;
+    if (!(c->graphs && nt == 1 && !all_rows)) {
+        fwd_span(c, 0, L, nt, all_rows);
+        return;
+    }
+    const int per = c->graph_layers > 0 && c->graph_layers < L ? c->graph_layers : L;
+    for (int l0 = 0; l0 < L; l0 += per) {
+        const int l1 = l0 + per < L ? l0 + per : L;
+        const uint64_t key = (uint64_t)l0 | (uint64_t)l1 << 12 | (uint64_t)nt << 24 | (uint64_t)c->generation << 32;
+        if (be->region_begin(key) == DS4_REGION_REPLAYED) continue;
+        fwd_span(c, l0, l1, nt, all_rows);
+        if (be->region_end(key) == DS4_REGION_REISSUE) fwd_span(c, l0, l1, nt, all_rows);
+    }
 }
 
 int ds4_eval(ds4_ctx *c, const int32_t *tokens, int n, float *logits, int all_rows,
@@ -3890,7 +3938,8 @@ extern char **environ;
 /* Up to 48 bytes of s (n bytes) for an error line: control and non-ASCII bytes
  * as \xNN, so the message stays one line whatever the environment holds. */
 int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
-    static const char *known[] = { "DS4_THREADS", "DS4_CUDA_GRAPHS", "DS4_LAUNCH_TRACE" };
+    static const char *known[] = { "DS4_THREADS", "DS4_CUDA_GRAPHS", "DS4_LAUNCH_TRACE", "DS4_CUDA_GRAPH_LAYERS",
+                                   "DS4_CUDA_GRAPH_CACHE", "DS4_CUDA_GRAPH_FAIL" };
     char shown[256];
     memset(env, 0, sizeof(*env));
     for (char **e = environ; e && *e; e++) {
@@ -3901,7 +3950,8 @@ int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
         for (size_t i = 0; i < sizeof(known) / sizeof(known[0]); i++)
             if (strlen(known[i]) == nl && !strncmp(known[i], *e, nl)) ok = 1;
         if (!ok) {
-            errf(err, errlen, "unknown environment variable %s (ds4 reads: DS4_THREADS, DS4_CUDA_GRAPHS, DS4_LAUNCH_TRACE; see README)",
+            errf(err, errlen, "unknown environment variable %s (ds4 reads: DS4_THREADS, DS4_CUDA_GRAPHS, DS4_CUDA_GRAPH_LAYERS, "
+                 "DS4_CUDA_GRAPH_CACHE, DS4_CUDA_GRAPH_FAIL, DS4_LAUNCH_TRACE; see README)",
                  ds4_show(shown, sizeof shown, *e, nl, 48));
             return -1;
         }
@@ -3926,6 +3976,27 @@ int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
             return -1;
         }
         env->cuda_graphs = g[0] == '1';
+    }
+    env->graph_cache = 64;
+    static const struct { const char *name; long lo, hi; const char *what; } ints[] = {
+        { "DS4_CUDA_GRAPH_LAYERS", 0, 1024, "layers per recorded region, 0 = the whole step" },
+        { "DS4_CUDA_GRAPH_CACHE", 1, 4096, "recordings kept per context" },
+        { "DS4_CUDA_GRAPH_FAIL", 0, 1000000, "the capture to fail, 0 = none" },
+    };
+    for (size_t i = 0; i < sizeof ints / sizeof ints[0]; i++) {
+        const char *v = getenv(ints[i].name);
+        if (!v) continue;
+        char *end;
+        errno = 0;
+        const long x = strtol(v, &end, 10);
+        if (errno || end == v || *end || v[0] < '0' || v[0] > '9' || x < ints[i].lo || x > ints[i].hi) {
+            errf(err, errlen, "%s='%s' is not an integer in [%ld, %ld] (%s)", ints[i].name,
+                 ds4_show(shown, sizeof shown, v, strlen(v), 48), ints[i].lo, ints[i].hi, ints[i].what);
+            return -1;
+        }
+        if (i == 0) env->graph_layers = (int)x;
+        else if (i == 1) env->graph_cache = (int)x;
+        else env->graph_fail = (int)x;
     }
     const char *lt = getenv("DS4_LAUNCH_TRACE");
     if (lt) {

@@ -121,10 +121,13 @@ const char *ds4_show(char *out, size_t cap, const char *s, size_t n, size_t max)
  * and malformed values are errors.  Fills the config read by the engine. */
 typedef struct ds4_env {
     int threads;      /* DS4_THREADS: CPU threads, 0 = all online cores */
-    int cuda_graphs;  /* DS4_CUDA_GRAPHS: 1 = capture decode steps as CUDA graphs (patches/series
-                         stage 2; until then read and validated, and nothing changes) */
+    int cuda_graphs;  /* DS4_CUDA_GRAPHS: 1 = record each decode step as CUDA graphs and replay
+                         them (patches/series stage 2) */
     const char *launch_trace;   /* DS4_LAUNCH_TRACE: file the CUDA backend writes every launch to
                                    (a debug trace; NULL = none) */
+    int graph_layers;           /* DS4_CUDA_GRAPH_LAYERS: layers per recorded region, 0 = the whole step */
+    int graph_cache;            /* DS4_CUDA_GRAPH_CACHE: recordings kept per context (default 64) */
+    int graph_fail;             /* DS4_CUDA_GRAPH_FAIL: debug, the Nth capture fails (0 = none) */
 } ds4_env;
 int ds4_env_read(ds4_env *env, char *err, size_t errlen);
 

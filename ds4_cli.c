@@ -427,6 +427,11 @@ int main(int argc, char **argv) {
 #endif
     if (env.launch_trace && !strcmp(be->name, "cpu"))
         fprintf(stderr, "ds4: DS4_LAUNCH_TRACE: the cpu backend launches no kernels; nothing is traced\n");
+    if (env.cuda_graphs && !strcmp(be->name, "cpu"))
+        fprintf(stderr, "ds4: DS4_CUDA_GRAPHS=1: the cpu backend records no graphs; every step runs eagerly\n");
+    else if (env.cuda_graphs)
+        fprintf(stderr, "ds4: DS4_CUDA_GRAPHS=1: decode steps are recorded as CUDA graphs (%s) and replayed; "
+                "the prompt runs eagerly\n", env.graph_layers ? "clusters of DS4_CUDA_GRAPH_LAYERS layers" : "one per step");
 
     char defpath[PATH_MAX + 32], sh[SHOW_BUF];
     if (!model_path) {
@@ -557,6 +562,12 @@ int main(int argc, char **argv) {
                n_gen, be->name, (double)bst.launches / ns, bst.launch_seconds * 1e6 / ns,
                (unsigned long long)bst.mallocs, (unsigned long long)bst.frees,
                (unsigned long long)bst.device_syncs, (unsigned long long)bst.stream_syncs);
+        if (env.cuda_graphs)
+            printf("stats: graphs: %llu captures (%.1f ms capture, %.1f ms instantiate), %llu replays, "
+                   "%llu eager fallbacks; %llu held, %llu nodes, %.1f MiB\n",
+                   (unsigned long long)bst.captures, bst.capture_ms, bst.instantiate_ms,
+                   (unsigned long long)bst.replays, (unsigned long long)bst.fallbacks, (unsigned long long)bst.graphs,
+                   (unsigned long long)bst.graph_nodes, (double)bst.graph_bytes / (1024.0 * 1024.0));
     }
 
     int rc = 0;

@@ -49,8 +49,15 @@
  * expert (one ordered read and wait per layer, never in a decode step).
  * Each kernel has exactly one launcher (a static host function that sizes
  * the grid), and every launch goes through DS4_LAUNCH, whose
- * ds4_launch_kernel holds the file's only `<<<>>>`.  There are no CUDA
- * graphs and no activation hooks yet.
+ * ds4_launch_kernel holds the file's only `<<<>>>`.
+ *
+ * Graphs (stage 2).  With DS4_CUDA_GRAPHS=1 the core brackets a decode step
+ * (or clusters of layers) as regions; the session records each region once
+ * as a CUDA graph on its stream and replays it on every later step
+ * (region_begin/region_end, in the Sessions banner): a capture is checked
+ * node for node against the launches the region issued, and any failure
+ * leaves that region eager for good (fail closed).  There are no activation
+ * hooks yet.
  *
  * Determinism.  Same inputs give byte-identical outputs run to run: no
  * floating-point atomics, every reduction has a fixed shape (warp butterflies,
@@ -74,7 +81,8 @@
  *   MoE                            routing (with the router: moe_gate), SwiGLU, experts
  *                                  (decode and prefill)
  *   Elementwise                    add, scale
- *   Sessions                       kernel set-up at init, session_new (every scratch sized), bind
+ *   Sessions                       kernel set-up at init, recorded regions (CUDA graphs),
+ *                                  session_new (every scratch sized), bind
  *   The backend table
  */
 #include <cuda_runtime.h>
@@ -142,6 +150,10 @@ static void sess_count_launch(double seconds);
 static void sess_trace_launch(int line, const void *fn, dim3 grid, dim3 block, size_t smem,
                               const unsigned char *args, size_t n_args);
 static bool sess_tracing(void);
+/* A launch's error: fatal, except while a region is being recorded, where it
+ * fails the recording (region_end then has the region issued again, eagerly,
+ * and an error that is the kernel's own shows there). */
+static void launch_check(cudaError_t e, const char *file, int line);
 
 /* ds4_stream.h: the calling thread's stack of stream overrides (empty: stream 0). */
 static thread_local cudaStream_t g_stream_stack[DS4_STREAM_DEPTH];
@@ -196,7 +208,7 @@ static void ds4_launch_kernel(int line, void (*kernel)(P...), dim3 grid, dim3 bl
 #define DS4_LAUNCH(...) do {                                                        \
         const double t0_ = ds4_now();                                               \
         ds4_launch_kernel(__LINE__, __VA_ARGS__);                                   \
-        DS4_CUDA_CHECK(cudaGetLastError());                                         \
+        launch_check(cudaGetLastError(), __FILE__, __LINE__);                       \
         sess_count_launch(ds4_now() - t0_);                                         \
     } while (0)
 
@@ -347,7 +359,28 @@ struct ds4_session {
     double         launch_seconds;    /* host time inside them */
     FILE          *trace;             /* DS4_LAUNCH_TRACE */
     uint64_t       trace_launches;
+    /* recorded regions (CUDA graphs, region_begin/end; the Sessions banner) */
+    struct region *reg;               /* [graph_cache] */
+    int            n_reg;
+    uint64_t       reg_clock;         /* use counter for the least recently used eviction */
+    bool           capturing;         /* between a capture's begin and end */
+    uint64_t       cap_key, cap_launches0;
+    cudaError_t    cap_err;           /* the first launch error while capturing */
+    double         cap_t0;
+    int            n_captures_tried;  /* for DS4_CUDA_GRAPH_FAIL */
+    ds4_backend_stats gs;             /* the graph counters (captures ... instantiate_ms) */
 };
+
+static void launch_check(cudaError_t e, const char *file, int line) {
+    if (e == cudaSuccess) return;
+    if (g_sess && g_sess->capturing) {
+        if (g_sess->cap_err == cudaSuccess) g_sess->cap_err = e;
+        return;
+    }
+    fprintf(stderr, "ds4: CUDA error %s (%s) in a kernel launch at %s:%d\n", cudaGetErrorName(e),
+            cudaGetErrorString(e), file, line);
+    exit(1);
+}
 
 static ds4_session *sess(void) {
     if (!g_sess) {
@@ -3587,8 +3620,191 @@ static void ops_setup(void) {
                                         (int)g_cuda.smem_optin));
 }
 
+/* ---- recorded regions: CUDA graphs (stage 2 of patches/series) ----
+ *
+ * region_begin(key) replays the key's graph on the session's stream, or
+ * starts a capture of the ops the core then issues (cudaStreamBeginCapture,
+ * thread-local mode); region_end(key) ends it, checks it and instantiates
+ * and launches the graph (a capture records the work, it does not run it).
+ * With graphs on, the session's stream is a blocking one, so that a stray
+ * operation on the legacy stream during a capture fails loudly instead of
+ * running once outside the graph.  A capture counts as good only when no
+ * launch failed, capture and instantiation succeeded, and the graph holds
+ * exactly one node per launch the region issued (cudaGraphGetNodes: a
+ * launch missing from the graph would be missing from every replay).  Any
+ * failure -- or DS4_CUDA_GRAPH_FAIL's injected one -- clears the error, keeps
+ * the key as dead (it runs eagerly from then on; the first failure prints one
+ * line) and answers DS4_REGION_REISSUE: the region's ops were recorded, not
+ * run, so the core issues them again.  The cache holds at most graph_cache
+ * keys, the least recently used evicted first. */
+struct region {
+    uint64_t        key;
+    cudaGraphExec_t exec;       /* NULL: the key is dead (its recording failed) */
+    uint64_t        nodes, bytes, last_use;
+};
+
+static void region_drop(ds4_session *S, int i) {
+    struct region *r = &S->reg[i];
+    if (r->exec) {
+        DS4_CUDA_CHECK(cudaGraphExecDestroy(r->exec));
+        S->gs.graphs--;
+        S->gs.graph_nodes -= r->nodes;
+        S->gs.graph_bytes -= r->bytes;
+    }
+    S->reg[i] = S->reg[--S->n_reg];
+}
+
+static struct region *region_find(ds4_session *S, uint64_t key) {
+    for (int i = 0; i < S->n_reg; i++)
+        if (S->reg[i].key == key) return &S->reg[i];
+    return NULL;
+}
+
+/* A new entry for key (the least recently used one makes room when the cache is full). */
+static struct region *region_add(ds4_session *S, uint64_t key) {
+    if (S->n_reg >= S->lim.graph_cache) {
+        int lru = 0;
+        for (int i = 1; i < S->n_reg; i++)
+            if (S->reg[i].last_use < S->reg[lru].last_use) lru = i;
+        region_drop(S, lru);
+    }
+    struct region *r = &S->reg[S->n_reg++];
+    memset(r, 0, sizeof *r);
+    r->key = key;
+    r->last_use = ++S->reg_clock;
+    return r;
+}
+
+static void region_dead(ds4_session *S, uint64_t key, const char *what, const char *why) {
+    struct region *r = region_find(S, key);
+    if (!r) r = region_add(S, key);
+    if (r->exec) {
+        DS4_CUDA_CHECK(cudaGraphExecDestroy(r->exec));
+        S->gs.graphs--;
+        S->gs.graph_nodes -= r->nodes;
+        S->gs.graph_bytes -= r->bytes;
+        r->exec = NULL;
+    }
+    static std::atomic<int> said;
+    if (said++ == 0)
+        fprintf(stderr, "ds4: CUDA graph %s of region %llx failed (%s): it runs eagerly from now on "
+                "(fallbacks are counted in --stats)\n", what, (unsigned long long)key, why);
+    S->gs.fallbacks++;
+}
+
+static int cuda_region_begin(uint64_t key) {
+    ds4_session *S = g_sess;
+    if (!S || !S->lim.graphs) return DS4_REGION_ISSUE;
+    if (S->capturing) {
+        fprintf(stderr, "ds4: region_begin(%llx) inside the recording of %llx\n", (unsigned long long)key,
+                (unsigned long long)S->cap_key);
+        exit(1);
+    }
+    struct region *r = region_find(S, key);
+    if (r) {
+        r->last_use = ++S->reg_clock;
+        if (!r->exec) {
+            S->gs.fallbacks++;
+            return DS4_REGION_ISSUE;
+        }
+        const cudaError_t e = cudaGraphLaunch(r->exec, ds4_current_stream());
+        if (e == cudaSuccess) {
+            S->gs.replays++;
+            sess_trace_line("replay", (size_t)r->nodes);
+            return DS4_REGION_REPLAYED;
+        }
+        (void)cudaGetLastError();
+        region_dead(S, key, "launch", cudaGetErrorName(e));
+        return DS4_REGION_ISSUE;
+    }
+    const cudaError_t e = cudaStreamBeginCapture(ds4_current_stream(), cudaStreamCaptureModeThreadLocal);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        region_dead(S, key, "capture", cudaGetErrorName(e));
+        return DS4_REGION_ISSUE;
+    }
+    S->capturing = true;
+    S->cap_key = key;
+    S->cap_launches0 = S->launches;
+    S->cap_err = cudaSuccess;
+    S->cap_t0 = ds4_now();
+    return DS4_REGION_ISSUE;
+}
+
+static int cuda_region_end(uint64_t key) {
+    ds4_session *S = g_sess;
+    if (!S || !S->lim.graphs || !S->capturing) return 0;
+    cudaGraph_t g = NULL;
+    cudaError_t e = cudaStreamEndCapture(ds4_current_stream(), &g);
+    S->capturing = false;
+    const double t1 = ds4_now();
+    const uint64_t launched = S->launches - S->cap_launches0;
+    char why[160] = "";
+    S->n_captures_tried++;
+    size_t n_nodes = 0;
+    if (key != S->cap_key)
+        snprintf(why, sizeof why, "region_end(%llx) ends the recording of %llx", (unsigned long long)key,
+                 (unsigned long long)S->cap_key);
+    else if (S->cap_err != cudaSuccess)
+        snprintf(why, sizeof why, "a launch failed: %s", cudaGetErrorName(S->cap_err));
+    else if (e != cudaSuccess || !g)
+        snprintf(why, sizeof why, "%s", cudaGetErrorName(e));
+    else if (S->lim.graph_fail == S->n_captures_tried)
+        snprintf(why, sizeof why, "injected by DS4_CUDA_GRAPH_FAIL=%d", S->lim.graph_fail);
+    else if ((e = cudaGraphGetNodes(g, NULL, &n_nodes)) != cudaSuccess)
+        snprintf(why, sizeof why, "%s", cudaGetErrorName(e));
+    else if ((uint64_t)n_nodes != launched)
+        snprintf(why, sizeof why, "the graph has %zu nodes for %llu launches", n_nodes, (unsigned long long)launched);
+    cudaGraphExec_t exec = NULL;
+    size_t bytes = 0;
+    if (!why[0]) {
+        size_t f0 = 0, f1 = 0, total = 0;
+        DS4_CUDA_CHECK(cudaMemGetInfo(&f0, &total));
+#if CUDART_VERSION >= 12000
+        e = cudaGraphInstantiate(&exec, g, 0);
+#else
+        e = cudaGraphInstantiate(&exec, g, NULL, NULL, 0);   /* CUDA 11's signature */
+#endif
+        DS4_CUDA_CHECK(cudaMemGetInfo(&f1, &total));
+        bytes = f0 > f1 ? f0 - f1 : 0;
+        if (e != cudaSuccess) {
+            snprintf(why, sizeof why, "instantiate: %s", cudaGetErrorName(e));
+            exec = NULL;
+        }
+    }
+    const double t2 = ds4_now();
+    if (g) DS4_CUDA_CHECK(cudaGraphDestroy(g));
+    if (!why[0] && (e = cudaGraphLaunch(exec, ds4_current_stream())) != cudaSuccess)
+        snprintf(why, sizeof why, "launch: %s", cudaGetErrorName(e));
+    if (why[0]) {
+        (void)cudaGetLastError();
+        if (exec) DS4_CUDA_CHECK(cudaGraphExecDestroy(exec));
+        region_dead(S, key, "recording", why);
+        return DS4_REGION_REISSUE;
+    }
+    struct region *r = region_add(S, key);
+    r->exec = exec;
+    r->nodes = n_nodes;
+    r->bytes = bytes;
+    S->gs.captures++;
+    S->gs.graphs++;
+    S->gs.graph_nodes += n_nodes;
+    S->gs.graph_bytes += bytes;
+    S->gs.capture_ms += (t1 - S->cap_t0) * 1e3;
+    S->gs.instantiate_ms += (t2 - t1) * 1e3;
+    sess_trace_line("capture", n_nodes);
+    return 0;
+}
+
+static void cuda_session_reset(void *s) {
+    ds4_session *S = (ds4_session *)s;
+    while (S->n_reg > 0) region_drop(S, S->n_reg - 1);
+}
+
 static void session_release(ds4_session *S) {
     if (!S) return;
+    while (S->n_reg > 0) region_drop(S, S->n_reg - 1);
+    free(S->reg);
     if (S->stream) {
         g_n_stream_sync++;
         DS4_CUDA_CHECK(cudaStreamSynchronize(S->stream));   /* NOTE(load time): a context ends */
@@ -3663,7 +3879,19 @@ static void *cuda_session_new(const ds4_limits *lim) {
             return NULL;
         }
     }
-    DS4_CUDA_CHECK(cudaStreamCreateWithFlags(&S->stream, cudaStreamNonBlocking));
+    /* a blocking stream when graphs are on (a stray legacy-stream operation then fails a
+     * capture loudly: the Sessions banner), a non-blocking one otherwise */
+    DS4_CUDA_CHECK(cudaStreamCreateWithFlags(&S->stream, lim->graphs ? cudaStreamDefault : cudaStreamNonBlocking));
+    if (lim->graphs) {
+        S->reg = (struct region *)calloc((size_t)(lim->graph_cache > 0 ? lim->graph_cache : 1), sizeof *S->reg);
+        if (!S->reg) {
+            fprintf(stderr, "ds4: out of host memory\n");
+            DS4_CUDA_CHECK(cudaStreamDestroy(S->stream));
+            free(S);
+            return NULL;
+        }
+        if (S->lim.graph_cache < 1) S->lim.graph_cache = 1;
+    }
     DS4_CUBLAS_CHECK(cublasCreate(&S->blas));
     /* f32 products stay f32: default math never uses TF32 for Sgemm. */
     DS4_CUBLAS_CHECK(cublasSetMathMode(S->blas, CUBLAS_DEFAULT_MATH));
@@ -3763,7 +3991,17 @@ static void cuda_session_stats(void *s, ds4_backend_stats *st, int reset) {
     st->frees = g_n_free;
     st->device_syncs = g_n_dev_sync;
     st->stream_syncs = g_n_stream_sync;
+    st->captures = S->gs.captures;
+    st->replays = S->gs.replays;
+    st->fallbacks = S->gs.fallbacks;
+    st->graphs = S->gs.graphs;
+    st->graph_nodes = S->gs.graph_nodes;
+    st->graph_bytes = S->gs.graph_bytes;
+    st->capture_ms = S->gs.capture_ms;
+    st->instantiate_ms = S->gs.instantiate_ms;
     if (reset) {
+        S->gs.captures = S->gs.replays = S->gs.fallbacks = 0;
+        S->gs.capture_ms = S->gs.instantiate_ms = 0.0;
         S->launches = 0;
         S->launch_seconds = 0.0;
         g_n_malloc = 0;
@@ -3794,6 +4032,9 @@ static ds4_backend make_cuda_backend(void) {
     b.session_free = cuda_session_free;
     b.session_bind = cuda_session_bind;
     b.session_stats = cuda_session_stats;
+    b.region_begin = cuda_region_begin;
+    b.region_end = cuda_region_end;
+    b.session_reset = cuda_session_reset;
     b.embed = cuda_embed;
     b.rmsnorm = cuda_rmsnorm;
     b.matmul = cuda_matmul;

@@ -168,6 +168,10 @@ typedef struct ds4_limits {
     int     n_vocab;
     int64_t max_k;            /* the longest weight row (K) of any matmul */
     int64_t max_matrix;       /* the most elements of one weight matrix (K x N) */
+    /* recorded regions (region_begin/region_end): 0 = never record */
+    int     graphs;           /* DS4_CUDA_GRAPHS */
+    int     graph_cache;      /* the most recordings kept (DS4_CUDA_GRAPH_CACHE) */
+    int     graph_fail;       /* debug: the Nth recording fails (DS4_CUDA_GRAPH_FAIL; 0 = none) */
 } ds4_limits;
 
 /* What a session has done: kernel launches and cuBLAS calls (and the host
@@ -179,7 +183,16 @@ typedef struct ds4_backend_stats {
     uint64_t mallocs, frees;          /* cudaMalloc/cudaHostAlloc, cudaFree/cudaFreeHost */
     uint64_t device_syncs;            /* cudaDeviceSynchronize */
     uint64_t stream_syncs;            /* cudaStreamSynchronize */
+    /* recorded regions (CUDA graphs), since the session was made or reset */
+    uint64_t captures, replays;       /* recordings made; regions replayed from one */
+    uint64_t fallbacks;               /* regions run eagerly because their recording failed */
+    uint64_t graphs, graph_nodes;     /* recordings held now, and their nodes */
+    uint64_t graph_bytes;             /* device memory the held recordings took (instantiation) */
+    double   capture_ms, instantiate_ms;   /* summed over the captures */
 } ds4_backend_stats;
+
+/* region_begin's and region_end's answers (the recorded regions, ds4_backend). */
+enum { DS4_REGION_ISSUE = 0, DS4_REGION_REPLAYED = 1, DS4_REGION_REISSUE = 2 };
 
 /* One compressor's buffers and shape, for compressor_steps (the arguments of
  * compressor_step but the step, nt, eps and rope, which a layer's compressors share). */
@@ -217,6 +230,26 @@ typedef struct ds4_backend {
     void  (*session_free)(void *s);
     void *(*session_bind)(void *s);
     void  (*session_stats)(void *s, ds4_backend_stats *st, int reset);
+
+    /* ---- recorded regions (stage 2 of patches/series: CUDA graphs) ----
+     * A region is a run of ops that the core issues the same way -- the same
+     * ops, buffers and shapes; the position comes from the step block --
+     * every time it enters the region under the same key.  The core brackets it:
+     *   r = region_begin(key)
+     *   if (r != DS4_REGION_REPLAYED) {
+     *       issue the region's ops
+     *       if (region_end(key) == DS4_REGION_REISSUE) issue the region's ops again
+     *   }
+     * DS4_REGION_REPLAYED: the backend ran its recording of the region (issue
+     * nothing).  DS4_REGION_ISSUE: issue the ops; the backend may be recording
+     * them instead of running them, and region_end then runs the recording.
+     * DS4_REGION_REISSUE: the recording failed; the backend dropped it (and
+     * runs the key eagerly from then on) and the ops must be issued again.
+     * Without a session, or with limits.graphs == 0, begin returns ISSUE and
+     * end 0.  session_reset drops every recording (the context was reset). */
+    int   (*region_begin)(uint64_t key);
+    int   (*region_end)(uint64_t key);
+    void  (*session_reset)(void *s);
 
     /* ---- ops ---- */
 

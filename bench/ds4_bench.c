@@ -166,14 +166,18 @@ int main(int argc, char **argv) {
         const int P0 = max_p < 512 ? max_p : 512;
         const size_t bytes_tok = ds4_model_decode_bytes(m);
         double launches_tok = 0, launch_s_tok = 0;
-        ds4_backend_stats ds;
+        ds4_backend_stats ds, warm;
         memset(&ds, 0, sizeof ds);
+        memset(&warm, 0, sizeof warm);
         for (int r = -1; r < reps; r++) {
             ds4_ctx_reset(c);
             if (ds4_eval(c, tok, P0, logits, 0, err, sizeof(err)) != 0) fail("prefill", err);
             for (int w = 0; w < 4; w++)
                 if (ds4_eval(c, tok + P0 + w, 1, logits, 0, err, sizeof(err)) != 0) fail("decode", err);
-            if (r == 0) ds4_ctx_stats(c, &ds, 1);
+            if (r == 0) {
+                ds4_ctx_stats(c, &warm, 1);      /* the prefill and warm-up steps: captures */
+                ds4_ctx_stats(c, &ds, 1);
+            }
             double s = now_s();
             for (int j = 0; j < n_decode; j++)
                 if (ds4_eval(c, tok + P0 + 4 + j, 1, logits, 0, err, sizeof(err)) != 0) fail("decode", err);
@@ -211,6 +215,23 @@ int main(int argc, char **argv) {
                    "stream_syncs=%llu\n", model, be->name, n_decode, (unsigned long long)ds.mallocs,
                    (unsigned long long)ds.frees, (unsigned long long)ds.device_syncs,
                    (unsigned long long)ds.stream_syncs);
+            if (warm.captures || ds.replays || ds.fallbacks) {
+                /* DS4_CUDA_GRAPHS=1 (patches/series stage 2) */
+                const double per = warm.captures ? 1.0 / (double)warm.captures : 0.0;
+                printf("decode: graphs: the warm-up captured %llu (%.2f ms capture + %.2f ms instantiate per graph), "
+                       "%llu held with %llu nodes and %.1f MiB; the timed run: %llu captures, %llu replays, "
+                       "%llu eager fallbacks\n", (unsigned long long)warm.captures, warm.capture_ms * per,
+                       warm.instantiate_ms * per, (unsigned long long)ds.graphs, (unsigned long long)ds.graph_nodes,
+                       (double)ds.graph_bytes / (1024.0 * 1024.0), (unsigned long long)ds.captures,
+                       (unsigned long long)ds.replays, (unsigned long long)ds.fallbacks);
+                printf("RESULT model=%s backend=%s metric=graphs warmup_captures=%llu capture_ms_per_graph=%.3f "
+                       "instantiate_ms_per_graph=%.3f held=%llu nodes=%llu bytes=%llu timed_captures=%llu "
+                       "timed_replays=%llu timed_fallbacks=%llu\n", model, be->name,
+                       (unsigned long long)warm.captures, warm.capture_ms * per, warm.instantiate_ms * per,
+                       (unsigned long long)ds.graphs, (unsigned long long)ds.graph_nodes,
+                       (unsigned long long)ds.graph_bytes, (unsigned long long)ds.captures,
+                       (unsigned long long)ds.replays, (unsigned long long)ds.fallbacks);
+            }
         }
     }
 

@@ -44,7 +44,8 @@ STREAM_CALLS = [
     "cudaMemcpy3DAsync", "cudaMemcpyPeerAsync", "cudaMemcpyToSymbolAsync", "cudaMemcpyFromSymbolAsync",
     "cudaMemPrefetchAsync", "cudaLaunchHostFunc", "cudaEventRecord", "cudaEventRecordWithFlags",
     "cudaStreamWaitEvent", "cudaLaunchKernel", "cudaLaunchKernelExC", "cudaLaunchCooperativeKernel",
-    "cudaMallocAsync", "cudaFreeAsync", "cudaGraphLaunch", "cudaStreamAddCallback",
+    "cudaMallocAsync", "cudaFreeAsync", "cudaGraphLaunch", "cudaStreamAddCallback", "cudaStreamBeginCapture",
+    "cudaStreamEndCapture",
 ]
 SYNC_MEMSET = ["cudaMemset", "cudaMemset2D", "cudaMemset3D"]
 SYNC_OPS = ["cudaMemcpy", "cudaMemcpy2D", "cudaMemcpy3D", "cudaMemcpyPeer", "cudaMemcpyToSymbol",

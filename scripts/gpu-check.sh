@@ -14,9 +14,10 @@
 #   series    the patch series (patches/): the stage before the newest (scripts/series.sh tree -1)
 #             built for CUDA beside HEAD; CUDA logits (32 prompt tokens + 1000 decode steps on tiny
 #             and small, 300 on other) under it, HEAD and HEAD with DS4_CUDA_GRAPHS=1 must be
-#             byte-identical, and so must the flash16 spot check's CUDA logits (a few minutes: the
-#             CPU reference runs in each build); HEAD's decode waits (ds4 --stats); flash16 decode
-#             tok/s of both, side by side
+#             byte-identical (and with DS4_CUDA_GRAPH_LAYERS=1 and 4), and so must the flash16 spot
+#             check's CUDA logits (a few minutes: the CPU reference runs in each build); HEAD's
+#             decode waits and graph counters (ds4 --stats); flash16 decode tok/s of both (and of
+#             HEAD with graphs), side by side
 #   all       all of these: build, test, hf, sanitize, spot, bench flash16, kernels, bench tiny+small
 #
 # Rough times on one H200: build ~1 min, test ~2 min, sanitize a few minutes (19 runs, 3 at
@@ -176,32 +177,40 @@ if want series; then
       "$SB"/ds4 -m "$p" --backend cuda --tokens "$TOK" -n $n --dump-logits "$OUT/series-$m-prev.ds4logit" > /dev/null 2>&1
       ./ds4 -m "$p" --backend cuda --tokens "$TOK" -n $n --dump-logits "$OUT/series-$m-head.ds4logit" > /dev/null 2>&1
       DS4_CUDA_GRAPHS=1 ./ds4 -m "$p" --backend cuda --tokens "$TOK" -n $n --dump-logits "$OUT/series-$m-on.ds4logit" > /dev/null 2>&1
-      if [ -s "$OUT/series-$m-prev.ds4logit" ] && cmp -s "$OUT/series-$m-prev.ds4logit" "$OUT/series-$m-head.ds4logit" \
-         && cmp -s "$OUT/series-$m-prev.ds4logit" "$OUT/series-$m-on.ds4logit"; then
-        row "series $m ($n steps): previous stage, HEAD, HEAD+DS4_CUDA_GRAPHS=1 byte-identical ($(wc -c < "$OUT/series-$m-prev.ds4logit") bytes)"
+      DS4_CUDA_GRAPHS=1 DS4_CUDA_GRAPH_LAYERS=1 ./ds4 -m "$p" --backend cuda --tokens "$TOK" -n $n --dump-logits "$OUT/series-$m-l1.ds4logit" > /dev/null 2>&1
+      DS4_CUDA_GRAPHS=1 DS4_CUDA_GRAPH_LAYERS=4 ./ds4 -m "$p" --backend cuda --tokens "$TOK" -n $n --dump-logits "$OUT/series-$m-l4.ds4logit" > /dev/null 2>&1
+      same=1
+      for v in head on l1 l4; do cmp -s "$OUT/series-$m-prev.ds4logit" "$OUT/series-$m-$v.ds4logit" || same=0; done
+      if [ -s "$OUT/series-$m-prev.ds4logit" ] && [ $same = 1 ]; then
+        row "series $m ($n steps): previous stage, HEAD, HEAD with DS4_CUDA_GRAPHS=1 (whole step, LAYERS=1, LAYERS=4) byte-identical ($(wc -c < "$OUT/series-$m-prev.ds4logit") bytes)"
       else
-        row "series $m ($n steps): DUMPS DIFFER or missing (series-$m-{prev,head,on}.ds4logit)"
+        row "series $m ($n steps): DUMPS DIFFER or missing (series-$m-{prev,head,on,l1,l4}.ds4logit)"
       fi
       rm -f "$OUT"/series-$m-*.ds4logit
     done
     # decode waits and allocations, counted by the backend (ds4 --stats)
     ./ds4 -m build/test-out/small.gguf --backend cuda --tokens "$TOK" -n 256 --stats 2>/dev/null | grep '^stats:' > "$OUT/series-stats.log"
     row "series waits (small, 256 steps): $(cat "$OUT/series-stats.log")"
+    DS4_CUDA_GRAPHS=1 ./ds4 -m build/test-out/small.gguf --backend cuda --tokens "$TOK" -n 4096 --stats 2>/dev/null | grep '^stats:' > "$OUT/series-stats-graphs.log"
+    row "series graphs (small, 4096 steps): $(tr '\n' ' ' < "$OUT/series-stats-graphs.log")"
     # the flash16 spot check (Q8_0, built in host memory): CUDA logits byte for byte
     make --no-print-directory build/cuda-"$ARCH"/spot_check CUDA_ARCH="$ARCH" -j16 >> "$OUT/series.log" 2>&1
     (cd "$SB" && make --no-print-directory build/cuda-"$ARCH"/spot_check CUDA_ARCH="$ARCH" -j16) >> "$OUT/series.log" 2>&1
     timeout "${SPOT_LIMIT:-600}" "$SB"/build/cuda-"$ARCH"/spot_check --dump-cuda "$OUT/series-spot-prev.f32" > "$OUT/series-spot-prev.log" 2>&1
     timeout "${SPOT_LIMIT:-600}" build/cuda-"$ARCH"/spot_check --dump-cuda "$OUT/series-spot-head.f32" > "$OUT/series-spot-head.log" 2>&1
-    if [ -s "$OUT/series-spot-prev.f32" ] && cmp -s "$OUT/series-spot-prev.f32" "$OUT/series-spot-head.f32"; then
-      row "series flash16 spot: previous stage, HEAD byte-identical ($(wc -c < "$OUT/series-spot-prev.f32") bytes)"
+    DS4_CUDA_GRAPHS=1 timeout "${SPOT_LIMIT:-600}" build/cuda-"$ARCH"/spot_check --dump-cuda "$OUT/series-spot-on.f32" > "$OUT/series-spot-on.log" 2>&1
+    if [ -s "$OUT/series-spot-prev.f32" ] && cmp -s "$OUT/series-spot-prev.f32" "$OUT/series-spot-head.f32" \
+       && cmp -s "$OUT/series-spot-prev.f32" "$OUT/series-spot-on.f32"; then
+      row "series flash16 spot: previous stage, HEAD, HEAD+DS4_CUDA_GRAPHS=1 byte-identical ($(wc -c < "$OUT/series-spot-prev.f32") bytes)"
     else
       row "series flash16 spot: DUMPS DIFFER or missing (series-spot-*.log)"
     fi
     rm -f "$OUT"/series-spot-*.f32     # 16 x 129280 floats each: the verdict and logs stay
-    for r in 1 2; do        # side by side, alternating (medians of 3 reps each)
-      for b in prev head; do
+    for r in 1 2; do        # side by side, alternating (medians of 3 reps each); head also with graphs
+      for b in prev head graphs; do
         bin=build/cuda-"$ARCH"/ds4_bench; [ "$b" = prev ] && bin=$SB/$bin
-        timeout 150 "$bin" --model flash16 --backend cuda --reps 3 --decode 32 --prefill 512 > "$OUT/series-bench-$b-$r.log" 2>&1
+        g=0; [ "$b" = graphs ] && g=1
+        DS4_CUDA_GRAPHS=$g timeout 150 "$bin" --model flash16 --backend cuda --reps 3 --decode 32 --prefill 512 > "$OUT/series-bench-$b-$r.log" 2>&1
         row "series bench $b run $r: $(grep -o 'metric=decode_tok_s value=[0-9.]*' "$OUT/series-bench-$b-$r.log" || echo 'no result') $(grep -o 'metric=decode_waits.*' "$OUT/series-bench-$b-$r.log")"
       done
     done

@@ -88,6 +88,12 @@ ENV_CASES = [
     ({"DS4_CUDA_GRAPHS": "yes"}, "DS4_CUDA_GRAPHS='yes'"),
     ({"DS4_CUDA_GRAPHS": ""}, "DS4_CUDA_GRAPHS=''"),
     ({"DS4_LAUNCH_TRACE": ""}, "DS4_LAUNCH_TRACE is empty"),
+    ({"DS4_CUDA_GRAPH_LAYERS": "-1"}, "DS4_CUDA_GRAPH_LAYERS='-1' is not an integer in [0, 1024]"),
+    ({"DS4_CUDA_GRAPH_LAYERS": "4x"}, "DS4_CUDA_GRAPH_LAYERS='4x'"),
+    ({"DS4_CUDA_GRAPH_CACHE": "0"}, "DS4_CUDA_GRAPH_CACHE='0' is not an integer in [1, 4096]"),
+    ({"DS4_CUDA_GRAPH_CACHE": " 8"}, "DS4_CUDA_GRAPH_CACHE=' 8'"),
+    ({"DS4_CUDA_GRAPH_FAIL": "+1"}, "DS4_CUDA_GRAPH_FAIL='+1'"),
+    ({"DS4_CUDA_GRAPH_FAIL": ""}, "DS4_CUDA_GRAPH_FAIL=''"),
     # found by tests/fuzz/fuzz_env: a newline in a value made the error two lines
     ({"DS4_THREADS": "1\n2"}, "DS4_THREADS='1\\x0a2'"),
 ]
@@ -98,19 +104,23 @@ def test_bad_env(env, needle):
     expect_error(["-m", make_model("tiny"), "-n", "1"], needle, env=env)
 
 
-def test_cuda_graphs_flag_changes_nothing_yet():
-    """DS4_CUDA_GRAPHS=0/1 are read and validated at start-up; until stage 2 of patches/series
-    captures graphs, the flag changes nothing: the three dumps are byte-identical."""
+def test_cuda_graphs_flag_on_cpu():
+    """DS4_CUDA_GRAPHS=0/1 are read and validated at start-up; the CPU backend records nothing and
+    says so once, and splitting the step into regions (DS4_CUDA_GRAPH_LAYERS) changes no logit:
+    the dumps are byte-identical."""
     dumps = []
-    for v in (None, "0", "1"):
+    for v in (None, "0", "1", "1:2"):
         e = {k: x for k, x in os.environ.items() if not k.startswith("DS4_")}
         if v is not None:
-            e["DS4_CUDA_GRAPHS"] = v
+            e["DS4_CUDA_GRAPHS"] = v[0]
+        if v == "1:2":
+            e["DS4_CUDA_GRAPH_LAYERS"] = "2"
         p = os.path.join(OUT, f"graphs-{v}.ds4logit")
-        ds4_run(["-m", make_model("tiny"), "--tokens", "1,2,3,4", "-n", "8", "--backend", "cpu",
-                 "--dump-logits", p], env=e)
+        r = ds4_run(["-m", make_model("tiny"), "--tokens", "1,2,3,4", "-n", "8", "--backend", "cpu",
+                     "--dump-logits", p], env=e)
+        assert ("records no graphs" in r.stderr) == (v is not None and v[0] == "1"), r.stderr
         dumps.append(open(p, "rb").read())
-    assert dumps[0] == dumps[1] == dumps[2]
+    assert dumps[0] == dumps[1] == dumps[2] == dumps[3]
 
 
 def bad_model(name, data):

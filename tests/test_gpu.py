@@ -91,7 +91,7 @@ def test_cuda_deterministic():
 @pytest.mark.parametrize("name", ["small", "small-q2"])
 def test_cuda_graphs_flag_bit_identical(name):
     """DS4_CUDA_GRAPHS=1 against the flag unset, on the GPU: byte-identical dumps (prompt + 300
-    steps).  Stage 0 only reads the flag; from stage 2 on it captures and replays graphs, and
+    steps).  Stage 0 only read the flag; from stage 2 on it captures and replays graphs, and
     this is the check that replay computes exactly what eager launches do."""
     dumps = []
     for v in (None, "1"):
@@ -163,3 +163,60 @@ def test_decode_allocates_nothing_and_waits_once():
     assert f"decode {n} steps on cuda" in line, line
     assert ", 0 device allocations, 0 frees, 0 device syncs, " in line, line
     assert line.endswith(f", {n} stream syncs"), line
+
+
+def graph_run(name, n, graphs=None, layers=None, fail=None, stats=False, tag=""):
+    """ds4 on the GPU, prompt + n decode steps, its dump's bytes and its stdout/stderr."""
+    env = {k: x for k, x in os.environ.items() if not k.startswith("DS4_")}
+    if graphs:
+        env["DS4_CUDA_GRAPHS"] = "1"
+    if layers is not None:
+        env["DS4_CUDA_GRAPH_LAYERS"] = str(layers)
+    if fail is not None:
+        env["DS4_CUDA_GRAPH_FAIL"] = str(fail)
+    out = os.path.join(OUT, f"{name}.graphs-{tag or 'x'}.ds4logit")
+    args = ["-m", make_model(name), "--backend", "cuda", "--tokens", ",".join(map(str, PROMPT)),
+            "-n", str(n), "--dump-logits", out] + (["--stats"] if stats else [])
+    r = ds4_run(args, binary=CUDA_BIN, env=env)
+    data = open(out, "rb").read()
+    os.remove(out)
+    return data, r
+
+
+def graph_stats(stdout):
+    line = next(l for l in stdout.splitlines() if l.startswith("stats: graphs:"))
+    nums = [int(x) for x in __import__("re").findall(r"(\d+) (?:captures|replays|eager fallbacks|held)", line)]
+    return dict(zip(["captures", "replays", "fallbacks", "held"], nums)), line
+
+
+@skip_no_gpu
+@pytest.mark.parametrize("name", ["tiny", "small"])
+def test_graphs_replay_bit_identical_4096(name):
+    """Stage 2: 4096 decode steps (every window wrap, compression boundary and the indexer's
+    threshold many times over) with graphs -- one per step, and clusters of 1 and of 4 layers --
+    give the eager run's dump byte for byte, with zero re-captures in steady decode: one capture
+    per region, every later step replayed, no fallback."""
+    n = 4096
+    eager, _ = graph_run(name, n, tag="eager")
+    layers = {"tiny": 6, "small": 8}[name]
+    for lay in (None, 1, 4):
+        data, r = graph_run(name, n, graphs=True, layers=lay, stats=True, tag=f"g{lay}")
+        assert data == eager, f"DS4_CUDA_GRAPH_LAYERS={lay}: the dump differs from eager"
+        st, line = graph_stats(r.stdout)
+        regions = 1 if not lay else -(-layers // lay)
+        assert st["captures"] == regions, line
+        assert st["replays"] == regions * (n - 1), line
+        assert st["fallbacks"] == 0, line
+
+
+@skip_no_gpu
+def test_graphs_fail_closed():
+    """DS4_CUDA_GRAPH_FAIL=1 makes the first capture fail: the region runs eagerly from then on,
+    one line says so, the fallbacks are counted, and not a logit changes."""
+    eager, _ = graph_run("small", 64, tag="eager-f")
+    data, r = graph_run("small", 64, graphs=True, layers=4, fail=1, stats=True, tag="fail")
+    assert data == eager
+    assert r.stderr.count("CUDA graph recording of region") == 1, r.stderr
+    assert "injected by DS4_CUDA_GRAPH_FAIL=1" in r.stderr
+    st, line = graph_stats(r.stdout)
+    assert st["fallbacks"] == 64 and st["captures"] == 1, line   # region 0 eager every step, region 1 recorded

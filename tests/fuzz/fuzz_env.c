@@ -33,6 +33,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         if (e.threads < 0 || e.threads > DS4_MAX_THREADS) { fprintf(stderr, "fuzz_env: threads %d out of range\n", e.threads); abort(); }
         if (e.cuda_graphs != 0 && e.cuda_graphs != 1) { fprintf(stderr, "fuzz_env: cuda_graphs %d\n", e.cuda_graphs); abort(); }
         if (e.launch_trace && !e.launch_trace[0]) { fprintf(stderr, "fuzz_env: empty launch_trace accepted\n"); abort(); }
+        if (e.graph_layers < 0 || e.graph_layers > 1024 || e.graph_cache < 1 || e.graph_cache > 4096 ||
+            e.graph_fail < 0 || e.graph_fail > 1000000) {
+            fprintf(stderr, "fuzz_env: graph settings %d %d %d out of range\n", e.graph_layers, e.graph_cache, e.graph_fail);
+            abort();
+        }
     } else if (rc != -1 || !err[0]
 #ifndef DS4_FUZZ_ENV_ALLOW_NL   /* for a long run past the known finding (crashers/env/) */
                || strchr(err, '\n')
