@@ -17,7 +17,7 @@ PYTHON  ?= python3
 CUDA_HOME ?= /usr/local/cuda
 B       := build
 
-CORE_SRC := ds4.c ds4.h ds4_gpu.h ds4_quant.h ds4_tok.h
+CORE_SRC := ds4.c ds4.h ds4_gpu.h ds4_hooks.h ds4_quant.h ds4_tok.h
 QUANT_SRC := ds4_quant.c ds4_quant.h ds4_quant_tables.h ds4_gpu.h
 TOK_SRC := ds4_tok.c ds4_tok.h ds4_unicode.h
 

@@ -54,6 +54,7 @@
 #include <unistd.h>
 
 #include "ds4.h"
+#include "ds4_hooks.h"
 #include "ds4_quant.h"
 #include "ds4_tok.h"
 
@@ -3465,6 +3466,95 @@ ds4_model *ds4_synth_open(const char *config, uint64_t seed, int wtype, int n_th
 }
 
 /* ---------------------------------------------------------------------------
+ * Activation hooks (ds4_hooks.h): the selection, and the CPU backend's writer
+ *
+ * The forward pass calls hook_emit after the op that makes each catalog
+ * tensor; with the CPU backend the tensor is host memory and the record goes
+ * straight to the file (synchronous: nothing is ever dropped).  A failed
+ * write stops the run with one line (ds4_eval returns the error): records are
+ * never lost silently.
+ * ------------------------------------------------------------------------- */
+
+static const char *const g_hook_names[DS4H_N_HOOKS] = { "attn", "resid", "moe_sel", "moe_w", "moe", "logits" };
+
+const char *ds4h_name(int hook) { return hook >= 0 && hook < DS4H_N_HOOKS ? g_hook_names[hook] : NULL; }
+
+/* "a" or "a-b" (decimal digits only) into [lo, hi]. */
+static int hooks_range(const char *s, size_t n, int *lo, int *hi) {
+    long v[2] = { -1, -1 };
+    int k = 0;
+    size_t i = 0;
+    while (i < n && k < 2) {
+        if (s[i] < '0' || s[i] > '9') return -1;
+        long x = 0;
+        while (i < n && s[i] >= '0' && s[i] <= '9') {
+            x = x * 10 + (s[i] - '0');
+            if (x >= DS4H_MAX_LAYERS) return -1;
+            i++;
+        }
+        v[k++] = x;
+        if (i < n) {
+            if (s[i] != '-' || k == 2) return -1;
+            i++;
+            if (i == n) return -1;
+        }
+    }
+    if (i != n) return -1;
+    *lo = (int)v[0];
+    *hi = k == 2 ? (int)v[1] : (int)v[0];
+    return *lo <= *hi ? 0 : -1;
+}
+
+int ds4h_parse(const char *spec, ds4h_selection *sel, char *err, size_t errlen) {
+    char sh[160];
+    memset(sel, 0, sizeof *sel);
+    sel->max_layer = -1;
+    if (!*spec) return (errf(err, errlen, "empty (give hooks: attn, resid, moe, moe_sel, moe_w, logits)"), -1);
+    const char *p = spec;
+    for (;;) {
+        const char *end = strchr(p, ',');
+        const size_t n = end ? (size_t)(end - p) : strlen(p);
+        const char *colon = memchr(p, ':', n);
+        const size_t nl = colon ? (size_t)(colon - p) : n;
+        if (nl == 0) return (errf(err, errlen, "an empty hook name (items are NAME or NAME:A-B, comma-separated)"), -1);
+        int hooks[3], nh = 0;
+        if (nl == 3 && !strncmp(p, "moe", 3)) {
+            hooks[0] = DS4H_MOE_SEL; hooks[1] = DS4H_MOE_W; hooks[2] = DS4H_MOE; nh = 3;
+        } else {
+            for (int h = 0; h < DS4H_N_HOOKS; h++)
+                if (strlen(g_hook_names[h]) == nl && !strncmp(p, g_hook_names[h], nl)) hooks[nh++] = h;
+        }
+        if (!nh)
+            return (errf(err, errlen, "unknown hook '%s' (attn, resid, moe, moe_sel, moe_w, logits)",
+                              ds4_show(sh, sizeof sh, p, nl, 32)), -1);
+        int lo = 0, hi = DS4H_MAX_LAYERS - 1;
+        if (colon) {
+            if (hooks[0] == DS4H_LOGITS) return (errf(err, errlen, "logits has no layers: give it without a range"), -1);
+            if (hooks_range(colon + 1, n - nl - 1, &lo, &hi) != 0)
+                return (errf(err, errlen, "bad layer range '%s' for %s (A or A-B, A <= B < %d)",
+                                  ds4_show(sh, sizeof sh, colon + 1, n - nl - 1, 32),
+                                  ds4_show(sh + 80, 80, p, nl, 16), DS4H_MAX_LAYERS), -1);
+            if (hi > sel->max_layer) sel->max_layer = hi;
+        }
+        for (int j = 0; j < nh; j++) {
+            if (!colon) sel->all_layers[hooks[j]] = 1;
+            else for (int l = lo; l <= hi; l++) sel->layers[hooks[j]][l / 64] |= (uint64_t)1 << (l % 64);
+        }
+        sel->any = 1;
+        if (!end) break;
+        p = end + 1;
+    }
+    return 0;
+}
+
+int ds4h_selected(const ds4h_selection *sel, int hook, int layer) {
+    if (!sel || hook < 0 || hook >= DS4H_N_HOOKS) return 0;
+    if (sel->all_layers[hook]) return 1;
+    if (layer < 0 || layer >= DS4H_MAX_LAYERS) return 0;
+    return (int)(sel->layers[hook][layer / 64] >> (layer % 64) & 1);
+}
+
+/* ---------------------------------------------------------------------------
  * Contexts: KV window ring, compressed rows, compressor state, activations
  *
  * Per layer (d = head_dim, W = sliding window, r = ratio, c = 2 for ratio 4):
@@ -3492,6 +3582,12 @@ struct ds4_ctx {
     int                graphs;    /* record decode steps as regions (DS4_CUDA_GRAPHS) */
     int                graph_layers;  /* layers per region, 0 = the whole step (DS4_CUDA_GRAPH_LAYERS) */
     uint32_t           generation;    /* bumped by ds4_ctx_reset: part of every region key */
+    ds4h_selection    *hsel;      /* DS4_HOOKS: what to write (NULL: hooks off) */
+    FILE              *hf;        /* DS4_HOOKS_OUT */
+    char              *hpath;
+    uint64_t           hseq;      /* records written */
+    uint32_t           hcalls;    /* forward calls made */
+    int                herr;      /* errno of a failed write (0: none) */
     ds4_step          *step;      /* the step block (backend memory), written before each call */
     void              *step_host; /* its host image: the block, then the batch's tokens */
     /* activations, all [B][...] with B = max_batch */
@@ -3520,6 +3616,109 @@ struct ds4_ctx {
     void    *allocs[64 + 8 * DS4_MAX_LAYERS];
     int      n_allocs;
 };
+
+int ds4_hooks_check(const ds4_model *m, const ds4_env *env, char *err, size_t errlen) {
+    if (!env->hooks) return 0;
+    ds4h_selection sel;
+    char e2[256];
+    if (ds4h_parse(env->hooks, &sel, e2, sizeof e2) != 0) { errf(err, errlen, "DS4_HOOKS: %s", e2); return -1; }
+    if (sel.max_layer >= m->hp.n_layer) {
+        errf(err, errlen, "DS4_HOOKS: layer %d is past the model's %d layers (0..%d)", sel.max_layer,
+             m->hp.n_layer, m->hp.n_layer - 1);
+        return -1;
+    }
+    FILE *f = fopen(env->hooks_out, "wb");
+    if (!f) {
+        errf(err, errlen, "DS4_HOOKS_OUT: cannot write %s: %s", env->hooks_out, strerror(errno));
+        return -1;
+    }
+    fclose(f);
+    return 0;
+}
+
+/* DS4_HOOKS: the selection checked against the model, the file opened and its header written. */
+static int hooks_open(ds4_ctx *c, const ds4_env *env, char *err, size_t errlen) {
+    const ds4_hparams *hp = &c->m->hp;
+    if (strcmp(c->be->name, "cpu") != 0) {
+        errf(err, errlen, "DS4_HOOKS: the %s backend has no hook emitter yet (its device rings, ds4_hooks.cu, "
+             "are the unfinished part of stage 3): run the hooks with --backend cpu", c->be->name);
+        return -1;
+    }
+    c->hsel = malloc(sizeof *c->hsel);
+    if (!c->hsel) { errf(err, errlen, "out of memory"); return -1; }
+    char e2[256];
+    if (ds4h_parse(env->hooks, c->hsel, e2, sizeof e2) != 0) { errf(err, errlen, "DS4_HOOKS: %s", e2); return -1; }
+    if (c->hsel->max_layer >= hp->n_layer) {
+        errf(err, errlen, "DS4_HOOKS: layer %d is past the model's %d layers (0..%d)", c->hsel->max_layer,
+             hp->n_layer, hp->n_layer - 1);
+        return -1;
+    }
+    c->hpath = strdup(env->hooks_out);
+    c->hf = c->hpath ? fopen(c->hpath, "wb") : NULL;
+    if (!c->hf) {
+        errf(err, errlen, "DS4_HOOKS_OUT: cannot write %s: %s", env->hooks_out, strerror(errno));
+        return -1;
+    }
+    /* the header: what a reader needs to name and shape the records */
+    char js[4096];
+    int n = snprintf(js, sizeof js,
+                     "{\"format\": \"ds4h\", \"version\": %d, \"backend\": \"%s\", \"policy\": \"%s\", "
+                     "\"model\": {\"n_layer\": %d, \"n_embd\": %d, \"n_hc\": %d, \"n_expert_used\": %d, "
+                     "\"n_vocab\": %d}, \"catalog\": [", DS4H_VERSION, c->be->name, env->hooks_drop ? "drop" : "wait",
+                     hp->n_layer, hp->n_embd, hp->n_hc, hp->n_expert_used, hp->n_vocab);
+    for (int h = 0; h < DS4H_N_HOOKS; h++)
+        n += snprintf(js + n, sizeof js - (size_t)n, "%s{\"id\": %d, \"name\": \"%s\", \"dtype\": \"%s\", "
+                      "\"per_layer\": %s}", h ? ", " : "", h, ds4h_name(h), h == DS4H_MOE_SEL ? "i32" : "f32",
+                      h == DS4H_LOGITS ? "false" : "true");
+    n += snprintf(js + n, sizeof js - (size_t)n, "], \"selection\": {");
+    for (int h = 0, first = 1; h < DS4H_N_HOOKS; h++) {
+        const int per = h != DS4H_LOGITS;
+        int any = 0;
+        for (int l = 0; l < (per ? hp->n_layer : 1); l++) any |= ds4h_selected(c->hsel, h, per ? l : -1);
+        if (!any) continue;
+        n += snprintf(js + n, sizeof js - (size_t)n, "%s\"%s\": [", first ? "" : ", ", ds4h_name(h));
+        first = 0;
+        for (int l = 0, k = 0; per && l < hp->n_layer; l++)
+            if (ds4h_selected(c->hsel, h, l)) n += snprintf(js + n, sizeof js - (size_t)n, "%s%d", k++ ? ", " : "", l);
+        n += snprintf(js + n, sizeof js - (size_t)n, "]");
+    }
+    n += snprintf(js + n, sizeof js - (size_t)n, "}}");
+    if (n <= 0 || (size_t)n >= sizeof js - 8) { errf(err, errlen, "DS4_HOOKS: the header does not fit"); return -1; }
+    while (n % 8) js[n++] = ' ';
+    const uint32_t ver = DS4H_VERSION, len = (uint32_t)n;
+    if (fwrite("DS4HOOKS", 1, 8, c->hf) != 8 || fwrite(&ver, 4, 1, c->hf) != 1 || fwrite(&len, 4, 1, c->hf) != 1 ||
+        fwrite(js, 1, (size_t)n, c->hf) != (size_t)n) {
+        errf(err, errlen, "DS4_HOOKS_OUT: writing %s failed: %s", c->hpath, strerror(errno));
+        return -1;
+    }
+    return 0;
+}
+
+/* One record: the tensor at data (host memory: the CPU backend's), rows d0 of d1 x d2. */
+static void hook_emit(ds4_ctx *c, int hook, int layer, const void *data, int dtype, int ndim,
+                      uint32_t d0, uint32_t d1, uint32_t d2, int pos) {
+    if (!c->hf || c->herr || !ds4h_selected(c->hsel, hook, layer)) return;
+    ds4h_record r;
+    memset(&r, 0, sizeof r);
+    r.magic = DS4H_RECORD_MAGIC;
+    r.hook = (uint32_t)hook;
+    r.seq = c->hseq;
+    r.layer = layer;
+    r.pos = (uint32_t)pos;
+    r.step = c->hcalls;
+    r.dtype = (uint8_t)dtype;
+    r.ndim = (uint8_t)ndim;
+    r.shape[0] = d0; r.shape[1] = d1; r.shape[2] = d2; r.shape[3] = 1;
+    r.nbytes = (uint64_t)d0 * d1 * d2 * 4;
+    static const uint8_t zeros[8];
+    const size_t pad = (size_t)((8 - r.nbytes % 8) % 8);
+    if (fwrite(&r, sizeof r, 1, c->hf) != 1 || fwrite(data, 1, (size_t)r.nbytes, c->hf) != r.nbytes ||
+        (pad && fwrite(zeros, 1, pad, c->hf) != pad)) {
+        c->herr = errno ? errno : EIO;
+        return;
+    }
+    c->hseq++;
+}
 
 static void *ctx_alloc(ds4_ctx *c, size_t bytes, int *fail) {
     if (*fail) return NULL;
@@ -3670,6 +3869,10 @@ ds4_ctx *ds4_ctx_new(ds4_model *m, const ds4_backend *be, int n_ctx, int max_bat
         ds4_ctx_free(c);
         return NULL;
     }
+    if (env.hooks && hooks_open(c, &env, err, errlen) != 0) {
+        ds4_ctx_free(c);
+        return NULL;
+    }
     return c;
 }
 
@@ -3677,6 +3880,10 @@ void ds4_ctx_free(ds4_ctx *c) {
     if (!c) return;
     if (c->sess) c->be->session_free(c->sess);
     free(c->step_host);
+    if (c->hf && fclose(c->hf) != 0 && !c->herr)
+        fprintf(stderr, "ds4: DS4_HOOKS_OUT: closing %s failed: %s\n", c->hpath, strerror(errno));
+    free(c->hpath);
+    free(c->hsel);
     for (int i = 0; i < c->n_allocs; i++) c->be->free(c->allocs[i]);
     free(c);
 }
@@ -3810,17 +4017,27 @@ static void fwd_span(ds4_ctx *c, int l0, int l1, int nt, int all_rows) {
         be->hc_pre(il > 0 ? c->f : NULL, c->x2, c->x, &L->hc_attn_fn, L->hc_attn_scale.dev,
                    L->hc_attn_base.dev, L->attn_norm.dev, nt, D, hc, 0, eps, heps, it,
                    c->flat, c->mix, c->h, c->post, c->comb);
+        if (il > 0) hook_emit(c, DS4H_RESID, il - 1, c->x, DS4H_F32, 3, (uint32_t)nt, (uint32_t)hc, (uint32_t)D, c->pos);
         fwd_attention(c, il, c->h, nt, c->f);
+        hook_emit(c, DS4H_ATTN, il, c->f, DS4H_F32, 2, (uint32_t)nt, (uint32_t)D, 1, c->pos);
         be->hc_pre(c->f, c->x, c->x2, &L->hc_ffn_fn, L->hc_ffn_scale.dev, L->hc_ffn_base.dev,
                    L->ffn_norm.dev, nt, D, hc, 0, eps, heps, it, c->flat, c->mix, c->h, c->post, c->comb);
         fwd_moe(c, il, c->h, nt, c->f);
+        const uint32_t k = (uint32_t)hp->n_expert_used;
+        hook_emit(c, DS4H_MOE_SEL, il, c->sel, DS4H_I32, 2, (uint32_t)nt, k, 1, c->pos);
+        hook_emit(c, DS4H_MOE_W, il, c->wts, DS4H_F32, 2, (uint32_t)nt, k, 1, c->pos);
+        hook_emit(c, DS4H_MOE, il, c->f, DS4H_F32, 2, (uint32_t)nt, (uint32_t)D, 1, c->pos);
     }
     if (l1 < hp->n_layer) return;
     /* head: the last update, collapse the streams, normalise, project to the vocabulary */
     be->hc_pre(c->f, c->x2, c->x, &m->output_hc_fn, m->output_hc_scale.dev, m->output_hc_base.dev,
                m->output_norm.dev, nt, D, hc, 1, eps, heps, it, c->flat, c->mix, c->h, c->post, c->comb);
+    hook_emit(c, DS4H_RESID, hp->n_layer - 1, c->x, DS4H_F32, 3, (uint32_t)nt, (uint32_t)hc, (uint32_t)D, c->pos);
     if (all_rows) be->matmul(&m->output, 0, c->h, c->logits, nt);
     else be->matmul(&m->output, 0, c->h + (size_t)(nt - 1) * D, c->logits, 1);
+    const int rows = all_rows ? nt : 1;
+    hook_emit(c, DS4H_LOGITS, -1, c->logits, DS4H_F32, 2, (uint32_t)rows, (uint32_t)hp->n_vocab, 1,
+              c->pos + nt - rows);
 }
 
 /* A decode step (one token, the last row's logits) with DS4_CUDA_GRAPHS=1 runs
@@ -3874,6 +4091,12 @@ int ds4_eval(ds4_ctx *c, const int32_t *tokens, int n, float *logits, int all_ro
     else be->synchronize();
     be->session_bind(prev);
     c->pos += n;
+    c->hcalls++;
+    if (c->hf && !c->herr && fflush(c->hf) != 0) c->herr = errno ? errno : EIO;
+    if (c->herr) {
+        errf(err, errlen, "DS4_HOOKS_OUT: writing %s failed: %s", c->hpath, strerror(c->herr));
+        return -1;
+    }
     return 0;
 }
 
@@ -3939,7 +4162,8 @@ extern char **environ;
  * as \xNN, so the message stays one line whatever the environment holds. */
 int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
     static const char *known[] = { "DS4_THREADS", "DS4_CUDA_GRAPHS", "DS4_LAUNCH_TRACE", "DS4_CUDA_GRAPH_LAYERS",
-                                   "DS4_CUDA_GRAPH_CACHE", "DS4_CUDA_GRAPH_FAIL" };
+                                   "DS4_CUDA_GRAPH_CACHE", "DS4_CUDA_GRAPH_FAIL", "DS4_HOOKS", "DS4_HOOKS_OUT",
+                                   "DS4_HOOKS_POLICY" };
     char shown[256];
     memset(env, 0, sizeof(*env));
     for (char **e = environ; e && *e; e++) {
@@ -3951,7 +4175,8 @@ int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
             if (strlen(known[i]) == nl && !strncmp(known[i], *e, nl)) ok = 1;
         if (!ok) {
             errf(err, errlen, "unknown environment variable %s (ds4 reads: DS4_THREADS, DS4_CUDA_GRAPHS, DS4_CUDA_GRAPH_LAYERS, "
-                 "DS4_CUDA_GRAPH_CACHE, DS4_CUDA_GRAPH_FAIL, DS4_LAUNCH_TRACE; see README)",
+                 "DS4_CUDA_GRAPH_CACHE, DS4_CUDA_GRAPH_FAIL, DS4_LAUNCH_TRACE, DS4_HOOKS, DS4_HOOKS_OUT, "
+                 "DS4_HOOKS_POLICY; see README)",
                  ds4_show(shown, sizeof shown, *e, nl, 48));
             return -1;
         }
@@ -3997,6 +4222,34 @@ int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
         if (i == 0) env->graph_layers = (int)x;
         else if (i == 1) env->graph_cache = (int)x;
         else env->graph_fail = (int)x;
+    }
+    const char *hk = getenv("DS4_HOOKS");
+    if (hk) {
+        ds4h_selection sel;
+        char e2[256];
+        if (ds4h_parse(hk, &sel, e2, sizeof e2) != 0) {
+            errf(err, errlen, "DS4_HOOKS='%s': %s", ds4_show(shown, sizeof shown, hk, strlen(hk), 48), e2);
+            return -1;
+        }
+        env->hooks = hk;
+    }
+    env->hooks_out = "ds4-hooks.ds4h";
+    const char *ho = getenv("DS4_HOOKS_OUT");
+    if (ho) {
+        if (!*ho) {
+            errf(err, errlen, "DS4_HOOKS_OUT is empty (give the file to write the hook records to)");
+            return -1;
+        }
+        env->hooks_out = ho;
+    }
+    const char *hp_ = getenv("DS4_HOOKS_POLICY");
+    if (hp_) {
+        if (strcmp(hp_, "wait") != 0 && strcmp(hp_, "drop") != 0) {
+            errf(err, errlen, "DS4_HOOKS_POLICY='%s' is not wait or drop",
+                 ds4_show(shown, sizeof shown, hp_, strlen(hp_), 48));
+            return -1;
+        }
+        env->hooks_drop = hp_[0] == 'd';
     }
     const char *lt = getenv("DS4_LAUNCH_TRACE");
     if (lt) {

@@ -128,8 +128,14 @@ typedef struct ds4_env {
     int graph_layers;           /* DS4_CUDA_GRAPH_LAYERS: layers per recorded region, 0 = the whole step */
     int graph_cache;            /* DS4_CUDA_GRAPH_CACHE: recordings kept per context (default 64) */
     int graph_fail;             /* DS4_CUDA_GRAPH_FAIL: debug, the Nth capture fails (0 = none) */
+    const char *hooks;          /* DS4_HOOKS: the hook selection (ds4_hooks.h), NULL = none */
+    const char *hooks_out;      /* DS4_HOOKS_OUT: the record stream's file (default ds4-hooks.ds4h) */
+    int hooks_drop;             /* DS4_HOOKS_POLICY: 0 = wait (lossless, the default), 1 = drop */
 } ds4_env;
 int ds4_env_read(ds4_env *env, char *err, size_t errlen);
+/* DS4_HOOKS against a model, before a context is made: its layer ranges fit the model and
+ * DS4_HOOKS_OUT can be written (ds4_ctx_new checks the same).  0, or -1 with one line. */
+int ds4_hooks_check(const ds4_model *m, const ds4_env *env, char *err, size_t errlen);
 
 #ifdef __cplusplus
 }

@@ -425,6 +425,11 @@ int main(int argc, char **argv) {
 #ifdef DS4_CUDA
     if (!strcmp(o.backend, "cuda")) be = ds4_backend_cuda();
 #endif
+    if (env.hooks && strcmp(be->name, "cpu") != 0) {
+        fprintf(stderr, "ds4: DS4_HOOKS: the %s backend has no hook emitter yet (its device rings, ds4_hooks.cu, are "
+                "the unfinished part of stage 3): run the hooks with --backend cpu\n", be->name);
+        return 2;
+    }
     if (env.launch_trace && !strcmp(be->name, "cpu"))
         fprintf(stderr, "ds4: DS4_LAUNCH_TRACE: the cpu backend launches no kernels; nothing is traced\n");
     if (env.cuda_graphs && !strcmp(be->name, "cpu"))
@@ -442,6 +447,7 @@ int main(int argc, char **argv) {
     double t0 = now_s();
     ds4_model *m = ds4_model_open(model_path, err, sizeof(err));
     if (!m) { fprintf(stderr, "ds4: %s\n", err); return 1; }
+    if (ds4_hooks_check(m, &env, err, sizeof err) != 0) { fprintf(stderr, "ds4: %s\n", err); return 2; }
     const int V = ds4_model_n_vocab(m);
 
     /* prompt ids: --tokens as given; -p through the model's tokenizer (BOS first

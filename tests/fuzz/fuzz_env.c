@@ -38,6 +38,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
             fprintf(stderr, "fuzz_env: graph settings %d %d %d out of range\n", e.graph_layers, e.graph_cache, e.graph_fail);
             abort();
         }
+        if ((e.hooks && !e.hooks[0]) || !e.hooks_out || !e.hooks_out[0] || (e.hooks_drop != 0 && e.hooks_drop != 1)) {
+            fprintf(stderr, "fuzz_env: hook settings accepted out of range\n");
+            abort();
+        }
     } else if (rc != -1 || !err[0]
 #ifndef DS4_FUZZ_ENV_ALLOW_NL   /* for a long run past the known finding (crashers/env/) */
                || strchr(err, '\n')

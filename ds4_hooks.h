@@ -1,0 +1,100 @@
+/* ds4_hooks.h -- activation hooks: what ds4 can stream out of a forward pass, and the file
+ * those records land in (stage 3 of patches/series).
+ *
+ * What it is.  A catalog of hook points in the forward pass (below), a selection of them
+ * (DS4_HOOKS="attn,resid:40-42": names with optional layer ranges), and a framed record
+ * stream (DS4_HOOKS_OUT, default ds4-hooks.ds4h) that scripts/ds4hooks.py reads with numpy
+ * alone.  Each forward call emits, for every selected (hook, layer), one record holding that
+ * call's rows: a fixed 64-byte descriptor -- sequence number, hook, layer, first position,
+ * call index, dtype, shape, byte count -- then the payload.  The writer assigns identity
+ * where the data is made; a reader never infers it from order.
+ *
+ * Who writes.  The CPU backend's forward pass writes each record as the op that makes it
+ * returns (ds4.c, the "plain writer": synchronous, so nothing is ever dropped).  The CUDA
+ * emitter (device rings drained by a host thread, ds4_hooks.cu) is the next part of stage 3
+ * and is not built yet: a CUDA context with DS4_HOOKS set is refused with one line.
+ *
+ * The file (little-endian throughout):
+ *   "DS4HOOKS" | u32 version (1) | u32 n = bytes of the JSON header | n bytes of JSON, padded
+ *   with spaces to a multiple of 8 (model shape, the catalog, the selection, the backend)
+ *   then records: a ds4h_record (64 bytes) | nbytes of payload, padded with zeros to 8.
+ * A record with DS4H_FLAG_GAP set carries no payload: shape[0] records were dropped there
+ * (DS4_HOOKS_POLICY=drop).  A truncated file is read up to its last whole record.
+ */
+#ifndef DS4_HOOKS_H
+#define DS4_HOOKS_H
+
+#include <stdint.h>
+#include <stdio.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* The catalog.  Shapes per forward call of nt tokens (D = embedding width, h = mHC streams,
+ * k = experts per token, V = vocabulary):
+ *   attn    [nt][D]      f32  per layer: the attention sub-block's output, the vector mHC's post
+ *                              step adds back into the streams (ds4.c fwd_attention's out)
+ *   resid   [nt][h][D]   f32  per layer: the h residual streams once the layer's MoE output has
+ *                              been added back (the input of the next layer's mHC pre step)
+ *   moe_sel [nt][k]      i32  per layer: the experts chosen for each token, in slot order
+ *   moe_w   [nt][k]      f32  per layer: their routing weights
+ *   moe     [nt][D]      f32  per layer: the MoE sub-block's output (routed + shared experts)
+ *   logits  [rows][V]    f32  no layer: the logits the call computed (its last row, or every
+ *                              row when all were asked for)
+ * "moe" in a selection stands for moe_sel, moe_w and moe together. */
+enum {
+    DS4H_ATTN = 0,
+    DS4H_RESID,
+    DS4H_MOE_SEL,
+    DS4H_MOE_W,
+    DS4H_MOE,
+    DS4H_LOGITS,
+    DS4H_N_HOOKS
+};
+
+enum { DS4H_F32 = 0, DS4H_I32 = 1 };
+#define DS4H_FLAG_GAP 1u
+#define DS4H_MAX_LAYERS 1024
+#define DS4H_VERSION 1
+#define DS4H_RECORD_MAGIC 0x52483444u   /* "D4HR" */
+
+/* One record's descriptor, as written (64 bytes). */
+typedef struct ds4h_record {
+    uint32_t magic;       /* DS4H_RECORD_MAGIC */
+    uint32_t hook;        /* DS4H_* */
+    uint64_t seq;         /* 0, 1, 2, ... in the order the writer assigned them */
+    int32_t  layer;       /* -1 for hooks without one (logits) */
+    uint32_t pos;         /* position of the first row */
+    uint32_t step;        /* forward call index (0: the first call of the context) */
+    uint8_t  dtype;       /* DS4H_F32 / DS4H_I32 */
+    uint8_t  ndim;
+    uint16_t flags;       /* DS4H_FLAG_GAP */
+    uint32_t shape[4];    /* shape[0] = rows (tokens); unused dims 1 */
+    uint64_t nbytes;      /* payload bytes (0 for a gap) */
+    uint64_t reserved;
+} ds4h_record;
+
+/* Name of a hook ("attn", ...), NULL past the catalog. */
+const char *ds4h_name(int hook);
+
+/* A selection: for each hook, which layers (bit l of layers[hook]). */
+typedef struct ds4h_selection {
+    int      any;                                   /* anything selected */
+    uint64_t layers[DS4H_N_HOOKS][DS4H_MAX_LAYERS / 64];
+    int      all_layers[DS4H_N_HOOKS];              /* no range given: every layer */
+    int      max_layer;                             /* the highest layer a range named (-1: none) */
+} ds4h_selection;
+
+/* Parse DS4_HOOKS's value ("attn", "attn:0-7,resid:40-42", "moe:3", "logits").  Returns 0,
+ * or -1 with one line in err naming the problem (unknown name, bad or reversed range, a
+ * range on logits). */
+int ds4h_parse(const char *spec, ds4h_selection *sel, char *err, size_t errlen);
+
+/* Is (hook, layer) selected?  layer < 0 for logits. */
+int ds4h_selected(const ds4h_selection *sel, int hook, int layer);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* DS4_HOOKS_H */

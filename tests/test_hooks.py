@@ -1,0 +1,196 @@
+"""Activation hooks on the CPU backend (DS4_HOOKS, ds4_hooks.h; stage 3 of patches/series, its CPU half).
+
+The CPU backend writes every selected record as the forward pass makes it (a plain, synchronous
+writer); scripts/ds4hooks.py reads, exports and compares the streams.  These tests run without a
+GPU: hooks leave the logits byte-identical, the logits hook equals --dump-logits bit for bit,
+every (hook, layer) has one row per position, the selection and its errors, determinism across
+thread counts, truncated files, the exporters, and the plot.
+"""
+import json
+import os
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import OUT, PROMPT, REPO, ds4_run, ds4logit, make_model
+from test_cli import expect_error
+
+sys.path.insert(0, os.path.join(REPO, "scripts"))
+import ds4hooks  # noqa: E402
+
+TOOL = os.path.join(REPO, "scripts", "ds4hooks.py")
+N = 40
+TOK = ",".join(map(str, PROMPT))
+
+
+def clean_env(**kv):
+    e = {k: x for k, x in os.environ.items() if not k.startswith("DS4_")}
+    e.update(kv)
+    return e
+
+
+def hooked(name, spec, tag, extra=(), threads=None, n=N):
+    """ds4 on the CPU with DS4_HOOKS=spec: (the stream's path, the dump's path)."""
+    out = os.path.join(OUT, f"{name}.hooks-{tag}.ds4h")
+    dump = os.path.join(OUT, f"{name}.hooks-{tag}.ds4logit")
+    env = clean_env(DS4_HOOKS=spec, DS4_HOOKS_OUT=out)
+    args = ["-m", make_model(name), "--backend", "cpu", "--tokens", TOK, "-n", str(n), "--dump-logits", dump]
+    if threads:
+        args += ["--threads", str(threads)]
+    ds4_run(args + list(extra), env=env)
+    return out, dump
+
+
+@pytest.fixture(scope="module")
+def tiny_all():
+    return hooked("tiny", "attn,resid,moe,logits", "all")
+
+
+def test_hooks_leave_logits_unchanged(tiny_all):
+    _, dump = tiny_all
+    plain = os.path.join(OUT, "tiny.hooks-none.ds4logit")
+    ds4_run(["-m", make_model("tiny"), "--backend", "cpu", "--tokens", TOK, "-n", str(N), "--dump-logits", plain],
+            env=clean_env())
+    assert open(dump, "rb").read() == open(plain, "rb").read()
+
+
+def test_logits_hook_is_the_dump(tiny_all):
+    """The logits records hold exactly the rows --dump-logits writes (prefill rows, then each step's)."""
+    out, dump = tiny_all
+    pos, val = ds4hooks.read(out).arrays()[("logits", -1)]
+    d = ds4logit.read(dump)
+    assert np.array_equal(pos, np.arange(len(PROMPT) + N))
+    assert val.shape == d.logits.shape
+    assert np.array_equal(val.view(np.uint32), d.logits.astype(np.float32).view(np.uint32))
+
+
+def test_every_layer_every_position(tiny_all):
+    out, _ = tiny_all
+    s = ds4hooks.read(out)
+    m = s.header["model"]
+    L, D, hc, k = m["n_layer"], m["n_embd"], m["n_hc"], m["n_expert_used"]
+    arrays = s.arrays()
+    rows = len(PROMPT) + N
+    for layer in range(L):
+        for name, shape in (("attn", (D,)), ("resid", (hc, D)), ("moe", (D,)), ("moe_w", (k,)), ("moe_sel", (k,))):
+            pos, val = arrays[(name, layer)]
+            assert np.array_equal(pos, np.arange(rows)), (name, layer)
+            assert val.shape == (rows,) + shape, (name, layer, val.shape)
+            if name == "moe_sel":
+                assert val.min() >= 0 and val.max() < 8            # tiny: 8 experts
+                assert all(len(set(r)) == k for r in val.tolist())  # k distinct experts per token
+            else:
+                assert np.isfinite(val).all()
+    # identity is the writer's: sequence numbers are 0.., the prefill is step 0, decode steps 1..N
+    assert [r.seq for r in s.records] == list(range(len(s.records)))
+    steps = sorted({r.step for r in s.records})
+    assert steps == list(range(N + 1))
+    assert not s.truncated and s.dropped() == 0
+
+
+def test_selection_layers(tmp_path):
+    out, _ = hooked("tiny", "attn:1-2,resid:5,moe_sel:0", "sel")
+    s = ds4hooks.read(out)
+    assert sorted(s.arrays()) == [("attn", 1), ("attn", 2), ("moe_sel", 0), ("resid", 5)]
+    assert s.header["selection"] == {"attn": [1, 2], "resid": [5], "moe_sel": [0]}
+
+
+def test_same_stream_for_any_thread_count():
+    a, _ = hooked("small", "attn,resid:0-3,moe", "t1", threads=1, n=12)
+    b, _ = hooked("small", "attn,resid:0-3,moe", "t3", threads=3, n=12)
+    assert open(a, "rb").read() == open(b, "rb").read()
+    r = subprocess.run([sys.executable, TOOL, "compare", a, b], capture_output=True, text=True)
+    assert r.returncode == 0 and "0 differ" in r.stdout, r.stdout
+
+
+def test_compare_finds_a_difference(tiny_all, tmp_path):
+    out, _ = tiny_all
+    buf = bytearray(open(out, "rb").read())
+    s = ds4hooks.read(out)
+    first = next(r for r in s.records if r.name == "attn")
+    # flip one payload float of the first attn record: find it by its bytes
+    raw = first.data.tobytes()
+    at = bytes(buf).find(raw)
+    assert at > 0
+    struct.pack_into("<f", buf, at, struct.unpack_from("<f", buf, at)[0] + 1.0)
+    bad = tmp_path / "bad.ds4h"
+    bad.write_bytes(bytes(buf))
+    r = subprocess.run([sys.executable, TOOL, "compare", out, str(bad), "--tol", "1e-3"], capture_output=True, text=True)
+    assert r.returncode == 1 and "attn.0" in r.stdout and "ABOVE" in r.stdout, r.stdout
+
+
+def test_truncated_file_reads_whole_records(tiny_all, tmp_path):
+    out, _ = tiny_all
+    full = ds4hooks.read(out)
+    buf = open(out, "rb").read()
+    cut = tmp_path / "cut.ds4h"
+    cut.write_bytes(buf[: len(buf) - 1000])
+    s = ds4hooks.read(str(cut))
+    assert s.truncated and 0 < len(s.records) < len(full.records)
+    assert all(np.array_equal(a.data, b.data) for a, b in zip(s.records, full.records))
+    r = subprocess.run([sys.executable, TOOL, "info", str(cut)], capture_output=True, text=True)
+    assert r.returncode == 0 and "truncated" in r.stdout
+
+
+def test_not_a_stream(tmp_path):
+    p = tmp_path / "x.ds4h"
+    p.write_bytes(b"GGUF" + b"\0" * 60)
+    r = subprocess.run([sys.executable, TOOL, "info", str(p)], capture_output=True, text=True)
+    assert r.returncode == 2 and "not a ds4 hook stream" in r.stderr
+
+
+def test_export_npz_and_safetensors(tiny_all, tmp_path):
+    out, _ = tiny_all
+    arrays = ds4hooks.read(out).arrays()
+    npz = tmp_path / "h.npz"
+    st = tmp_path / "h.safetensors"
+    for p in (npz, st):
+        r = subprocess.run([sys.executable, TOOL, "export", out, str(p)], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+    z = np.load(npz)
+    assert np.array_equal(z["attn.3"], arrays[("attn", 3)][1])
+    assert np.array_equal(z["moe_sel.0.pos"], arrays[("moe_sel", 0)][0])
+    # safetensors: u64 header length, JSON, data
+    b = st.read_bytes()
+    (n,) = struct.unpack_from("<Q", b, 0)
+    meta = json.loads(b[8:8 + n])
+    e = meta["resid.2"]
+    lo, hi = e["data_offsets"]
+    got = np.frombuffer(b[8 + n + lo:8 + n + hi], dtype=np.float32).reshape(e["shape"])
+    assert e["dtype"] == "F32" and np.array_equal(got, arrays[("resid", 2)][1])
+    assert meta["moe_sel.1"]["dtype"] == "I32"
+
+
+def test_plot(tiny_all, tmp_path):
+    out, _ = tiny_all
+    png = tmp_path / "attn.png"
+    r = subprocess.run([sys.executable, TOOL, "plot", out, "-o", str(png)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "needs matplotlib" in r.stdout
+        pytest.skip("skipped: no matplotlib (Debian python3-matplotlib): the plot said so and exited 0")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+HOOK_ERRORS = [
+    ({"DS4_HOOKS": "atn"}, "unknown hook 'atn'"),
+    ({"DS4_HOOKS": "attn:3-1"}, "bad layer range '3-1' for attn"),
+    ({"DS4_HOOKS": "attn:x"}, "bad layer range 'x'"),
+    ({"DS4_HOOKS": "attn,,resid"}, "an empty hook name"),
+    ({"DS4_HOOKS": ""}, "DS4_HOOKS='': empty"),
+    ({"DS4_HOOKS": "logits:0"}, "logits has no layers"),
+    ({"DS4_HOOKS": "resid:6"}, "layer 6 is past the model's 6 layers (0..5)"),
+    ({"DS4_HOOKS": "attn", "DS4_HOOKS_OUT": ""}, "DS4_HOOKS_OUT is empty"),
+    ({"DS4_HOOKS": "attn", "DS4_HOOKS_POLICY": "sometimes"}, "DS4_HOOKS_POLICY='sometimes' is not wait or drop"),
+    ({"DS4_HOOKS": "attn", "DS4_HOOKS_OUT": "/nonexistent-dir/x.ds4h"}, "DS4_HOOKS_OUT: cannot write /nonexistent-dir/x.ds4h"),
+]
+
+
+@pytest.mark.parametrize("env,needle", HOOK_ERRORS, ids=[e[1][:28] for e in HOOK_ERRORS])
+def test_bad_hook_settings(env, needle):
+    expect_error(["-m", make_model("tiny"), "--backend", "cpu", "-n", "1"], needle, env=env)
