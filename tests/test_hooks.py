@@ -194,3 +194,67 @@ HOOK_ERRORS = [
 @pytest.mark.parametrize("env,needle", HOOK_ERRORS, ids=[e[1][:28] for e in HOOK_ERRORS])
 def test_bad_hook_settings(env, needle):
     expect_error(["-m", make_model("tiny"), "--backend", "cpu", "-n", "1"], needle, env=env)
+
+
+# ---- what a hook means: llama.cpp's own intermediate tensors -------------------------------------
+# tests/oracle/llama_oracle.c --tensors copies the named graph tensors of llama.cpp's deepseek4
+# (src/models/deepseek4.cpp) through its eval callback.  The correspondence:
+#   attn  <-> attn_out-<il>   the attention block's output (after wo_b), before hc_post adds it back
+#   resid <-> l_last-<il>     the streams after the layer's FFN hc_post (the next layer's input)
+#   moe   <-> ffn_out-<il>    moe_out + ffn_shexp, the FFN block's output
+# Both engines compute in f32 with different summation orders; on the logits they agree to
+# ~4e-6 (test_oracle.py).  Measured here (2026-12-01, tiny, 32 + 8 steps): max|d| / max|ref|
+# 7.1e-7 (attn), 6.2e-7 (resid), 7.4e-7 (moe).  The bound, 1e-5 of the tensor's largest
+# magnitude, leaves a decade of margin; a wrong tensor (another layer, a missing residual, the
+# routed output without the shared expert) is off by O(1).
+from conftest import ORACLE_BIN, run  # noqa: E402
+
+LL_PAIRS = (("attn", "attn_out"), ("resid", "l_last"), ("moe", "ffn_out"))
+LL_REL_TOL = 1e-5
+
+
+def read_lltensor(path):
+    b = open(path, "rb").read()
+    assert b[:8] == b"LLTENSOR" and struct.unpack_from("<I", b, 8)[0] == 1
+    off, out = 12, {}
+    while off < len(b):
+        (nl,) = struct.unpack_from("<I", b, off)
+        off += 4
+        name = b[off:off + nl].decode()
+        off += nl
+        (il,) = struct.unpack_from("<i", b, off)
+        ne = struct.unpack_from("<4q", b, off + 4)
+        (nb,) = struct.unpack_from("<Q", b, off + 36)
+        off += 44
+        a = np.frombuffer(b, dtype=np.float32, count=nb // 4, offset=off).reshape(ne[::-1])
+        off += nb
+        out.setdefault((name.rsplit("-", 1)[0], il), []).append(a)
+    return out
+
+
+@pytest.mark.parametrize("name", ["tiny", "other"])
+def test_hooks_match_llama_cpp(name):
+    assert os.path.exists(ORACLE_BIN), "llama oracle not built (tests/run_pytest.sh builds it)"
+    n = 8
+    ll_out = os.path.join(OUT, f"{name}.ll-tensors")
+    ll_dump = os.path.join(OUT, f"{name}.ll-tensors.ds4logit")
+    r = run([ORACLE_BIN, "-m", make_model(name), "--tokens", TOK, "-n", str(n), "-o", ll_dump, "--threads", "2",
+             "--tensors", ",".join(t for _, t in LL_PAIRS), "--tensors-out", ll_out])
+    assert r.returncode == 0, r.stderr
+    ll = read_lltensor(ll_out)
+    forced = ",".join(map(str, ds4logit.read(ll_dump).tokens[len(PROMPT):].tolist()))
+    ours = os.path.join(OUT, f"{name}.ll-hooks.ds4h")
+    ds4_run(["-m", make_model(name), "--backend", "cpu", "--tokens", TOK, "--force", forced, "-n", str(n)],
+            env=clean_env(DS4_HOOKS="attn,resid,moe", DS4_HOOKS_OUT=ours))
+    s = ds4hooks.read(ours)
+    arrays = s.arrays()
+    L = s.header["model"]["n_layer"]
+    for hook, tensor in LL_PAIRS:
+        for il in range(L):
+            pos, a = arrays[(hook, il)]
+            parts = ll[(tensor, il)]
+            assert len(parts) == n + 1, f"{tensor}-{il}: {len(parts)} evaluations, expected {n + 1}"
+            ref = np.concatenate([p.reshape((-1,) + a.shape[1:]) for p in parts]).astype(np.float64)
+            assert ref.shape == a.shape, (hook, il, ref.shape, a.shape)
+            rel = float(np.abs(a - ref).max() / np.abs(ref).max())
+            assert rel <= LL_REL_TOL, f"{hook} layer {il} vs llama.cpp {tensor}-{il}: {rel:.3g} > {LL_REL_TOL:g}"

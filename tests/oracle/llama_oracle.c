@@ -4,6 +4,13 @@
  *
  *   llama_oracle -m MODEL.gguf --tokens 1,2,3 -n N_GEN -o OUT.ds4logit
  *                [--threads T] [--force 4,5,6] [--libdir DIR] [--cpu-backend NAME] [-v]
+ *                [--tensors NAME,NAME --tensors-out FILE]
+ *
+ * --tensors: llama.cpp's eval callback (llama_context_params.cb_eval) copies every graph
+ * tensor whose name is NAME-<layer> (the names deepseek4.cpp gives them: attn_out, l_last,
+ * ffn_out, ...) as it is computed, to FILE: "LLTENSOR", u32 version 1, then per tensor
+ * u32 name length, the name, i32 layer, i64 ne[4], u64 bytes, f32 data in ggml order (ne[0]
+ * fastest).  One record per tensor per llama_decode: the prompt's batch, then each step.
  *
  * One prefill llama_decode of the P prompt tokens (logits for every row), then N_GEN decode
  * steps of one token each. Step j feeds force[j] when --force is given (teacher forcing),
@@ -68,7 +75,60 @@ static void usage(FILE *f) {
         "                       else the directory libllama.so was loaded from)\n"
         "      --cpu-backend V  load only libggml-cpu-V.so (e.g. x64, haswell, skylakex) instead\n"
         "                       of the best variant for this CPU\n"
-        "  -v, --verbose        show llama.cpp's own log\n");
+        "  -v, --verbose        show llama.cpp's own log\n"
+        "      --tensors LIST   with --tensors-out FILE: copy the graph tensors named LIST[i]-<layer>\n"
+        "                       (deepseek4.cpp's names: attn_out, l_last, ffn_out, ...) to FILE\n");
+}
+
+/* --tensors: the requested base names and the output file */
+static char **g_tn;
+static int g_ntn;
+static FILE *g_tf;
+static long g_tensors_written;
+
+static int tensor_wanted(const char *name, int *layer) {
+    const char *dash = strrchr(name, '-');
+    if (!dash || !dash[1]) return 0;
+    char *end;
+    const long il = strtol(dash + 1, &end, 10);
+    if (*end) return 0;
+    for (int i = 0; i < g_ntn; i++)
+        if (strlen(g_tn[i]) == (size_t)(dash - name) && !strncmp(g_tn[i], name, (size_t)(dash - name))) {
+            *layer = (int) il;
+            return 1;
+        }
+    return 0;
+}
+
+static bool tensor_cb(struct ggml_tensor *t, bool ask, void *ud) {
+    (void) ud;
+    int layer;
+    if (!tensor_wanted(ggml_get_name(t), &layer)) return !ask;
+    if (ask) return true;
+    if (t->type != GGML_TYPE_F32) die("--tensors: %s is not F32 (type %d)", ggml_get_name(t), (int) t->type);
+    const size_t n = (size_t) ggml_nelements(t);
+    float *buf = malloc(n * sizeof(float));
+    char *raw = malloc(ggml_nbytes(t));
+    if (!buf || !raw) die("out of memory for tensor %s", ggml_get_name(t));
+    ggml_backend_tensor_get(t, raw, 0, ggml_nbytes(t));
+    /* gather in ggml order through the strides (views need not be contiguous) */
+    size_t k = 0;
+    for (int64_t i3 = 0; i3 < t->ne[3]; i3++)
+        for (int64_t i2 = 0; i2 < t->ne[2]; i2++)
+            for (int64_t i1 = 0; i1 < t->ne[1]; i1++)
+                for (int64_t i0 = 0; i0 < t->ne[0]; i0++)
+                    memcpy(&buf[k++], raw + i0 * t->nb[0] + i1 * t->nb[1] + i2 * t->nb[2] + i3 * t->nb[3], 4);
+    const char *name = ggml_get_name(t);
+    const uint32_t nl = (uint32_t) strlen(name);
+    const int32_t il = layer;
+    const uint64_t bytes = n * sizeof(float);
+    if (fwrite(&nl, 4, 1, g_tf) != 1 || fwrite(name, 1, nl, g_tf) != nl || fwrite(&il, 4, 1, g_tf) != 1 ||
+        fwrite(t->ne, 8, 4, g_tf) != 4 || fwrite(&bytes, 8, 1, g_tf) != 1 || fwrite(buf, 4, n, g_tf) != n)
+        die("--tensors-out: write failed: %s", strerror(errno));
+    g_tensors_written++;
+    free(buf);
+    free(raw);
+    return true;
 }
 
 static void log_cb(enum ggml_log_level level, const char *text, void *ud) {
@@ -151,7 +211,7 @@ static void write_i32(FILE *f, int32_t v) {
 
 int main(int argc, char **argv) {
     const char *model_path = NULL, *out_path = NULL, *libdir = NULL, *cpu_backend = NULL;
-    const char *tokens_arg = NULL, *force_arg = NULL;
+    const char *tokens_arg = NULL, *force_arg = NULL, *tensors_arg = NULL, *tensors_out = NULL;
     long n_gen = -1;
     long threads = 2;
 
@@ -168,6 +228,8 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--force")) { NEED_ARG(); force_arg = argv[++i]; }
         else if (!strcmp(a, "--libdir")) { NEED_ARG(); libdir = argv[++i]; }
         else if (!strcmp(a, "--cpu-backend")) { NEED_ARG(); cpu_backend = argv[++i]; }
+        else if (!strcmp(a, "--tensors")) { NEED_ARG(); tensors_arg = argv[++i]; }
+        else if (!strcmp(a, "--tensors-out")) { NEED_ARG(); tensors_out = argv[++i]; }
         else { usage(stderr); die("unknown argument '%s'", a); }
 #undef NEED_ARG
     }
@@ -243,6 +305,21 @@ int main(int argc, char **argv) {
     cp.type_k = GGML_TYPE_F32;
     cp.type_v = GGML_TYPE_F32;
     cp.no_perf = true;
+    if (!tensors_arg != !tensors_out) die("--tensors and --tensors-out go together");
+    if (tensors_arg) {
+        char *list = strdup(tensors_arg);
+        for (char *tokp = strtok(list, ","); tokp; tokp = strtok(NULL, ",")) {
+            g_tn = realloc(g_tn, sizeof(char *) * (size_t)(g_ntn + 1));
+            g_tn[g_ntn++] = tokp;
+        }
+        if (!g_ntn) die("--tensors: no names");
+        g_tf = fopen(tensors_out, "wb");
+        if (!g_tf) die("cannot open '%s' for writing: %s", tensors_out, strerror(errno));
+        const uint32_t ver = 1;
+        if (fwrite("LLTENSOR", 1, 8, g_tf) != 8 || fwrite(&ver, 4, 1, g_tf) != 1) die("write failed");
+        cp.cb_eval = tensor_cb;
+        cp.cb_eval_user_data = NULL;
+    }
     struct llama_context *ctx = llama_init_from_model(model, cp);
     if (!ctx) die("llama.cpp failed to create a context (rerun with -v for its log)");
     if (llama_n_batch(ctx) < (uint32_t) n_prompt || llama_n_ubatch(ctx) < (uint32_t) n_prompt)
@@ -337,6 +414,10 @@ int main(int argc, char **argv) {
         t_load, t_prefill, t_decode, n_gen ? t_decode / n_gen : 0.0, mean, sqrt(var > 0 ? var : 0),
         n_distinct);
     if (n_bad) fprintf(stderr, PROG ": warning: %zu non-finite logits\n", n_bad);
+    if (g_tf) {
+        if (fclose(g_tf) != 0) die("closing '%s' failed: %s", tensors_out, strerror(errno));
+        fprintf(stderr, PROG ": %s: %ld tensors\n", tensors_out, g_tensors_written);
+    }
 
     llama_batch_free(batch);
     llama_free(ctx);
