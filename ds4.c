@@ -3506,7 +3506,7 @@ static int hooks_range(const char *s, size_t n, int *lo, int *hi) {
 }
 
 int ds4h_parse(const char *spec, ds4h_selection *sel, char *err, size_t errlen) {
-    char sh[160];
+    char sh[160], sh2[80];
     memset(sel, 0, sizeof *sel);
     sel->max_layer = -1;
     if (!*spec) return (errf(err, errlen, "empty (give hooks: attn, resid, moe, moe_sel, moe_w, logits)"), -1);
@@ -3533,7 +3533,7 @@ int ds4h_parse(const char *spec, ds4h_selection *sel, char *err, size_t errlen) 
             if (hooks_range(colon + 1, n - nl - 1, &lo, &hi) != 0)
                 return (errf(err, errlen, "bad layer range '%s' for %s (A or A-B, A <= B < %d)",
                                   ds4_show(sh, sizeof sh, colon + 1, n - nl - 1, 32),
-                                  ds4_show(sh + 80, 80, p, nl, 16), DS4H_MAX_LAYERS), -1);
+                                  ds4_show(sh2, sizeof sh2, p, nl, 16), DS4H_MAX_LAYERS), -1);
             if (hi > sel->max_layer) sel->max_layer = hi;
         }
         for (int j = 0; j < nh; j++) {
@@ -3617,16 +3617,22 @@ struct ds4_ctx {
     int      n_allocs;
 };
 
-int ds4_hooks_check(const ds4_model *m, const ds4_env *env, char *err, size_t errlen) {
-    if (!env->hooks) return 0;
-    ds4h_selection sel;
+/* DS4_HOOKS parsed into sel and checked against the model's layers. */
+static int hooks_selection(const ds4_model *m, const ds4_env *env, ds4h_selection *sel, char *err, size_t errlen) {
     char e2[256];
-    if (ds4h_parse(env->hooks, &sel, e2, sizeof e2) != 0) { errf(err, errlen, "DS4_HOOKS: %s", e2); return -1; }
-    if (sel.max_layer >= m->hp.n_layer) {
-        errf(err, errlen, "DS4_HOOKS: layer %d is past the model's %d layers (0..%d)", sel.max_layer,
+    if (ds4h_parse(env->hooks, sel, e2, sizeof e2) != 0) { errf(err, errlen, "DS4_HOOKS: %s", e2); return -1; }
+    if (sel->max_layer >= m->hp.n_layer) {
+        errf(err, errlen, "DS4_HOOKS: layer %d is past the model's %d layers (0..%d)", sel->max_layer,
              m->hp.n_layer, m->hp.n_layer - 1);
         return -1;
     }
+    return 0;
+}
+
+int ds4_hooks_check(const ds4_model *m, const ds4_env *env, char *err, size_t errlen) {
+    if (!env->hooks) return 0;
+    ds4h_selection sel;
+    if (hooks_selection(m, env, &sel, err, errlen) != 0) return -1;
     FILE *f = fopen(env->hooks_out, "wb");
     if (!f) {
         errf(err, errlen, "DS4_HOOKS_OUT: cannot write %s: %s", env->hooks_out, strerror(errno));
@@ -3646,13 +3652,7 @@ static int hooks_open(ds4_ctx *c, const ds4_env *env, char *err, size_t errlen) 
     }
     c->hsel = malloc(sizeof *c->hsel);
     if (!c->hsel) { errf(err, errlen, "out of memory"); return -1; }
-    char e2[256];
-    if (ds4h_parse(env->hooks, c->hsel, e2, sizeof e2) != 0) { errf(err, errlen, "DS4_HOOKS: %s", e2); return -1; }
-    if (c->hsel->max_layer >= hp->n_layer) {
-        errf(err, errlen, "DS4_HOOKS: layer %d is past the model's %d layers (0..%d)", c->hsel->max_layer,
-             hp->n_layer, hp->n_layer - 1);
-        return -1;
-    }
+    if (hooks_selection(c->m, env, c->hsel, err, errlen) != 0) return -1;
     c->hpath = strdup(env->hooks_out);
     c->hf = c->hpath ? fopen(c->hpath, "wb") : NULL;
     if (!c->hf) {
