@@ -3481,6 +3481,7 @@ const char *ds4h_name(int hook) { return hook >= 0 && hook < DS4H_N_HOOKS ? g_ho
 
 /* "a" or "a-b" (decimal digits only) into [lo, hi]. */
 static int hooks_range(const char *s, size_t n, int *lo, int *hi) {
+    if (n == 0) return -1;            /* "attn:" (fuzz_env found it: an empty range read as -1) */
     long v[2] = { -1, -1 };
     int k = 0;
     size_t i = 0;

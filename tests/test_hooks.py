@@ -181,6 +181,7 @@ HOOK_ERRORS = [
     ({"DS4_HOOKS": "atn"}, "unknown hook 'atn'"),
     ({"DS4_HOOKS": "attn:3-1"}, "bad layer range '3-1' for attn"),
     ({"DS4_HOOKS": "attn:x"}, "bad layer range 'x'"),
+    ({"DS4_HOOKS": "resid:,moe"}, "bad layer range '' for resid"),    # found by fuzz_env
     ({"DS4_HOOKS": "attn,,resid"}, "an empty hook name"),
     ({"DS4_HOOKS": ""}, "DS4_HOOKS='': empty"),
     ({"DS4_HOOKS": "logits:0"}, "logits has no layers"),
