@@ -2731,7 +2731,8 @@ static void cpu_rope_at(float *x, int nt, int nh, int dh, int pos0, int pos_step
 
 /* -- attention -- */
 typedef struct { const float *q, *kv, *ring; int W, pos0, nt, H, d; const float *comp; int ratio;
-                 const int32_t *topk; int k; const float *sinks; float scale; float *out; int cap; } att_args;
+                 const int32_t *topk; int k; const float *sinks; float scale; float *out; int cap;
+                 float *probs; int ld; } att_args;   /* probs: attention_probs instead of out */
 static void att_task(void *a_, int64_t i0, int64_t i1) {
     att_args *a = a_;
     float *s = malloc((size_t)a->cap * sizeof(float));
@@ -2757,9 +2758,24 @@ static void att_task(void *a_, int64_t i0, int64_t i1) {
             s[i] = a->scale * dot_f32(q, rows[i], a->d);
             if (s[i] > m) m = s[i];
         }
-        double sum = exp((double)(a->sinks[hh] - m));
+        const double sink_e = exp((double)(a->sinks[hh] - m));
+        double sum = sink_e;
         for (int i = 0; i < n; i++) { s[i] = expf(s[i] - m); sum += s[i]; }
         const float inv = (float)(1.0 / sum);
+        if (a->probs) {
+            /* the weights w = s[i] * inv the rows get below, in the contract's columns */
+            float *pr = a->probs + ((size_t)t * a->H + hh) * a->ld;
+            const int n_win = ds4_win_rows(P, a->W);
+            int col = 0, i = 0;
+            for (; i < n_win; i++) pr[col++] = s[i] * inv;
+            if (a->ratio == 128) {
+                for (; i < n; i++) pr[col++] = s[i] * inv;
+            } else if (a->ratio == 4) {
+                for (int j = 0; j < a->k; j++) pr[col++] = a->topk[(size_t)t * a->k + j] >= 0 ? s[i++] * inv : 0.0f;
+            }
+            pr[col] = (float)sink_e * inv;
+            continue;
+        }
         float *o = a->out + ((size_t)t * a->H + hh) * a->d;
         for (int c = 0; c < a->d; c++) o[c] = 0.0f;
         for (int i = 0; i < n; i++) {
@@ -2776,7 +2792,17 @@ static void cpu_attention_at(const float *q, const float *kv, const float *ring,
                           const float *sinks, float scale, float *out) {
     int cap = W + k + 1;
     if (ratio == 128) cap += (pos0 + nt) / 128;
-    att_args a = { q, kv, ring, W, pos0, nt, H, d, comp, ratio, topk, k, sinks, scale, out, cap };
+    att_args a = { q, kv, ring, W, pos0, nt, H, d, comp, ratio, topk, k, sinks, scale, out, cap, NULL, 0 };
+    parallel_for((int64_t)nt * H, 4, att_task, &a);
+}
+
+static void cpu_attention_probs(const float *q, const float *kv, const float *ring, int W, const ds4_step *step,
+                                int nt, int H, int d, const float *comp, int ratio, const int32_t *topk, int k,
+                                const float *sinks, float scale, float *probs, int ld) {
+    const int pos0 = step->pos0;
+    int cap = W + k + 1;
+    if (ratio == 128) cap += (pos0 + nt) / 128;
+    att_args a = { q, kv, ring, W, pos0, nt, H, d, comp, ratio, topk, k, sinks, scale, NULL, cap, probs, ld };
     parallel_for((int64_t)nt * H, 4, att_task, &a);
 }
 
@@ -3125,6 +3151,7 @@ static const ds4_backend g_cpu_backend = {
     .matmul_swiglu = cpu_matmul_swiglu, .attention_step = cpu_attention_step,
     .compressor_step = cpu_compressor_step, .moe_gate = cpu_moe_gate,
     .compressor_steps = cpu_compressor_steps, .indexer_step = cpu_indexer_step,
+    .attention_probs = cpu_attention_probs,
 };
 
 const ds4_backend *ds4_backend_cpu(void) { return &g_cpu_backend; }
@@ -3475,7 +3502,8 @@ ds4_model *ds4_synth_open(const char *config, uint64_t seed, int wtype, int n_th
  * never lost silently.
  * ------------------------------------------------------------------------- */
 
-static const char *const g_hook_names[DS4H_N_HOOKS] = { "attn", "resid", "moe_sel", "moe_w", "moe", "logits" };
+static const char *const g_hook_names[DS4H_N_HOOKS] = { "attn", "resid", "moe_sel", "moe_w", "moe", "logits",
+                                                         "attn_probs" };
 
 const char *ds4h_name(int hook) { return hook >= 0 && hook < DS4H_N_HOOKS ? g_hook_names[hook] : NULL; }
 
@@ -3510,7 +3538,7 @@ int ds4h_parse(const char *spec, ds4h_selection *sel, char *err, size_t errlen) 
     char sh[160], sh2[80];
     memset(sel, 0, sizeof *sel);
     sel->max_layer = -1;
-    if (!*spec) return (errf(err, errlen, "empty (give hooks: attn, resid, moe, moe_sel, moe_w, logits)"), -1);
+    if (!*spec) return (errf(err, errlen, "empty (give hooks: attn, resid, moe, moe_sel, moe_w, logits, attn_probs)"), -1);
     const char *p = spec;
     for (;;) {
         const char *end = strchr(p, ',');
@@ -3526,7 +3554,7 @@ int ds4h_parse(const char *spec, ds4h_selection *sel, char *err, size_t errlen) 
                 if (strlen(g_hook_names[h]) == nl && !strncmp(p, g_hook_names[h], nl)) hooks[nh++] = h;
         }
         if (!nh)
-            return (errf(err, errlen, "unknown hook '%s' (attn, resid, moe, moe_sel, moe_w, logits)",
+            return (errf(err, errlen, "unknown hook '%s' (attn, resid, moe, moe_sel, moe_w, logits, attn_probs)",
                               ds4_show(sh, sizeof sh, p, nl, 32)), -1);
         int lo = 0, hi = DS4H_MAX_LAYERS - 1;
         if (colon) {
@@ -3589,6 +3617,9 @@ struct ds4_ctx {
     uint64_t           hseq;      /* records written */
     uint32_t           hcalls;    /* forward calls made */
     int                herr;      /* errno of a failed write (0: none) */
+    float             *aprobs;    /* attn_probs: [B][H][aprobs_ld] (backend memory: the CPU's) */
+    int                aprobs_ld;
+    float             *aptmp;     /* one token's [H][n+1], packed for its record */
     ds4_step          *step;      /* the step block (backend memory), written before each call */
     void              *step_host; /* its host image: the block, then the batch's tokens */
     /* activations, all [B][...] with B = max_batch */
@@ -3643,6 +3674,8 @@ int ds4_hooks_check(const ds4_model *m, const ds4_env *env, char *err, size_t er
     return 0;
 }
 
+static void *ctx_alloc(ds4_ctx *c, size_t bytes, int *fail);
+
 /* DS4_HOOKS: the selection checked against the model, the file opened and its header written. */
 static int hooks_open(ds4_ctx *c, const ds4_env *env, char *err, size_t errlen) {
     const ds4_hparams *hp = &c->m->hp;
@@ -3654,6 +3687,20 @@ static int hooks_open(ds4_ctx *c, const ds4_env *env, char *err, size_t errlen) 
     c->hsel = malloc(sizeof *c->hsel);
     if (!c->hsel) { errf(err, errlen, "out of memory"); return -1; }
     if (hooks_selection(c->m, env, c->hsel, err, errlen) != 0) return -1;
+    int probs = 0;
+    for (int l = 0; l < hp->n_layer; l++) probs |= ds4h_selected(c->hsel, DS4H_ATTN_PROBS, l);
+    if (probs) {
+        if (!c->be->attention_probs) {
+            errf(err, errlen, "DS4_HOOKS: attn_probs: the %s backend cannot report attention weights", c->be->name);
+            return -1;
+        }
+        const int k = hp->idx_topk > 0 ? hp->idx_topk : 0, n128 = c->n_ctx / 128 + 1;
+        c->aprobs_ld = hp->n_swa + (k > n128 ? k : n128) + 1;
+        int fail = 0;
+        c->aprobs = ctx_alloc(c, (size_t)c->max_batch * hp->n_head * c->aprobs_ld * 4, &fail);
+        c->aptmp = malloc((size_t)hp->n_head * c->aprobs_ld * 4);
+        if (fail || !c->aptmp) { errf(err, errlen, "DS4_HOOKS: attn_probs: out of memory"); return -1; }
+    }
     c->hpath = strdup(env->hooks_out);
     c->hf = c->hpath ? fopen(c->hpath, "wb") : NULL;
     if (!c->hf) {
@@ -3885,6 +3932,7 @@ void ds4_ctx_free(ds4_ctx *c) {
         fprintf(stderr, "ds4: DS4_HOOKS_OUT: closing %s failed: %s\n", c->hpath, strerror(errno));
     free(c->hpath);
     free(c->hsel);
+    free(c->aptmp);
     for (int i = 0; i < c->n_allocs; i++) c->be->free(c->allocs[i]);
     free(c);
 }
@@ -3970,6 +4018,20 @@ static void fwd_attention(ds4_ctx *c, int il, const float *hn, int nt, float *ou
         k = hp->idx_topk;
         be->indexer_step(c->iq, c->iw, 1.0f / sqrtf((float)di * (float)Hi), S->irows, c->step, nt, Hi, di, 4, k,
                          &c->rope_comp, c->topk);
+    }
+
+    /* the attn_probs hook: attention's weights, from the inputs attention_step is given
+     * (before it stores this batch into the ring); one record per token, n+1 columns */
+    if (c->aprobs && ds4h_selected(c->hsel, DS4H_ATTN_PROBS, il)) {
+        be->attention_probs(c->q, c->kv, S->ring, hp->n_swa, c->step, nt, H, d, S->comp, ratio,
+                            ratio == 4 ? c->topk : NULL, k, L->attn_sinks.dev, 1.0f / sqrtf((float)d), c->aprobs,
+                            c->aprobs_ld);
+        for (int t = 0; t < nt; t++) {
+            const int P = c->pos + t, cols = ds4_att_rows(P, hp->n_swa, ratio, k) + 1;
+            for (int h = 0; h < H; h++)
+                memcpy(c->aptmp + (size_t)h * cols, c->aprobs + ((size_t)t * H + h) * c->aprobs_ld, (size_t)cols * 4);
+            hook_emit(c, DS4H_ATTN_PROBS, il, c->aptmp, DS4H_F32, 2, (uint32_t)H, (uint32_t)cols, 1, P);
+        }
     }
 
     /* attention, the window ring update, and the query-position rotation

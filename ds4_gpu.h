@@ -393,6 +393,18 @@ typedef struct ds4_backend {
                       const float *comp, int ratio, const int32_t *topk, int k,
                       const float *sinks, float scale, float *out);
 
+    /* The weights the attention op gives each row, for the attn_probs hook (optional: NULL
+     * in a backend without it).  For query t at P = pos0 + t and head h, probs[t][h][0:ld]
+     * holds, in order: the window rows (ds4_win_rows(P, W) of them, increasing position), then
+     * for ratio 128 the compressed rows w < ds4_comp_rows(P, 128), for ratio 4 the k pick
+     * slots of topk[t] (0 where the pick is -1), then the sink's share exp(sink - m) /
+     * denominator: ds4_att_rows(P, W, ratio, k) + 1 columns, summing to 1.  Each row's value
+     * is the weight attention multiplies that row by. */
+    void (*attention_probs)(const float *q, const float *kv, const float *ring, int W,
+                            const ds4_step *step, int nt, int H, int d,
+                            const float *comp, int ratio, const int32_t *topk, int k,
+                            const float *sinks, float scale, float *probs, int ld);
+
     /* Ring update after a batch (pos0 = step->pos0): for each t with pos0+t >= pos0+nt-slots:
      * ring[(pos0+t) % slots][:] = rows[t][:] (width floats per row). */
     void (*ring_store)(float *ring, const float *rows, int slots, int width, const ds4_step *step, int nt);

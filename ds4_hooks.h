@@ -42,6 +42,12 @@ extern "C" {
  *   moe     [nt][D]      f32  per layer: the MoE sub-block's output (routed + shared experts)
  *   logits  [rows][V]    f32  no layer: the logits the call computed (its last row, or every
  *                              row when all were asked for)
+ *   attn_probs [H][n+1]  f32  per layer and per token (one record each, its position in pos):
+ *                              the weight each head gave each of the n rows the query attended
+ *                              -- its window rows, then the compressed rows (ratio 128) or the
+ *                              k pick slots (ratio 4; 0 for an empty pick) -- and, last, the
+ *                              sink's share (ds4_gpu.h attention_probs).  Its size grows with
+ *                              the position.
  * "moe" in a selection stands for moe_sel, moe_w and moe together. */
 enum {
     DS4H_ATTN = 0,
@@ -50,6 +56,7 @@ enum {
     DS4H_MOE_W,
     DS4H_MOE,
     DS4H_LOGITS,
+    DS4H_ATTN_PROBS,
     DS4H_N_HOOKS
 };
 
@@ -70,7 +77,7 @@ typedef struct ds4h_record {
     uint8_t  dtype;       /* DS4H_F32 / DS4H_I32 */
     uint8_t  ndim;
     uint16_t flags;       /* DS4H_FLAG_GAP */
-    uint32_t shape[4];    /* shape[0] = rows (tokens); unused dims 1 */
+    uint32_t shape[4];    /* shape[0] = rows (tokens), but attn_probs: one token, [H][n+1]; unused dims 1 */
     uint64_t nbytes;      /* payload bytes (0 for a gap) */
     uint64_t reserved;
 } ds4h_record;

@@ -35,6 +35,8 @@ REC = struct.Struct("<IIQiIIBBH4IQQ")    # ds4h_record, 64 bytes
 assert REC.size == 64
 DTYPES = {0: np.float32, 1: np.int32}
 FLAG_GAP = 1
+# hooks whose records hold one token each, of a size that varies with the position
+RAGGED = {"attn_probs"}
 
 
 class FormatError(ValueError):
@@ -54,7 +56,8 @@ class Stream:
         self.header, self.records, self.truncated = header, records, truncated
 
     def arrays(self):
-        """{(name, layer): (positions [rows], values [rows, ...])}, rows in position order."""
+        """{(name, layer): (positions [rows], values [rows, ...])}, rows in position order.
+        Ragged hooks (attn_probs): (positions [records], [one array per record])."""
         groups = {}
         for r in self.records:
             if r.gap:
@@ -63,6 +66,9 @@ class Stream:
         out = {}
         for key, recs in groups.items():
             recs.sort(key=lambda r: (r.pos, r.seq))
+            if key[0] in RAGGED:
+                out[key] = (np.array([r.pos for r in recs], dtype=np.int64), [r.data for r in recs])
+                continue
             pos = np.concatenate([np.arange(r.pos, r.pos + r.shape[0], dtype=np.int64) for r in recs])
             val = np.concatenate([r.data for r in recs])
             out[key] = (pos, val)
@@ -129,6 +135,10 @@ def cmd_info(a):
     print(f"{len(s.records)} records{' (truncated: read up to the last whole record)' if s.truncated else ''}, "
           f"{s.dropped()} rows dropped")
     for (name, layer), (pos, val) in sorted(s.arrays().items(), key=lambda kv: (kv[0][0], kv[0][1])):
+        if name in RAGGED:
+            print(f"  {key_name(name, layer):12s} rows {len(pos):6d}  positions {pos.min()}..{pos.max()}  "
+                  f"one record per token, {val[0].shape} .. {val[-1].shape}  {val[0].dtype}")
+            continue
         print(f"  {key_name(name, layer):12s} rows {len(pos):6d}  positions {pos.min()}..{pos.max()}  "
               f"shape {tuple(val.shape)}  {val.dtype}")
     return 0
@@ -139,6 +149,10 @@ def cmd_export(a):
     flat = {}
     for (name, layer), (pos, val) in arrays.items():
         k = key_name(name, layer)
+        if name in RAGGED:      # one array per token: NAME.LAYER.pPOS
+            for p, v in zip(pos.tolist(), val):
+                flat[f"{k}.p{p}"] = np.ascontiguousarray(v)
+            continue
         flat[k] = np.ascontiguousarray(val)
         flat[k + ".pos"] = pos
     if a.out.endswith(".npz"):
@@ -182,6 +196,17 @@ def cmd_compare(a):
     for key in sorted(set(aa) & set(ab)):
         (pa, va), (pb, vb) = aa[key], ab[key]
         name = key_name(*key)
+        if key[0] in RAGGED:
+            same = np.array_equal(pa, pb) and all(x.shape == y.shape for x, y in zip(va, vb))
+            if not same:
+                print(f"  {name:12s} DIFFERENT positions or shapes")
+                bad += 1
+                continue
+            d = max((float(np.abs(x.astype(np.float64) - y).max()) for x, y in zip(va, vb)), default=0.0)
+            ok = d <= a.tol
+            print(f"  {name:12s} max|d| {d:.3g}  {'ok' if ok else 'ABOVE ' + str(a.tol)}")
+            bad += not ok
+            continue
         if not np.array_equal(pa, pb) or va.shape != vb.shape:
             print(f"  {name:12s} DIFFERENT positions or shapes ({va.shape} vs {vb.shape})")
             bad += 1

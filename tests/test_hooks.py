@@ -259,3 +259,36 @@ def test_hooks_match_llama_cpp(name):
             assert ref.shape == a.shape, (hook, il, ref.shape, a.shape)
             rel = float(np.abs(a - ref).max() / np.abs(ref).max())
             assert rel <= LL_REL_TOL, f"{hook} layer {il} vs llama.cpp {tensor}-{il}: {rel:.3g} > {LL_REL_TOL:g}"
+
+
+def test_attn_probs():
+    """attn_probs: one record per token and layer, [H][n+1] with n = the rows the query attended
+    (window, then ratio-128 rows or ratio-4 pick slots) and the sink last; every head's weights
+    are >= 0 and sum to 1 (f32 weights of a softmax whose denominator was summed in double:
+    within 1e-5); the logits are unchanged with the hook on."""
+    out, dump = hooked("tiny", "attn_probs", "probs")
+    s = ds4hooks.read(out)
+    m = s.header["model"]
+    H, W, topk = 8, 32, 8                  # tiny: 8 heads, window 32, top-k 8 (ds4 synth --config tiny)
+    ratios = [0, 0, 4, 128, 4, 128]        # tiny's compress_ratios
+    arrays = s.arrays()
+    rows = len(PROMPT) + N
+    for layer in range(m["n_layer"]):
+        pos, vals = arrays[("attn_probs", layer)]
+        assert np.array_equal(pos, np.arange(rows))
+        r = ratios[layer]
+        for p, v in zip(pos.tolist(), vals):
+            n = min(W, p + 1) + ((p + 1) // 128 if r == 128 else topk if r == 4 else 0)
+            assert v.shape == (H, n + 1), (layer, p, v.shape)
+            assert (v >= 0).all()
+            assert np.abs(v.astype(np.float64).sum(axis=1) - 1.0).max() < 1e-5, (layer, p)
+    plain = os.path.join(OUT, "tiny.hooks-none.ds4logit")
+    if not os.path.exists(plain):
+        ds4_run(["-m", make_model("tiny"), "--backend", "cpu", "--tokens", TOK, "-n", str(N), "--dump-logits", plain],
+                env=clean_env())
+    assert open(dump, "rb").read() == open(plain, "rb").read()
+    npz = os.path.join(OUT, "tiny.probs.npz")
+    r = subprocess.run([sys.executable, TOOL, "export", out, npz], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    z = np.load(npz)
+    assert np.array_equal(z["attn_probs.3.p40"], arrays[("attn_probs", 3)][1][40])
