@@ -2,7 +2,7 @@
  * without writing the model to disk.
  *
  *   spot_check [--model flash16] [--type q8_0] [--seed 1] [--prompt 8] [-n 8] [--tol 5e-5]
- *              [--dump-cuda FILE]
+ *              [--dump-cuda FILE] [--cuda-only]
  *
  * What it is.  The flash16 spot check of scripts/gpu-check.sh: the Flash-shaped
  * model (43 layers, hidden 4096, 64 heads x 512, 16 experts, vocab 129280,
@@ -22,7 +22,9 @@
  * Output: one line per phase, then `spot: PASS|FAIL ...`; exit 0 on PASS.
  * --dump-cuda FILE also writes the CUDA rows' logits to FILE ((prompt + n) x vocab floats,
  * raw little-endian f32, row after row): scripts/gpu-check.sh series byte-compares them
- * across builds of the patch series.
+ * across builds of the patch series.  --cuda-only skips the CPU side (no comparison, one model
+ * build): the CUDA backend prefills and decodes -n greedy steps, for byte-comparing long runs
+ * (DS4_CUDA_GRAPHS=1 against eager, over 300 steps) where the CPU reference would take hours.
  */
 #include <math.h>
 #include <stdio.h>
@@ -67,10 +69,11 @@ static float *run(ds4_model *m, const ds4_backend *be, const int32_t *prompt, in
 
 int main(int argc, char **argv) {
     const char *model = "flash16", *type = "q8_0", *dump = NULL;
-    int seed = 1, P = 8, n = 8;
+    int seed = 1, P = 8, n = 8, cuda_only = 0;
     double tol = 5e-5;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(a, "--cuda-only")) { cuda_only = 1; continue; }   /* the one flag without a value */
         if (!v) { fprintf(stderr, "spot_check: %s needs a value\n", a); return 2; }
         if (!strcmp(a, "--model")) model = v;
         else if (!strcmp(a, "--type")) type = v;
@@ -95,7 +98,35 @@ int main(int argc, char **argv) {
     const int threads = (int)sysconf(_SC_NPROCESSORS_ONLN);
     char err[1024];
     double t0 = now_s();
-    ds4_model *mc = ds4_synth_open(model, (uint64_t)seed, wt, threads, err, sizeof err);
+    ds4_model *mc = NULL;
+    if (cuda_only) {
+        ds4_model *m1 = ds4_synth_open(model, (uint64_t)seed, wt, threads, err, sizeof err);
+        if (!m1) die("model", err);
+        printf("spot: %s (%s, seed %d) built in %.1f s, %.2f GB (CUDA only)\n", model, type, seed, now_s() - t0,
+               ds4_model_weight_bytes(m1) / 1e9);
+        const int V1 = ds4_model_n_vocab(m1);
+        int32_t *pr = malloc(sizeof(int32_t) * (size_t)P), *fed = malloc(sizeof(int32_t) * (size_t)(P + n));
+        for (int i = 0; i < P; i++)
+            pr[i] = i == 0 ? 0 : i == 1 ? V1 - 1 : (int32_t)(((uint32_t)i * 2654435761u) % (uint32_t)V1);
+        t0 = now_s();
+        float *l1 = run(m1, cuda, pr, P, n, NULL, fed);
+        printf("spot: CUDA prefill %d + %d greedy steps in %.1f s\n", P, n, now_s() - t0);
+        int rc = 0;
+        if (dump) {
+            FILE *f = fopen(dump, "wb");
+            const size_t nf = (size_t)(P + n) * (size_t)V1;
+            if (!f || fwrite(l1, sizeof(float), nf, f) != nf || fclose(f) != 0) {
+                fprintf(stderr, "spot_check: cannot write %s\n", dump);
+                rc = 2;
+            } else {
+                printf("spot: CUDA logits written to %s (%zu floats)\n", dump, nf);
+            }
+        }
+        free(l1); free(pr); free(fed);
+        ds4_model_close(m1);
+        return rc;
+    }
+    mc = ds4_synth_open(model, (uint64_t)seed, wt, threads, err, sizeof err);
     if (!mc) die("model", err);
     ds4_model *mg = ds4_synth_open(model, (uint64_t)seed, wt, threads, err, sizeof err);
     if (!mg) die("model", err);
