@@ -89,7 +89,7 @@ $(B)/cuda-%/ds4_cli.o: ds4_cli.c ds4.h ds4_gpu.h
 	@mkdir -p $(dir $@)
 	$(CC) $(CUDA_CFLAGS) -c ds4_cli.c -o $@
 
-$(B)/cuda-%/ds4_cuda.o: ds4_cuda.cu ds4_cuda_quant.cuh ds4_quant_tables.h ds4_gpu.h ds4_stream.h
+$(B)/cuda-%/ds4_cuda.o: ds4_cuda.cu ds4_hooks.cu ds4_hooks.h ds4_cuda_quant.cuh ds4_cuda_probs.cuh ds4_quant_tables.h ds4_gpu.h ds4_stream.h
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) -arch=$* -DDS4_CUDA -c ds4_cuda.cu -o $@
 

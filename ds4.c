@@ -3614,7 +3614,9 @@ struct ds4_ctx {
     ds4h_selection    *hsel;      /* DS4_HOOKS: what to write (NULL: hooks off) */
     FILE              *hf;        /* DS4_HOOKS_OUT */
     char              *hpath;
-    uint64_t           hseq;      /* records written */
+    uint64_t           hseq;      /* records written (the CPU's writer) */
+    uint64_t           hbytes;    /* their payload bytes */
+    int                hdev;      /* the backend's emitter writes the records (CUDA: ds4_hooks.cu) */
     uint32_t           hcalls;    /* forward calls made */
     int                herr;      /* errno of a failed write (0: none) */
     float             *aprobs;    /* attn_probs: [B][H][aprobs_ld] (backend memory: the CPU's) */
@@ -3679,9 +3681,8 @@ static void *ctx_alloc(ds4_ctx *c, size_t bytes, int *fail);
 /* DS4_HOOKS: the selection checked against the model, the file opened and its header written. */
 static int hooks_open(ds4_ctx *c, const ds4_env *env, char *err, size_t errlen) {
     const ds4_hparams *hp = &c->m->hp;
-    if (strcmp(c->be->name, "cpu") != 0) {
-        errf(err, errlen, "DS4_HOOKS: the %s backend has no hook emitter yet (its device rings, ds4_hooks.cu, "
-             "are the unfinished part of stage 3): run the hooks with --backend cpu", c->be->name);
+    if (strcmp(c->be->name, "cpu") != 0 && !c->be->hooks_open) {
+        errf(err, errlen, "DS4_HOOKS: the %s backend has no hook emitter", c->be->name);
         return -1;
     }
     c->hsel = malloc(sizeof *c->hsel);
@@ -3707,6 +3708,7 @@ static int hooks_open(ds4_ctx *c, const ds4_env *env, char *err, size_t errlen) 
         errf(err, errlen, "DS4_HOOKS_OUT: cannot write %s: %s", env->hooks_out, strerror(errno));
         return -1;
     }
+    setvbuf(c->hf, NULL, _IOFBF, (size_t)1 << 22);   /* records arrive in many small writes */
     /* the header: what a reader needs to name and shape the records */
     char js[4096];
     int n = snprintf(js, sizeof js,
@@ -3739,13 +3741,90 @@ static int hooks_open(ds4_ctx *c, const ds4_env *env, char *err, size_t errlen) 
         errf(err, errlen, "DS4_HOOKS_OUT: writing %s failed: %s", c->hpath, strerror(errno));
         return -1;
     }
+    if (!c->be->hooks_open) return 0;        /* the CPU: hook_emit writes each record itself */
+
+    /* A device emitter (ds4_gpu.h hooks_open): rings sized from what one decode step of this
+     * selection produces, so the drain may fall many steps behind before a producer waits,
+     * and at least four times the largest record a producer cannot split (a row, one
+     * token's attn_probs), so that one always fits once the drain catches up. */
+    uint64_t step_bytes = 0, step_recs = 0, big = 0;
+    const uint64_t D = (uint64_t)hp->n_embd, k = (uint64_t)hp->n_expert_used;
+    for (int h = 0; h < DS4H_N_HOOKS; h++) {
+        const uint64_t b = h == DS4H_ATTN || h == DS4H_MOE ? D * 4 : h == DS4H_RESID ? (uint64_t)hp->n_hc * D * 4
+                         : h == DS4H_MOE_SEL || h == DS4H_MOE_W ? k * 4 : h == DS4H_LOGITS ? (uint64_t)hp->n_vocab * 4
+                         : (uint64_t)hp->n_head * (uint64_t)(c->aprobs_ld > 0 ? c->aprobs_ld : 1) * 4;
+        for (int l = 0; l < (h == DS4H_LOGITS ? 1 : hp->n_layer); l++) {
+            if (!ds4h_selected(c->hsel, h, h == DS4H_LOGITS ? -1 : l)) continue;
+            step_bytes += (b + 7) & ~(uint64_t)7;
+            step_recs++;
+            if (b > big) big = b;
+        }
+    }
+    const uint64_t MiB = (uint64_t)1 << 20, need = (4 * big + MiB - 1) / MiB;
+    uint64_t mb;
+    if (env->hooks_ring_mb > 0) {
+        mb = (uint64_t)env->hooks_ring_mb;
+        if (mb < need) {
+            errf(err, errlen, "DS4_HOOKS_RING_MB=%d is too small for this selection: the ring must hold four of "
+                 "its largest record (%llu bytes), give at least %llu", env->hooks_ring_mb, (unsigned long long)big,
+                 (unsigned long long)need);
+            return -1;
+        }
+    } else {
+        mb = (64 * step_bytes + MiB - 1) / MiB;
+        if (mb < 64) mb = 64;
+        if (mb > 1024) mb = 1024;
+        if (mb < need) mb = need;
+    }
+    ds4_hooks_cfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.f = c->hf;
+    cfg.path = c->hpath;
+    cfg.drop = env->hooks_drop;
+    cfg.ring_bytes = mb * MiB;
+    cfg.ring_slots = cfg.ring_bytes / 1024 > 1024 ? cfg.ring_bytes / 1024 : 1024;
+    if (cfg.ring_slots < 4 * step_recs) cfg.ring_slots = 4 * step_recs;
+    cfg.throttle_us = (uint32_t)env->hooks_throttle_us;
+    if (fflush(c->hf) != 0) {               /* the header goes out before any record */
+        errf(err, errlen, "DS4_HOOKS_OUT: writing %s failed: %s", c->hpath, strerror(errno));
+        return -1;
+    }
+    void *prev = c->be->session_bind(c->sess);
+    const int rc = c->be->hooks_open(&cfg, err, errlen);
+    c->be->session_bind(prev);
+    if (rc != 0) return -1;
+    c->hdev = 1;
     return 0;
 }
 
-/* One record: the tensor at data (host memory: the CPU backend's), rows d0 of d1 x d2. */
+int ds4_ctx_hooks_stats(ds4_ctx *c, ds4_hooks_stats *st) {
+    memset(st, 0, sizeof *st);
+    if (!c->hsel) return -1;
+    if (c->hdev) {
+        void *prev = c->be->session_bind(c->sess);
+        c->be->hooks_stats(st, 1);
+        c->be->session_bind(prev);
+        return 0;
+    }
+    st->produced = st->written = c->hseq;
+    st->payload_bytes = c->hbytes;
+    st->err = c->herr;
+    return 0;
+}
+
+/* One record: the tensor at data (backend memory), rows d0 of d1 x d2, its first row at
+ * position c->pos + pos_add.  A device emitter gets a producer on the stream (the position
+ * and the call index are read from the step block when it runs); the CPU writes it now. */
 static void hook_emit(ds4_ctx *c, int hook, int layer, const void *data, int dtype, int ndim,
-                      uint32_t d0, uint32_t d1, uint32_t d2, int pos) {
+                      uint32_t d0, uint32_t d1, uint32_t d2, int pos_add) {
     if (!c->hf || c->herr || !ds4h_selected(c->hsel, hook, layer)) return;
+    if (c->hdev) {
+        const ds4_hook_put p = { hook, layer, dtype, ndim, d0, d1, d2, data, (int64_t)d1 * d2, (int64_t)d2,
+                                 pos_add, 0, 0, 0, 0, c->step };
+        c->be->hook_put(&p);
+        return;
+    }
+    const int pos = c->pos + pos_add;
     ds4h_record r;
     memset(&r, 0, sizeof r);
     r.magic = DS4H_RECORD_MAGIC;
@@ -3766,6 +3845,7 @@ static void hook_emit(ds4_ctx *c, int hook, int layer, const void *data, int dty
         return;
     }
     c->hseq++;
+    c->hbytes += r.nbytes;
 }
 
 static void *ctx_alloc(ds4_ctx *c, size_t bytes, int *fail) {
@@ -4027,10 +4107,17 @@ static void fwd_attention(ds4_ctx *c, int il, const float *hn, int nt, float *ou
                             ratio == 4 ? c->topk : NULL, k, L->attn_sinks.dev, 1.0f / sqrtf((float)d), c->aprobs,
                             c->aprobs_ld);
         for (int t = 0; t < nt; t++) {
+            if (c->hdev) {              /* the producer packs [H][cols], cols read from the step block */
+                const ds4_hook_put p = { DS4H_ATTN_PROBS, il, DS4H_F32, 2, (uint32_t)H, 0, 1,
+                                         c->aprobs + (size_t)t * H * c->aprobs_ld, c->aprobs_ld, 1, t,
+                                         1, hp->n_swa, ratio, k, c->step };
+                be->hook_put(&p);
+                continue;
+            }
             const int P = c->pos + t, cols = ds4_att_rows(P, hp->n_swa, ratio, k) + 1;
             for (int h = 0; h < H; h++)
                 memcpy(c->aptmp + (size_t)h * cols, c->aprobs + ((size_t)t * H + h) * c->aprobs_ld, (size_t)cols * 4);
-            hook_emit(c, DS4H_ATTN_PROBS, il, c->aptmp, DS4H_F32, 2, (uint32_t)H, (uint32_t)cols, 1, P);
+            hook_emit(c, DS4H_ATTN_PROBS, il, c->aptmp, DS4H_F32, 2, (uint32_t)H, (uint32_t)cols, 1, t);
         }
     }
 
@@ -4080,27 +4167,28 @@ static void fwd_span(ds4_ctx *c, int l0, int l1, int nt, int all_rows) {
         be->hc_pre(il > 0 ? c->f : NULL, c->x2, c->x, &L->hc_attn_fn, L->hc_attn_scale.dev,
                    L->hc_attn_base.dev, L->attn_norm.dev, nt, D, hc, 0, eps, heps, it,
                    c->flat, c->mix, c->h, c->post, c->comb);
-        if (il > 0) hook_emit(c, DS4H_RESID, il - 1, c->x, DS4H_F32, 3, (uint32_t)nt, (uint32_t)hc, (uint32_t)D, c->pos);
+        if (il > 0) hook_emit(c, DS4H_RESID, il - 1, c->x, DS4H_F32, 3, (uint32_t)nt, (uint32_t)hc, (uint32_t)D, 0);
         fwd_attention(c, il, c->h, nt, c->f);
-        hook_emit(c, DS4H_ATTN, il, c->f, DS4H_F32, 2, (uint32_t)nt, (uint32_t)D, 1, c->pos);
+        hook_emit(c, DS4H_ATTN, il, c->f, DS4H_F32, 2, (uint32_t)nt, (uint32_t)D, 1, 0);
         be->hc_pre(c->f, c->x, c->x2, &L->hc_ffn_fn, L->hc_ffn_scale.dev, L->hc_ffn_base.dev,
                    L->ffn_norm.dev, nt, D, hc, 0, eps, heps, it, c->flat, c->mix, c->h, c->post, c->comb);
         fwd_moe(c, il, c->h, nt, c->f);
         const uint32_t k = (uint32_t)hp->n_expert_used;
-        hook_emit(c, DS4H_MOE_SEL, il, c->sel, DS4H_I32, 2, (uint32_t)nt, k, 1, c->pos);
-        hook_emit(c, DS4H_MOE_W, il, c->wts, DS4H_F32, 2, (uint32_t)nt, k, 1, c->pos);
-        hook_emit(c, DS4H_MOE, il, c->f, DS4H_F32, 2, (uint32_t)nt, (uint32_t)D, 1, c->pos);
+        hook_emit(c, DS4H_MOE_SEL, il, c->sel, DS4H_I32, 2, (uint32_t)nt, k, 1, 0);
+        hook_emit(c, DS4H_MOE_W, il, c->wts, DS4H_F32, 2, (uint32_t)nt, k, 1, 0);
+        hook_emit(c, DS4H_MOE, il, c->f, DS4H_F32, 2, (uint32_t)nt, (uint32_t)D, 1, 0);
     }
     if (l1 < hp->n_layer) return;
     /* head: the last update, collapse the streams, normalise, project to the vocabulary */
     be->hc_pre(c->f, c->x2, c->x, &m->output_hc_fn, m->output_hc_scale.dev, m->output_hc_base.dev,
                m->output_norm.dev, nt, D, hc, 1, eps, heps, it, c->flat, c->mix, c->h, c->post, c->comb);
-    hook_emit(c, DS4H_RESID, hp->n_layer - 1, c->x, DS4H_F32, 3, (uint32_t)nt, (uint32_t)hc, (uint32_t)D, c->pos);
+    hook_emit(c, DS4H_RESID, hp->n_layer - 1, c->x, DS4H_F32, 3, (uint32_t)nt, (uint32_t)hc, (uint32_t)D, 0);
     if (all_rows) be->matmul(&m->output, 0, c->h, c->logits, nt);
     else be->matmul(&m->output, 0, c->h + (size_t)(nt - 1) * D, c->logits, 1);
     const int rows = all_rows ? nt : 1;
-    hook_emit(c, DS4H_LOGITS, -1, c->logits, DS4H_F32, 2, (uint32_t)rows, (uint32_t)hp->n_vocab, 1,
-              c->pos + nt - rows);
+    hook_emit(c, DS4H_LOGITS, -1, c->logits, DS4H_F32, 2, (uint32_t)rows, (uint32_t)hp->n_vocab, 1, nt - rows);
+    /* the call's records become visible to the device emitter's drain in one publication */
+    if (c->hdev) be->hooks_publish();
 }
 
 /* A decode step (one token, the last row's logits) with DS4_CUDA_GRAPHS=1 runs
@@ -4145,7 +4233,7 @@ int ds4_eval(ds4_ctx *c, const int32_t *tokens, int n, float *logits, int all_ro
      * host waits once, for the logits (or, without them, for the step to end). */
     const ds4_backend *be = c->be;
     void *prev = be->session_bind(c->sess);
-    const ds4_step st = { c->pos, n, { 0, 0 } };
+    const ds4_step st = { c->pos, n, (int32_t)c->hcalls, 0 };
     memcpy(c->step_host, &st, sizeof st);
     memcpy((ds4_step *)c->step_host + 1, tokens, (size_t)n * 4);
     be->upload(c->step, c->step_host, sizeof st + (size_t)n * 4);
@@ -4155,7 +4243,7 @@ int ds4_eval(ds4_ctx *c, const int32_t *tokens, int n, float *logits, int all_ro
     be->session_bind(prev);
     c->pos += n;
     c->hcalls++;
-    if (c->hf && !c->herr && fflush(c->hf) != 0) c->herr = errno ? errno : EIO;
+    if (c->hf && !c->hdev && !c->herr && fflush(c->hf) != 0) c->herr = errno ? errno : EIO;
     if (c->herr) {
         errf(err, errlen, "DS4_HOOKS_OUT: writing %s failed: %s", c->hpath, strerror(c->herr));
         return -1;
@@ -4226,7 +4314,7 @@ extern char **environ;
 int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
     static const char *known[] = { "DS4_THREADS", "DS4_CUDA_GRAPHS", "DS4_LAUNCH_TRACE", "DS4_CUDA_GRAPH_LAYERS",
                                    "DS4_CUDA_GRAPH_CACHE", "DS4_CUDA_GRAPH_FAIL", "DS4_HOOKS", "DS4_HOOKS_OUT",
-                                   "DS4_HOOKS_POLICY" };
+                                   "DS4_HOOKS_POLICY", "DS4_HOOKS_RING_MB", "DS4_HOOKS_THROTTLE_US" };
     char shown[256];
     memset(env, 0, sizeof(*env));
     for (char **e = environ; e && *e; e++) {
@@ -4239,7 +4327,7 @@ int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
         if (!ok) {
             errf(err, errlen, "unknown environment variable %s (ds4 reads: DS4_THREADS, DS4_CUDA_GRAPHS, DS4_CUDA_GRAPH_LAYERS, "
                  "DS4_CUDA_GRAPH_CACHE, DS4_CUDA_GRAPH_FAIL, DS4_LAUNCH_TRACE, DS4_HOOKS, DS4_HOOKS_OUT, "
-                 "DS4_HOOKS_POLICY; see README)",
+                 "DS4_HOOKS_POLICY, DS4_HOOKS_RING_MB, DS4_HOOKS_THROTTLE_US; see README)",
                  ds4_show(shown, sizeof shown, *e, nl, 48));
             return -1;
         }
@@ -4270,6 +4358,8 @@ int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
         { "DS4_CUDA_GRAPH_LAYERS", 0, 1024, "layers per recorded region, 0 = the whole step" },
         { "DS4_CUDA_GRAPH_CACHE", 1, 4096, "recordings kept per context" },
         { "DS4_CUDA_GRAPH_FAIL", 0, 1000000, "the capture to fail, 0 = none" },
+        { "DS4_HOOKS_RING_MB", 0, 65536, "MiB of the hook payload ring, 0 = sized from the model and the selection" },
+        { "DS4_HOOKS_THROTTLE_US", 0, 1000000, "debug: microseconds the hook drain pauses after each batch" },
     };
     for (size_t i = 0; i < sizeof ints / sizeof ints[0]; i++) {
         const char *v = getenv(ints[i].name);
@@ -4284,7 +4374,9 @@ int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
         }
         if (i == 0) env->graph_layers = (int)x;
         else if (i == 1) env->graph_cache = (int)x;
-        else env->graph_fail = (int)x;
+        else if (i == 2) env->graph_fail = (int)x;
+        else if (i == 3) env->hooks_ring_mb = (int)x;
+        else env->hooks_throttle_us = (int)x;
     }
     const char *hk = getenv("DS4_HOOKS");
     if (hk) {

@@ -88,6 +88,10 @@ void     ds4_ctx_reset(ds4_ctx *c);
  * allocations and waits); reset != 0 zeroes them after reading. */
 struct ds4_backend_stats;
 void     ds4_ctx_stats(ds4_ctx *c, struct ds4_backend_stats *st, int reset);
+/* DS4_HOOKS: what the hook writer has done (ds4_gpu.h ds4_hooks_stats); with a device emitter
+ * it first waits until every record produced so far is written.  -1 when hooks are off. */
+struct ds4_hooks_stats;
+int      ds4_ctx_hooks_stats(ds4_ctx *c, struct ds4_hooks_stats *st);
 
 /* Feed n tokens at the current position: one prefill batch when n > 1, one
  * decode step when n == 1.  logits (host, may be NULL) receives [n][n_vocab]
@@ -131,6 +135,9 @@ typedef struct ds4_env {
     const char *hooks;          /* DS4_HOOKS: the hook selection (ds4_hooks.h), NULL = none */
     const char *hooks_out;      /* DS4_HOOKS_OUT: the record stream's file (default ds4-hooks.ds4h) */
     int hooks_drop;             /* DS4_HOOKS_POLICY: 0 = wait (lossless, the default), 1 = drop */
+    int hooks_ring_mb;          /* DS4_HOOKS_RING_MB: the CUDA emitter's payload ring, 0 = sized from the
+                                   model and the selection */
+    int hooks_throttle_us;      /* DS4_HOOKS_THROTTLE_US: debug, the drain pauses after each batch */
 } ds4_env;
 int ds4_env_read(ds4_env *env, char *err, size_t errlen);
 /* DS4_HOOKS against a model, before a context is made: its layer ranges fit the model and

@@ -425,11 +425,6 @@ int main(int argc, char **argv) {
 #ifdef DS4_CUDA
     if (!strcmp(o.backend, "cuda")) be = ds4_backend_cuda();
 #endif
-    if (env.hooks && strcmp(be->name, "cpu") != 0) {
-        fprintf(stderr, "ds4: DS4_HOOKS: the %s backend has no hook emitter yet (its device rings, ds4_hooks.cu, are "
-                "the unfinished part of stage 3): run the hooks with --backend cpu\n", be->name);
-        return 2;
-    }
     if (env.launch_trace && !strcmp(be->name, "cpu"))
         fprintf(stderr, "ds4: DS4_LAUNCH_TRACE: the cpu backend launches no kernels; nothing is traced\n");
     if (env.cuda_graphs && !strcmp(be->name, "cpu"))
@@ -575,8 +570,19 @@ int main(int argc, char **argv) {
                    (unsigned long long)bst.replays, (unsigned long long)bst.fallbacks, (unsigned long long)bst.graphs,
                    (unsigned long long)bst.graph_nodes, (double)bst.graph_bytes / (1024.0 * 1024.0));
     }
-
     int rc = 0;
+    ds4_hooks_stats hst;
+    if (ds4_ctx_hooks_stats(c, &hst) == 0) {      /* DS4_HOOKS: every record written by now */
+        if (o.stats)
+            printf("stats: hooks: %llu records produced, %llu written (%.1f MB), %llu dropped in %llu gaps, "
+                   "%llu producer waits, %llu drain batches (%.1f GB/s copying)\n",
+                   (unsigned long long)hst.produced, (unsigned long long)hst.written, hst.payload_bytes / 1e6,
+                   (unsigned long long)hst.dropped, (unsigned long long)hst.gaps, (unsigned long long)hst.waits,
+                   (unsigned long long)hst.batches,
+                   hst.copy_seconds > 0 ? hst.payload_bytes / hst.copy_seconds / 1e9 : 0.0);
+        if (hst.err) rc = 1;                      /* the line naming it comes when the context closes */
+    }
+
     if (dumpf && write_dump(dumpf, dump, V, P, n_gen, fed, logits) != 0) rc = 1;
     free(gen); free(scratch); free(fed); free(last); free(logits);
     if (ids != prompt_ids) free(ids);

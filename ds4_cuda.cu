@@ -83,6 +83,8 @@
  *   Elementwise                    add, scale
  *   Sessions                       kernel set-up at init, recorded regions (CUDA graphs),
  *                                  session_new (every scratch sized), bind
+ *   Hooks                          the hook emitter: device rings, producers, drain thread
+ *                                  (ds4_hooks.cu, included there)
  *   The backend table
  */
 #include <cuda_runtime.h>
@@ -96,8 +98,10 @@
 #include <string.h>
 #include <time.h>
 #include <errno.h>
+#include <pthread.h>
 
 #include "ds4_gpu.h"
+#include "ds4_hooks.h"
 #include "ds4_stream.h"
 
 #include <atomic>
@@ -140,6 +144,9 @@
  * cudaMalloc/cudaHostAlloc, free and synchronisation of the backend goes
  * through the wrappers below, which count it. */
 static std::atomic<uint64_t> g_n_malloc, g_n_free, g_n_dev_sync, g_n_stream_sync;
+/* the hook drain thread's waits on its own stream (ds4_hooks.cu): apart, so the decode
+ * step's counters stay the compute stream's */
+static std::atomic<uint64_t> g_n_hook_sync;
 
 /* The session bound to the calling thread (ds4_gpu.h session_bind); defined
  * with the backend state below. */
@@ -366,6 +373,7 @@ struct ds4_session {
     bool           capturing;         /* between a capture's begin and end */
     uint64_t       cap_key, cap_launches0;
     cudaError_t    cap_err;           /* the first launch error while capturing */
+    struct hk_emitter *hk;            /* DS4_HOOKS: the hook emitter (ds4_hooks.cu), NULL = hooks off */
     double         cap_t0;
     int            n_captures_tried;  /* for DS4_CUDA_GRAPH_FAIL */
     ds4_backend_stats gs;             /* the graph counters (captures ... instantiate_ms) */
@@ -2564,6 +2572,8 @@ static void cuda_attention(const float *q, const float *kv, const float *ring, i
     attention_run(q, kv, ring, W, step, nt, H, d, comp, ratio, topk, k, sinks, scale, out, NULL, NULL);
 }
 
+#include "ds4_cuda_probs.cuh"
+
 static void cuda_attention_step(const float *q, const float *kv, float *ring, int W,
                                 const ds4_step *step, int nt, int H, int d,
                                 const float *comp, int ratio, const int32_t *topk, int k,
@@ -3801,8 +3811,11 @@ static void cuda_session_reset(void *s) {
     while (S->n_reg > 0) region_drop(S, S->n_reg - 1);
 }
 
+static void hk_close(ds4_session *S);   /* ds4_hooks.cu */
+
 static void session_release(ds4_session *S) {
     if (!S) return;
+    hk_close(S);            /* the hook emitter drains first: its producers ran on the stream */
     while (S->n_reg > 0) region_drop(S, S->n_reg - 1);
     free(S->reg);
     if (S->stream) {
@@ -4012,6 +4025,12 @@ static void cuda_session_stats(void *s, ds4_backend_stats *st, int reset) {
 }
 
 /* ---------------------------------------------------------------------------
+ * Hooks: the emitter of ds4_hooks.h's records (stage 3 of patches/series)
+ * ------------------------------------------------------------------------- */
+
+#include "ds4_hooks.cu"
+
+/* ---------------------------------------------------------------------------
  * The backend table
  * ------------------------------------------------------------------------- */
 
@@ -4043,6 +4062,7 @@ static ds4_backend make_cuda_backend(void) {
     b.hc_post = cuda_hc_post;
     b.rope = cuda_rope;
     b.attention = cuda_attention;
+    b.attention_probs = cuda_attention_probs;
     b.ring_store = cuda_ring_store;
     b.add_cyclic = cuda_add_cyclic;
     b.compress_pool = cuda_compress_pool;
@@ -4061,6 +4081,10 @@ static ds4_backend make_cuda_backend(void) {
     b.compressor_step = cuda_compressor_step;
     b.compressor_steps = cuda_compressor_steps;
     b.indexer_step = cuda_indexer_step;
+    b.hooks_open = cuda_hooks_open;
+    b.hook_put = cuda_hook_put;
+    b.hooks_publish = cuda_hooks_publish;
+    b.hooks_stats = cuda_hooks_stats;
     return b;
 }
 

@@ -44,6 +44,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 
 #ifdef __cplusplus
 extern "C" {
@@ -139,7 +140,8 @@ typedef struct ds4_rope {
 typedef struct ds4_step {
     int32_t pos0;   /* position of the first token of the batch */
     int32_t nt;     /* tokens in the batch (== the ops' nt argument) */
-    int32_t reserved[2];
+    int32_t call;   /* the context's forward-call index (hook records' step field) */
+    int32_t reserved;
 } ds4_step;
 
 /* Window rows a query at position P attends (positions max(0, P-W+1) .. P). */
@@ -190,6 +192,45 @@ typedef struct ds4_backend_stats {
     uint64_t graph_bytes;             /* device memory the held recordings took (instantiation) */
     double   capture_ms, instantiate_ms;   /* summed over the captures */
 } ds4_backend_stats;
+
+/* A device hook emitter (ds4_hooks.h; CUDA: ds4_hooks.cu), opened on a session.  Records go
+ * to f, after the header the core wrote. */
+typedef struct ds4_hooks_cfg {
+    FILE       *f;
+    const char *path;           /* for messages */
+    int         drop;           /* DS4_HOOKS_POLICY=drop: never wait, count and mark what is dropped */
+    uint64_t    ring_bytes;     /* the payload ring (a multiple of 8) */
+    uint64_t    ring_slots;     /* the control ring, in 64-byte descriptors */
+    uint32_t    throttle_us;    /* debug: the drain pauses this long after each batch (DS4_HOOKS_THROTTLE_US) */
+} ds4_hooks_cfg;
+
+/* One record to produce (hook_put).  Its payload is d0 x d1 x d2 four-byte elements,
+ * element (i0, i1, i2) read from src[i0 * s0 + i1 * s1 + i2] (strides in elements).  Its
+ * position is step->pos0 + pos_add and its step field step->call, both read on the device
+ * when the producer runs.  dyn: d1 is the row count an attention query at that position saw
+ * plus the sink, ds4_att_rows(pos, W, ratio, k) + 1 (attn_probs). */
+typedef struct ds4_hook_put {
+    int             hook, layer, dtype, ndim;
+    uint32_t        d0, d1, d2;
+    const void     *src;
+    int64_t         s0, s1;
+    int             pos_add;
+    int             dyn, W, ratio, k;
+    const ds4_step *step;
+} ds4_hook_put;
+
+/* What an emitter has done since it was opened. */
+typedef struct ds4_hooks_stats {
+    uint64_t produced;          /* records the producers made (each took a sequence number) */
+    uint64_t written;           /* records written to the file */
+    uint64_t dropped;           /* records dropped (DS4_HOOKS_POLICY=drop) */
+    uint64_t gaps;              /* gap records written (each stands for one or more dropped) */
+    uint64_t waits;             /* producers that waited for ring space (wait policy) */
+    uint64_t payload_bytes;     /* payload bytes written */
+    uint64_t batches;           /* drain batches (published spans taken) */
+    double   copy_seconds;      /* the drain's device-to-host copies (payload), waited for */
+    int      err;               /* errno of a failed write (0: none) */
+} ds4_hooks_stats;
 
 /* region_begin's and region_end's answers (the recorded regions, ds4_backend). */
 enum { DS4_REGION_ISSUE = 0, DS4_REGION_REPLAYED = 1, DS4_REGION_REISSUE = 2 };
@@ -250,6 +291,20 @@ typedef struct ds4_backend {
     int   (*region_begin)(uint64_t key);
     int   (*region_end)(uint64_t key);
     void  (*session_reset)(void *s);
+
+    /* ---- hooks (stage 3; NULL in a backend that writes records itself: the CPU) ----
+     * hooks_open starts the bound session's emitter: device rings, pinned staging and a
+     * drain thread that writes published records to cfg->f; 0, or -1 with one line in err.
+     * hook_put enqueues one record's producer on the current stream (captured into a
+     * recording like any op); hooks_publish makes everything produced so far visible to the
+     * drain.  hooks_stats: the counters; flush != 0 first waits until every record produced
+     * so far is written (a host wait: never inside a step).  session_free drains and closes
+     * the emitter, writes a last gap record for drops at the end and says in one line how
+     * many records were dropped. */
+    int   (*hooks_open)(const ds4_hooks_cfg *cfg, char *err, size_t errlen);
+    void  (*hook_put)(const ds4_hook_put *p);
+    void  (*hooks_publish)(void);
+    void  (*hooks_stats)(ds4_hooks_stats *st, int flush);
 
     /* ---- ops ---- */
 

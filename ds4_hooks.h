@@ -11,15 +11,20 @@
  *
  * Who writes.  The CPU backend's forward pass writes each record as the op that makes it
  * returns (ds4.c, the "plain writer": synchronous, so nothing is ever dropped).  The CUDA
- * emitter (device rings drained by a host thread, ds4_hooks.cu) is the next part of stage 3
- * and is not built yet: a CUDA context with DS4_HOOKS set is refused with one line.
+ * backend produces records on the device, into rings a host thread drains (ds4_hooks.cu):
+ * eagerly or inside a replayed CUDA graph, losslessly (DS4_HOOKS_POLICY=wait, the default)
+ * or dropping what does not fit (drop).  A prompt's rows may come in several records
+ * (pos tells where each starts); a reader joins them by (hook, layer, position).
  *
  * The file (little-endian throughout):
  *   "DS4HOOKS" | u32 version (1) | u32 n = bytes of the JSON header | n bytes of JSON, padded
  *   with spaces to a multiple of 8 (model shape, the catalog, the selection, the backend)
  *   then records: a ds4h_record (64 bytes) | nbytes of payload, padded with zeros to 8.
- * A record with DS4H_FLAG_GAP set carries no payload: shape[0] records were dropped there
- * (DS4_HOOKS_POLICY=drop).  A truncated file is read up to its last whole record.
+ * Sequence numbers count every record produced, dropped ones included.  A record with
+ * DS4H_FLAG_GAP set carries no payload: shape[0] records were dropped there
+ * (DS4_HOOKS_POLICY=drop), the first of them with this record's seq, hook, layer, pos and
+ * step; the next record's seq follows them.  reserved is 0 in the file.  A truncated file
+ * is read up to its last whole record.
  */
 #ifndef DS4_HOOKS_H
 #define DS4_HOOKS_H

@@ -33,6 +33,26 @@ static int cmp_float(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
+/* WARMUP copies, then RUNS timed ones (events around each); ms[] sorted; the median in ms. */
+static double median_copy_ms(void *dst, const void *src, size_t n, cudaMemcpyKind kind, float *ms) {
+    cudaEvent_t e0, e1;
+    CHECK(cudaEventCreate(&e0));
+    CHECK(cudaEventCreate(&e1));
+    for (int i = 0; i < WARMUP; i++) CHECK(cudaMemcpy(dst, src, n, kind));
+    CHECK(cudaDeviceSynchronize());
+    for (int i = 0; i < RUNS; i++) {
+        CHECK(cudaEventRecord(e0));
+        CHECK(cudaMemcpy(dst, src, n, kind));
+        CHECK(cudaEventRecord(e1));
+        CHECK(cudaEventSynchronize(e1));
+        CHECK(cudaEventElapsedTime(&ms[i], e0, e1));
+    }
+    CHECK(cudaEventDestroy(e0));
+    CHECK(cudaEventDestroy(e1));
+    qsort(ms, RUNS, sizeof ms[0], cmp_float);
+    return 0.5 * (ms[RUNS / 2 - 1] + ms[RUNS / 2]);   /* RUNS is even */
+}
+
 int main(int argc, char **argv) {
     size_t mib = argc > 1 ? (size_t)strtoull(argv[1], NULL, 10) : 2048;
     if (mib == 0) mib = 2048;
@@ -53,30 +73,23 @@ int main(int argc, char **argv) {
     CHECK(cudaMemset(src, 1, bytes));
     CHECK(cudaMemset(dst, 0, bytes));
 
-    cudaEvent_t e0, e1;
-    CHECK(cudaEventCreate(&e0));
-    CHECK(cudaEventCreate(&e1));
-    for (int i = 0; i < WARMUP; i++) CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToDevice));
-    CHECK(cudaDeviceSynchronize());
-
     float ms[RUNS];
-    for (int i = 0; i < RUNS; i++) {
-        CHECK(cudaEventRecord(e0));
-        CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToDevice));
-        CHECK(cudaEventRecord(e1));
-        CHECK(cudaEventSynchronize(e1));
-        CHECK(cudaEventElapsedTime(&ms[i], e0, e1));
-    }
-    qsort(ms, RUNS, sizeof ms[0], cmp_float);
-    const double med = 0.5 * (ms[RUNS / 2 - 1] + ms[RUNS / 2]);   /* RUNS is even */
+    const double med = median_copy_ms(dst, src, bytes, cudaMemcpyDeviceToDevice, ms);
     const double gbps = 2.0 * (double)bytes / (med * 1e-3) / 1e9;  /* read + write */
-
     fprintf(stderr, "bandwidth: %s, %zu MiB copy, median %.3f ms (min %.3f, max %.3f)\n",
             prop.name, mib, med, ms[0], ms[RUNS - 1]);
     printf("copy_bw_GBps %.1f\n", gbps);
 
-    CHECK(cudaEventDestroy(e0));
-    CHECK(cudaEventDestroy(e1));
+    /* device to pinned host memory, 256 MiB copies: the ceiling of the hook drain
+     * (ds4_hooks.cu), which copies published spans of its rings into pinned staging */
+    const size_t hb = (size_t)256 << 20 < bytes ? (size_t)256 << 20 : bytes;
+    void *host = NULL;
+    CHECK(cudaHostAlloc(&host, hb, cudaHostAllocDefault));
+    const double hmed = median_copy_ms(host, src, hb, cudaMemcpyDeviceToHost, ms);
+    fprintf(stderr, "bandwidth: device to pinned host, %zu MiB copy, median %.3f ms\n", hb >> 20, hmed);
+    printf("d2h_pinned_GBps %.1f\n", (double)hb / (hmed * 1e-3) / 1e9);
+    CHECK(cudaFreeHost(host));
+
     CHECK(cudaFree(src));
     CHECK(cudaFree(dst));
     return 0;

@@ -292,6 +292,20 @@ int main(int argc, char **argv) {
 #endif
 
     free(v); free(logits); free(tok);
+    ds4_hooks_stats hs;
+    if (ds4_ctx_hooks_stats(c, &hs) == 0) {
+        /* DS4_HOOKS (patches/series stage 3): what the emitter moved during the whole run */
+        printf("hooks: %llu records produced, %llu written, %llu dropped, %llu producer waits, %.3f GB of payload "
+               "in %llu drain batches, %.1f GB/s while copying\n", (unsigned long long)hs.produced,
+               (unsigned long long)hs.written, (unsigned long long)hs.dropped, (unsigned long long)hs.waits,
+               hs.payload_bytes / 1e9, (unsigned long long)hs.batches,
+               hs.copy_seconds > 0 ? hs.payload_bytes / hs.copy_seconds / 1e9 : 0.0);
+        printf("RESULT model=%s backend=%s metric=hooks produced=%llu written=%llu dropped=%llu waits=%llu "
+               "payload_bytes=%llu batches=%llu copy_GBps=%.2f\n", model, be->name, (unsigned long long)hs.produced,
+               (unsigned long long)hs.written, (unsigned long long)hs.dropped, (unsigned long long)hs.waits,
+               (unsigned long long)hs.payload_bytes, (unsigned long long)hs.batches,
+               hs.copy_seconds > 0 ? hs.payload_bytes / hs.copy_seconds / 1e9 : 0.0);
+    }
     ds4_ctx_free(c);
     ds4_model_close(m);
     return 0;

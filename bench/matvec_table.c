@@ -366,7 +366,7 @@ static void buffers_init(void) {
     for (int i = 0; i < F_Q_LORA; i++) ones[i] = 1.0f;
     d.qnorm = dev_put(ones, F_Q_LORA * sizeof(float));
     free(ones);
-    const ds4_step st = { 517, 1, { 0, 0 } };
+    const ds4_step st = { 517, 1, 0, 0 };
     d.step = dev_put(&st, sizeof st);
 }
 

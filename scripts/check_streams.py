@@ -9,14 +9,18 @@ that they hold for every later change:
   memset    no synchronous cudaMemset/2D/3D (cudaMemsetAsync on the current stream instead);
   stream    every call that takes a stream (async copies and memsets, event records, host
             functions, kernel and graph launches, stream waits, async allocations) passes
-            ds4_current_stream();
+            ds4_current_stream(); the one exception is the hook drain thread's work on its own
+            stream (ds4_hooks.cu, stage 3): a call naming E->drain with a NOTE(hook drain)
+            comment on its line or the 3 above;
   cublas    every cuBLAS call that does GPU work is the statement of DS4_CUBLAS(...), whose
             definition sets the handle's stream to ds4_current_stream() first (handle set-up
             and status strings are exempt);
   sync      (engine files only) every synchronous copy and synchronisation carries a
             `NOTE(load time)`, `NOTE(step result)` or `NOTE(prefill)` comment on its line or the
             3 lines above: the first never runs in a step, the second is the one wait of a step
-            (the results), the third a prompt's expert grouping (never in a decode step);
+            (the results), the third a prompt's expert grouping (never in a decode step); a
+            synchronisation of E->drain may carry NOTE(hook drain) instead (the drain thread
+            waits for its own copies, never for the compute stream);
   count     (engine files only) every device or pinned allocation, free and synchronisation
             (cudaMalloc, cudaFree, cudaHostAlloc, cudaMallocHost, cudaFreeHost,
             cudaDeviceSynchronize, cudaStreamSynchronize) sits in a function whose body also
@@ -26,8 +30,8 @@ Comments and string literals are ignored (their text is blanked, line numbers ke
 
   scripts/check_streams.py [--engine FILE ...] [--other FILE ...]
 
-Without arguments it checks the repository's files: engine = ds4_cuda.cu and every *.cuh and
-ds4_stream.h at the top level; other (all rules but sync) = the benchmark programs that drive
+Without arguments it checks the repository's files: engine = ds4_cuda.cu, ds4_hooks.cu and
+every *.cuh and ds4_stream.h at the top level; other (all rules but sync) = the benchmark programs that drive
 the backend (bench/ds4_bench.c, bench/matvec_table.c).  bench/bandwidth.cu is not checked: it
 is a standalone copy-bandwidth probe with its own kernels, not the engine.  One line per
 violation (FILE:LINE: rule: what), then a summary line; exit 0 when clean, 1 on a violation, 2
@@ -55,6 +59,7 @@ CUBLAS_EXEMPT = {"cublasCreate", "cublasCreate_v2", "cublasDestroy", "cublasDest
                  "cublasSetPointerMode_v2", "cublasGetStatusName", "cublasGetStatusString", "cublasSetWorkspace",
                  "cublasSetWorkspace_v2", "cublasGetVersion", "cublasGetVersion_v2"}
 MARKERS = ("NOTE(load time)", "NOTE(step result)", "NOTE(prefill)")
+DRAIN, DRAIN_MARK = "E->drain", "NOTE(hook drain)"   # the hook drain thread's own stream
 COUNTED = ["cudaMalloc", "cudaFree", "cudaHostAlloc", "cudaMallocHost", "cudaFreeHost", "cudaDeviceSynchronize",
            "cudaStreamSynchronize"]
 
@@ -155,9 +160,14 @@ def check_file(path, engine):
     for name, p in calls(code, SYNC_MEMSET):
         bad(p, "memset", f"synchronous {name} (use {name}Async(..., {STREAM}))")
     # stream: calls taking a stream pass the current one
+    def drain_marked(p, args):
+        ln = line_of(p)
+        return args is not None and norm(DRAIN) in norm(args) and any(
+            DRAIN_MARK in l for l in lines[max(0, ln - 4):ln])
+
     for name, p in calls(code, STREAM_CALLS):
         args = call_args(code, p)
-        if args is None or norm(STREAM) not in norm(args):
+        if (args is None or norm(STREAM) not in norm(args)) and not drain_marked(p, args):
             bad(p, "stream", f"{name} without {STREAM}")
     # cublas: GPU work only inside DS4_CUBLAS(...), whose definition sets the stream
     for m in re.finditer(r"\bcublas[A-Z]\w*(?=\s*\()", code):
@@ -182,7 +192,7 @@ def check_file(path, engine):
         for name, p in calls(code, SYNC_OPS):
             ln = line_of(p)
             window = lines[max(0, ln - 4):ln]
-            if not any(mk in l for l in window for mk in MARKERS):
+            if not any(mk in l for l in window for mk in MARKERS) and not drain_marked(p, call_args(code, p)):
                 bad(p, "sync", f"{name} without a NOTE(load time) / NOTE(step result) / NOTE(prefill) comment "
                                "on its line or the 3 above")
         # count: the enclosing function (from the last line starting at column 0 with an
@@ -217,7 +227,8 @@ def main(argv):
             return 2
     if not engine and not other:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        engine = [os.path.join(root, "ds4_cuda.cu"), os.path.join(root, "ds4_stream.h")]
+        engine = [os.path.join(root, "ds4_cuda.cu"), os.path.join(root, "ds4_hooks.cu"),
+                  os.path.join(root, "ds4_stream.h")]
         engine += sorted(glob.glob(os.path.join(root, "*.cuh")))
         other = [os.path.join(root, "bench", "ds4_bench.c"), os.path.join(root, "bench", "matvec_table.c")]
     n = 0

@@ -117,7 +117,9 @@ def read(path):
             break
         data = None if gap else np.frombuffer(buf, dtype=DTYPES[dt], count=nbytes // 4, offset=body).reshape(shape)
         records.append(Record(hook, names[hook], rseq, layer, pos, step, dt, shape, gap, data))
-        seq += 1
+        # every record produced took a sequence number, dropped ones too: a gap record holds
+        # the first dropped record's and stands for shape[0] of them
+        seq += shape[0] if gap else 1
         off = end
     return Stream(header, records, truncated)
 
@@ -133,7 +135,7 @@ def cmd_info(a):
           f"model {json.dumps(h.get('model'))}")
     print(f"selection: {json.dumps(h.get('selection'))}")
     print(f"{len(s.records)} records{' (truncated: read up to the last whole record)' if s.truncated else ''}, "
-          f"{s.dropped()} rows dropped")
+          f"{s.dropped()} records dropped")
     for (name, layer), (pos, val) in sorted(s.arrays().items(), key=lambda kv: (kv[0][0], kv[0][1])):
         if name in RAGGED:
             print(f"  {key_name(name, layer):12s} rows {len(pos):6d}  positions {pos.min()}..{pos.max()}  "

@@ -124,7 +124,7 @@ static void *dev_get(int bi, const void *dev, size_t bytes) {
 }
 /* The step block of a call at position pos0 (ds4_gpu.h): a buffer of the test. */
 static const ds4_step *at(int bi, int pos0) {
-    const ds4_step st = { pos0, 0, { 0, 0 } };
+    const ds4_step st = { pos0, 0, 0, 0 };
     return dev_put(bi, &st, sizeof st);
 }
 static void dev_free_all(int bi) {
@@ -579,7 +579,7 @@ static void test_decode_run(int W, int H, int d, int ratio, int k, int steps) {
         float *hq = rnd_vec(nq, 1.0f), *hkv = rnd_vec(d, 1.0f);
         float *hckv = rnd_vec(width, 1.0f), *hcsc = rnd_vec(width, 3.0f);
         int32_t *htk = ratio == 4 ? rnd_topk(p, 1, k) : NULL;
-        const ds4_step hs = { p, 1, { 0, 0 } };
+        const ds4_step hs = { p, 1, 0, 0 };
         for (int bi = 0; bi < 2; bi++) {
             B[bi]->upload(st[bi], &hs, sizeof hs);
             B[bi]->upload(q[bi], hq, nq * 4);
@@ -750,6 +750,127 @@ static void test_attention(int W, int pos0, int nt, int H, int d, int ratio, int
 static void test_attention_step(int W, int pos0, int nt, int H, int d, int ratio, int k, int n_rot, int yarn) {
     const ds4_rope rp = test_rope_params(n_rot, yarn);
     test_attention_rp(W, pos0, nt, H, d, ratio, k, &rp);
+}
+
+/* attention_probs (the attn_probs hook): the weight attention gives each row a query
+ * attended, then the sink's share, in rows of pitch ld sized as the core sizes them (ds4.c
+ * hooks_open: W + max(k, n_ctx/128 + 1) + 1 for the session's n_ctx; the CUDA op checks the
+ * pitch against its session).  Run as a captured step replays it: fixed buffers and
+ * arguments, one step block rewritten for each position of `pos`, fresh inputs each time.
+ * Checked per position, on the ds4_att_rows + 1 columns of every (query, head) (the rest
+ * stays NaN and is not compared):
+ *   - CUDA against the CPU with the attention op's tolerance (CHAIN): a weight is the very
+ *     exp(s_i - m) / den the attention op multiplies row i by, with the same error sources
+ *     (scores with DOT error through expf; both backends sum den in double);
+ *   - each row of weights sums to 1 within PROBS_SUM_TOL, on both backends: every weight is
+ *     fl(e_i * inv) with inv = fl(1/den) and den the (double, near-exact) sum of the e_i and
+ *     the sink's term, so sum_i w_i = (1 + d_inv)(1 + a weighted mean of the products'
+ *     roundings), |sum - 1| <= ~2 * 2^-24 = 1.2e-7 whatever the row count; 1e-6 leaves a
+ *     factor of 8 and still catches a dropped or doubled column (an error ~ its weight);
+ *   - an empty ratio-4 pick (-1) weighs exactly 0 on both;
+ *   - a second CUDA run on the same inputs is bit-identical. */
+#define PROBS_SUM_TOL 1e-6
+static int g_n_ctx;   /* the sessions' n_ctx (main) */
+static void check_same(const char *what, const void *a, const void *b, size_t bytes);
+
+static void test_attention_probs(int W, int H, int d, int ratio, int k, int nt, int n_pos, const int *pos) {
+    if (!B[0]->attention_probs || !B[1]->attention_probs) {
+        printf("%-15s %-44s FAIL (the %s backend has no attention_probs)\n", "attention_probs", "",
+               B[0]->attention_probs ? B[1]->name : B[0]->name);
+        g_fail++;
+        return;
+    }
+    const int kk = ratio == 4 ? k : 0, n128 = g_n_ctx / 128 + 1;
+    const int ld = W + (kk > n128 ? kk : n128) + 1;
+    int P_last = 0;
+    for (int i = 0; i < n_pos; i++)
+        if (pos[i] + nt - 1 > P_last) P_last = pos[i] + nt - 1;
+    const int n_comp = ratio ? (P_last + 1) / ratio + 1 : 1;
+    const size_t nq = (size_t)nt * H * d, np = (size_t)nt * H * ld;
+    const float scale = 1.0f / sqrtf((float)d);
+    float *sinks = rnd_vec(H, 2.0f);
+    float *nan_h = malloc(np * sizeof(float));
+    for (size_t i = 0; i < np; i++) nan_h[i] = NAN;
+    float *q[2], *kv[2], *ring[2], *comp[2], *sk[2], *pr[2];
+    int32_t *tk[2];
+    ds4_step *st[2];
+    for (int bi = 0; bi < 2; bi++) {
+        q[bi] = dev_alloc(bi, nq * 4);
+        kv[bi] = dev_alloc(bi, (size_t)nt * d * 4);
+        ring[bi] = dev_alloc(bi, (size_t)W * d * 4);
+        comp[bi] = dev_alloc(bi, (size_t)n_comp * d * 4);
+        tk[bi] = dev_alloc(bi, (size_t)nt * (kk > 0 ? kk : 1) * 4);
+        sk[bi] = dev_put(bi, sinks, (size_t)H * 4);
+        pr[bi] = dev_alloc(bi, np * 4);
+        st[bi] = dev_alloc(bi, sizeof(ds4_step));
+    }
+    for (int pi = 0; pi < n_pos; pi++) {
+        const int pos0 = pos[pi];
+        float *hq = rnd_vec(nq, 1.0f), *hkv = rnd_vec((size_t)nt * d, 1.0f);
+        float *hr = rnd_vec((size_t)W * d, 1.0f), *hc = rnd_vec((size_t)n_comp * d, 1.0f);
+        int32_t *htk = ratio == 4 ? rnd_topk(pos0, nt, k) : NULL;
+        ds4_step hs;
+        memset(&hs, 0, sizeof hs);
+        hs.pos0 = pos0;
+        hs.nt = nt;
+        float *out[3];
+        for (int run = 0; run < 3; run++) {    /* CPU, CUDA, CUDA again */
+            const int bi = run ? 1 : 0;
+            B[bi]->upload(st[bi], &hs, sizeof hs);
+            B[bi]->upload(q[bi], hq, nq * 4);
+            B[bi]->upload(kv[bi], hkv, (size_t)nt * d * 4);
+            B[bi]->upload(ring[bi], hr, (size_t)W * d * 4);
+            B[bi]->upload(comp[bi], hc, (size_t)n_comp * d * 4);
+            if (htk) B[bi]->upload(tk[bi], htk, (size_t)nt * k * 4);
+            B[bi]->upload(pr[bi], nan_h, np * 4);
+            B[bi]->attention_probs(q[bi], kv[bi], ring[bi], W, st[bi], nt, H, d, ratio ? comp[bi] : NULL, ratio,
+                                   htk ? tk[bi] : NULL, kk, sk[bi], scale, pr[bi], ld);
+            out[run] = dev_get(bi, pr[bi], np * 4);
+        }
+        /* the used columns, gathered; the row sums; the empty picks */
+        size_t n_used = 0;
+        for (int t = 0; t < nt; t++) n_used += (size_t)H * (ds4_att_rows(pos0 + t, W, ratio, kk) + 1);
+        float *ref = malloc(n_used * sizeof(float)), *got = malloc(n_used * sizeof(float));
+        double worst[2] = { 0.0, 0.0 };
+        size_t o = 0, n_empty = 0, bad_empty = 0;
+        for (int t = 0; t < nt; t++) {
+            const int P = pos0 + t, cols = ds4_att_rows(P, W, ratio, kk) + 1, n_win = ds4_win_rows(P, W);
+            for (int h = 0; h < H; h++) {
+                const size_t row = ((size_t)t * H + h) * ld;
+                for (int bi = 0; bi < 2; bi++) {
+                    double s = 0.0;
+                    for (int c = 0; c < cols; c++) s += out[bi][row + c];
+                    const double e = fabs(s - 1.0);
+                    if (isnan(e) || e > worst[bi]) worst[bi] = isnan(e) ? INFINITY : e;
+                }
+                for (int j = 0; htk && j < k; j++) {
+                    if (htk[(size_t)t * k + j] >= 0) continue;
+                    n_empty++;
+                    bad_empty += out[0][row + n_win + j] != 0.0f || out[1][row + n_win + j] != 0.0f;
+                }
+                memcpy(ref + o, out[0] + row, (size_t)cols * sizeof(float));
+                memcpy(got + o, out[1] + row, (size_t)cols * sizeof(float));
+                o += (size_t)cols;
+            }
+        }
+        char shape[96];
+        snprintf(shape, sizeof shape, "W=%d pos0=%d nt=%d H=%d d=%d ratio=%d k=%d", W, pos0, nt, H, d, ratio, kk);
+        /* the attention op's tolerance (CHAIN), see above */
+        check_f32("attention_probs", shape, ref, got, n_used, TOL_CHAIN);
+        const int ok = worst[0] <= PROBS_SUM_TOL && worst[1] <= PROBS_SUM_TOL && bad_empty == 0;
+        printf("%-15s %-44s max|sum-1| cpu %8.2e cuda %8.2e  tol %7.1e  empty picks 0: %zu/%zu  %s\n",
+               "probs sum", shape, worst[0], worst[1], PROBS_SUM_TOL, n_empty - bad_empty, n_empty,
+               ok ? "ok" : "FAIL");
+        if (ok) g_pass++; else g_fail++;
+        char what[128];
+        snprintf(what, sizeof what, "attention_probs %s", shape);
+        check_same(what, out[1], out[2], np * sizeof(float));
+        free(ref); free(got);
+        for (int run = 0; run < 3; run++) free(out[run]);
+        free(hq); free(hkv); free(hr); free(hc); free(htk);
+    }
+    for (int bi = 0; bi < 2; bi++) dev_free_all(bi);
+    free(sinks); free(nan_h);
 }
 
 static void test_ring_store(int slots, int width, int pos0, int nt) {
@@ -1313,6 +1434,7 @@ int main(void) {
         if (!s) { fprintf(stderr, "test: session of backend %s failed\n", B[bi]->name); return 2; }
         B[bi]->session_bind(s);
     }
+    g_n_ctx = lim.n_ctx;
 
     const int types[4] = { DS4_TYPE_F32, DS4_TYPE_F16, DS4_TYPE_BF16, DS4_TYPE_Q8_0 };
     const int nts[3] = { 1, 3, 64 };
@@ -1391,6 +1513,31 @@ int main(void) {
     test_attention(128, 700, 3, 5, 512, 128, 0);
     test_attention(16, 300, 64, 3, 96, 128, 0);
     test_attention(128, 20000, 1, 4, 128, 128, 0);   /* many compressed rows */
+
+    /* attention_probs, each case at several positions on fixed buffers (a replayed step):
+     * decode inside the first window, at and across its wrap (W = 128: p = 126..129), ratio 4
+     * with empty picks (p = 3: one visible row; k = 512 above the visible rows), ratio 128
+     * before, at and past its block boundaries (p = 127, 255), many compressed rows; and
+     * batches that straddle the window and a ratio-128 boundary, an odd head width */
+    {
+        static const int dec0[] = { 0, 37, 126, 127, 128, 129, 300 };
+        static const int dec4[] = { 3, 127, 128, 2000 };
+        static const int dec4s[] = { 30, 31, 32, 64 };
+        static const int dec128[] = { 126, 127, 128, 255, 256, 1000 };
+        static const int far128[] = { 20000 };
+        static const int pre0[] = { 0, 200 }, pre4[] = { 10, 300 }, pre128[] = { 100, 300 };
+        static const int odd128[] = { 254 }, small4[] = { 130 };
+        test_attention_probs(128, 64, 512, 0, 0, 1, 7, dec0);
+        test_attention_probs(128, 64, 512, 4, 512, 1, 4, dec4);
+        test_attention_probs(32, 8, 128, 4, 16, 1, 4, dec4s);
+        test_attention_probs(128, 64, 512, 128, 0, 1, 6, dec128);
+        test_attention_probs(128, 4, 128, 128, 0, 1, 1, far128);
+        test_attention_probs(16, 5, 128, 0, 0, 64, 2, pre0);
+        test_attention_probs(32, 5, 128, 4, 40, 64, 2, pre4);
+        test_attention_probs(16, 3, 96, 128, 0, 64, 2, pre128);
+        test_attention_probs(16, 3, 49, 128, 0, 2, 1, odd128);
+        test_attention_probs(128, 8, 512, 4, 16, 3, 1, small4);
+    }
 
     test_ring_store(16, 96, 14, 3);
     test_ring_store(16, 96, 5, 40);

@@ -5,11 +5,15 @@ scripts/gpu-check.sh); elsewhere every test here is skipped with a visible reaso
 """
 import os
 import subprocess
+import sys
 
 import numpy as np
 import pytest
 
-from conftest import CUDA_BIN, OUT, PROMPT, ds4_dump, ds4_run, ds4logit, make_model
+from conftest import CUDA_BIN, OUT, PROMPT, REPO, ds4_dump, ds4_run, ds4logit, make_model
+
+sys.path.insert(0, os.path.join(REPO, "scripts"))
+import ds4hooks  # noqa: E402  (scripts/ds4hooks.py: the hook stream reader)
 
 pytestmark = pytest.mark.gpu
 
@@ -220,3 +224,135 @@ def test_graphs_fail_closed():
     assert "injected by DS4_CUDA_GRAPH_FAIL=1" in r.stderr
     st, line = graph_stats(r.stdout)
     assert st["fallbacks"] == 64 and st["captures"] == 1, line   # region 0 eager every step, region 1 recorded
+
+
+# ---- hooks (stage 3): the CUDA emitter (ds4_hooks.cu) ----
+
+HOOKS_ALL = "attn,resid,moe,logits,attn_probs"
+# Bound on a hooked activation, CUDA against the CPU, relative to the array's largest
+# magnitude: the activations are what the logits are made of, computed with the same op
+# orders, so they carry the same ~1e-7..1e-6 relative differences per op (test_backend_ops);
+# the logits agree to ~5e-6 of their ~1-10 scale.  1e-4 keeps ~10x margin over what the
+# H200 measured (printed below); a wrong hook (another layer, another position, a stale
+# buffer) differs by order 1.
+HOOK_REL_TOL = 1e-4
+
+
+def hooks_run(name, n, hooks, graphs=False, tag="", extra_env=None, backend="cuda", stats=True, check=True):
+    """ds4 with DS4_HOOKS on: (dump bytes, hook stream path, result)."""
+    env = {k: x for k, x in os.environ.items() if not k.startswith("DS4_")}
+    if graphs:
+        env["DS4_CUDA_GRAPHS"] = "1"
+    if hooks:
+        env["DS4_HOOKS"] = hooks
+    hp = os.path.join(OUT, f"{name}.hooks-{tag}.ds4h")
+    env["DS4_HOOKS_OUT"] = hp
+    env.update(extra_env or {})
+    out = os.path.join(OUT, f"{name}.hooks-{tag}.ds4logit")
+    args = ["-m", make_model(name), "--backend", backend, "--tokens", ",".join(map(str, PROMPT)),
+            "-n", str(n), "--dump-logits", out] + (["--stats"] if stats else [])
+    r = ds4_run(args, binary=CUDA_BIN, env=env, check=check)
+    data = open(out, "rb").read() if os.path.exists(out) else b""
+    if os.path.exists(out):
+        os.remove(out)
+    return data, hp, r
+
+
+def hooks_stats(stdout):
+    import re
+    line = next(l for l in stdout.splitlines() if l.startswith("stats: hooks:"))
+    m = re.search(r"(\d+) records produced, (\d+) written .* (\d+) dropped in (\d+) gaps, (\d+) producer waits", line)
+    return dict(zip(["produced", "written", "dropped", "gaps", "waits"], map(int, m.groups()))), line
+
+
+@skip_no_gpu
+@pytest.mark.parametrize("name", ["tiny", "small"])
+def test_hooks_cuda_leave_logits_and_stream_identical(name):
+    """Stage 3: hooks on leave the logits byte-identical to hooks off, eager and with graphs;
+    the hook stream is byte-identical between eager and graph replay; 300 steps cross the
+    window and a ratio-128 boundary (attn_probs changes size on the way)."""
+    n = 300
+    off, _, _ = hooks_run(name, n, None, tag="off")
+    off_g, _, _ = hooks_run(name, n, None, graphs=True, tag="off-g")
+    on, he, re_ = hooks_run(name, n, HOOKS_ALL, tag="eager")
+    on_g, hg, rg = hooks_run(name, n, HOOKS_ALL, graphs=True, tag="graphs")
+    assert off == off_g == on == on_g, "hooks or graphs changed the logits"
+    assert open(he, "rb").read() == open(hg, "rb").read(), "the hook stream differs between eager and graphs"
+    for r in (re_, rg):
+        st, line = hooks_stats(r.stdout)
+        assert st["produced"] == st["written"] and st["dropped"] == 0, line
+    s = ds4hooks.read(he)
+    assert not s.truncated and s.dropped() == 0
+    print(f"{name}: {len(s.records)} records, eager and graph streams identical ({os.path.getsize(he)} bytes)")
+    os.remove(hg)
+
+
+@skip_no_gpu
+@pytest.mark.parametrize("name", ["tiny", "other"])
+def test_hooks_cuda_match_cpu(name):
+    """CUDA hook values against the CPU writer's (the specification), teacher-forced on the
+    same tokens: every (hook, layer) array within HOOK_REL_TOL of its largest magnitude,
+    the chosen experts identical."""
+    n = 160
+    _, hc, _ = hooks_run(name, n, HOOKS_ALL, backend="cpu", tag="cpu", stats=False)
+    _, hg, _ = hooks_run(name, n, HOOKS_ALL, graphs=True, tag="cuda", stats=False)
+    a, b = ds4hooks.read(hc).arrays(), ds4hooks.read(hg).arrays()
+    assert set(a) == set(b)
+    worst = 0.0
+    for key in sorted(a):
+        (pa, va), (pb, vb) = a[key], b[key]
+        assert np.array_equal(pa, pb), key
+        if key[0] in ds4hooks.RAGGED:
+            for x, y in zip(va, vb):
+                assert x.shape == y.shape, key
+                d = float(np.abs(x.astype(np.float64) - y).max())
+                worst = max(worst, d)       # probabilities: already relative to 1
+                assert d <= HOOK_REL_TOL, (key, d)
+            continue
+        if va.dtype.kind == "i":
+            assert np.array_equal(va, vb), f"{key}: chosen experts differ"
+            continue
+        scale = max(float(np.abs(va).max()), 1e-30)
+        d = float(np.abs(va.astype(np.float64) - vb).max()) / scale
+        worst = max(worst, d)
+        assert d <= HOOK_REL_TOL, (key, d)
+    print(f"{name}: {len(a)} arrays, max relative |d| cuda vs cpu = {worst:.3g}")
+
+
+@skip_no_gpu
+def test_hooks_lossless_throttled_consumer():
+    """Lossless by default: with a 1 MiB ring and a drain that pauses 25 ms after each batch,
+    the producers wait (counted) and not one of >= 10^6 records is lost: sequence numbers run
+    0..N-1 without a gap record, and produced == written."""
+    n = 32300            # tiny: 31 records per step (5 hooks x 6 layers, logits) + the prompt call
+    env = {"DS4_HOOKS_RING_MB": "1", "DS4_HOOKS_THROTTLE_US": "25000"}
+    _, hp, r = hooks_run("tiny", n, "attn,resid,moe,logits", graphs=True, tag="lossless", extra_env=env)
+    st, line = hooks_stats(r.stdout)
+    print(line)
+    assert st["produced"] >= 1_000_000, line
+    assert st["written"] == st["produced"] and st["dropped"] == 0 and st["gaps"] == 0, line
+    assert st["waits"] > 0, f"the throttled drain never made a producer wait: {line}"
+    s = ds4hooks.read(hp)          # raises on any sequence break
+    assert len(s.records) == st["produced"] and s.dropped() == 0 and not s.truncated
+    os.remove(hp)
+
+
+@skip_no_gpu
+def test_hooks_drop_counts_exactly():
+    """DS4_HOOKS_POLICY=drop never waits: produced == written + dropped, the gap records in
+    the stream account for every dropped record, one line says how many, and the logits do
+    not change."""
+    n = 3000
+    env = {"DS4_HOOKS_RING_MB": "1", "DS4_HOOKS_THROTTLE_US": "50000", "DS4_HOOKS_POLICY": "drop"}
+    ref, _, _ = hooks_run("tiny", n, None, graphs=True, tag="drop-ref")
+    data, hp, r = hooks_run("tiny", n, "attn,resid,moe,logits", graphs=True, tag="drop", extra_env=env)
+    assert data == ref
+    st, line = hooks_stats(r.stdout)
+    print(line)
+    assert st["dropped"] > 0, f"nothing was dropped: {line}"
+    assert st["produced"] == st["written"] + st["dropped"] and st["waits"] == 0, line
+    s = ds4hooks.read(hp)
+    assert sum(1 for x in s.records if not x.gap) == st["written"]
+    assert s.dropped() == st["dropped"]
+    assert r.stderr.count("records dropped") == 1, r.stderr
+    os.remove(hp)

@@ -189,6 +189,9 @@ HOOK_ERRORS = [
     ({"DS4_HOOKS": "attn", "DS4_HOOKS_OUT": ""}, "DS4_HOOKS_OUT is empty"),
     ({"DS4_HOOKS": "attn", "DS4_HOOKS_POLICY": "sometimes"}, "DS4_HOOKS_POLICY='sometimes' is not wait or drop"),
     ({"DS4_HOOKS": "attn", "DS4_HOOKS_OUT": "/nonexistent-dir/x.ds4h"}, "DS4_HOOKS_OUT: cannot write /nonexistent-dir/x.ds4h"),
+    ({"DS4_HOOKS": "attn", "DS4_HOOKS_RING_MB": "x"}, "DS4_HOOKS_RING_MB='x' is not an integer in [0, 65536]"),
+    ({"DS4_HOOKS_RING_MB": "65537"}, "DS4_HOOKS_RING_MB='65537' is not an integer in [0, 65536]"),
+    ({"DS4_HOOKS_THROTTLE_US": "-5"}, "DS4_HOOKS_THROTTLE_US='-5' is not an integer in [0, 1000000]"),
 ]
 
 

@@ -52,7 +52,20 @@ PLANTED = {
     "sync-unmarked": ("cudaDeviceSynchronize();", "sync"),
     "memcpy-unmarked": ("cudaMemcpy(d, s, n, cudaMemcpyHostToDevice);", "sync"),
     "stage0-marker": ("cudaStreamSynchronize(s); /* NOTE(stage 1) */", "sync"),
+    # the hook drain's exemption needs both its stream and its marker
+    "drain-unmarked": ("cudaMemcpyAsync(d, s, n, cudaMemcpyDeviceToHost, E->drain);", "stream"),
+    "drain-other-stream": ("cudaMemcpyAsync(d, s, n, cudaMemcpyDeviceToHost, 0); /* NOTE(hook drain) */", "stream"),
+    "drain-sync-other": ("cudaStreamSynchronize(s); /* NOTE(hook drain) */", "sync"),
 }
+
+
+def test_hook_drain_exemption_passes():
+    """ds4_hooks.cu's drain thread copies and waits on its own stream, marked."""
+    text = GOOD.replace("static void f(void) {\n", "static void f(void) {\n"
+                        "    /* NOTE(hook drain) */\n    cudaMemcpyAsync(d, s, n, cudaMemcpyDeviceToHost, E->drain);\n"
+                        "    cudaStreamSynchronize(E->drain);   /* NOTE(hook drain) */\n", 1)
+    r = check("--engine", write("drain-ok", text))
+    assert r.returncode == 0, r.stdout
 
 
 def test_uncounted_allocation_fails():

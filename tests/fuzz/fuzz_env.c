@@ -38,7 +38,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
             fprintf(stderr, "fuzz_env: graph settings %d %d %d out of range\n", e.graph_layers, e.graph_cache, e.graph_fail);
             abort();
         }
-        if ((e.hooks && !e.hooks[0]) || !e.hooks_out || !e.hooks_out[0] || (e.hooks_drop != 0 && e.hooks_drop != 1)) {
+        if ((e.hooks && !e.hooks[0]) || !e.hooks_out || !e.hooks_out[0] || (e.hooks_drop != 0 && e.hooks_drop != 1) ||
+            e.hooks_ring_mb < 0 || e.hooks_ring_mb > 65536 || e.hooks_throttle_us < 0 || e.hooks_throttle_us > 1000000) {
             fprintf(stderr, "fuzz_env: hook settings accepted out of range\n");
             abort();
         }

@@ -1,0 +1,528 @@
+/* ds4_hooks.cu -- the CUDA hook emitter (stage 3 of patches/series): activations stream off
+ * the GPU while the decode step runs, eagerly or as a replayed CUDA graph, and nothing is
+ * lost unless the user asked for drops.
+ *
+ * What it is.  Two rings in device memory and a host thread:
+ *   - the control ring: fixed 64-byte descriptors (ds4_hooks.h's ds4h_record: sequence
+ *     number, hook, layer, position, step, dtype, shape, byte count; its reserved field holds
+ *     the payload's ring offset while it is in the ring);
+ *   - the payload ring: raw bytes, each record's payload padded to 8;
+ *   - the drain thread: it copies published spans of both rings, in large device-to-host
+ *     copies on its own stream, into pinned staging and writes them to the file.
+ * A producer (hook_put) is a kernel on the compute stream, issued right after the op that made
+ * the tensor, so a capture records it like any op.  It computes every address from the
+ * device-resident 64-bit heads (struct hk_dev) when it runs, and reads the position and the
+ * step from the step block, so one recording serves every position; attn_probs, whose size
+ * grows with the position, takes its size from the step block too.  The device assigns
+ * identity (sequence numbers count every record produced, dropped or not); the host never
+ * infers it from order.
+ *
+ * Publication.  Producers do not publish.  One kernel per forward call (hooks_publish, after
+ * the logits' record: inside the step's last recorded region) fences at system scope and
+ * stores the control ring's fill count into pinned mapped memory with a system-scope release;
+ * the drain thread reads it with acquire.  Everything before it in the stream has completed,
+ * so the descriptors and payloads it covers are in device memory when the copy engine reads
+ * them.  Per-record publication of small payloads is what made DMI's copy path expensive.
+ *
+ * Space.  Producers check free space against the drained counters the drain thread stores
+ * (release) into the same mapped memory.  Lossless by default (DS4_HOOKS_POLICY=wait): a
+ * producer without space first publishes everything before it -- otherwise a ring smaller
+ * than a step would wait on records nobody may drain -- then waits on the device, polling
+ * the drained counters.  No deadlock: the drain depends only on published records and its
+ * own non-blocking stream, never on the compute stream.  DS4_HOOKS_POLICY=drop never waits:
+ * the record is counted as dropped (exactly), and the next record that fits is preceded by a
+ * gap record (DS4H_FLAG_GAP) naming the first dropped record and how many were dropped;
+ * drops at the very end get their gap record when the emitter closes.
+ *
+ * Sizes.  A record whose payload fits HK_ONE_BLOCK is reserved and copied by one block (one
+ * launch; every decode record); larger ones (a prompt's rows) are reserved by one block and
+ * copied by a grid (two launches), and the core's rows are split into records of at most a
+ * quarter of the payload ring so that a prompt of any length streams through a ring of any
+ * size.  Hooks off: no kernel, no allocation, no thread (the core never calls in).
+ *
+ * This file is part of ds4_cuda.cu's translation unit (#included at its Hooks banner), so
+ * its launches go through the one DS4_LAUNCH, count in the session, and fail a capture
+ * like every other op's.  The drain's copies are the backend's only work on a stream other
+ * than ds4_current_stream(): each is marked NOTE(hook drain), which scripts/check_streams.py
+ * accepts only with the emitter's own stream.
+ */
+
+#define HK_ONE_BLOCK     (1u << 20)    /* payload bytes one block reserves and copies */
+#define HK_PUT_THREADS   512
+#define HK_COPY_THREADS  256
+#define HK_POLL_NS       1000          /* a waiting producer's pause between polls */
+
+/* Device memory, written by the producers only (one thread of one block at a time: the
+ * producers are ordered by the stream). */
+struct hk_dev {
+    unsigned long long seq;        /* records produced: the next sequence number */
+    unsigned long long fill;       /* control slots written (records and gap records) */
+    unsigned long long pay;        /* payload bytes reserved */
+    unsigned long long dropped;    /* records dropped (drop policy) */
+    unsigned long long gap_n;      /* dropped since the last slot written */
+    unsigned long long waits;      /* producers that waited */
+    unsigned long long cur_off;    /* the two-launch path: the reservation */
+    unsigned int       cur_ok, cur_d1;
+    ds4h_record        gap;        /* the first record dropped since the last slot written */
+};
+
+/* Pinned mapped memory: the publication (device -> host) and the drained counters (host ->
+ * device), on separate 64-byte lines. */
+struct hk_host {
+    unsigned long long pub;            /* control slots published */
+    unsigned long long pad0[7];
+    unsigned long long drained_fill;   /* slots the drain has taken */
+    unsigned long long drained_pay;    /* payload bytes the drain has taken (bytes; the producers count words) */
+    unsigned long long pad1[6];
+};
+
+/* A producer's arguments (by value: a recording bakes them in; nothing in them varies
+ * between steps). */
+struct hk_put_args {
+    hk_dev             *D;
+    hk_host            *H;             /* device view of the mapped block */
+    ds4h_record        *ring;
+    unsigned int       *pay;           /* the payload ring, as 4-byte words */
+    unsigned long long  cap_slots, cap_words;
+    int                 drop;
+    const ds4_step     *step;
+    const unsigned int *src;
+    long long           s0, s1;
+    unsigned int        hook, dtype, ndim, d0, d1, d2;
+    int                 layer, pos_add, dyn, W, ratio, k;
+};
+
+__device__ __forceinline__ unsigned long long hk_load_acquire(const unsigned long long *p) {
+    unsigned long long v;
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void hk_store_release(unsigned long long *p, unsigned long long v) {
+    asm volatile("st.release.sys.global.u64 [%0], %1;" : : "l"(p), "l"(v) : "memory");
+}
+
+/* Publish every slot written so far (their data was written by kernels that completed before
+ * this one, or by this thread before this call). */
+__device__ __forceinline__ void hk_publish_now(const hk_put_args &a) {
+    __threadfence_system();
+    hk_store_release(&a.H->pub, a.D->fill);
+}
+
+/* The reservation, by one thread: the record's descriptor (and a pending gap's) into the
+ * control ring, its payload's place in the payload ring.  false: dropped. */
+__device__ bool hk_reserve(const hk_put_args &a, unsigned long long *off_words, unsigned int *d1_out) {
+    hk_dev *D = a.D;
+    const int pos = a.step->pos0 + a.pos_add;
+    const unsigned int d1 = a.dyn ? (unsigned int)ds4_att_rows(pos, a.W, a.ratio, a.k) + 1u : a.d1;
+    const unsigned long long words = (unsigned long long)a.d0 * d1 * a.d2;
+    const unsigned long long need = (words + 1ull) & ~1ull;          /* padded to 8 bytes */
+    ds4h_record r;
+    memset(&r, 0, sizeof r);
+    r.magic = DS4H_RECORD_MAGIC;
+    r.hook = a.hook;
+    r.seq = D->seq++;
+    r.layer = a.layer;
+    r.pos = (uint32_t)pos;
+    r.step = (uint32_t)a.step->call;
+    r.dtype = (uint8_t)a.dtype;
+    r.ndim = (uint8_t)a.ndim;
+    r.shape[0] = a.d0; r.shape[1] = d1; r.shape[2] = a.d2; r.shape[3] = 1;
+    r.nbytes = words * 4ull;
+    const unsigned long long slots = D->gap_n ? 2ull : 1ull;
+    bool waited = false;
+    for (;;) {
+        const unsigned long long dfill = hk_load_acquire(&a.H->drained_fill);
+        const unsigned long long dpay = hk_load_acquire(&a.H->drained_pay) / 4ull;   /* bytes -> words */
+        if (D->fill + slots - dfill <= a.cap_slots && D->pay + need - dpay <= a.cap_words) break;
+        if (a.drop) {
+            if (D->gap_n == 0) D->gap = r;
+            D->gap_n++;
+            D->dropped++;
+            return false;
+        }
+        if (!waited) {
+            waited = true;
+            D->waits++;
+            hk_publish_now(a);
+        }
+        __nanosleep(HK_POLL_NS);
+    }
+    if (D->gap_n) {
+        ds4h_record g = D->gap;
+        g.flags = DS4H_FLAG_GAP;
+        g.ndim = 1;
+        g.shape[0] = (uint32_t)D->gap_n; g.shape[1] = g.shape[2] = g.shape[3] = 1;
+        g.nbytes = 0;
+        g.reserved = D->pay * 4ull;
+        a.ring[D->fill % a.cap_slots] = g;
+        D->fill++;
+        D->gap_n = 0;
+    }
+    r.reserved = D->pay * 4ull;
+    a.ring[D->fill % a.cap_slots] = r;
+    D->fill++;
+    *off_words = D->pay;
+    *d1_out = d1;
+    D->pay += need;
+    return true;
+}
+
+/* Elements [e0, n) step es of the record into the payload ring at word offset off. */
+__device__ __forceinline__ void hk_copy(const hk_put_args &a, unsigned long long off, unsigned int d1,
+                                        unsigned long long e0, unsigned long long es) {
+    const unsigned long long n = (unsigned long long)a.d0 * d1 * a.d2;
+    const unsigned long long inner = (unsigned long long)d1 * a.d2;
+    const bool dense = a.s0 == (long long)inner && a.s1 == (long long)a.d2;
+    for (unsigned long long e = e0; e < n; e += es) {
+        unsigned long long si = e;
+        if (!dense) {
+            const unsigned long long i0 = e / inner, rem = e % inner;
+            si = i0 * (unsigned long long)a.s0 + (rem / a.d2) * (unsigned long long)a.s1 + rem % a.d2;
+        }
+        a.pay[(off + e) % a.cap_words] = __ldcg(a.src + si);
+    }
+}
+
+/* One block: reserve, then copy (records up to HK_ONE_BLOCK bytes). */
+__global__ void __launch_bounds__(HK_PUT_THREADS) k_hook_put(hk_put_args a) {
+    __shared__ unsigned long long off_s;
+    __shared__ unsigned int d1_s, ok_s;
+    if (threadIdx.x == 0) {
+        unsigned long long off = 0;
+        unsigned int d1 = 0;
+        ok_s = hk_reserve(a, &off, &d1) ? 1u : 0u;
+        off_s = off;
+        d1_s = d1;
+    }
+    __syncthreads();
+    if (ok_s) hk_copy(a, off_s, d1_s, threadIdx.x, blockDim.x);
+}
+
+/* The two-launch path: one thread reserves ... */
+__global__ void k_hook_reserve(hk_put_args a) {
+    if (threadIdx.x != 0) return;
+    unsigned long long off = 0;
+    unsigned int d1 = 0;
+    a.D->cur_ok = hk_reserve(a, &off, &d1) ? 1u : 0u;
+    a.D->cur_off = off;
+    a.D->cur_d1 = d1;
+}
+
+/* ... and a grid copies. */
+__global__ void __launch_bounds__(HK_COPY_THREADS) k_hook_copy(hk_put_args a) {
+    if (!a.D->cur_ok) return;
+    hk_copy(a, a.D->cur_off, a.D->cur_d1, (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x,
+            (unsigned long long)gridDim.x * blockDim.x);
+}
+
+__global__ void k_hook_publish(hk_dev *D, hk_host *H) {
+    if (threadIdx.x != 0) return;
+    __threadfence_system();
+    hk_store_release(&H->pub, D->fill);
+}
+
+/* ---- the host side ---- */
+
+struct hk_emitter {
+    hk_dev             *D;
+    hk_host            *Hh, *Hd;       /* the mapped block: host and device views */
+    ds4h_record        *ring;
+    unsigned char      *pay;
+    unsigned long long  cap_slots, cap_bytes;
+    int                 drop;
+    unsigned int        throttle_us;
+    FILE               *f;
+    char               *path;
+    int                 device;
+    cudaStream_t        drain;         /* the drain's own non-blocking stream */
+    ds4h_record        *st_desc;       /* pinned staging */
+    unsigned char      *st_pay;
+    pthread_t           thr;
+    bool                thr_started;
+    int                 stop;          /* set (release) once the last publication is visible */
+    /* the drain's counters (it writes them; others read them with __atomic loads) */
+    unsigned long long  written, gaps, gap_dropped, bytes, batches, copy_ns, lost_io;
+    int                 err;
+};
+
+static unsigned long long hk_now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (unsigned long long)ts.tv_sec * 1000000000ull + (unsigned long long)ts.tv_nsec;
+}
+
+/* Copy n bytes of a device ring (cap bytes) from ring offset off into dst, wrapping. */
+static void hk_ring_copy(hk_emitter *E, void *dst, const unsigned char *ring, unsigned long long cap,
+                         unsigned long long off, unsigned long long n) {
+    const unsigned long long o = off % cap, first = n < cap - o ? n : cap - o;
+    if (first)   /* NOTE(hook drain) */
+        DS4_CUDA_CHECK(cudaMemcpyAsync(dst, ring + o, first, cudaMemcpyDeviceToHost, E->drain));
+    if (n > first)   /* NOTE(hook drain) */
+        DS4_CUDA_CHECK(cudaMemcpyAsync((unsigned char *)dst + first, ring, n - first, cudaMemcpyDeviceToHost, E->drain));
+}
+
+static void hk_drain_wait(hk_emitter *E) {
+    g_n_hook_sync++;
+    DS4_CUDA_CHECK(cudaStreamSynchronize(E->drain));   /* NOTE(hook drain): the drain thread's own copies */
+}
+
+/* Write one descriptor (its ring offset zeroed: the file holds no ring state) and payload. */
+static void hk_write_record(hk_emitter *E, const ds4h_record *r, const unsigned char *payload) {
+    if (E->err) {
+        E->lost_io++;
+        return;
+    }
+    static const unsigned char zeros[8] = { 0 };
+    ds4h_record w = *r;
+    w.reserved = 0;
+    const size_t pad = (size_t)((8 - w.nbytes % 8) % 8);
+    if (fwrite(&w, sizeof w, 1, E->f) != 1 || (w.nbytes && fwrite(payload, 1, (size_t)w.nbytes, E->f) != w.nbytes) ||
+        (pad && fwrite(zeros, 1, pad, E->f) != pad)) {
+        __atomic_store_n(&E->err, errno ? errno : EIO, __ATOMIC_RELEASE);
+        E->lost_io++;
+        return;
+    }
+    if (w.flags & DS4H_FLAG_GAP) {
+        __atomic_fetch_add(&E->gaps, 1ull, __ATOMIC_RELAXED);
+        __atomic_fetch_add(&E->gap_dropped, (unsigned long long)w.shape[0], __ATOMIC_RELAXED);
+    } else {
+        __atomic_fetch_add(&E->written, 1ull, __ATOMIC_RELAXED);
+        __atomic_fetch_add(&E->bytes, (unsigned long long)w.nbytes, __ATOMIC_RELAXED);
+    }
+}
+
+/* The drain thread: take each published span, copy it down, write it, hand the space back. */
+static void *hk_drain_main(void *arg) {
+    hk_emitter *E = (hk_emitter *)arg;
+    DS4_CUDA_CHECK(cudaSetDevice(E->device));
+    unsigned long long fill = 0, payd = 0;
+    for (;;) {
+        const unsigned long long pub = __atomic_load_n(&E->Hh->pub, __ATOMIC_ACQUIRE);
+        if (pub == fill) {
+            if (__atomic_load_n(&E->stop, __ATOMIC_ACQUIRE) && __atomic_load_n(&E->Hh->pub, __ATOMIC_ACQUIRE) == fill)
+                break;
+            struct timespec ts = { 0, 20000 };   /* 20 us */
+            nanosleep(&ts, NULL);
+            continue;
+        }
+        const unsigned long long n = pub - fill;
+        hk_ring_copy(E, E->st_desc, (const unsigned char *)E->ring, E->cap_slots * sizeof(ds4h_record),
+                     fill * sizeof(ds4h_record), n * sizeof(ds4h_record));
+        hk_drain_wait(E);
+        unsigned long long end = payd;
+        for (unsigned long long i = 0; i < n; i++) {
+            const ds4h_record *r = &E->st_desc[i];
+            const unsigned long long e = r->reserved + ((r->nbytes + 7ull) & ~7ull);
+            if (e > end) end = e;
+        }
+        if (end > payd) {
+            const unsigned long long t0 = hk_now_ns();
+            hk_ring_copy(E, E->st_pay, E->pay, E->cap_bytes, payd, end - payd);
+            hk_drain_wait(E);
+            __atomic_fetch_add(&E->copy_ns, hk_now_ns() - t0, __ATOMIC_RELAXED);
+        }
+        for (unsigned long long i = 0; i < n; i++) {
+            const ds4h_record *r = &E->st_desc[i];
+            hk_write_record(E, r, E->st_pay + (r->reserved - payd));
+        }
+        __atomic_fetch_add(&E->batches, 1ull, __ATOMIC_RELAXED);
+        if (E->throttle_us) {
+            struct timespec ts = { (time_t)(E->throttle_us / 1000000u), (long)(E->throttle_us % 1000000u) * 1000L };
+            nanosleep(&ts, NULL);
+        }
+        fill = pub;
+        payd = end;
+        __atomic_store_n(&E->Hh->drained_pay, payd, __ATOMIC_RELEASE);
+        __atomic_store_n(&E->Hh->drained_fill, fill, __ATOMIC_RELEASE);
+    }
+    return NULL;
+}
+
+static void hk_launch_publish(hk_emitter *E) {
+    DS4_LAUNCH(k_hook_publish, 1, 32, 0, E->D, E->Hd);
+}
+
+/* Wait (host) until every record produced so far is written: publish, let the stream finish,
+ * then watch the drained counter reach the publication. */
+static void hk_flush(ds4_session *S) {
+    hk_emitter *E = S->hk;
+    hk_launch_publish(E);
+    g_n_stream_sync++;
+    DS4_CUDA_CHECK(cudaStreamSynchronize(ds4_current_stream()));   /* NOTE(step result): a flush, between steps */
+    const unsigned long long pub = __atomic_load_n(&E->Hh->pub, __ATOMIC_ACQUIRE);
+    while (__atomic_load_n(&E->Hh->drained_fill, __ATOMIC_ACQUIRE) != pub) {
+        struct timespec ts = { 0, 50000 };
+        nanosleep(&ts, NULL);
+    }
+}
+
+static void hk_free(hk_emitter *E) {
+    if (!E) return;
+    dev_free(E->D);
+    dev_free(E->ring);
+    dev_free(E->pay);
+    host_free(E->Hh);
+    host_free(E->st_desc);
+    host_free(E->st_pay);
+    if (E->drain) DS4_CUDA_CHECK(cudaStreamDestroy(E->drain));
+    free(E->path);
+    free(E);
+}
+
+static int cuda_hooks_open(const ds4_hooks_cfg *cfg, char *err, size_t errlen) {
+    ds4_session *S = sess();
+    if (S->hk) { snprintf(err, errlen, "DS4_HOOKS: the context's emitter is open already"); return -1; }
+    if (cfg->ring_bytes < 64 || cfg->ring_bytes % 8 || cfg->ring_slots < 2) {
+        snprintf(err, errlen, "DS4_HOOKS: rings of %llu bytes and %llu slots are too small",
+                 (unsigned long long)cfg->ring_bytes, (unsigned long long)cfg->ring_slots);
+        return -1;
+    }
+    hk_emitter *E = (hk_emitter *)calloc(1, sizeof *E);
+    if (!E) { snprintf(err, errlen, "DS4_HOOKS: out of host memory"); return -1; }
+    E->cap_slots = cfg->ring_slots;
+    E->cap_bytes = cfg->ring_bytes;
+    E->drop = cfg->drop;
+    E->throttle_us = cfg->throttle_us;
+    E->f = cfg->f;
+    E->path = strdup(cfg->path ? cfg->path : "");
+    DS4_CUDA_CHECK(cudaGetDevice(&E->device));
+    bool ok = E->path != NULL;
+    ok = ok && dev_malloc((void **)&E->D, sizeof(hk_dev)) == cudaSuccess;
+    ok = ok && dev_malloc((void **)&E->ring, E->cap_slots * sizeof(ds4h_record)) == cudaSuccess;
+    ok = ok && dev_malloc((void **)&E->pay, E->cap_bytes) == cudaSuccess;
+    if (ok) {
+        g_n_malloc++;
+        ok = cudaHostAlloc((void **)&E->Hh, sizeof(hk_host), cudaHostAllocMapped) == cudaSuccess;
+        if (!ok) E->Hh = NULL;
+    }
+    ok = ok && cudaHostGetDevicePointer((void **)&E->Hd, E->Hh, 0) == cudaSuccess;
+    ok = ok && host_alloc((void **)&E->st_desc, E->cap_slots * sizeof(ds4h_record)) == cudaSuccess;
+    ok = ok && host_alloc((void **)&E->st_pay, E->cap_bytes) == cudaSuccess;
+    ok = ok && cudaStreamCreateWithFlags(&E->drain, cudaStreamNonBlocking) == cudaSuccess;
+    if (!ok) {
+        snprintf(err, errlen, "DS4_HOOKS: cannot allocate the hook rings (%llu + %llu bytes of device memory, "
+                 "as much pinned): %s", (unsigned long long)E->cap_bytes,
+                 (unsigned long long)(E->cap_slots * sizeof(ds4h_record)), cudaGetErrorString(cudaGetLastError()));
+        hk_free(E);
+        return -1;
+    }
+    memset(E->Hh, 0, sizeof(hk_host));
+    DS4_CUDA_CHECK(cudaMemsetAsync(E->D, 0, sizeof(hk_dev), ds4_current_stream()));
+    g_n_stream_sync++;
+    DS4_CUDA_CHECK(cudaStreamSynchronize(ds4_current_stream()));   /* NOTE(load time): the heads are zero */
+    if (pthread_create(&E->thr, NULL, hk_drain_main, E) != 0) {
+        snprintf(err, errlen, "DS4_HOOKS: cannot start the drain thread: %s", strerror(errno));
+        hk_free(E);
+        return -1;
+    }
+    E->thr_started = true;
+    S->hk = E;
+    return 0;
+}
+
+static void cuda_hook_put(const ds4_hook_put *p) {
+    ds4_session *S = sess();
+    hk_emitter *E = S->hk;
+    if (!E) {
+        fprintf(stderr, "ds4: hook_put with no emitter open (ds4_gpu.h hooks_open)\n");
+        exit(1);
+    }
+    hk_put_args a;
+    memset(&a, 0, sizeof a);
+    a.D = E->D; a.H = E->Hd; a.ring = E->ring; a.pay = (unsigned int *)E->pay;
+    a.cap_slots = E->cap_slots; a.cap_words = E->cap_bytes / 4; a.drop = E->drop;
+    a.step = p->step;
+    a.s0 = p->s0; a.s1 = p->s1;
+    a.hook = (unsigned int)p->hook; a.dtype = (unsigned int)p->dtype; a.ndim = (unsigned int)p->ndim;
+    a.d1 = p->d1; a.d2 = p->d2;
+    a.layer = p->layer;
+    a.dyn = p->dyn; a.W = p->W; a.ratio = p->ratio; a.k = p->k;
+    if (p->dyn) {
+        /* attn_probs: one token's [H][rows + 1], at most H x ld: one block (hooks_open sized
+         * the ring for it) */
+        a.src = (const unsigned int *)p->src;
+        a.d0 = p->d0;
+        a.pos_add = p->pos_add;
+        DS4_LAUNCH(k_hook_put, 1, HK_PUT_THREADS, 0, a);
+        return;
+    }
+    /* rows of at most a quarter of the ring per record, so any prompt streams through */
+    const unsigned long long row = (unsigned long long)p->d1 * p->d2 * 4ull;
+    unsigned long long per = row ? (E->cap_bytes / 4) / row : p->d0;
+    if (per < 1) per = 1;
+    for (unsigned long long r0 = 0; r0 < p->d0; r0 += per) {
+        const unsigned long long rows = p->d0 - r0 < per ? p->d0 - r0 : per;
+        a.src = (const unsigned int *)p->src + r0 * (unsigned long long)p->s0;
+        a.d0 = (unsigned int)rows;
+        a.pos_add = p->pos_add + (int)r0;
+        const unsigned long long bytes = rows * row;
+        if (bytes <= HK_ONE_BLOCK) {
+            DS4_LAUNCH(k_hook_put, 1, HK_PUT_THREADS, 0, a);
+        } else {
+            const unsigned long long words = bytes / 4;
+            unsigned long long blocks = (words + HK_COPY_THREADS * 4 - 1) / (HK_COPY_THREADS * 4);
+            if (blocks > 4u * (unsigned)g_cuda.n_sm) blocks = 4u * (unsigned)g_cuda.n_sm;
+            DS4_LAUNCH(k_hook_reserve, 1, 32, 0, a);
+            DS4_LAUNCH(k_hook_copy, (unsigned)blocks, HK_COPY_THREADS, 0, a);
+        }
+    }
+}
+
+static void cuda_hooks_publish(void) {
+    ds4_session *S = sess();
+    if (S->hk) hk_launch_publish(S->hk);
+}
+
+static void cuda_hooks_stats(ds4_hooks_stats *st, int flush) {
+    ds4_session *S = sess();
+    memset(st, 0, sizeof *st);
+    hk_emitter *E = S->hk;
+    if (!E) return;
+    if (flush) hk_flush(S);
+    hk_dev d;
+    g_n_stream_sync++;
+    DS4_CUDA_CHECK(cudaStreamSynchronize(ds4_current_stream()));   /* NOTE(step result): counters, between steps */
+    DS4_CUDA_CHECK(cudaMemcpy(&d, E->D, sizeof d, cudaMemcpyDeviceToHost));   /* NOTE(step result): the same */
+    st->produced = d.seq;
+    st->dropped = d.dropped;
+    st->waits = d.waits;
+    st->written = __atomic_load_n(&E->written, __ATOMIC_RELAXED);
+    st->gaps = __atomic_load_n(&E->gaps, __ATOMIC_RELAXED);
+    st->payload_bytes = __atomic_load_n(&E->bytes, __ATOMIC_RELAXED);
+    st->batches = __atomic_load_n(&E->batches, __ATOMIC_RELAXED);
+    st->copy_seconds = (double)__atomic_load_n(&E->copy_ns, __ATOMIC_RELAXED) * 1e-9;
+    st->err = __atomic_load_n(&E->err, __ATOMIC_ACQUIRE);
+}
+
+/* The emitter's end (session_free): the last publication, the drain to its end, a gap record
+ * for drops after the last record written, one line about drops or a failed write. */
+static void hk_close(ds4_session *S) {
+    hk_emitter *E = S->hk;
+    if (!E) return;
+    void *prev = cuda_session_bind(S);
+    hk_launch_publish(E);
+    g_n_stream_sync++;
+    DS4_CUDA_CHECK(cudaStreamSynchronize(ds4_current_stream()));   /* NOTE(load time): a context ends */
+    __atomic_store_n(&E->stop, 1, __ATOMIC_RELEASE);
+    if (E->thr_started) pthread_join(E->thr, NULL);
+    hk_dev d;
+    DS4_CUDA_CHECK(cudaMemcpy(&d, E->D, sizeof d, cudaMemcpyDeviceToHost));   /* NOTE(load time): the same */
+    if (d.gap_n) {
+        ds4h_record g = d.gap;
+        g.flags = DS4H_FLAG_GAP;
+        g.ndim = 1;
+        g.shape[0] = (uint32_t)d.gap_n; g.shape[1] = g.shape[2] = g.shape[3] = 1;
+        g.nbytes = 0;
+        hk_write_record(E, &g, NULL);
+    }
+    if (d.dropped)
+        fprintf(stderr, "ds4: DS4_HOOKS_POLICY=drop: %llu of %llu records dropped; %s marks each run of them with a "
+                "gap record\n", d.dropped, d.seq, E->path);
+    if (E->err)
+        fprintf(stderr, "ds4: DS4_HOOKS_OUT: writing %s failed: %s (%llu records not written)\n", E->path,
+                strerror(E->err), E->lost_io);
+    S->hk = NULL;
+    hk_free(E);
+    cuda_session_bind(prev);
+}
