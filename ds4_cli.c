@@ -425,6 +425,9 @@ int main(int argc, char **argv) {
 #ifdef DS4_CUDA
     if (!strcmp(o.backend, "cuda")) be = ds4_backend_cuda();
 #endif
+    if (env.hooks && (env.hooks_ring_mb || env.hooks_throttle_us) && !strcmp(be->name, "cpu"))
+        fprintf(stderr, "ds4: DS4_HOOKS_RING_MB, DS4_HOOKS_THROTTLE_US: the cpu backend writes each record as its op "
+                "returns; it has no rings and no drain to size or slow\n");
     if (env.launch_trace && !strcmp(be->name, "cpu"))
         fprintf(stderr, "ds4: DS4_LAUNCH_TRACE: the cpu backend launches no kernels; nothing is traced\n");
     if (env.cuda_graphs && !strcmp(be->name, "cpu"))

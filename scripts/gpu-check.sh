@@ -18,6 +18,11 @@
 #             check's CUDA logits (a few minutes: the CPU reference runs in each build); HEAD's
 #             decode waits and graph counters (ds4 --stats); flash16 decode tok/s of both (and of
 #             HEAD with graphs), side by side
+#   hooks     the CUDA hook emitter (stage 3): GPU pytest -k hooks (logits and streams eager vs graphs,
+#             CUDA vs CPU values, >= 10^6 records lossless under a throttled drain, exact drops),
+#             memcheck with every hook on (eager, graphs), the pinned copy bandwidth, flash16 decode
+#             with graphs and hooks off / attn / all but attn_probs side by side (2 rounds), and the
+#             drain on a 4096-token prefill with resid (DS4_HOOKS_OUT=/dev/null)
 #   all       all of these: build, test, hf, sanitize, spot, bench flash16, kernels, bench tiny+small
 #
 # Rough times on one H200: build ~1 min, test ~2 min, sanitize a few minutes (19 runs, 3 at
@@ -42,8 +47,8 @@ mkdir -p "$OUT" build/test-out
 rm -f "$OUT/table.txt"      # this run's rows only (build/gpu-out persists between runs)
 WHAT=" ${*:-all} "
 for w in $WHAT; do
-  case "$w" in all|test|hf|sanitize|spot|bench|kernels|series) ;;
-    *) echo "gpu-check: unknown WHAT '$w' (all, test, hf, sanitize, spot, bench, kernels, series)"; exit 2 ;; esac
+  case "$w" in all|test|hf|sanitize|spot|bench|kernels|series|hooks) ;;
+    *) echo "gpu-check: unknown WHAT '$w' (all, test, hf, sanitize, spot, bench, kernels, series, hooks)"; exit 2 ;; esac
 done
 want() { [[ "$WHAT" == *" all "* || "$WHAT" == *" $1 "* ]]; }
 ARCH=${CUDA_ARCH:-sm_90}
@@ -217,6 +222,34 @@ if want series; then
   else
     tail -20 "$OUT/series.log"; row "series: the previous stage did not build (series.log)"
   fi
+fi
+
+if want hooks; then
+  step "hooks: the CUDA emitter (DS4_HOOKS)"
+  TEST_DS4_CUDA_BIN=$PWD/ds4 PYTHONUNBUFFERED=1 timeout 300 $PY -m pytest -q -rs -s tests/test_gpu.py -k hooks 2>&1 \
+      | tee "$OUT/pytest-hooks.log" | tail -12
+  row "hooks pytest: $(tail -1 "$OUT/pytest-hooks.log")"
+  ./ds4 synth --config tiny --seed 1 --type f32 -o build/test-out/tiny.gguf > /dev/null 2>&1
+  for g in 0 1; do
+    DS4_CUDA_GRAPHS=$g DS4_HOOKS=attn,resid,moe,logits,attn_probs DS4_HOOKS_OUT="$OUT/san-hooks-$g.ds4h" timeout 300 \
+      compute-sanitizer --tool memcheck --error-exitcode 1 ./ds4 -m build/test-out/tiny.gguf --backend cuda \
+      --tokens 1,2,3,4,5,6,7,8 -n 130 > "$OUT/san-hooks-$g.log" 2>&1
+    row "hooks memcheck (graphs=$g): rc $? $(grep -h 'ERROR SUMMARY' "$OUT/san-hooks-$g.log" | tail -1)"
+    rm -f "$OUT/san-hooks-$g.ds4h"
+  done
+  measure_bw
+  build/cuda-"$ARCH"/bandwidth 512 2>/dev/null | grep d2h_pinned | sed 's/^/hooks: /' >> "$OUT/table.txt"
+  for r in 1 2; do
+    for h in off attn most; do
+      case $h in off) hk="" ;; attn) hk=attn ;; most) hk=attn,resid,moe,logits ;; esac
+      env DS4_CUDA_GRAPHS=1 DS4_HOOKS_OUT=/dev/null ${hk:+DS4_HOOKS=$hk} timeout 120 build/cuda-"$ARCH"/ds4_bench \
+          --model flash16 --backend cuda --reps 3 --decode 32 --prefill 512 > "$OUT/hooks-bench-$h-$r.log" 2>&1
+      row "hooks bench $h run $r: $(grep -o 'metric=decode_tok_s value=[0-9.]*' "$OUT/hooks-bench-$h-$r.log" || echo 'no result') $(grep -o 'waits=.*' "$OUT/hooks-bench-$h-$r.log")"
+    done
+  done
+  DS4_HOOKS=resid DS4_HOOKS_OUT=/dev/null timeout 200 build/cuda-"$ARCH"/ds4_bench --model flash16 --backend cuda \
+      --reps 1 --decode 4 --prefill 4096 > "$OUT/hooks-prefill.log" 2>&1
+  row "hooks prefill 4096 resid: $(grep -E '^prefill' "$OUT/hooks-prefill.log" | tail -1) | $(grep -E '^hooks:' "$OUT/hooks-prefill.log")"
 fi
 
 if want bench; then

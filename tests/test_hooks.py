@@ -195,6 +195,14 @@ HOOK_ERRORS = [
 ]
 
 
+def test_cpu_says_it_has_no_rings():
+    """The CUDA emitter's settings do nothing on the CPU writer: one line says so, the run goes on."""
+    r = ds4_run(["-m", make_model("tiny"), "--backend", "cpu", "-n", "1"],
+                env=clean_env(DS4_HOOKS="attn", DS4_HOOKS_OUT=os.path.join(OUT, "norings.ds4h"),
+                              DS4_HOOKS_RING_MB="8"))
+    assert r.stderr.count("the cpu backend writes each record as its op returns") == 1, r.stderr
+
+
 @pytest.mark.parametrize("env,needle", HOOK_ERRORS, ids=[e[1][:28] for e in HOOK_ERRORS])
 def test_bad_hook_settings(env, needle):
     expect_error(["-m", make_model("tiny"), "--backend", "cpu", "-n", "1"], needle, env=env)
