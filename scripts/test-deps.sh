@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # scripts/test-deps.sh -- the packages `make test` needs beyond gcc and make.
 #
-# The pytest harness (tests/run_pytest.sh) needs a python3 with pytest and numpy, and the
+# The pytest harness (tests/run_pytest.sh) needs a python3 with pytest and numpy (and Debian's
+# python3-matplotlib, for the hook plot: without it that test skips, saying so), and the
 # llama.cpp oracle fetch (tests/oracle/fetch_llama.sh) needs npm and git, and the fuzz targets
 # (scripts/fuzz.sh, make fuzz / fuzz-replay) need clang with libFuzzer (Debian 12: clang, and
 # libclang-rt-14-dev for libclang_rt.fuzzer-x86_64.a). This script is the
@@ -31,6 +32,8 @@ check() {
     /usr/bin/python3 -c "import pytest" >/dev/null 2>&1 || need+=(python3-pytest)
     /usr/bin/python3 -c "import numpy" >/dev/null 2>&1 || need+=(python3-numpy)
   fi
+  # the hook streams' plot (scripts/ds4hooks.py plot; tests/test_hooks.py draws one)
+  /usr/bin/python3 -c "import matplotlib" >/dev/null 2>&1 || need+=(python3-matplotlib)
   command -v npm >/dev/null 2>&1 || need+=(npm)
   command -v git >/dev/null 2>&1 || need+=(git)
   # libFuzzer: clang, and a link of -fsanitize=fuzzer that works (libclang_rt.fuzzer is in
