@@ -67,6 +67,27 @@ static float *run(ds4_model *m, const ds4_backend *be, const int32_t *prompt, in
     return lg;
 }
 
+/* P prompt ids, the first and last vocabulary rows included. */
+static int32_t *make_prompt(int P, int V) {
+    int32_t *p = malloc(sizeof(int32_t) * (size_t)P);
+    if (!p) die("memory", "prompt");
+    for (int i = 0; i < P; i++)
+        p[i] = i == 0 ? 0 : i == 1 ? V - 1 : (int32_t)(((uint32_t)i * 2654435761u) % (uint32_t)V);
+    return p;
+}
+
+/* --dump-cuda: rows x V floats, raw.  0, or 2 with one line. */
+static int write_dump(const char *path, const float *l, int rows, int V) {
+    FILE *f = fopen(path, "wb");
+    const size_t nf = (size_t)rows * (size_t)V;
+    if (!f || fwrite(l, sizeof(float), nf, f) != nf || fclose(f) != 0) {
+        fprintf(stderr, "spot_check: cannot write %s\n", path);
+        return 2;
+    }
+    printf("spot: CUDA logits written to %s (%zu floats)\n", path, nf);
+    return 0;
+}
+
 int main(int argc, char **argv) {
     const char *model = "flash16", *type = "q8_0", *dump = NULL;
     int seed = 1, P = 8, n = 8, cuda_only = 0;
@@ -105,23 +126,11 @@ int main(int argc, char **argv) {
         printf("spot: %s (%s, seed %d) built in %.1f s, %.2f GB (CUDA only)\n", model, type, seed, now_s() - t0,
                ds4_model_weight_bytes(m1) / 1e9);
         const int V1 = ds4_model_n_vocab(m1);
-        int32_t *pr = malloc(sizeof(int32_t) * (size_t)P), *fed = malloc(sizeof(int32_t) * (size_t)(P + n));
-        for (int i = 0; i < P; i++)
-            pr[i] = i == 0 ? 0 : i == 1 ? V1 - 1 : (int32_t)(((uint32_t)i * 2654435761u) % (uint32_t)V1);
+        int32_t *pr = make_prompt(P, V1), *fed = malloc(sizeof(int32_t) * (size_t)(P + n));
         t0 = now_s();
         float *l1 = run(m1, cuda, pr, P, n, NULL, fed);
         printf("spot: CUDA prefill %d + %d greedy steps in %.1f s\n", P, n, now_s() - t0);
-        int rc = 0;
-        if (dump) {
-            FILE *f = fopen(dump, "wb");
-            const size_t nf = (size_t)(P + n) * (size_t)V1;
-            if (!f || fwrite(l1, sizeof(float), nf, f) != nf || fclose(f) != 0) {
-                fprintf(stderr, "spot_check: cannot write %s\n", dump);
-                rc = 2;
-            } else {
-                printf("spot: CUDA logits written to %s (%zu floats)\n", dump, nf);
-            }
-        }
+        const int rc = dump ? write_dump(dump, l1, P + n, V1) : 0;
         free(l1); free(pr); free(fed);
         ds4_model_close(m1);
         return rc;
@@ -134,9 +143,7 @@ int main(int argc, char **argv) {
     printf("spot: %s (%s, seed %d) built twice in %.1f s, %.2f GB each\n", model, type, seed, now_s() - t0,
            ds4_model_weight_bytes(mc) / 1e9);
 
-    int32_t *prompt = malloc(sizeof(int32_t) * (size_t)P);
-    for (int i = 0; i < P; i++)                 /* first and last vocabulary rows included */
-        prompt[i] = i == 0 ? 0 : i == 1 ? V - 1 : (int32_t)(((uint32_t)i * 2654435761u) % (uint32_t)V);
+    int32_t *prompt = make_prompt(P, V);
     int32_t *fed_c = malloc(sizeof(int32_t) * (size_t)(P + n)), *fed_g = malloc(sizeof(int32_t) * (size_t)(P + n));
     ds4_cpu_set_threads(threads);
     t0 = now_s();
@@ -146,15 +153,7 @@ int main(int argc, char **argv) {
     float *lg = run(mg, cuda, prompt, P, n, fed_c + P, fed_g);
     printf("spot: CUDA prefill %d + %d forced steps in %.1f s\n", P, n, now_s() - t0);
 
-    if (dump) {
-        FILE *f = fopen(dump, "wb");
-        const size_t nf = (size_t)(P + n) * (size_t)V;
-        if (!f || fwrite(lg, sizeof(float), nf, f) != nf || fclose(f) != 0) {
-            fprintf(stderr, "spot_check: cannot write %s\n", dump);
-            return 2;
-        }
-        printf("spot: CUDA logits written to %s (%zu floats)\n", dump, nf);
-    }
+    if (dump && write_dump(dump, lg, P + n, V) != 0) return 2;
 
     double worst = 0.0;
     int worst_row = 0, argmax_bad = 0, first_bad = -1;
