@@ -3982,6 +3982,7 @@ ds4_ctx *ds4_ctx_new(ds4_model *m, const ds4_backend *be, int n_ctx, int max_bat
     lim.graphs = env.cuda_graphs;
     lim.graph_cache = env.graph_cache;
     lim.graph_fail = env.graph_fail;
+    lim.graph_pdl = env.graph_pdl;
     ds4_weight **ws = malloc(sizeof(*ws) * DS4_MAX_WEIGHTS);
     if (!ws) { errf(err, errlen, "out of memory"); ds4_ctx_free(c); return NULL; }
     const int nw = model_weights(m, ws, DS4_MAX_WEIGHTS);
@@ -4313,7 +4314,7 @@ extern char **environ;
  * as \xNN, so the message stays one line whatever the environment holds. */
 int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
     static const char *known[] = { "DS4_THREADS", "DS4_CUDA_GRAPHS", "DS4_LAUNCH_TRACE", "DS4_CUDA_GRAPH_LAYERS",
-                                   "DS4_CUDA_GRAPH_CACHE", "DS4_CUDA_GRAPH_FAIL", "DS4_HOOKS", "DS4_HOOKS_OUT",
+                                   "DS4_CUDA_GRAPH_CACHE", "DS4_CUDA_GRAPH_FAIL", "DS4_CUDA_GRAPH_PDL", "DS4_HOOKS", "DS4_HOOKS_OUT",
                                    "DS4_HOOKS_POLICY", "DS4_HOOKS_RING_MB", "DS4_HOOKS_THROTTLE_US" };
     char shown[256];
     memset(env, 0, sizeof(*env));
@@ -4326,7 +4327,7 @@ int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
             if (strlen(known[i]) == nl && !strncmp(known[i], *e, nl)) ok = 1;
         if (!ok) {
             errf(err, errlen, "unknown environment variable %s (ds4 reads: DS4_THREADS, DS4_CUDA_GRAPHS, DS4_CUDA_GRAPH_LAYERS, "
-                 "DS4_CUDA_GRAPH_CACHE, DS4_CUDA_GRAPH_FAIL, DS4_LAUNCH_TRACE, DS4_HOOKS, DS4_HOOKS_OUT, "
+                 "DS4_CUDA_GRAPH_CACHE, DS4_CUDA_GRAPH_FAIL, DS4_CUDA_GRAPH_PDL, DS4_LAUNCH_TRACE, DS4_HOOKS, DS4_HOOKS_OUT, "
                  "DS4_HOOKS_POLICY, DS4_HOOKS_RING_MB, DS4_HOOKS_THROTTLE_US; see README)",
                  ds4_show(shown, sizeof shown, *e, nl, 48));
             return -1;
@@ -4354,10 +4355,12 @@ int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
         env->cuda_graphs = g[0] == '1';
     }
     env->graph_cache = 64;
+    env->graph_pdl = 1;
     static const struct { const char *name; long lo, hi; const char *what; } ints[] = {
         { "DS4_CUDA_GRAPH_LAYERS", 0, 1024, "layers per recorded region, 0 = the whole step" },
         { "DS4_CUDA_GRAPH_CACHE", 1, 4096, "recordings kept per context" },
         { "DS4_CUDA_GRAPH_FAIL", 0, 1000000, "the capture to fail, 0 = none" },
+        { "DS4_CUDA_GRAPH_PDL", 0, 1, "1 = recorded kernels launch as programmatic dependents" },
         { "DS4_HOOKS_RING_MB", 0, 65536, "MiB of the hook payload ring, 0 = sized from the model and the selection" },
         { "DS4_HOOKS_THROTTLE_US", 0, 1000000, "debug: microseconds the hook drain pauses after each batch" },
     };
@@ -4375,7 +4378,8 @@ int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
         if (i == 0) env->graph_layers = (int)x;
         else if (i == 1) env->graph_cache = (int)x;
         else if (i == 2) env->graph_fail = (int)x;
-        else if (i == 3) env->hooks_ring_mb = (int)x;
+        else if (i == 3) env->graph_pdl = (int)x;
+        else if (i == 4) env->hooks_ring_mb = (int)x;
         else env->hooks_throttle_us = (int)x;
     }
     const char *hk = getenv("DS4_HOOKS");

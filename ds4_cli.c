@@ -568,10 +568,11 @@ int main(int argc, char **argv) {
                (unsigned long long)bst.device_syncs, (unsigned long long)bst.stream_syncs);
         if (env.cuda_graphs)
             printf("stats: graphs: %llu captures (%.1f ms capture, %.1f ms instantiate), %llu replays, "
-                   "%llu eager fallbacks; %llu held, %llu nodes, %.1f MiB\n",
+                   "%llu eager fallbacks; %llu held, %llu nodes, %.1f MiB; programmatic dependent launch %s\n",
                    (unsigned long long)bst.captures, bst.capture_ms, bst.instantiate_ms,
                    (unsigned long long)bst.replays, (unsigned long long)bst.fallbacks, (unsigned long long)bst.graphs,
-                   (unsigned long long)bst.graph_nodes, (double)bst.graph_bytes / (1024.0 * 1024.0));
+                   (unsigned long long)bst.graph_nodes, (double)bst.graph_bytes / (1024.0 * 1024.0),
+                   bst.graph_pdl ? "on" : "off");
     }
     int rc = 0;
     ds4_hooks_stats hst;

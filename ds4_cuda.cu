@@ -199,23 +199,46 @@ struct ds4_arg_bytes {
     void all(P... p) { (put(&p, sizeof p), ...); }
 };
 
+static bool sess_pdl(void);
+
 /* The one place a kernel is launched: on the current stream.  The parameter packs are
- * separate so an argument converts to its parameter type as in a direct launch. */
+ * separate so an argument converts to its parameter type as in a direct launch.  While a
+ * region is recorded with DS4_CUDA_GRAPH_PDL (sess_pdl), the kernel is launched as a
+ * programmatic dependent of the one before it: see ds4_grid_dep. */
 template <typename... P, typename... A>
-static void ds4_launch_kernel(int line, void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, A... args) {
+static cudaError_t ds4_launch_kernel(int line, void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, A... args) {
     if (sess_tracing()) {
         ds4_arg_bytes<P...> ab;
         ab.all(args...);
         sess_trace_launch(line, (const void *)kernel, grid, block, smem, ab.b, ab.n);
     }
+#if CUDART_VERSION >= 11080
+    if constexpr (sizeof...(P) > 0) {
+        if (sess_pdl()) {
+            cudaLaunchAttribute at[1];
+            at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+            at[0].val.programmaticStreamSerializationAllowed = 1;
+            cudaLaunchConfig_t cfg = {};
+            cfg.gridDim = grid;
+            cfg.blockDim = block;
+            cfg.dynamicSmemBytes = smem;
+            cfg.stream = ds4_current_stream();
+            cfg.attrs = at;
+            cfg.numAttrs = 1;
+            return cudaLaunchKernelEx(&cfg, kernel, args...);
+        }
+    }
+#endif
     kernel<<<grid, block, smem, ds4_current_stream()>>>(args...);
+    return cudaSuccess;
 }
 
 /* Variadic: a kernel template's name (k<a, b>) contains top-level commas. */
 #define DS4_LAUNCH(...) do {                                                        \
         const double t0_ = ds4_now();                                               \
-        ds4_launch_kernel(__LINE__, __VA_ARGS__);                                   \
-        launch_check(cudaGetLastError(), __FILE__, __LINE__);                       \
+        const cudaError_t e_ = ds4_launch_kernel(__LINE__, __VA_ARGS__);            \
+        const cudaError_t l_ = cudaGetLastError();                                  \
+        launch_check(e_ != cudaSuccess ? e_ : l_, __FILE__, __LINE__);              \
         sess_count_launch(ds4_now() - t0_);                                         \
     } while (0)
 
@@ -234,6 +257,24 @@ static void ds4_launch_kernel(int line, void (*kernel)(P...), dim3 grid, dim3 bl
  * ------------------------------------------------------------------------- */
 
 #define FULL_MASK 0xffffffffu
+
+/* Programmatic dependent launch (DS4_CUDA_GRAPH_PDL, stage 2).  In a recorded region each
+ * kernel is launched as a programmatic dependent of the kernel before it
+ * (ds4_launch_kernel), so the graph may schedule its blocks before that kernel has
+ * finished, which hides most of the gap between two dependent kernel nodes.  So every
+ * kernel starts with ds4_grid_dep(), before it reads or writes anything:
+ * griddepcontrol.wait returns once the grids it depends on have completed and their
+ * memory is visible (at once for a kernel launched the ordinary way), and only then does
+ * launch_dependents let the next kernel be scheduled -- so at most one kernel waits
+ * ahead of the one running, and the order of memory effects is the plain stream's.
+ * Compute capability 9.0 and up (the session uses PDL only there); below, it is empty.
+ * scripts/check_streams.py checks that every kernel starts with it. */
+__device__ __forceinline__ void ds4_grid_dep(void) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
 
 __device__ __forceinline__ float f16_bits_to_f32(uint16_t h) {
     return __half2float(__ushort_as_half(h));
@@ -371,6 +412,7 @@ struct ds4_session {
     int            n_reg;
     uint64_t       reg_clock;         /* use counter for the least recently used eviction */
     bool           capturing;         /* between a capture's begin and end */
+    bool           pdl;               /* DS4_CUDA_GRAPH_PDL on a device that has it (cc >= 9.0) */
     uint64_t       cap_key, cap_launches0;
     cudaError_t    cap_err;           /* the first launch error while capturing */
     struct hk_emitter *hk;            /* DS4_HOOKS: the hook emitter (ds4_hooks.cu), NULL = hooks off */
@@ -407,6 +449,9 @@ static void sess_count_launch(double seconds) {
 }
 
 static bool sess_tracing(void) { return g_sess && g_sess->trace; }
+
+/* recorded kernels launch as programmatic dependents (ds4_grid_dep) */
+static bool sess_pdl(void) { return g_sess && g_sess->capturing && g_sess->pdl; }
 
 /* One line per launch: source line of the DS4_LAUNCH, kernel address, grid,
  * block, shared memory and every argument byte in hex.  Two steps that
@@ -463,7 +508,7 @@ static void stream_wait(void) {
     sess_trace_line("wait", 0);
 }
 
-__global__ void k_probe(void) {}
+__global__ void k_probe(void) { ds4_grid_dep(); }
 static void ops_setup(void);   /* kernel attributes and occupancies, defined after the kernels */
 
 static int cuda_init(void) {
@@ -622,6 +667,7 @@ static unsigned grid_for(int64_t n) {
 
 __global__ void k_embed(const uint8_t *table, int type, size_t row_bytes, int64_t D,
                         const int32_t *tokens, int n_hc, float *x) {
+    ds4_grid_dep();
     const int t = blockIdx.x;
     const uint8_t *row = table + (size_t)tokens[t] * row_bytes;
     float *xt = x + (int64_t)t * n_hc * D;
@@ -724,6 +770,7 @@ __device__ void hc_sinkhorn_lanes(const float *m, const float *base, float sc1, 
 __global__ void k_hc_mix(const float *mix, const float *scale, const float *base, const float *x,
                          int64_t D, int h, int head, float eps, int iters,
                          float *y, float *post, float *comb) {
+    ds4_grid_dep();
     __shared__ float m_s[HC_NMIX_MAX], base_s[HC_NMIX_MAX];
     __shared__ float pre_s[HC_MAX];
     const int t = blockIdx.y;
@@ -776,6 +823,7 @@ static void cuda_hc_mix(const float *mix, const float *scale, const float *base,
 
 __global__ void k_hc_post(const float *f, const float *x_res, const float *post, const float *comb,
                           int nt, int64_t D, int h, float *x_out) {
+    ds4_grid_dep();
     const int64_t n = (int64_t)nt * D;
     for (int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; idx < n;
          idx += (int64_t)gridDim.x * blockDim.x) {
@@ -868,6 +916,7 @@ __global__ void __launch_bounds__(HCP_THREADS) k_hc_pre(const float *f, const fl
                                                        int64_t D, int head, float rms_eps, float hc_eps, int iters,
                                                        double *ss_part, float *dot_part, unsigned *count,
                                                        float *y, float *post, float *comb) {
+    ds4_grid_dep();
     __shared__ float red[H][HC_NMIX_MAX];
     __shared__ double red_ss[H];
     __shared__ int last_s;
@@ -1135,6 +1184,7 @@ __device__ __forceinline__ int emit_span(const emit_rows &e, int rows, int *firs
 template <int THREADS, bool VEC>
 __global__ void __launch_bounds__(THREADS) k_rmsnorm(const float *x, const float *w, float *y, int64_t n, float eps,
                                                      emit_rows er) {
+    ds4_grid_dep();
     __shared__ double part[THREADS / 32];
     int first;
     if ((int)blockIdx.x >= emit_span(er, gridDim.x, &first)) return;
@@ -1411,6 +1461,7 @@ __device__ __forceinline__ void mv_dot_vec(const uint4 *v, const float (&xr)[NT]
 
 template <int TYPE, int NT, int MODE>
 __global__ void __launch_bounds__(MV_THREADS, NT >= 4 ? 1 : NT >= 2 ? 2 : MV_MIN_BLOCKS) k_matvec(const mv_args a) {
+    ds4_grid_dep();
     constexpr bool DUAL = MODE == MV_GATE_UP;
     constexpr int NMAT = DUAL ? 2 : 1;
     constexpr int NPLANE = DUAL ? 2 : NT;
@@ -1720,6 +1771,7 @@ __device__ __forceinline__ float mv_row_dot_generic(const uint8_t *row, const fl
 
 template <int TYPE, int MODE>
 __global__ void __launch_bounds__(MV_THREADS) k_matvec_generic(const mv_args a, int n_tok_loop) {
+    ds4_grid_dep();
     const int lane = threadIdx.x & 31;
     const int row = blockIdx.x * MV_WARPS + (threadIdx.x >> 5);
     if (row >= a.rows) return;
@@ -1820,6 +1872,7 @@ static void matvec_run(int type, int mode, mv_args a, int n_prob, int n_tok_grid
 /* Dequantize nrows rows of K elements (any type) into dst[nrows][K]. */
 __global__ void k_dequant(const uint8_t *src, int type, size_t row_bytes, int64_t K, int64_t nrows,
                           float *dst) {
+    ds4_grid_dep();
     const int64_t n = nrows * K;
     for (int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; idx < n;
          idx += (int64_t)gridDim.x * blockDim.x) {
@@ -2066,6 +2119,7 @@ __device__ __forceinline__ void rope_pair(float *v, const rope_args &r, int p, i
  * (w0 + t)*ratio. */
 __global__ void k_rope(float *x, int nt, int nh, int dh, const ds4_step *step, int pos_step, emit_rows er,
                        rope_args r, int inverse) {
+    ds4_grid_dep();
     const int half = r.n_rot / 2;
     int first;
     const int rows = emit_span(er, nt, &first);
@@ -2122,6 +2176,7 @@ static void cuda_rope(float *x, int nt, int nh, int dh, const ds4_step *step, in
 __global__ void __launch_bounds__(HNR_THREADS) k_head_norm_rope(float *x, const float *w, int nh, float *x2,
                                                                const float *w2, int nh2, int nt, int dh,
                                                                float eps, const ds4_step *step, rope_args r) {
+    ds4_grid_dep();
     extern __shared__ float row_s[];
     __shared__ double red[HNR_THREADS / 32];
     const int pos0 = step->pos0;    /* read first: its latency hides behind the row's loads */
@@ -2289,6 +2344,7 @@ __host__ __device__ __forceinline__ void att_chunks(int pos0, int nt, int W, int
 
 template <int DM>
 __global__ void __launch_bounds__(ATT_THREADS) k_attention(const attn_args a) {
+    ds4_grid_dep();
     __shared__ float q_s[ATT_HB][32 * DM];
     __shared__ float red_o[ATT_WARPS / 2][ATT_HB][32 * DM];
     __shared__ float red_m[ATT_WARPS / 2][ATT_HB], red_l[ATT_WARPS / 2][ATT_HB];
@@ -2424,6 +2480,7 @@ static void launch_attention_t(const attn_args &a, dim3 grid) {
  * whenever the rows may be split (want > 1); on a step whose rows fit one
  * chunk k_attention has written the output, and only the ring store is left. */
 __global__ void k_attention_combine(const attn_args a) {
+    ds4_grid_dep();
     __shared__ float f_s[ATT_MAX_CHUNKS];
     __shared__ float denom_s;
     const int h = blockIdx.x, t = blockIdx.y;
@@ -2584,6 +2641,7 @@ static void cuda_attention_step(const float *q, const float *kv, float *ring, in
 /* Window ring update: the last min(nt, slots) rows of the batch. */
 __global__ void k_ring_store(float *ring, const float *rows, int slots, int64_t width, const ds4_step *step,
                              int t_first, int n_rows) {
+    ds4_grid_dep();
     const int pos0 = step->pos0;
     const int64_t n = (int64_t)n_rows * width;
     for (int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; idx < n;
@@ -2618,6 +2676,7 @@ static void cuda_ring_store(float *ring, const float *rows, int slots, int width
  * ------------------------------------------------------------------------- */
 
 __global__ void k_add_cyclic(float *x, const float *table, const ds4_step *step, int nt, int period, int64_t n) {
+    ds4_grid_dep();
     const int pos0 = step->pos0;
     const int64_t total = (int64_t)nt * n;
     for (int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; idx < total;
@@ -2675,6 +2734,7 @@ __device__ __forceinline__ float pool_channel(const float *kv, const float *sc, 
  * out + i*dc, or with at_w0 (compressor_step's rows) to row w0 + i of out. */
 __global__ void k_compress_pool(const float *kv, const float *sc, const float *st_kv, const float *st_sc,
                                 const ds4_step *step, int nt, int ratio, int c, int dc, int at_w0, float *out) {
+    ds4_grid_dep();
     const int pos0 = step->pos0;
     const int i = blockIdx.x;
     if (i >= ds4_emit_count(pos0, nt, ratio)) return;
@@ -2717,6 +2777,7 @@ typedef struct {
 
 __global__ void __launch_bounds__(CST_THREADS) k_compressor_step(const cst_set set, const ds4_step *step, float eps,
                                                                 rope_args r) {
+    ds4_grid_dep();
     extern __shared__ float cst_row[];
     __shared__ double red[CST_THREADS / 32];
     const int pos0 = step->pos0;
@@ -2864,6 +2925,7 @@ __global__ void __launch_bounds__(IX_THREADS) k_indexer_scores(const float *q, c
                                                                const float *rows,
                                                                const ds4_step *step, int t0, int Hi, int di, int ratio,
                                                                float *scores, int64_t ld, int do_rope, rope_args rr) {
+    ds4_grid_dep();
     extern __shared__ __align__(16) float ix_s[];
     const int t = t0 + blockIdx.y;
     const int n_vis = ds4_comp_rows(step->pos0 + t, ratio);
@@ -2999,6 +3061,7 @@ __device__ void ix_bitonic(uint64_t *keys, int sz) {
 
 __global__ void __launch_bounds__(IX_SEL) k_indexer_select(const float *scores, int64_t ld, const ds4_step *step,
                                                            int t0, int ratio, int k, int32_t *out) {
+    ds4_grid_dep();
     __shared__ uint32_t hist[256];
     __shared__ uint64_t sel[IX_SEL];
     __shared__ uint32_t wsum[IX_SEL / 32];
@@ -3260,6 +3323,7 @@ __device__ void moe_route_warp(const float *l, const float *bias, const int32_t 
 __global__ void k_moe_route(const float *logits, const float *bias, const int32_t *tid2eid, int64_t tid_ld,
                             const int32_t *tokens, int E, int k, int norm, float wscale,
                             int32_t *sel, float *wts) {
+    ds4_grid_dep();
     extern __shared__ float rt_s[];
     const int t = blockIdx.x;
     moe_route_warp(logits + (int64_t)t * E, bias, tid2eid ? tid2eid + (int64_t)tokens[t] * tid_ld : NULL, E, k,
@@ -3291,6 +3355,7 @@ __global__ void __launch_bounds__(MG_THREADS) k_moe_gate(const void *gw, const f
                                                         const int32_t *tid2eid, int64_t tid_ld,
                                                         const int32_t *tokens, int k, int norm, float wscale,
                                                         unsigned *count, int32_t *sel, float *wts) {
+    ds4_grid_dep();
     extern __shared__ float mg_s[];                 /* probs, selp: [E] each */
     __shared__ float part[MG_ROWS][MG_THREADS / 32];
     __shared__ int last_s;
@@ -3394,6 +3459,7 @@ static void cuda_moe_gate(const ds4_weight *gate_inp, const float *x, float *log
 /* y[r][c] = swiglu(g[r][c], u[r][c]) with row strides ld_in / ld_out. */
 __global__ void k_swiglu(const float *g, const float *u, float *y, int64_t rows, int64_t cols,
                          int64_t ld_in, int64_t ld_out, float limit) {
+    ds4_grid_dep();
     const int64_t n = rows * cols;
     for (int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; idx < n;
          idx += (int64_t)gridDim.x * blockDim.x) {
@@ -3416,6 +3482,7 @@ static void cuda_swiglu(const float *g, const float *u, float *y, int64_t n, flo
  * t*k + j (decode layout) or pos[t*k + j] (prefill, grouped by expert). */
 __global__ void k_moe_combine(const float *slot_out, const int32_t *pos, const float *wts, int nt, int k,
                               int64_t D, const float *add, float *out) {
+    ds4_grid_dep();
     const int64_t n = (int64_t)nt * D;
     for (int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; idx < n;
          idx += (int64_t)gridDim.x * blockDim.x) {
@@ -3437,6 +3504,7 @@ static void launch_moe_combine(const float *slot_out, const int32_t *pos, const 
 
 /* xg[i][:] = x[perm[i] / k][:] */
 __global__ void k_moe_gather(const float *x, const int32_t *perm, int k, int64_t n_pairs, int64_t D, float *xg) {
+    ds4_grid_dep();
     const int64_t n = n_pairs * D;
     for (int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; idx < n;
          idx += (int64_t)gridDim.x * blockDim.x) {
@@ -3578,6 +3646,7 @@ static void cuda_moe_experts(const float *x, const int32_t *sel, const float *wt
  * ------------------------------------------------------------------------- */
 
 __global__ void k_add(const float *a, const float *b, float *y, int64_t n) {
+    ds4_grid_dep();
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
         y[i] = a[i] + b[i];
 }
@@ -3592,6 +3661,7 @@ static void cuda_add(const float *a, const float *b, float *y, int64_t n) {
 }
 
 __global__ void k_scale(float *x, float s, int64_t n) {
+    ds4_grid_dep();
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
         x[i] *= s;
 }
@@ -3880,6 +3950,7 @@ static void *cuda_session_new(const ds4_limits *lim) {
         return NULL;
     }
     S->lim = *lim;
+    S->pdl = lim->graphs && lim->graph_pdl && g_cuda.cc_major >= 9;
     const int64_t B = lim->max_batch, k = lim->n_expert_used > 0 ? lim->n_expert_used : 0;
     const int64_t D = lim->n_embd, F = lim->n_ff_exp, E = lim->n_expert;
     bool ok = true;
@@ -4012,6 +4083,7 @@ static void cuda_session_stats(void *s, ds4_backend_stats *st, int reset) {
     st->graph_bytes = S->gs.graph_bytes;
     st->capture_ms = S->gs.capture_ms;
     st->instantiate_ms = S->gs.instantiate_ms;
+    st->graph_pdl = S->pdl;
     if (reset) {
         S->gs.captures = S->gs.replays = S->gs.fallbacks = 0;
         S->gs.capture_ms = S->gs.instantiate_ms = 0.0;

@@ -85,6 +85,7 @@ __device__ __forceinline__ const float *probs_row(const probs_args &a, int t, in
 }
 
 __global__ void __launch_bounds__(PROBS_THREADS) k_attention_probs_scores(const probs_args a) {
+    ds4_grid_dep();
     __shared__ float q_s[PROBS_HB][ATT_MAX_D];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int h0 = blockIdx.x * PROBS_HB, t = blockIdx.z;
@@ -133,6 +134,7 @@ static void launch_attention_probs_scores(const probs_args &a) {
 }
 
 __global__ void __launch_bounds__(PROBS_NORM_THREADS) k_attention_probs_norm(const probs_args a) {
+    ds4_grid_dep();
     __shared__ float red_m[PROBS_NORM_THREADS / 32];
     __shared__ double red_s[PROBS_NORM_THREADS / 32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;

@@ -804,6 +804,7 @@ __device__ __forceinline__ void mvq_sb(const uint8_t *r0, uint32_t odd, const ui
 
 template <int TYPE, int MODE, int NT>
 __global__ void __launch_bounds__(MV_THREADS, MVQ_MIN_BLOCKS) k_matvec_q(const mv_args a) {
+    ds4_grid_dep();
     typedef mvq_traits<TYPE> TR;
     constexpr bool DUAL = MODE == MV_GATE_UP;
     constexpr int NMAT = DUAL ? 2 : 1;
@@ -1264,6 +1265,7 @@ static void matvec_q_run(int type, int mode, const mv_args &a0, int n_prob, int 
 
 __global__ void k_dequant_q(const uint8_t *src, int type, size_t row_bytes, int64_t K, int64_t nrows,
                             float *dst) {
+    ds4_grid_dep();
     const int lane = threadIdx.x & 31;
     const int64_t nsb = K / DS4_QK_K, total = nrows * nsb;
     const int bb = dsq_block_bytes(type);

@@ -174,6 +174,8 @@ typedef struct ds4_limits {
     int     graphs;           /* DS4_CUDA_GRAPHS */
     int     graph_cache;      /* the most recordings kept (DS4_CUDA_GRAPH_CACHE) */
     int     graph_fail;       /* debug: the Nth recording fails (DS4_CUDA_GRAPH_FAIL; 0 = none) */
+    int     graph_pdl;        /* recorded kernels launch as programmatic dependents (DS4_CUDA_GRAPH_PDL;
+                               * the backend uses it only where the device supports it) */
 } ds4_limits;
 
 /* What a session has done: kernel launches and cuBLAS calls (and the host
@@ -191,6 +193,8 @@ typedef struct ds4_backend_stats {
     uint64_t graphs, graph_nodes;     /* recordings held now, and their nodes */
     uint64_t graph_bytes;             /* device memory the held recordings took (instantiation) */
     double   capture_ms, instantiate_ms;   /* summed over the captures */
+    uint64_t graph_pdl;               /* 1: recorded kernels launch as programmatic dependents
+                                       * (DS4_CUDA_GRAPH_PDL on a device that has it) */
 } ds4_backend_stats;
 
 /* A device hook emitter (ds4_hooks.h; CUDA: ds4_hooks.cu), opened on a session.  Records go

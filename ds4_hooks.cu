@@ -186,6 +186,7 @@ __device__ __forceinline__ void hk_copy(const hk_put_args &a, unsigned long long
 
 /* One block: reserve, then copy (records up to HK_ONE_BLOCK bytes). */
 __global__ void __launch_bounds__(HK_PUT_THREADS) k_hook_put(hk_put_args a) {
+    ds4_grid_dep();
     __shared__ unsigned long long off_s;
     __shared__ unsigned int d1_s, ok_s;
     if (threadIdx.x == 0) {
@@ -201,6 +202,7 @@ __global__ void __launch_bounds__(HK_PUT_THREADS) k_hook_put(hk_put_args a) {
 
 /* The two-launch path: one thread reserves ... */
 __global__ void k_hook_reserve(hk_put_args a) {
+    ds4_grid_dep();
     if (threadIdx.x != 0) return;
     unsigned long long off = 0;
     unsigned int d1 = 0;
@@ -211,12 +213,14 @@ __global__ void k_hook_reserve(hk_put_args a) {
 
 /* ... and a grid copies. */
 __global__ void __launch_bounds__(HK_COPY_THREADS) k_hook_copy(hk_put_args a) {
+    ds4_grid_dep();
     if (!a.D->cur_ok) return;
     hk_copy(a, a.D->cur_off, a.D->cur_d1, (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x,
             (unsigned long long)gridDim.x * blockDim.x);
 }
 
 __global__ void k_hook_publish(hk_dev *D, hk_host *H) {
+    ds4_grid_dep();
     if (threadIdx.x != 0) return;
     __threadfence_system();
     hk_store_release(&H->pub, D->fill);

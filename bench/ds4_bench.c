@@ -221,17 +221,18 @@ int main(int argc, char **argv) {
                 const double per = warm.captures ? 1.0 / (double)warm.captures : 0.0;
                 printf("decode: graphs: the warm-up captured %llu (%.2f ms capture + %.2f ms instantiate per graph), "
                        "%llu held with %llu nodes and %.1f MiB; the timed run: %llu captures, %llu replays, "
-                       "%llu eager fallbacks\n", (unsigned long long)warm.captures, warm.capture_ms * per,
+                       "%llu eager fallbacks; programmatic dependent launch %s\n", (unsigned long long)warm.captures, warm.capture_ms * per,
                        warm.instantiate_ms * per, (unsigned long long)ds.graphs, (unsigned long long)ds.graph_nodes,
                        (double)ds.graph_bytes / (1024.0 * 1024.0), (unsigned long long)ds.captures,
-                       (unsigned long long)ds.replays, (unsigned long long)ds.fallbacks);
+                       (unsigned long long)ds.replays, (unsigned long long)ds.fallbacks, ds.graph_pdl ? "on" : "off");
                 printf("RESULT model=%s backend=%s metric=graphs warmup_captures=%llu capture_ms_per_graph=%.3f "
                        "instantiate_ms_per_graph=%.3f held=%llu nodes=%llu bytes=%llu timed_captures=%llu "
-                       "timed_replays=%llu timed_fallbacks=%llu\n", model, be->name,
+                       "timed_replays=%llu timed_fallbacks=%llu pdl=%llu\n", model, be->name,
                        (unsigned long long)warm.captures, warm.capture_ms * per, warm.instantiate_ms * per,
                        (unsigned long long)ds.graphs, (unsigned long long)ds.graph_nodes,
                        (unsigned long long)ds.graph_bytes, (unsigned long long)ds.captures,
-                       (unsigned long long)ds.replays, (unsigned long long)ds.fallbacks);
+                       (unsigned long long)ds.replays, (unsigned long long)ds.fallbacks,
+                       (unsigned long long)ds.graph_pdl);
             }
         }
     }

@@ -25,6 +25,10 @@ that they hold for every later change:
             (cudaMalloc, cudaFree, cudaHostAlloc, cudaMallocHost, cudaFreeHost,
             cudaDeviceSynchronize, cudaStreamSynchronize) sits in a function whose body also
             bumps one of the backend's counters (g_n_...), so ds4_backend_stats sees it.
+  pdl       (engine files only) every kernel (__global__ function) begins with ds4_grid_dep(),
+            before it touches memory: in a recorded region with DS4_CUDA_GRAPH_PDL (stage 2) a
+            kernel may be scheduled before the one it depends on has finished, and that call is
+            its wait;
 
 Comments and string literals are ignored (their text is blanked, line numbers kept).
 
@@ -195,6 +199,22 @@ def check_file(path, engine):
             if not any(mk in l for l in window for mk in MARKERS) and not drain_marked(p, call_args(code, p)):
                 bad(p, "sync", f"{name} without a NOTE(load time) / NOTE(step result) / NOTE(prefill) comment "
                                "on its line or the 3 above")
+        # pdl: the first statement of every kernel is ds4_grid_dep();
+        for m in re.finditer(r"\b__global__\b", code):
+            par, rest = code.find("(", m.end()), ""
+            while par >= 0:                       # past __launch_bounds__(...): the parameter list
+                args = call_args(code, par)
+                if args is None:
+                    break
+                rest = code[par + len(args) + 2:].lstrip()
+                if rest[:1] in ("{", ";"):
+                    break
+                par = code.find("(", par + len(args) + 2)
+            if not rest.startswith("{"):
+                continue                          # a declaration
+            if not re.match(r"\{\s*ds4_grid_dep\s*\(\s*\)\s*;", rest):
+                bad(m.start(), "pdl", "a kernel whose first statement is not ds4_grid_dep(); (a programmatic "
+                                      "dependent launch would let it run before its inputs are written)")
         # count: the enclosing function (from the last line starting at column 0 with an
         # identifier and a parenthesis, to the next line that is a lone "}") bumps a counter
         for name, p in calls(code, COUNTED):

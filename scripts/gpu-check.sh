@@ -9,7 +9,8 @@
 #   sanitize  compute-sanitizer memcheck/racecheck/synccheck (scripts/sanitize-gpu.sh)
 #   spot      flash16 CUDA vs CPU logits, Q8_0 at the full Flash shape (tests/spot_check.c)
 #   bench     copy bandwidth, ds4_bench on flash16, flash-q2@256 and flash-q4@128 (the published
-#             files' layouts at the largest expert counts an H200 holds), then tiny and small
+#             files' layouts at the largest expert counts an H200 holds), then tiny and small; tiny
+#             eager against DS4_CUDA_GRAPHS=1 (2 rounds) and bench/launch_floor (per-kernel floors)
 #   kernels   scripts/kernel_report.sh flash16 and flash-q2@64, build/cuda-$ARCH/matvec_table
 #   series    the patch series (patches/): the stage before the newest (scripts/series.sh tree -1)
 #             built for CUDA beside HEAD; CUDA logits (32 prompt tokens + 1000 decode steps on tiny
@@ -83,7 +84,7 @@ if ! make cuda CUDA_ARCH="$ARCH" > "$OUT/build.log" 2>&1; then
   tail -40 "$OUT/build.log"; echo "BUILD FAILED"; exit 1
 fi
 make --no-print-directory build/cuda-"$ARCH"/test_backend_ops build/cuda-"$ARCH"/ds4_bench build/cuda-"$ARCH"/bandwidth \
-    CUDA_ARCH="$ARCH" >> "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
+    build/cuda-"$ARCH"/launch_floor CUDA_ARCH="$ARCH" >> "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
 echo "build ok"
 cp -f build/carry/*.gguf build/test-out/ 2>/dev/null || true
 
@@ -255,6 +256,18 @@ fi
 if want bench; then
   bench_model tiny 60
   bench_model small 60
+  # stage 2 on the smallest model: eager against DS4_CUDA_GRAPHS=1, side by side, and the
+  # per-kernel floors that bound it (bench/launch_floor.cu)
+  step "tiny: eager and graphs, and the launch floors"
+  build/cuda-"$ARCH"/launch_floor 141 | tee "$OUT/launch-floor.log"
+  grep _us_ "$OUT/launch-floor.log" | sed 's/^/launch floor (141 kernels): /' >> "$OUT/table.txt"
+  for r in 1 2; do
+    for g in 0 1; do
+      DS4_CUDA_GRAPHS=$g timeout 60 build/cuda-"$ARCH"/ds4_bench --model tiny --backend cuda --reps 5 --decode 256 \
+          --prefill 64 > "$OUT/bench-tiny-graphs$g-$r.log" 2>&1
+      row "tiny DS4_CUDA_GRAPHS=$g run $r: $(grep -o 'metric=decode_tok_s value=[0-9.]*' "$OUT/bench-tiny-graphs$g-$r.log" || echo 'no result')"
+    done
+  done
 fi
 
 echo

@@ -94,6 +94,8 @@ ENV_CASES = [
     ({"DS4_CUDA_GRAPH_CACHE": " 8"}, "DS4_CUDA_GRAPH_CACHE=' 8'"),
     ({"DS4_CUDA_GRAPH_FAIL": "+1"}, "DS4_CUDA_GRAPH_FAIL='+1'"),
     ({"DS4_CUDA_GRAPH_FAIL": ""}, "DS4_CUDA_GRAPH_FAIL=''"),
+    ({"DS4_CUDA_GRAPH_PDL": "2"}, "DS4_CUDA_GRAPH_PDL='2' is not an integer in [0, 1]"),
+    ({"DS4_CUDA_GRAPH_PDL": "on"}, "DS4_CUDA_GRAPH_PDL='on'"),
     # found by tests/fuzz/fuzz_env: a newline in a value made the error two lines
     ({"DS4_THREADS": "1\n2"}, "DS4_THREADS='1\\x0a2'"),
 ]

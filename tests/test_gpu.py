@@ -169,11 +169,13 @@ def test_decode_allocates_nothing_and_waits_once():
     assert line.endswith(f", {n} stream syncs"), line
 
 
-def graph_run(name, n, graphs=None, layers=None, fail=None, stats=False, tag=""):
+def graph_run(name, n, graphs=None, layers=None, fail=None, stats=False, tag="", pdl=None):
     """ds4 on the GPU, prompt + n decode steps, its dump's bytes and its stdout/stderr."""
     env = {k: x for k, x in os.environ.items() if not k.startswith("DS4_")}
     if graphs:
         env["DS4_CUDA_GRAPHS"] = "1"
+    if pdl is not None:
+        env["DS4_CUDA_GRAPH_PDL"] = str(pdl)
     if layers is not None:
         env["DS4_CUDA_GRAPH_LAYERS"] = str(layers)
     if fail is not None:
@@ -211,6 +213,22 @@ def test_graphs_replay_bit_identical_4096(name):
         assert st["captures"] == regions, line
         assert st["replays"] == regions * (n - 1), line
         assert st["fallbacks"] == 0, line
+
+
+@skip_no_gpu
+def test_graphs_pdl_identical():
+    """DS4_CUDA_GRAPH_PDL: recorded kernels launched as programmatic dependents (the default on
+    sm_90+) or plainly give the eager dump byte for byte; --stats says which was used."""
+    eager, _ = graph_run("small", 300, tag="eager-p")
+    cc = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
+                        capture_output=True, text=True).stdout.split()
+    on = bool(cc) and float(cc[0]) >= 9.0
+    for pdl in (0, 1):
+        data, r = graph_run("small", 300, graphs=True, stats=True, tag=f"pdl{pdl}", pdl=pdl)
+        assert data == eager, f"DS4_CUDA_GRAPH_PDL={pdl}: the dump differs from eager"
+        st, line = graph_stats(r.stdout)
+        assert st["fallbacks"] == 0 and st["captures"] == 1, line
+        assert line.endswith("programmatic dependent launch " + ("on" if pdl and on else "off")), line
 
 
 @skip_no_gpu

@@ -1,5 +1,6 @@
 """scripts/check_streams.py: the stage-0 and stage-1 invariants (every GPU operation on ds4_current_stream(),
-every wait marked, every allocation and wait counted).
+every wait marked, every allocation and wait counted) and stage 2's (every kernel starts with its
+programmatic-dependent-launch wait).
 
 The repository passes; each rule fails on a planted violation, both in a small file and inside a
 copy of the real ds4_cuda.cu; comments and strings do not count.
@@ -96,6 +97,30 @@ def test_planted_violation_fails(name):
     assert r.returncode == 1, r.stdout
     assert f":6: {rule}:" in r.stdout, r.stdout          # the planted line, named
     assert "1 violation" in r.stdout
+
+
+KERNELS = """\
+__device__ __forceinline__ void ds4_grid_dep(void) {}
+template <int N>
+__global__ void __launch_bounds__(N) k_good(const float *x, float *y, int n) {
+    ds4_grid_dep();
+    y[0] = x[0];
+}
+__global__ void k_small(void) { ds4_grid_dep(); }
+__global__ void k_declared(float *y);
+"""
+
+
+def test_kernels_start_with_grid_dep():
+    """pdl: every kernel's first statement is ds4_grid_dep(); a declaration is not a kernel body."""
+    assert check("--engine", write("pdl-good", KERNELS)).returncode == 0
+    late = KERNELS.replace("    ds4_grid_dep();\n    y[0] = x[0];\n", "    y[0] = x[0];\n    ds4_grid_dep();\n", 1)
+    r = check("--engine", write("pdl-late", late))
+    assert r.returncode == 1 and ":3: pdl:" in r.stdout and "1 violation" in r.stdout, r.stdout
+    none = KERNELS.replace("{ ds4_grid_dep(); }", "{ }", 1)
+    r = check("--engine", write("pdl-none", none))
+    assert r.returncode == 1 and ":7: pdl:" in r.stdout, r.stdout
+    assert check("--other", write("pdl-other", none)).returncode == 0
 
 
 def test_define_without_set_stream_fails():

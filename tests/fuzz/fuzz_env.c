@@ -34,8 +34,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         if (e.cuda_graphs != 0 && e.cuda_graphs != 1) { fprintf(stderr, "fuzz_env: cuda_graphs %d\n", e.cuda_graphs); abort(); }
         if (e.launch_trace && !e.launch_trace[0]) { fprintf(stderr, "fuzz_env: empty launch_trace accepted\n"); abort(); }
         if (e.graph_layers < 0 || e.graph_layers > 1024 || e.graph_cache < 1 || e.graph_cache > 4096 ||
-            e.graph_fail < 0 || e.graph_fail > 1000000) {
-            fprintf(stderr, "fuzz_env: graph settings %d %d %d out of range\n", e.graph_layers, e.graph_cache, e.graph_fail);
+            e.graph_fail < 0 || e.graph_fail > 1000000 || (e.graph_pdl != 0 && e.graph_pdl != 1)) {
+            fprintf(stderr, "fuzz_env: graph settings %d %d %d %d out of range\n", e.graph_layers, e.graph_cache,
+                    e.graph_fail, e.graph_pdl);
             abort();
         }
         if ((e.hooks && !e.hooks[0]) || !e.hooks_out || !e.hooks_out[0] || (e.hooks_drop != 0 && e.hooks_drop != 1) ||
