@@ -30,7 +30,8 @@
 #                                       the baseline itself changed); each later patch re-applied on
 #                                       top (3-way) and regenerated; then this checkout's files
 #                                       outside patches/ are set to the new top of the series.
-#                                       Review with git diff, then commit.
+#                                       Review with git diff, then commit.  A later patch K that
+#                                       conflicts stops it: resolve in DIR, then refresh K DIR.
 #
 # Patches are `git format-patch`-style files: the header (everything before the first
 # "diff --git") is the pull request's description and is kept when a patch is regenerated.
@@ -244,12 +245,17 @@ cmd_edit() {
 cmd_refresh() {
   local n=${1:-} dir=${2:-}
   [[ "$n" =~ ^[0-9]+$ ]] && [ -n "$dir" ] || die "usage: series.sh refresh N DIR"
-  git -C "$dir" rev-parse -q --verify "stage-$n" > /dev/null || die "$dir is not an edit worktree at stage $n"
+  # stage-N: an edit worktree at stage N; stage-(N-1) alone: one whose patch N stopped on a
+  # conflict during an earlier refresh and was resolved there
+  git -C "$dir" rev-parse -q --verify "stage-$n" > /dev/null \
+    || { [ "$n" -ge 1 ] && git -C "$dir" rev-parse -q --verify "stage-$((n - 1))" > /dev/null; } \
+    || die "$dir is not an edit worktree at stage $n"
   local -a ps
   mapfile -t ps < <(series)
   local g=(git -C "$dir" -c user.name=series -c user.email=series@localhost)
   "${g[@]}" add -A
   "${g[@]}" commit -qm "stage $n: edited" --allow-empty
+  "${g[@]}" tag -f "stage-$n" HEAD > /dev/null
   local prev k p
   if [ "$n" -ge 1 ]; then
     p=${ps[$((n - 1))]}
@@ -259,11 +265,13 @@ cmd_refresh() {
   for ((k = n + 1; k <= ${#ps[@]}; k++)); do
     p=${ps[$((k - 1))]}
     prev=$("${g[@]}" rev-parse HEAD)
+    "${g[@]}" tag -f "stage-$((k - 1))" HEAD > /dev/null
     gapply "$dir" --3way --binary --whitespace=nowarn "$PATCHES/$p" 2> "$dir/.git/series-apply.log" \
       || { cat "$dir/.git/series-apply.log" >&2
            die "$p does not apply on the changed stage $((k - 1)): resolve in $dir, commit, then refresh $k $dir"; }
     "${g[@]}" add -A
     "${g[@]}" commit -qm "stage $k: $p" --allow-empty
+    "${g[@]}" tag -f "stage-$k" HEAD > /dev/null
     "${g[@]}" diff --binary --full-index "$prev" HEAD | write_patch "$PATCHES/$p" "$(header_of "$PATCHES/$p")"$'\n'
     echo "series.sh: re-applied and regenerated $p"
   done

@@ -1,6 +1,7 @@
 """scripts/series.sh's maintenance verbs on a throw-away clone (make series-check covers `check`):
 export + git apply, a baseline fix through edit 0 / refresh 0, a stage fix through edit 1 /
-refresh 1, regen, and the refusal when HEAD and the series disagree.  Git operations only (no
+refresh 1, a fix that conflicts with the next patch, regen, and the refusal when HEAD and the
+series disagree.  Git operations only (no
 builds): a few seconds.
 """
 import os
@@ -132,6 +133,53 @@ def test_regen_after_more_work(clone):
     series(d, "base", b)
     assert not os.path.exists(os.path.join(b, "series-test-regen.txt"))
     assert open(os.path.join(b, "ds4_quant.c")).read().endswith("/* a baseline fix */\n")
+
+
+def first_changed_line(patch_text):
+    """(path, old line number, old text) of the first line a patch removes from a text file."""
+    path, old_no = None, 0
+    for l in patch_text.split("\n"):
+        if l.startswith("diff --git "):
+            path = None
+        elif l.startswith("--- a/"):
+            path = l[6:]
+        elif l.startswith("@@ ") and path:
+            old_no = int(l.split()[1].split(",")[0][1:])
+        elif path and old_no and l.startswith("-") and not l.startswith("---"):
+            return path, old_no, l[1:]
+        elif path and old_no and (l.startswith(" ") or l == ""):
+            old_no += 1
+    raise AssertionError("the newest patch removes no line")
+
+
+def test_conflict_then_refresh_next(clone):
+    """A fix to stage N-1 that conflicts with patch N stops refresh N-1 with a message; resolved
+    in the edit worktree, refresh N finishes the job and the series is consistent again."""
+    top, d = clone
+    names = patch_files(d)
+    n = len(names)
+    path, line_no, text = first_changed_line(open(os.path.join(d, "patches", names[-1])).read())
+    e = os.path.join(top, "ec")
+    series(d, "edit", str(n - 1), e)
+    f = os.path.join(e, path)
+    lines = open(f).read().split("\n")
+    assert lines[line_no - 1] == text
+    lines[line_no - 1] = "series-conflict-test"
+    open(f, "w").write("\n".join(lines))
+    r = series(d, "refresh", str(n - 1), e, check=False)
+    assert r.returncode == 2 and f"then refresh {n} " in r.stderr, r.stderr
+    sh(["git", "checkout", "--theirs", "--", path], e)          # keep the newest stage's line
+    git(e, "add", "-A")
+    git(e, "commit", "-qm", "resolved")
+    series(d, "refresh", str(n), e)
+    assert "series-conflict-test" in open(os.path.join(d, "patches", names[-2])).read()
+    assert "series-conflict-test" not in open(os.path.join(d, path)).read()
+    git(d, "add", "-A")
+    git(d, "commit", "-qm", "stage fix through a conflict")
+    t = os.path.join(top, "t")
+    series(d, "tree", str(n - 1), t)
+    assert "series-conflict-test" in open(os.path.join(t, path)).read()
+    series(d, "base", os.path.join(top, "b"))                  # baseline + series == HEAD
 
 
 def test_bad_usage(clone):
