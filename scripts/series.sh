@@ -300,4 +300,4 @@ case "$verb" in
   refresh) cmd_refresh "$@" ;;
   -h|--help|help) usage ;;
   *) usage >&2; exit 2 ;;
-esac
+esac; exit $?   # on the esac line: refresh rewrites this file, and bash reads on after a command
