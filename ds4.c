@@ -3617,6 +3617,8 @@ struct ds4_ctx {
     uint64_t           hseq;      /* records written (the CPU's writer) */
     uint64_t           hbytes;    /* their payload bytes */
     int                hdev;      /* the backend's emitter writes the records (CUDA: ds4_hooks.cu) */
+    ds4_hook_put       hq[DS4_HOOK_PUT_MAX];  /* records made at one point of the step, not yet put */
+    int                nhq;
     uint32_t           hcalls;    /* forward calls made */
     int                herr;      /* errno of a failed write (0: none) */
     float             *aprobs;    /* attn_probs: [B][H][aprobs_ld] (backend memory: the CPU's) */
@@ -3812,16 +3814,23 @@ int ds4_ctx_hooks_stats(ds4_ctx *c, ds4_hooks_stats *st) {
     return 0;
 }
 
+/* The device emitter: the records queued at this point of the step, in one producer. */
+static void hook_flush(ds4_ctx *c) {
+    if (c->nhq) c->be->hook_put(c->hq, c->nhq);
+    c->nhq = 0;
+}
+
 /* One record: the tensor at data (backend memory), rows d0 of d1 x d2, its first row at
  * position c->pos + pos_add.  A device emitter gets a producer on the stream (the position
  * and the call index are read from the step block when it runs); the CPU writes it now. */
 static void hook_emit(ds4_ctx *c, int hook, int layer, const void *data, int dtype, int ndim,
                       uint32_t d0, uint32_t d1, uint32_t d2, int pos_add) {
     if (!c->hf || c->herr || !ds4h_selected(c->hsel, hook, layer)) return;
-    if (c->hdev) {
+    if (c->hdev) {              /* queued: hook_flush puts the point's records in one producer */
+        if (c->nhq == DS4_HOOK_PUT_MAX) hook_flush(c);
         const ds4_hook_put p = { hook, layer, dtype, ndim, d0, d1, d2, data, (int64_t)d1 * d2, (int64_t)d2,
                                  pos_add, 0, 0, 0, 0, c->step };
-        c->be->hook_put(&p);
+        c->hq[c->nhq++] = p;
         return;
     }
     const int pos = c->pos + pos_add;
@@ -4112,7 +4121,7 @@ static void fwd_attention(ds4_ctx *c, int il, const float *hn, int nt, float *ou
                 const ds4_hook_put p = { DS4H_ATTN_PROBS, il, DS4H_F32, 2, (uint32_t)H, 0, 1,
                                          c->aprobs + (size_t)t * H * c->aprobs_ld, c->aprobs_ld, 1, t,
                                          1, hp->n_swa, ratio, k, c->step };
-                be->hook_put(&p);
+                be->hook_put(&p, 1);
                 continue;
             }
             const int P = c->pos + t, cols = ds4_att_rows(P, hp->n_swa, ratio, k) + 1;
@@ -4149,6 +4158,20 @@ static void fwd_moe(ds4_ctx *c, int il, const float *hn, int nt, float *out) {
                     nt, hp->n_expert_used, hp->clamp_exp[il], shared, out);
 }
 
+/* A layer's records after its MoE: the experts chosen (c->sel, c->wts), the MoE output
+ * (c->f) and the streams once that output is added back (c->x).  They are emitted after the
+ * next hc_pre (the next layer's, or the head's), which makes c->x and leaves the others as
+ * they were, so one producer carries all four -- in the order the CPU writes them. */
+static void hooks_layer_end(ds4_ctx *c, int il, int nt) {
+    const ds4_hparams *hp = &c->m->hp;
+    const uint32_t k = (uint32_t)hp->n_expert_used, D = (uint32_t)hp->n_embd;
+    hook_emit(c, DS4H_MOE_SEL, il, c->sel, DS4H_I32, 2, (uint32_t)nt, k, 1, 0);
+    hook_emit(c, DS4H_MOE_W, il, c->wts, DS4H_F32, 2, (uint32_t)nt, k, 1, 0);
+    hook_emit(c, DS4H_MOE, il, c->f, DS4H_F32, 2, (uint32_t)nt, D, 1, 0);
+    hook_emit(c, DS4H_RESID, il, c->x, DS4H_F32, 3, (uint32_t)nt, (uint32_t)hp->n_hc, D, 0);
+    hook_flush(c);
+}
+
 /* Each sublayer starts with hc_pre, which first applies the residual update
  * of the sublayer before it (its output f, with the post/comb of its own mHC
  * step): x --attention--> x2 --MoE--> x, and the head folds in the last one.
@@ -4168,26 +4191,24 @@ static void fwd_span(ds4_ctx *c, int l0, int l1, int nt, int all_rows) {
         be->hc_pre(il > 0 ? c->f : NULL, c->x2, c->x, &L->hc_attn_fn, L->hc_attn_scale.dev,
                    L->hc_attn_base.dev, L->attn_norm.dev, nt, D, hc, 0, eps, heps, it,
                    c->flat, c->mix, c->h, c->post, c->comb);
-        if (il > 0) hook_emit(c, DS4H_RESID, il - 1, c->x, DS4H_F32, 3, (uint32_t)nt, (uint32_t)hc, (uint32_t)D, 0);
+        if (il > 0) hooks_layer_end(c, il - 1, nt);
         fwd_attention(c, il, c->h, nt, c->f);
         hook_emit(c, DS4H_ATTN, il, c->f, DS4H_F32, 2, (uint32_t)nt, (uint32_t)D, 1, 0);
+        hook_flush(c);
         be->hc_pre(c->f, c->x, c->x2, &L->hc_ffn_fn, L->hc_ffn_scale.dev, L->hc_ffn_base.dev,
                    L->ffn_norm.dev, nt, D, hc, 0, eps, heps, it, c->flat, c->mix, c->h, c->post, c->comb);
         fwd_moe(c, il, c->h, nt, c->f);
-        const uint32_t k = (uint32_t)hp->n_expert_used;
-        hook_emit(c, DS4H_MOE_SEL, il, c->sel, DS4H_I32, 2, (uint32_t)nt, k, 1, 0);
-        hook_emit(c, DS4H_MOE_W, il, c->wts, DS4H_F32, 2, (uint32_t)nt, k, 1, 0);
-        hook_emit(c, DS4H_MOE, il, c->f, DS4H_F32, 2, (uint32_t)nt, (uint32_t)D, 1, 0);
     }
     if (l1 < hp->n_layer) return;
     /* head: the last update, collapse the streams, normalise, project to the vocabulary */
     be->hc_pre(c->f, c->x2, c->x, &m->output_hc_fn, m->output_hc_scale.dev, m->output_hc_base.dev,
                m->output_norm.dev, nt, D, hc, 1, eps, heps, it, c->flat, c->mix, c->h, c->post, c->comb);
-    hook_emit(c, DS4H_RESID, hp->n_layer - 1, c->x, DS4H_F32, 3, (uint32_t)nt, (uint32_t)hc, (uint32_t)D, 0);
+    hooks_layer_end(c, hp->n_layer - 1, nt);
     if (all_rows) be->matmul(&m->output, 0, c->h, c->logits, nt);
     else be->matmul(&m->output, 0, c->h + (size_t)(nt - 1) * D, c->logits, 1);
     const int rows = all_rows ? nt : 1;
     hook_emit(c, DS4H_LOGITS, -1, c->logits, DS4H_F32, 2, (uint32_t)rows, (uint32_t)hp->n_vocab, 1, nt - rows);
+    hook_flush(c);
     /* the call's records become visible to the device emitter's drain in one publication */
     if (c->hdev) be->hooks_publish();
 }

@@ -34,11 +34,12 @@
  * gap record (DS4H_FLAG_GAP) naming the first dropped record and how many were dropped;
  * drops at the very end get their gap record when the emitter closes.
  *
- * Sizes.  A record whose payload fits HK_ONE_BLOCK is reserved and copied by one block (one
- * launch; every decode record); larger ones (a prompt's rows) are reserved by one block and
- * copied by a grid (two launches), and the core's rows are split into records of at most a
- * quarter of the payload ring so that a prompt of any length streams through a ring of any
- * size.  Hooks off: no kernel, no allocation, no thread (the core never calls in).
+ * Sizes.  Records whose payloads fit HK_ONE_BLOCK together are reserved and copied by one
+ * block (one launch: every decode record but Flash's logits; the core hands over the records
+ * made at one point of the step together, up to DS4_HOOK_PUT_MAX); larger ones (a prompt's
+ * rows, a vocabulary's logits) are reserved by one block and copied by a grid (two
+ * launches), and the core's rows are split into records of at most a quarter of the
+ * payload ring so that a prompt of any length streams through a ring of any size.  Hooks off: no kernel, no allocation, no thread (the core never calls in).
  *
  * This file is part of ds4_cuda.cu's translation unit (#included at its Hooks banner), so
  * its launches go through the one DS4_LAUNCH, count in the session, and fail a capture
@@ -47,10 +48,11 @@
  * accepts only with the emitter's own stream.
  */
 
-#define HK_ONE_BLOCK     (1u << 20)    /* payload bytes one block reserves and copies */
-#define HK_PUT_THREADS   512
+#define HK_ONE_BLOCK     (128u << 10)  /* payload bytes one block reserves and copies */
+#define HK_PUT_THREADS   1024
 #define HK_COPY_THREADS  256
 #define HK_POLL_NS       1000          /* a waiting producer's pause between polls */
+#define HK_MANY          DS4_HOOK_PUT_MAX   /* records one producer launch may carry (ds4_gpu.h hook_put) */
 
 /* Device memory, written by the producers only (one thread of one block at a time: the
  * producers are ordered by the stream). */
@@ -61,6 +63,8 @@ struct hk_dev {
     unsigned long long dropped;    /* records dropped (drop policy) */
     unsigned long long gap_n;      /* dropped since the last slot written */
     unsigned long long waits;      /* producers that waited */
+    unsigned long long dfill_c;    /* the drained counters as last read from the host (slots, */
+    unsigned long long dpay_c;     /* payload words): they only grow, so a stale copy is safe */
     unsigned long long cur_off;    /* the two-launch path: the reservation */
     unsigned int       cur_ok, cur_d1;
     ds4h_record        gap;        /* the first record dropped since the last slot written */
@@ -102,6 +106,11 @@ __device__ __forceinline__ void hk_store_release(unsigned long long *p, unsigned
     asm volatile("st.release.sys.global.u64 [%0], %1;" : : "l"(p), "l"(v) : "memory");
 }
 
+/* Rows of record a (attn_probs: the rows its query saw at this step's position + the sink). */
+__device__ __forceinline__ unsigned int hk_rows(const hk_put_args &a) {
+    return a.dyn ? (unsigned int)ds4_att_rows(a.step->pos0 + a.pos_add, a.W, a.ratio, a.k) + 1u : a.d1;
+}
+
 /* Publish every slot written so far (their data was written by kernels that completed before
  * this one, or by this thread before this call). */
 __device__ __forceinline__ void hk_publish_now(const hk_put_args &a) {
@@ -109,42 +118,55 @@ __device__ __forceinline__ void hk_publish_now(const hk_put_args &a) {
     hk_store_release(&a.H->pub, a.D->fill);
 }
 
-/* The reservation, by one thread: the record's descriptor (and a pending gap's) into the
- * control ring, its payload's place in the payload ring.  false: dropped. */
-__device__ bool hk_reserve(const hk_put_args &a, unsigned long long *off_words, unsigned int *d1_out) {
-    hk_dev *D = a.D;
-    const int pos = a.step->pos0 + a.pos_add;
-    const unsigned int d1 = a.dyn ? (unsigned int)ds4_att_rows(pos, a.W, a.ratio, a.k) + 1u : a.d1;
-    const unsigned long long words = (unsigned long long)a.d0 * d1 * a.d2;
-    const unsigned long long need = (words + 1ull) & ~1ull;          /* padded to 8 bytes */
-    ds4h_record r;
-    memset(&r, 0, sizeof r);
-    r.magic = DS4H_RECORD_MAGIC;
-    r.hook = a.hook;
-    r.seq = D->seq++;
-    r.layer = a.layer;
-    r.pos = (uint32_t)pos;
-    r.step = (uint32_t)a.step->call;
-    r.dtype = (uint8_t)a.dtype;
-    r.ndim = (uint8_t)a.ndim;
-    r.shape[0] = a.d0; r.shape[1] = d1; r.shape[2] = a.d2; r.shape[3] = 1;
-    r.nbytes = words * 4ull;
-    const unsigned long long slots = D->gap_n ? 2ull : 1ull;
+/* The reservation of n records (one launch's), by one thread: their descriptors (and a
+ * pending gap's) into the control ring, their payloads' places in the payload ring -- all
+ * or none, so a launch never publishes a record of its own whose payload it has not yet
+ * copied.  Space is checked against the device's copy of the drained counters first; the
+ * host's (across PCIe) are read only when that copy shows too little.  false: dropped. */
+__device__ bool hk_reserve(const hk_put_args *a, int n, unsigned long long *off_words, unsigned int *d1_out) {
+    hk_dev *D = a[0].D;
+    ds4h_record r[HK_MANY];
+    unsigned long long need[HK_MANY], total = 0;
+    for (int i = 0; i < n; i++) {
+        const int pos = a[i].step->pos0 + a[i].pos_add;
+        const unsigned int d1 = hk_rows(a[i]);
+        const unsigned long long words = (unsigned long long)a[i].d0 * d1 * a[i].d2;
+        need[i] = (words + 1ull) & ~1ull;                               /* padded to 8 bytes */
+        total += need[i];
+        d1_out[i] = d1;
+        memset(&r[i], 0, sizeof r[i]);
+        r[i].magic = DS4H_RECORD_MAGIC;
+        r[i].hook = a[i].hook;
+        r[i].seq = D->seq++;
+        r[i].layer = a[i].layer;
+        r[i].pos = (uint32_t)pos;
+        r[i].step = (uint32_t)a[i].step->call;
+        r[i].dtype = (uint8_t)a[i].dtype;
+        r[i].ndim = (uint8_t)a[i].ndim;
+        r[i].shape[0] = a[i].d0; r[i].shape[1] = d1; r[i].shape[2] = a[i].d2; r[i].shape[3] = 1;
+        r[i].nbytes = words * 4ull;
+    }
+    const unsigned long long slots = (unsigned long long)n + (D->gap_n ? 1ull : 0ull);
+    unsigned long long dfill = D->dfill_c, dpay = D->dpay_c;
     bool waited = false;
-    for (;;) {
-        const unsigned long long dfill = hk_load_acquire(&a.H->drained_fill);
-        const unsigned long long dpay = hk_load_acquire(&a.H->drained_pay) / 4ull;   /* bytes -> words */
-        if (D->fill + slots - dfill <= a.cap_slots && D->pay + need - dpay <= a.cap_words) break;
-        if (a.drop) {
-            if (D->gap_n == 0) D->gap = r;
-            D->gap_n++;
-            D->dropped++;
+    while (!(D->fill + slots - dfill <= a[0].cap_slots && D->pay + total - dpay <= a[0].cap_words)) {
+        dfill = hk_load_acquire(&a[0].H->drained_fill);
+        dpay = hk_load_acquire(&a[0].H->drained_pay) / 4ull;           /* bytes -> words */
+        D->dfill_c = dfill;
+        D->dpay_c = dpay;
+        if (D->fill + slots - dfill <= a[0].cap_slots && D->pay + total - dpay <= a[0].cap_words) break;
+        if (a[0].drop) {
+            for (int i = 0; i < n; i++) {
+                if (D->gap_n == 0) D->gap = r[i];
+                D->gap_n++;
+                D->dropped++;
+            }
             return false;
         }
         if (!waited) {
             waited = true;
             D->waits++;
-            hk_publish_now(a);
+            hk_publish_now(a[0]);
         }
         __nanosleep(HK_POLL_NS);
     }
@@ -155,49 +177,100 @@ __device__ bool hk_reserve(const hk_put_args &a, unsigned long long *off_words, 
         g.shape[0] = (uint32_t)D->gap_n; g.shape[1] = g.shape[2] = g.shape[3] = 1;
         g.nbytes = 0;
         g.reserved = D->pay * 4ull;
-        a.ring[D->fill % a.cap_slots] = g;
+        a[0].ring[D->fill % a[0].cap_slots] = g;
         D->fill++;
         D->gap_n = 0;
     }
-    r.reserved = D->pay * 4ull;
-    a.ring[D->fill % a.cap_slots] = r;
-    D->fill++;
-    *off_words = D->pay;
-    *d1_out = d1;
-    D->pay += need;
+    for (int i = 0; i < n; i++) {
+        r[i].reserved = D->pay * 4ull;
+        a[0].ring[D->fill % a[0].cap_slots] = r[i];
+        D->fill++;
+        off_words[i] = D->pay;
+        D->pay += need[i];
+    }
     return true;
 }
 
-/* Elements [e0, n) step es of the record into the payload ring at word offset off. */
-__device__ __forceinline__ void hk_copy(const hk_put_args &a, unsigned long long off, unsigned int d1,
-                                        unsigned long long e0, unsigned long long es) {
-    const unsigned long long n = (unsigned long long)a.d0 * d1 * a.d2;
+/* The copy.  A producer is a node on the step's critical path, so its copy is latency-bound:
+ * each thread issues HK_U loads before it stores any of them (HK_U x threads elements in
+ * flight per round, one memory latency each), the ring position wraps by one comparison
+ * (a record is never larger than the ring), and k_hook_put's threads load their first
+ * round of the largest record while thread 0 reserves.  On flash16 with graphs (H200) a
+ * decode producer added ~6.5 us to the step with a scalar copy loop (a 64-bit modulo per
+ * element) and ~4.5 us with this one; a drain kept idle during the decode changed nothing,
+ * so what is left is the producer node itself (bench/RESULTS.md, seventh pass). */
+#define HK_U 8
+
+/* Where element e of the record is in its source (rows d0 of d1 x d2, strides s0, s1). */
+__device__ __forceinline__ unsigned long long hk_src_index(const hk_put_args &a, unsigned int d1, unsigned long long e) {
     const unsigned long long inner = (unsigned long long)d1 * a.d2;
-    const bool dense = a.s0 == (long long)inner && a.s1 == (long long)a.d2;
-    for (unsigned long long e = e0; e < n; e += es) {
-        unsigned long long si = e;
-        if (!dense) {
-            const unsigned long long i0 = e / inner, rem = e % inner;
-            si = i0 * (unsigned long long)a.s0 + (rem / a.d2) * (unsigned long long)a.s1 + rem % a.d2;
-        }
-        a.pay[(off + e) % a.cap_words] = __ldcg(a.src + si);
+    if (a.s0 == (long long)inner && a.s1 == (long long)a.d2) return e;
+    const unsigned long long i0 = e / inner, rem = e % inner;
+    return i0 * (unsigned long long)a.s0 + (rem / a.d2) * (unsigned long long)a.s1 + rem % a.d2;
+}
+
+/* One round: elements e, e + es, ... (HK_U of them, those below n) into v. */
+__device__ __forceinline__ void hk_load_round(const hk_put_args &a, unsigned int d1, unsigned long long n,
+                                              unsigned long long e, unsigned long long es, unsigned int *v) {
+#pragma unroll
+    for (int j = 0; j < HK_U; j++) {
+        const unsigned long long ej = e + (unsigned long long)j * es;
+        v[j] = ej < n ? __ldcg(a.src + hk_src_index(a, d1, ej)) : 0u;
     }
 }
 
-/* One block: reserve, then copy (records up to HK_ONE_BLOCK bytes). */
-__global__ void __launch_bounds__(HK_PUT_THREADS) k_hook_put(hk_put_args a) {
-    ds4_grid_dep();
-    __shared__ unsigned long long off_s;
-    __shared__ unsigned int d1_s, ok_s;
-    if (threadIdx.x == 0) {
-        unsigned long long off = 0;
-        unsigned int d1 = 0;
-        ok_s = hk_reserve(a, &off, &d1) ? 1u : 0u;
-        off_s = off;
-        d1_s = d1;
+/* ... and into the payload ring, the record starting at ring word o (< cap_words). */
+__device__ __forceinline__ void hk_store_round(const hk_put_args &a, unsigned long long o, unsigned long long n,
+                                               unsigned long long e, unsigned long long es, const unsigned int *v) {
+#pragma unroll
+    for (int j = 0; j < HK_U; j++) {
+        const unsigned long long ej = e + (unsigned long long)j * es;
+        if (ej < n) {
+            unsigned long long w = o + ej;
+            if (w >= a.cap_words) w -= a.cap_words;
+            a.pay[w] = v[j];
+        }
     }
+}
+
+/* Elements [e0, n) step es of the record into the payload ring at word offset off; the first
+ * round already loaded into pre when pre is not NULL. */
+__device__ __forceinline__ void hk_copy(const hk_put_args &a, unsigned long long off, unsigned int d1,
+                                        unsigned long long e0, unsigned long long es, const unsigned int *pre) {
+    const unsigned long long n = (unsigned long long)a.d0 * d1 * a.d2;
+    const unsigned long long o = off % a.cap_words, round = (unsigned long long)HK_U * es;
+    unsigned int v[HK_U];
+    unsigned long long e = e0;
+    if (pre) {
+        hk_store_round(a, o, n, e, es, pre);
+        e += round;
+    }
+    for (; e < n; e += round) {
+        hk_load_round(a, d1, n, e, es, v);
+        hk_store_round(a, o, n, e, es, v);
+    }
+}
+
+/* A launch's records (ds4_gpu.h hook_put: up to HK_MANY, made at the same point of the step);
+ * big: the largest, whose first round is loaded during the reservation. */
+struct hk_put_batch {
+    int         n, big;
+    hk_put_args a[HK_MANY];
+};
+
+/* One block: reserve them all, then copy each (together at most HK_ONE_BLOCK bytes). */
+__global__ void __launch_bounds__(HK_PUT_THREADS) k_hook_put(hk_put_batch b) {
+    ds4_grid_dep();
+    __shared__ unsigned long long off_s[HK_MANY];
+    __shared__ unsigned int d1_s[HK_MANY], ok_s;
+    unsigned int pre[HK_U];
+    const unsigned int d1b = hk_rows(b.a[b.big]);
+    hk_load_round(b.a[b.big], d1b, (unsigned long long)b.a[b.big].d0 * d1b * b.a[b.big].d2, threadIdx.x, blockDim.x, pre);
+    if (threadIdx.x == 0) ok_s = hk_reserve(b.a, b.n, off_s, d1_s) ? 1u : 0u;
     __syncthreads();
-    if (ok_s) hk_copy(a, off_s, d1_s, threadIdx.x, blockDim.x);
+    if (!ok_s) return;
+    for (int i = 0; i < b.n; i++)
+        hk_copy(b.a[i], off_s[i], d1_s[i], threadIdx.x, blockDim.x, i == b.big ? pre : NULL);
 }
 
 /* The two-launch path: one thread reserves ... */
@@ -206,7 +279,7 @@ __global__ void k_hook_reserve(hk_put_args a) {
     if (threadIdx.x != 0) return;
     unsigned long long off = 0;
     unsigned int d1 = 0;
-    a.D->cur_ok = hk_reserve(a, &off, &d1) ? 1u : 0u;
+    a.D->cur_ok = hk_reserve(&a, 1, &off, &d1) ? 1u : 0u;
     a.D->cur_off = off;
     a.D->cur_d1 = d1;
 }
@@ -216,7 +289,7 @@ __global__ void __launch_bounds__(HK_COPY_THREADS) k_hook_copy(hk_put_args a) {
     ds4_grid_dep();
     if (!a.D->cur_ok) return;
     hk_copy(a, a.D->cur_off, a.D->cur_d1, (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x,
-            (unsigned long long)gridDim.x * blockDim.x);
+            (unsigned long long)gridDim.x * blockDim.x, NULL);
 }
 
 __global__ void k_hook_publish(hk_dev *D, hk_host *H) {
@@ -425,33 +498,38 @@ static int cuda_hooks_open(const ds4_hooks_cfg *cfg, char *err, size_t errlen) {
     return 0;
 }
 
-static void cuda_hook_put(const ds4_hook_put *p) {
-    ds4_session *S = sess();
-    hk_emitter *E = S->hk;
-    if (!E) {
-        fprintf(stderr, "ds4: hook_put with no emitter open (ds4_gpu.h hooks_open)\n");
-        exit(1);
-    }
+static hk_put_args hk_args(const hk_emitter *E, const ds4_hook_put *p) {
     hk_put_args a;
     memset(&a, 0, sizeof a);
     a.D = E->D; a.H = E->Hd; a.ring = E->ring; a.pay = (unsigned int *)E->pay;
     a.cap_slots = E->cap_slots; a.cap_words = E->cap_bytes / 4; a.drop = E->drop;
     a.step = p->step;
+    a.src = (const unsigned int *)p->src;
     a.s0 = p->s0; a.s1 = p->s1;
     a.hook = (unsigned int)p->hook; a.dtype = (unsigned int)p->dtype; a.ndim = (unsigned int)p->ndim;
-    a.d1 = p->d1; a.d2 = p->d2;
+    a.d0 = p->d0; a.d1 = p->d1; a.d2 = p->d2;
     a.layer = p->layer;
+    a.pos_add = p->pos_add;
     a.dyn = p->dyn; a.W = p->W; a.ratio = p->ratio; a.k = p->k;
-    if (p->dyn) {
-        /* attn_probs: one token's [H][rows + 1], at most H x ld: one block (hooks_open sized
-         * the ring for it) */
-        a.src = (const unsigned int *)p->src;
-        a.d0 = p->d0;
-        a.pos_add = p->pos_add;
-        DS4_LAUNCH(k_hook_put, 1, HK_PUT_THREADS, 0, a);
+    return a;
+}
+
+static void hk_launch_put(hk_put_batch *b) {
+    DS4_LAUNCH(k_hook_put, 1, HK_PUT_THREADS, 0, *b);
+}
+
+/* One record: rows of at most a quarter of the ring per record, so any prompt streams
+ * through; one block up to HK_ONE_BLOCK bytes, a reservation and a grid above. */
+static void hk_put_one(const hk_emitter *E, const ds4_hook_put *p) {
+    hk_put_batch b;
+    memset(&b, 0, sizeof b);
+    b.n = 1;
+    b.a[0] = hk_args(E, p);
+    if (p->dyn) {               /* attn_probs: one token's [H][rows + 1]; hooks_open sized the ring for it */
+        hk_launch_put(&b);
         return;
     }
-    /* rows of at most a quarter of the ring per record, so any prompt streams through */
+    hk_put_args &a = b.a[0];
     const unsigned long long row = (unsigned long long)p->d1 * p->d2 * 4ull;
     unsigned long long per = row ? (E->cap_bytes / 4) / row : p->d0;
     if (per < 1) per = 1;
@@ -462,7 +540,7 @@ static void cuda_hook_put(const ds4_hook_put *p) {
         a.pos_add = p->pos_add + (int)r0;
         const unsigned long long bytes = rows * row;
         if (bytes <= HK_ONE_BLOCK) {
-            DS4_LAUNCH(k_hook_put, 1, HK_PUT_THREADS, 0, a);
+            hk_launch_put(&b);
         } else {
             const unsigned long long words = bytes / 4;
             unsigned long long blocks = (words + HK_COPY_THREADS * 4 - 1) / (HK_COPY_THREADS * 4);
@@ -471,6 +549,36 @@ static void cuda_hook_put(const ds4_hook_put *p) {
             DS4_LAUNCH(k_hook_copy, (unsigned)blocks, HK_COPY_THREADS, 0, a);
         }
     }
+}
+
+/* n records made at the same point of the step: one launch when they are small together (a
+ * decode step's), so a step pays one node for them; otherwise one at a time. */
+static void cuda_hook_put(const ds4_hook_put *p, int n) {
+    ds4_session *S = sess();
+    hk_emitter *E = S->hk;
+    if (!E) {
+        fprintf(stderr, "ds4: hook_put with no emitter open (ds4_gpu.h hooks_open)\n");
+        exit(1);
+    }
+    unsigned long long total = 0;
+    bool small = n >= 1 && n <= HK_MANY;
+    for (int i = 0; i < n && small; i++) {
+        const unsigned long long b = (unsigned long long)p[i].d0 * p[i].d1 * p[i].d2 * 4ull;
+        total += (b + 7ull) & ~7ull;
+        small = !p[i].dyn;
+    }
+    if (n == 1 || !small || total > HK_ONE_BLOCK || total > E->cap_bytes / 4) {
+        for (int i = 0; i < n; i++) hk_put_one(E, &p[i]);
+        return;
+    }
+    hk_put_batch b;
+    memset(&b, 0, sizeof b);
+    b.n = n;
+    for (int i = 0; i < n; i++) {
+        b.a[i] = hk_args(E, &p[i]);
+        if ((uint64_t)p[i].d0 * p[i].d1 * p[i].d2 > (uint64_t)p[b.big].d0 * p[b.big].d1 * p[b.big].d2) b.big = i;
+    }
+    hk_launch_put(&b);
 }
 
 static void cuda_hooks_publish(void) {

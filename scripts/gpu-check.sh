@@ -23,7 +23,7 @@
 #             CUDA vs CPU values, >= 10^6 records lossless under a throttled drain, exact drops),
 #             memcheck with every hook on (eager, graphs), the pinned copy bandwidth, flash16 decode
 #             with graphs and hooks off / attn / all but attn_probs side by side (2 rounds), and the
-#             drain on a 4096-token prefill with resid (DS4_HOOKS_OUT=/dev/null)
+#             drain on a 4096-token prefill with resid against the same prefill without hooks
 #   all       all of these: build, test, hf, sanitize, spot, bench flash16, kernels, bench tiny+small
 #
 # Rough times on one H200: build ~1 min, test ~2 min, sanitize a few minutes (19 runs, 3 at
@@ -248,9 +248,13 @@ if want hooks; then
       row "hooks bench $h run $r: $(grep -o 'metric=decode_tok_s value=[0-9.]*' "$OUT/hooks-bench-$h-$r.log" || echo 'no result') $(grep -o 'waits=.*' "$OUT/hooks-bench-$h-$r.log")"
     done
   done
-  DS4_HOOKS=resid DS4_HOOKS_OUT=/dev/null timeout 200 build/cuda-"$ARCH"/ds4_bench --model flash16 --backend cuda \
-      --reps 1 --decode 4 --prefill 4096 > "$OUT/hooks-prefill.log" 2>&1
-  row "hooks prefill 4096 resid: $(grep -E '^prefill' "$OUT/hooks-prefill.log" | tail -1) | $(grep -E '^hooks:' "$OUT/hooks-prefill.log")"
+  for h in off resid; do      # the drain when payload-bound, against the same prefill without hooks
+    hk=""; [ $h = resid ] && hk=DS4_HOOKS=resid
+    env DS4_HOOKS_OUT=/dev/null $hk timeout 200 \
+        build/cuda-"$ARCH"/ds4_bench --model flash16 --backend cuda --reps 1 --decode 4 --prefill 4096 \
+        > "$OUT/hooks-prefill-$h.log" 2>&1
+    row "hooks prefill 4096 $h: $(grep -E '^prefill' "$OUT/hooks-prefill-$h.log" | tail -1) | $(grep -E '^hooks:' "$OUT/hooks-prefill-$h.log")"
+  done
 fi
 
 if want bench; then
