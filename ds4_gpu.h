@@ -302,10 +302,11 @@ typedef struct ds4_backend {
      * drain thread that writes published records to cfg->f; 0, or -1 with one line in err.
      * hook_put enqueues the producer of n records (1..DS4_HOOK_PUT_MAX, made at the same
      * point of the step) on the current stream (captured into a recording like any op);
-     * hooks_publish makes everything produced so far visible to the drain.  hooks_stats: the counters; flush != 0 first waits until every record produced
-     * so far is written (a host wait: never inside a step).  session_free drains and closes
-     * the emitter, writes a last gap record for drops at the end and says in one line how
-     * many records were dropped. */
+     * hooks_publish makes everything produced so far visible to the drain.  hooks_stats:
+     * the counters; flush != 0 first waits until every record produced so far is written (a
+     * host wait: never inside a step).  session_free drains and closes the emitter, writes a
+     * last gap record for drops at the end and says in one line how many records were
+     * dropped. */
     int   (*hooks_open)(const ds4_hooks_cfg *cfg, char *err, size_t errlen);
     void  (*hook_put)(const ds4_hook_put *p, int n);
     void  (*hooks_publish)(void);
