@@ -261,7 +261,8 @@ static cudaError_t ds4_launch_kernel(int line, void (*kernel)(P...), dim3 grid, 
 /* Programmatic dependent launch (DS4_CUDA_GRAPH_PDL, stage 2).  In a recorded region each
  * kernel is launched as a programmatic dependent of the kernel before it
  * (ds4_launch_kernel), so the graph may schedule its blocks before that kernel has
- * finished, which hides most of the gap between two dependent kernel nodes.  So every
+ * finished, which shortens the gap between two dependent kernel nodes (bench/launch_floor
+ * on an H200: 0.78 -> 0.51 us per node; flash16's step 8.39 -> 7.99 ms).  So every
  * kernel starts with ds4_grid_dep(), before it reads or writes anything:
  * griddepcontrol.wait returns once the grids it depends on have completed and their
  * memory is visible (at once for a kernel launched the ordinary way), and only then does
