@@ -3820,6 +3820,17 @@ static void hook_flush(ds4_ctx *c) {
     c->nhq = 0;
 }
 
+/* Its producers may run beside the ops issued after them (ds4_gpu.h hooks_join): before an op
+ * overwrites a tensor a record was made from, and at the end of a span of layers, the step
+ * waits for them.  The overwrites: attention's output projection writes c->f (the MoE output
+ * and the experts and resid records of the layer before were made from c->f, c->sel, c->wts
+ * and c->x, which nothing in attention before it writes); the MoE writes c->sel, c->wts and
+ * c->f (the attn record was made from c->f, attn_probs from c->aprobs, which the next
+ * layer's attention rewrites after that); the publication joins by itself. */
+static void hooks_join(ds4_ctx *c) {
+    if (c->hdev) c->be->hooks_join();
+}
+
 /* One record: the tensor at data (backend memory), rows d0 of d1 x d2, its first row at
  * position c->pos + pos_add.  A device emitter gets a producer on the stream (the position
  * and the call index are read from the step block when it runs); the CPU writes it now. */
@@ -4136,6 +4147,7 @@ static void fwd_attention(ds4_ctx *c, int il, const float *hn, int nt, float *ou
     be->attention_step(c->q, c->kv, S->ring, hp->n_swa, c->step, nt, H, d, S->comp, ratio,
                        ratio == 4 ? c->topk : NULL, k, L->attn_sinks.dev, 1.0f / sqrtf((float)d), rp, c->o);
     be->matmul_grouped(&L->out_a, hp->o_groups, c->o, c->oa, nt);
+    hooks_join(c);              /* out is c->f: the previous layer's records were made from it */
     be->matmul(&L->out_b, 0, c->oa, out, nt);
 }
 
@@ -4197,9 +4209,13 @@ static void fwd_span(ds4_ctx *c, int l0, int l1, int nt, int all_rows) {
         hook_flush(c);
         be->hc_pre(c->f, c->x, c->x2, &L->hc_ffn_fn, L->hc_ffn_scale.dev, L->hc_ffn_base.dev,
                    L->ffn_norm.dev, nt, D, hc, 0, eps, heps, it, c->flat, c->mix, c->h, c->post, c->comb);
+        hooks_join(c);          /* the MoE rewrites c->f (the attn record's source) */
         fwd_moe(c, il, c->h, nt, c->f);
     }
-    if (l1 < hp->n_layer) return;
+    if (l1 < hp->n_layer) {
+        hooks_join(c);          /* a recorded region ends joined */
+        return;
+    }
     /* head: the last update, collapse the streams, normalise, project to the vocabulary */
     be->hc_pre(c->f, c->x2, c->x, &m->output_hc_fn, m->output_hc_scale.dev, m->output_hc_base.dev,
                m->output_norm.dev, nt, D, hc, 1, eps, heps, it, c->flat, c->mix, c->h, c->post, c->comb);

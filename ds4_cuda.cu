@@ -4157,6 +4157,7 @@ static ds4_backend make_cuda_backend(void) {
     b.hooks_open = cuda_hooks_open;
     b.hook_put = cuda_hook_put;
     b.hooks_publish = cuda_hooks_publish;
+    b.hooks_join = cuda_hooks_join;
     b.hooks_stats = cuda_hooks_stats;
     return b;
 }

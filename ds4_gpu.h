@@ -301,8 +301,13 @@ typedef struct ds4_backend {
      * hooks_open starts the bound session's emitter: device rings, pinned staging and a
      * drain thread that writes published records to cfg->f; 0, or -1 with one line in err.
      * hook_put enqueues the producer of n records (1..DS4_HOOK_PUT_MAX, made at the same
-     * point of the step) on the current stream (captured into a recording like any op);
-     * hooks_publish makes everything produced so far visible to the drain.  hooks_stats:
+     * point of the step), ordered after the work issued so far on the current stream
+     * (captured into a recording like any op) but possibly running beside the work issued
+     * after it; hooks_join orders the work issued after it on the current stream after every
+     * producer enqueued so far: the core calls it before an op overwrites a tensor a record
+     * was made from, and at the end of every span of layers (a recorded region must end
+     * joined).  hooks_publish (which joins first) makes everything produced so far visible to
+     * the drain.  hooks_stats:
      * the counters; flush != 0 first waits until every record produced so far is written (a
      * host wait: never inside a step).  session_free drains and closes the emitter, writes a
      * last gap record for drops at the end and says in one line how many records were
@@ -310,6 +315,7 @@ typedef struct ds4_backend {
     int   (*hooks_open)(const ds4_hooks_cfg *cfg, char *err, size_t errlen);
     void  (*hook_put)(const ds4_hook_put *p, int n);
     void  (*hooks_publish)(void);
+    void  (*hooks_join)(void);
     void  (*hooks_stats)(ds4_hooks_stats *st, int flush);
 
     /* ---- ops ---- */

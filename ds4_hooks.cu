@@ -9,8 +9,10 @@
  *   - the payload ring: raw bytes, each record's payload padded to 8;
  *   - the drain thread: it copies published spans of both rings, in large device-to-host
  *     copies on its own stream, into pinned staging and writes them to the file.
- * A producer (hook_put) is a kernel on the compute stream, issued right after the op that made
- * the tensor, so a capture records it like any op.  It computes every address from the
+ * A producer (hook_put) is a kernel issued right after the op that made the tensor, on the
+ * emitter's side stream forked from the compute stream (hk_fork), so a capture records it
+ * like any op -- as a branch beside the step's kernels, joined back before the tensor is
+ * overwritten (hooks_join).  It computes every address from the
  * device-resident 64-bit heads (struct hk_dev) when it runs, and reads the position and the
  * step from the step block, so one recording serves every position; attn_probs, whose size
  * grows with the position, takes its size from the step block too.  The device assigns
@@ -313,6 +315,9 @@ struct hk_emitter {
     char               *path;
     int                 device;
     cudaStream_t        drain;         /* the drain's own non-blocking stream */
+    cudaStream_t        side;          /* the producers' stream, forked from the compute stream */
+    cudaEvent_t         ev_fork, ev_join;
+    bool                pending;       /* producers forked since the last join */
     ds4h_record        *st_desc;       /* pinned staging */
     unsigned char      *st_pay;
     pthread_t           thr;
@@ -416,7 +421,50 @@ static void *hk_drain_main(void *arg) {
     return NULL;
 }
 
+/* The side stream.  A producer only reads tensors the step has made; nothing in the step
+ * reads what it writes.  So it need not sit on the step's critical path: hk_fork makes the
+ * side stream wait for the work issued so far on the compute stream, the producers are issued
+ * there (ds4_stream_push: every op still goes to ds4_current_stream()), and hk_join -- which
+ * the core calls (hooks_join) before an op overwrites a tensor a pending record was made
+ * from, and which publication and the end of every recorded region imply -- makes the compute
+ * stream wait for them.  Under a capture the events become graph edges, not nodes: a
+ * producer is a branch beside the kernels that run while it copies.  The producers stay
+ * ordered among themselves (one stream), so sequence numbers and the stream's bytes are what
+ * they were on the compute stream.  An event call that fails during a capture fails the
+ * capture (launch_check); outside one it is fatal, with one line. */
+static void hk_event_op(cudaError_t e, const char *what, int line) {
+    if (e != cudaSuccess && !(g_sess && g_sess->capturing)) {
+        fprintf(stderr, "ds4: CUDA error %s (%s) in the hook emitter's %s at %s:%d\n", cudaGetErrorName(e),
+                cudaGetErrorString(e), what, __FILE__, line);
+        exit(1);
+    }
+    launch_check(e, __FILE__, line);
+}
+
+static void hk_fork(hk_emitter *E) {
+    hk_event_op(cudaEventRecord(E->ev_fork, ds4_current_stream()), "fork", __LINE__);
+    if (ds4_stream_push(E->side) != 0) {
+        fprintf(stderr, "ds4: the hook emitter cannot push its stream (ds4_stream.h: %d overrides deep)\n",
+                DS4_STREAM_DEPTH);
+        exit(1);
+    }
+    hk_event_op(cudaStreamWaitEvent(ds4_current_stream(), E->ev_fork, 0), "fork", __LINE__);
+}
+
+static void hk_unfork(hk_emitter *E) {
+    hk_event_op(cudaEventRecord(E->ev_join, ds4_current_stream()), "join", __LINE__);
+    ds4_stream_pop();
+    E->pending = true;
+}
+
+static void hk_join(hk_emitter *E) {
+    if (!E->pending) return;
+    hk_event_op(cudaStreamWaitEvent(ds4_current_stream(), E->ev_join, 0), "join", __LINE__);
+    E->pending = false;
+}
+
 static void hk_launch_publish(hk_emitter *E) {
+    hk_join(E);                 /* every producer before the publication */
     DS4_LAUNCH(k_hook_publish, 1, 32, 0, E->D, E->Hd);
 }
 
@@ -443,6 +491,9 @@ static void hk_free(hk_emitter *E) {
     host_free(E->st_desc);
     host_free(E->st_pay);
     if (E->drain) DS4_CUDA_CHECK(cudaStreamDestroy(E->drain));
+    if (E->side) DS4_CUDA_CHECK(cudaStreamDestroy(E->side));
+    if (E->ev_fork) DS4_CUDA_CHECK(cudaEventDestroy(E->ev_fork));
+    if (E->ev_join) DS4_CUDA_CHECK(cudaEventDestroy(E->ev_join));
     free(E->path);
     free(E);
 }
@@ -477,6 +528,9 @@ static int cuda_hooks_open(const ds4_hooks_cfg *cfg, char *err, size_t errlen) {
     ok = ok && host_alloc((void **)&E->st_desc, E->cap_slots * sizeof(ds4h_record)) == cudaSuccess;
     ok = ok && host_alloc((void **)&E->st_pay, E->cap_bytes) == cudaSuccess;
     ok = ok && cudaStreamCreateWithFlags(&E->drain, cudaStreamNonBlocking) == cudaSuccess;
+    ok = ok && cudaStreamCreateWithFlags(&E->side, cudaStreamNonBlocking) == cudaSuccess;
+    ok = ok && cudaEventCreateWithFlags(&E->ev_fork, cudaEventDisableTiming) == cudaSuccess;
+    ok = ok && cudaEventCreateWithFlags(&E->ev_join, cudaEventDisableTiming) == cudaSuccess;
     if (!ok) {
         snprintf(err, errlen, "DS4_HOOKS: cannot allocate the hook rings (%llu + %llu bytes of device memory, "
                  "as much pinned): %s", (unsigned long long)E->cap_bytes,
@@ -567,18 +621,25 @@ static void cuda_hook_put(const ds4_hook_put *p, int n) {
         total += (b + 7ull) & ~7ull;
         small = !p[i].dyn;
     }
+    hk_fork(E);
     if (n == 1 || !small || total > HK_ONE_BLOCK || total > E->cap_bytes / 4) {
         for (int i = 0; i < n; i++) hk_put_one(E, &p[i]);
-        return;
+    } else {
+        hk_put_batch b;
+        memset(&b, 0, sizeof b);
+        b.n = n;
+        for (int i = 0; i < n; i++) {
+            b.a[i] = hk_args(E, &p[i]);
+            if ((uint64_t)p[i].d0 * p[i].d1 * p[i].d2 > (uint64_t)p[b.big].d0 * p[b.big].d1 * p[b.big].d2) b.big = i;
+        }
+        hk_launch_put(&b);
     }
-    hk_put_batch b;
-    memset(&b, 0, sizeof b);
-    b.n = n;
-    for (int i = 0; i < n; i++) {
-        b.a[i] = hk_args(E, &p[i]);
-        if ((uint64_t)p[i].d0 * p[i].d1 * p[i].d2 > (uint64_t)p[b.big].d0 * p[b.big].d1 * p[b.big].d2) b.big = i;
-    }
-    hk_launch_put(&b);
+    hk_unfork(E);
+}
+
+static void cuda_hooks_join(void) {
+    ds4_session *S = sess();
+    if (S->hk) hk_join(S->hk);
 }
 
 static void cuda_hooks_publish(void) {
