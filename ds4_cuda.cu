@@ -1462,7 +1462,10 @@ __device__ __forceinline__ void mv_dot_vec(const uint4 *v, const float (&xr)[NT]
 
 template <int TYPE, int NT, int MODE>
 __global__ void __launch_bounds__(MV_THREADS, NT >= 4 ? 1 : NT >= 2 ? 2 : MV_MIN_BLOCKS) k_matvec(const mv_args a) {
-    ds4_grid_dep();
+    /* NOTE(pdl prologue): dense mode reads nothing another kernel writes until its grid wait
+     * below -- the weights and the step block are the host's -- so its first rows' copies can
+     * be in flight while the kernel before it finishes */
+    if (MODE != MV_DENSE) ds4_grid_dep();   /* NOTE(pdl prologue): the MoE modes read the experts chosen */
     constexpr bool DUAL = MODE == MV_GATE_UP;
     constexpr int NMAT = DUAL ? 2 : 1;
     constexpr int NPLANE = DUAL ? 2 : NT;
@@ -1524,6 +1527,7 @@ __global__ void __launch_bounds__(MV_THREADS, NT >= 4 ? 1 : NT >= 2 ? 2 : MV_MIN
             cp_async_commit();
         }
     }
+    if (MODE == MV_DENSE) ds4_grid_dep();   /* NOTE(pdl prologue): x, written by the kernel before */
 
     /* activations: coalesced loads of all S slices by the block, one token
      * at a time, then each lane takes its 32 values in 16-byte reads */

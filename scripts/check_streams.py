@@ -28,7 +28,9 @@ that they hold for every later change:
   pdl       (engine files only) every kernel (__global__ function) begins with ds4_grid_dep(),
             before it touches memory: in a recorded region with DS4_CUDA_GRAPH_PDL (stage 2) a
             kernel may be scheduled before the one it depends on has finished, and that call is
-            its wait;
+            its wait.  The one exception is a reviewed prologue that reads only what no kernel
+            writes (weights): a NOTE(pdl prologue) comment right after the kernel's brace, and
+            the marker on or above each ds4_grid_dep() of the body;
 
 Comments and string literals are ignored (their text is blanked, line numbers kept).
 
@@ -212,9 +214,25 @@ def check_file(path, engine):
                 par = code.find("(", par + len(args) + 2)
             if not rest.startswith("{"):
                 continue                          # a declaration
-            if not re.match(r"\{\s*ds4_grid_dep\s*\(\s*\)\s*;", rest):
+            if re.match(r"\{\s*ds4_grid_dep\s*\(\s*\)\s*;", rest):
+                continue
+            # or a reviewed prologue: a NOTE(pdl prologue) comment right after the brace, and
+            # the body waits (each of its waits carries the marker too)
+            brace = len(code) - len(rest)
+            depth, end = 0, len(code)
+            for j in range(brace, len(code)):
+                depth += {"{": 1, "}": -1}.get(code[j], 0)
+                if depth == 0:
+                    end = j
+                    break
+            first_code = len(rest[1:]) - len(rest[1:].lstrip())
+            waits = [w.start() + brace for w in re.finditer(r"\bds4_grid_dep\s*\(", code[brace:end])]
+            marked = "NOTE(pdl prologue)" in text[brace + 1:brace + 1 + first_code] and waits and all(
+                any("NOTE(pdl prologue)" in l for l in lines[max(0, line_of(w) - 4):line_of(w)]) for w in waits)
+            if not marked:
                 bad(m.start(), "pdl", "a kernel whose first statement is not ds4_grid_dep(); (a programmatic "
-                                      "dependent launch would let it run before its inputs are written)")
+                                      "dependent launch would let it run before its inputs are written; a "
+                                      "reviewed prologue says NOTE(pdl prologue) at the top and at each wait)")
         # count: the enclosing function (from the last line starting at column 0 with an
         # identifier and a parenthesis, to the next line that is a lone "}") bumps a counter
         for name, p in calls(code, COUNTED):

@@ -123,6 +123,34 @@ def test_kernels_start_with_grid_dep():
     assert check("--other", write("pdl-other", none)).returncode == 0
 
 
+PROLOGUE = """\
+__device__ __forceinline__ void ds4_grid_dep(void) {}
+__global__ void k_pro(const float *w, const float *x, float *y) {
+    /* NOTE(pdl prologue): w is a weight */
+    const float a = w[0];
+    const float b = w[1];
+    const float c = w[2];
+    const float d = w[3];
+    ds4_grid_dep();   /* NOTE(pdl prologue): x is the kernel before's */
+    y[0] = a * b * c * d * x[0];
+}
+"""
+
+
+def test_kernel_prologue_marked():
+    """pdl: a reviewed prologue before the wait passes only with the marker at the top and at
+    every wait of the body."""
+    r = check("--engine", write("pro-good", PROLOGUE))
+    assert r.returncode == 0, r.stdout
+    for name, text in [
+        ("pro-no-top", PROLOGUE.replace("/* NOTE(pdl prologue): w is a weight */", "/* w is a weight */")),
+        ("pro-no-wait-mark", PROLOGUE.replace("   /* NOTE(pdl prologue): x is the kernel before's */", "")),
+        ("pro-no-wait", PROLOGUE.replace("    ds4_grid_dep();   /* NOTE(pdl prologue): x is the kernel before's */\n", "")),
+    ]:
+        r = check("--engine", write(name, text))
+        assert r.returncode == 1 and ":2: pdl:" in r.stdout, (name, r.stdout)
+
+
 def test_define_without_set_stream_fails():
     text = GOOD.replace("cublasSetStream(g.blas, ds4_current_stream()); ", "", 1)
     r = check("--engine", write("define", text))
