@@ -2528,6 +2528,10 @@ static int  cpu_init(void) { pool_start(); return 0; }
 static int  cpu_upload_weight(ds4_weight *w) { w->dev = (void *)w->host; return 0; }
 static void cpu_release_weight(ds4_weight *w) { w->dev = NULL; }
 static void cpu_synchronize(void) {}
+static int  cpu_supports_type(int t) {
+    return t == DS4_TYPE_F32 || t == DS4_TYPE_F16 || t == DS4_TYPE_BF16 || t == DS4_TYPE_Q8_0 || t == DS4_TYPE_Q2_K ||
+           t == DS4_TYPE_Q4_K || t == DS4_TYPE_IQ2_XXS || t == DS4_TYPE_I32;
+}
 /* The CPU backend keeps no per-context state: a session is a token. */
 static char g_cpu_session;
 static void *cpu_session_new(const ds4_limits *lim) { (void)lim; return &g_cpu_session; }
@@ -3137,7 +3141,7 @@ static const ds4_backend g_cpu_backend = {
     .init = cpu_init, .alloc = cpu_alloc, .free = cpu_free,
     .upload = cpu_memcpy, .download = cpu_memcpy, .copy = cpu_memcpy,
     .upload_weight = cpu_upload_weight, .release_weight = cpu_release_weight,
-    .synchronize = cpu_synchronize,
+    .synchronize = cpu_synchronize, .supports_type = cpu_supports_type,
     .session_new = cpu_session_new, .session_free = cpu_session_free, .session_bind = cpu_session_bind,
     .session_stats = cpu_session_stats, .region_begin = cpu_region_begin, .region_end = cpu_region_end,
     .session_reset = cpu_session_reset,
@@ -3190,6 +3194,8 @@ static int model_ape_to_f32(ds4_model *m, ds4_weight *w) {
     return 0;
 }
 
+static int model_scan_finite(ds4_model *m, char *err, size_t errlen);
+
 static ds4_model *model_finish_open(ds4_model *m, const uint8_t *buf, size_t size, int kind,
                                     char *err, size_t errlen) {
     if (ds4_gguf_parse(m, buf, size, err, errlen) != 0) {
@@ -3199,6 +3205,11 @@ static ds4_model *model_finish_open(ds4_model *m, const uint8_t *buf, size_t siz
     m->base = buf;
     m->size = size;
     m->owned_kind = kind;
+    if (model_scan_finite(m, err, errlen) != 0) {
+        m->owned_kind = 2;   /* the caller still owns buf */
+        ds4_model_close(m);
+        return NULL;
+    }
     for (int il = 0; il < m->hp.n_layer; il++)
         if (model_ape_to_f32(m, &m->layers[il].comp_ape) != 0 || model_ape_to_f32(m, &m->layers[il].idx_comp_ape) != 0) {
             errf(err, errlen, "out of memory converting the ape tables");
@@ -3262,6 +3273,66 @@ static int model_weights(ds4_model *m, ds4_weight **out, int cap) {
 
 #define DS4_MAX_WEIGHTS (8 + DS4_MAX_LAYERS * 40)
 
+/* The load-time scan: every stored float of the file that is a number in its own right (F32,
+ * F16 and BF16 values; the f16 scales of Q8_0, Q2_K, Q4_K and IQ2_XXS blocks) must be finite.
+ * A NaN or Inf there (a damaged download, a bad quantizer) would otherwise surface as NaN
+ * logits many steps later.  The quantized payloads (integers and grid indices) cannot hold a
+ * non-finite value.  The scan reads every byte of the float tensors and one 16-bit scale per
+ * block of the quantized ones, on the thread pool (its cost: bench/RESULTS.md). */
+typedef struct { const uint8_t *p; int type; size_t unit; int64_t first; } scan_arg;
+
+static int scan_bad(const uint8_t *u, int type) {
+    switch (type) {
+    case DS4_TYPE_F32: return (gguf_le32(u) & 0x7f800000u) == 0x7f800000u;
+    case DS4_TYPE_F16: case DS4_TYPE_Q8_0: case DS4_TYPE_IQ2_XXS: return (gguf_le16(u) & 0x7c00) == 0x7c00;
+    case DS4_TYPE_BF16: return (gguf_le16(u) & 0x7f80) == 0x7f80;
+    case DS4_TYPE_Q4_K: return (gguf_le16(u) & 0x7c00) == 0x7c00 || (gguf_le16(u + 2) & 0x7c00) == 0x7c00;
+    case DS4_TYPE_Q2_K: return (gguf_le16(u + 80) & 0x7c00) == 0x7c00 || (gguf_le16(u + 82) & 0x7c00) == 0x7c00;
+    default: return 0;
+    }
+}
+
+static void scan_task(void *a_, int64_t i0, int64_t i1) {
+    scan_arg *a = a_;
+    for (int64_t i = i0; i < i1; i++) {
+        if (!scan_bad(a->p + (size_t)i * a->unit, a->type)) continue;
+        int64_t cur = __atomic_load_n(&a->first, __ATOMIC_RELAXED);
+        while ((cur < 0 || i < cur) && !__atomic_compare_exchange_n(&a->first, &cur, i, 0, __ATOMIC_RELAXED,
+                                                                     __ATOMIC_RELAXED)) {}
+        return;                                  /* the first of this range; a lower one is another range's */
+    }
+}
+
+static int model_scan_finite(ds4_model *m, char *err, size_t errlen) {
+    ds4_weight **ws = malloc(sizeof(*ws) * DS4_MAX_WEIGHTS);
+    if (!ws) { errf(err, errlen, "out of memory"); return -1; }
+    const int n = model_weights(m, ws, DS4_MAX_WEIGHTS);
+    int rc = 0;
+    for (int i = 0; i < n && rc == 0; i++) {
+        const ds4_weight *w = ws[i];
+        size_t unit, per;                         /* bytes and elements per scanned unit */
+        switch (w->type) {
+        case DS4_TYPE_F32: unit = 4; per = 1; break;
+        case DS4_TYPE_F16: case DS4_TYPE_BF16: unit = 2; per = 1; break;
+        case DS4_TYPE_Q8_0: unit = DS4_Q8_0_BLOCK_BYTES; per = DS4_QK8_0; break;
+        case DS4_TYPE_Q2_K: unit = DS4_Q2_K_BLOCK_BYTES; per = DS4_QK_K; break;
+        case DS4_TYPE_Q4_K: unit = DS4_Q4_K_BLOCK_BYTES; per = DS4_QK_K; break;
+        case DS4_TYPE_IQ2_XXS: unit = DS4_IQ2_XXS_BLOCK_BYTES; per = DS4_QK_K; break;
+        default: continue;                        /* I32: integers */
+        }
+        scan_arg a = { w->host, w->type, unit, -1 };
+        parallel_for((int64_t)(w->nbytes / unit), 1 << 16, scan_task, &a);
+        if (a.first < 0) continue;
+        const int64_t el = a.first * (int64_t)per, row = el / w->ne[0];
+        errf(err, errlen, "tensor %s holds a NaN or Inf %s (element %lld: row %lld, column %lld); the file is damaged",
+             w->name ? w->name : "?", per > 1 ? "block scale" : "value", (long long)el, (long long)row,
+             (long long)(el - row * w->ne[0]));
+        rc = -1;
+    }
+    free(ws);
+    return rc;
+}
+
 static void model_release_weights(ds4_model *m) {
     if (!m->weights_backend) return;
     const ds4_backend *be = m->weights_backend;
@@ -3307,6 +3378,7 @@ void ds4_model_close(ds4_model *m) {
 }
 
 int    ds4_model_n_vocab(const ds4_model *m) { return m->hp.n_vocab; }
+int64_t ds4_model_n_ctx_train(const ds4_model *m) { return m->hp.n_ctx_train; }
 int    ds4_model_has_vocab(const ds4_model *m) { return m->hp.has_vocab; }
 size_t ds4_model_weight_bytes(const ds4_model *m) { return m->weight_bytes; }
 
@@ -3364,13 +3436,21 @@ void ds4_model_info(const ds4_model *m, FILE *f) {
         cnt[t]++;
     }
     free(ws);
+    /* the backends of this build, each asked which types it takes */
+    const ds4_backend *bes[2] = { ds4_backend_cpu(), NULL };
+#ifdef DS4_CUDA
+    bes[1] = ds4_backend_cuda();
+#endif
     fprintf(f, "%-8s %8s %16s %12s  %s\n", "type", "tensors", "parameters", "GB", "backends");
     uint64_t tp = 0, tb = 0;
     for (int t = 0; t < NT; t++) {
         if (!cnt[t]) continue;
-        const int sb = t == DS4_TYPE_Q2_K || t == DS4_TYPE_Q4_K || t == DS4_TYPE_IQ2_XXS;
+        char names[64] = "";
+        for (int b = 0; b < 2; b++)
+            if (bes[b] && bes[b]->supports_type(t))
+                snprintf(names + strlen(names), sizeof names - strlen(names), "%s%s", names[0] ? ", " : "", bes[b]->name);
         fprintf(f, "%-8s %8llu %16llu %12.3f  %s\n", gguf_tensor_type_name((uint32_t)t), (unsigned long long)cnt[t],
-                (unsigned long long)par[t], byt[t] / 1e9, sb ? "cpu (no CUDA kernels yet)" : "cpu, cuda");
+                (unsigned long long)par[t], byt[t] / 1e9, names[0] ? names : "none in this build");
         tp += par[t];
         tb += byt[t];
     }
@@ -3380,6 +3460,9 @@ void ds4_model_info(const ds4_model *m, FILE *f) {
     fprintf(f, "weights read per decoded token: %.3f GB (dense weights, %d of %d experts per layer, one embedding row)\n",
             ds4_model_decode_bytes(m) / 1e9, m->hp.n_expert_used, m->hp.n_expert);
     fprintf(f, "tokenizer: %s\n", m->hp.has_vocab ? "vocabulary present" : "none (no_vocab: token ids are raw)");
+#ifndef DS4_CUDA
+    fprintf(f, "this build has the cpu backend only (make cuda CUDA_ARCH=... adds cuda)\n");
+#endif
 }
 
 size_t ds4_model_decode_bytes(const ds4_model *m) {
@@ -3614,6 +3697,7 @@ struct ds4_ctx {
     ds4h_selection    *hsel;      /* DS4_HOOKS: what to write (NULL: hooks off) */
     FILE              *hf;        /* DS4_HOOKS_OUT */
     char              *hpath;
+    char              *htmp;      /* where the stream is written until the context exists; NULL: at hpath */
     uint64_t           hseq;      /* records written (the CPU's writer) */
     uint64_t           hbytes;    /* their payload bytes */
     int                hdev;      /* the backend's emitter writes the records (CUDA: ds4_hooks.cu) */
@@ -3651,6 +3735,7 @@ struct ds4_ctx {
     float   *logits;              /* [B][V] */
     void    *allocs[64 + 8 * DS4_MAX_LAYERS];
     int      n_allocs;
+    size_t   bytes;               /* what the allocations took */
 };
 
 /* DS4_HOOKS parsed into sel and checked against the model's layers. */
@@ -3665,16 +3750,40 @@ static int hooks_selection(const ds4_model *m, const ds4_env *env, ds4h_selectio
     return 0;
 }
 
+/* The stream is written to PATH.tmp-PID beside its target and renamed over PATH once the
+ * context exists (ds4_ctx_new's last step), so a run that fails before it starts -- a bad
+ * selection, a prompt too long, no GPU -- leaves an earlier capture at PATH as it was.  A
+ * target that exists and is not a regular file (/dev/null, a pipe) is written in place. */
+static char *hooks_tmp_path(const char *path) {
+    struct stat st;
+    if (stat(path, &st) == 0 && !S_ISREG(st.st_mode)) return NULL;
+    const size_t n = strlen(path) + 32;
+    char *t = malloc(n);
+    if (t) snprintf(t, n, "%s.tmp-%ld", path, (long)getpid());
+    return t;
+}
+
 int ds4_hooks_check(const ds4_model *m, const ds4_env *env, char *err, size_t errlen) {
     if (!env->hooks) return 0;
     ds4h_selection sel;
     if (hooks_selection(m, env, &sel, err, errlen) != 0) return -1;
-    FILE *f = fopen(env->hooks_out, "wb");
-    if (!f) {
-        errf(err, errlen, "DS4_HOOKS_OUT: cannot write %s: %s", env->hooks_out, strerror(errno));
-        return -1;
+    struct stat st;
+    if (stat(env->hooks_out, &st) == 0 && S_ISDIR(st.st_mode)) {
+        errf(err, errlen, "DS4_HOOKS_OUT: cannot write %s: it is a directory", shown(env->hooks_out));
+        return -2;
     }
-    fclose(f);
+    /* try what hooks_open will do, leaving nothing behind and PATH untouched */
+    char *tmp = hooks_tmp_path(env->hooks_out);
+    const int fd = tmp ? open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666)
+                       : open(env->hooks_out, O_WRONLY | O_CLOEXEC);
+    if (fd < 0) {
+        errf(err, errlen, "DS4_HOOKS_OUT: cannot write %s: %s", shown(env->hooks_out), strerror(errno));
+        free(tmp);
+        return -2;
+    }
+    close(fd);
+    if (tmp) unlink(tmp);
+    free(tmp);
     return 0;
 }
 
@@ -3705,7 +3814,8 @@ static int hooks_open(ds4_ctx *c, const ds4_env *env, char *err, size_t errlen) 
         if (fail || !c->aptmp) { errf(err, errlen, "DS4_HOOKS: attn_probs: out of memory"); return -1; }
     }
     c->hpath = strdup(env->hooks_out);
-    c->hf = c->hpath ? fopen(c->hpath, "wb") : NULL;
+    c->htmp = c->hpath ? hooks_tmp_path(c->hpath) : NULL;
+    c->hf = c->hpath ? fopen(c->htmp ? c->htmp : c->hpath, "wb") : NULL;
     if (!c->hf) {
         errf(err, errlen, "DS4_HOOKS_OUT: cannot write %s: %s", env->hooks_out, strerror(errno));
         return -1;
@@ -3873,8 +3983,36 @@ static void *ctx_alloc(ds4_ctx *c, size_t bytes, int *fail) {
     void *p = c->be->alloc(bytes);
     if (!p) { *fail = 1; return NULL; }
     c->allocs[c->n_allocs++] = p;
+    c->bytes += bytes;
     return p;
 }
+
+/* What ds4_ctx_new allocates, computed before it allocates: the buffers that scale with the
+ * context (window ring, compressed and indexer rows, compressor state) and with the batch
+ * (activations).  tests/test_kernels.c holds it to the allocations for small and large sizes. */
+size_t ds4_ctx_plan_bytes(const ds4_model *m, int n_ctx, int max_batch) {
+    const ds4_hparams *hp = &m->hp;
+    if (max_batch <= 0) max_batch = 1;
+    if (max_batch > n_ctx) max_batch = n_ctx;
+    const size_t B = (size_t)max_batch, D = hp->n_embd, hc = hp->n_hc, d = hp->head_dim;
+    const size_t di = hp->idx_dim, Hi = hp->idx_heads;
+    const size_t F = (size_t)hp->n_ff_exp * (hp->n_expert_shared > 0 ? hp->n_expert_shared : 1);
+    const size_t topk = hp->idx_topk > 0 ? hp->idx_topk : 1;
+    size_t kv = 0;
+    for (int il = 0; il < hp->n_layer; il++) {
+        const size_t r = (size_t)hp->ratio[il], cc = r == 4 ? 2 : 1;
+        kv += (size_t)hp->n_swa * d * 4;
+        if (r) kv += ((size_t)n_ctx / r + 1) * d * 4 + 2 * cc * r * cc * d * 4;
+        if (r == 4) kv += ((size_t)n_ctx / 4 + 1) * di * 4 + 2 * 8 * 2 * di * 4;
+    }
+    const size_t per_token = 4 * (1 + 3 * hc * D + (2 + hc) * hc + hc + hc * hc + D + hp->q_lora +
+                                  2 * (size_t)hp->n_head * d + d + (size_t)hp->o_groups * hp->o_lora + D +
+                                  4 * d + 4 * (di ? di : 1) + (Hi * di != 0 ? Hi * di : 1) + (Hi ? Hi : 1) + topk +
+                                  hp->n_expert + 2 * (size_t)hp->n_expert_used + 2 * F + D + hp->n_vocab);
+    return kv + B * per_token;
+}
+
+size_t ds4_ctx_bytes(const ds4_ctx *c) { return c->bytes; }
 
 /* YaRN correction range, computed as ggml does (float arithmetic). */
 static float yarn_corr_dim(int n_dims, int n_ctx_orig, float n_rot, float base) {
@@ -4022,6 +4160,16 @@ ds4_ctx *ds4_ctx_new(ds4_model *m, const ds4_backend *be, int n_ctx, int max_bat
         ds4_ctx_free(c);
         return NULL;
     }
+    /* the context exists: the hook stream takes its target's place (hooks_tmp_path) */
+    if (c->htmp) {
+        if (rename(c->htmp, c->hpath) != 0) {
+            errf(err, errlen, "DS4_HOOKS_OUT: cannot put %s in place: %s", shown(c->hpath), strerror(errno));
+            ds4_ctx_free(c);
+            return NULL;
+        }
+        free(c->htmp);
+        c->htmp = NULL;
+    }
     return c;
 }
 
@@ -4031,6 +4179,8 @@ void ds4_ctx_free(ds4_ctx *c) {
     free(c->step_host);
     if (c->hf && fclose(c->hf) != 0 && !c->herr)
         fprintf(stderr, "ds4: DS4_HOOKS_OUT: closing %s failed: %s\n", c->hpath, strerror(errno));
+    if (c->htmp) unlink(c->htmp);               /* the context never started: PATH stays as it was */
+    free(c->htmp);
     free(c->hpath);
     free(c->hsel);
     free(c->aptmp);

@@ -35,6 +35,7 @@ ds4_model *ds4_model_open_memory(uint8_t *buf, size_t size, int take_ownership, 
 void       ds4_model_close(ds4_model *m);
 
 int    ds4_model_n_vocab(const ds4_model *m);
+int64_t ds4_model_n_ctx_train(const ds4_model *m);   /* deepseek4.context_length */
 int    ds4_model_has_vocab(const ds4_model *m);
 size_t ds4_model_weight_bytes(const ds4_model *m);
 /* Bytes of weights read by one decoded token (dense tensors + the routed
@@ -81,6 +82,12 @@ ds4_model *ds4_synth_open(const char *config, uint64_t seed, int wtype, int n_th
 ds4_ctx *ds4_ctx_new(ds4_model *m, const ds4_backend *be, int n_ctx, int max_batch,
                      char *err, size_t errlen);
 void     ds4_ctx_free(ds4_ctx *c);
+/* The backend bytes a context of n_ctx positions and batches of up to max_batch tokens
+ * allocates (window ring, compressed and indexer rows, compressor state, activations),
+ * computed without allocating: the plan a caller prints or checks before ds4_ctx_new.
+ * ds4_ctx_bytes: what a context did allocate. */
+size_t   ds4_ctx_plan_bytes(const ds4_model *m, int n_ctx, int max_batch);
+size_t   ds4_ctx_bytes(const ds4_ctx *c);
 int      ds4_ctx_pos(const ds4_ctx *c);   /* tokens consumed so far */
 /* Start over at position 0 (the state is overwritten before it is read again). */
 void     ds4_ctx_reset(ds4_ctx *c);
@@ -142,7 +149,9 @@ typedef struct ds4_env {
 } ds4_env;
 int ds4_env_read(ds4_env *env, char *err, size_t errlen);
 /* DS4_HOOKS against a model, before a context is made: its layer ranges fit the model and
- * DS4_HOOKS_OUT can be written (ds4_ctx_new checks the same).  0, or -1 with one line. */
+ * DS4_HOOKS_OUT can be written (ds4_ctx_new checks the same); it writes nothing and leaves an
+ * existing DS4_HOOKS_OUT untouched.  0; -1 (the selection: a usage error) or -2 (the file)
+ * with one line. */
 int ds4_hooks_check(const ds4_model *m, const ds4_env *env, char *err, size_t errlen);
 
 #ifdef __cplusplus

@@ -1,20 +1,33 @@
 /* ds4_cli.c -- the `ds4` program: run a DeepSeek V4 model, or write a synthetic one.
  *
- *   ds4 [-m FILE] [-p TEXT | --tokens IDS] [-n N] [--temp T] [--top-p P] [--seed S]
- *       [-c N] [--backend cpu|cuda] [--dump-logits FILE] [--force IDS] [--threads N]
- *   ds4 synth --config tiny|small|flash16 [--seed N] [--type f32|f16|bf16|q8_0] -o FILE
+ *   ds4 [-m FILE] [-p TEXT [--chat [--think] [-i]] | --tokens IDS] [-n N] [--temp T] [--top-p P]
+ *       [--seed S] [-c N] [--backend cpu|cuda] [--dump-logits FILE] [--force IDS] [--threads N] [-v]
+ *   ds4 synth --config NAME [--seed N] [--type f32|f16|bf16|q8_0] -o FILE
+ *   ds4 info FILE
  *
- * Without -m it runs the embedded default model, models/ds4-tiny.gguf beside the
- * binary (the build writes it).  Everything here is argument handling and
- * reporting; the engine is ds4.c.
- */
+ * Without -m it runs the embedded default model, models/ds4-tiny.gguf beside the binary (the
+ * build writes it).  Everything here is argument handling and reporting; the engine is ds4.c.
+ *
+ * What goes where: stdout carries the generated text and nothing else, written token by token
+ * as it is sampled (UTF-8 whole: a character split across tokens waits for its last byte,
+ * invalid bytes become U+FFFD, control characters their Unicode pictures).  stderr carries the
+ * model line, the speed line, -v's ids and prompt, --stats, and every error.
+ *
+ * Exit status: 0 done; 1 a file, the model, the backend or the numbers failed; 2 a usage error
+ * (a bad flag, value or combination); 130 stopped by Ctrl-C (the text so far is kept, every
+ * output file is closed whole).  Output files (--dump-logits) are written beside their target
+ * and renamed over it only when complete, so a failed run never destroys an earlier one. */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
+#include <signal.h>
 #include <stdarg.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -28,17 +41,22 @@ static double now_s(void) {
     return ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
-/* The errors of main: one line on stderr, exit status 2. */
-__attribute__((format(printf, 1, 2), noreturn))
-static void die(const char *fmt, ...) {
+enum { EXIT_FAIL = 1, EXIT_USAGE = 2, EXIT_INTERRUPTED = 130 };
+
+/* The errors of main: one line on stderr, then exit: die_usage for a bad flag, value or
+ * combination (status 2), die_run for everything else -- files, the model, memory (status 1). */
+__attribute__((format(printf, 2, 3), noreturn))
+static void die_status(int status, const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
     fprintf(stderr, "ds4: ");
     vfprintf(stderr, fmt, ap);
     fprintf(stderr, "\n");
     va_end(ap);
-    exit(2);
+    exit(status);
 }
+#define die_usage(...) die_status(EXIT_USAGE, __VA_ARGS__)
+#define die_run(...) die_status(EXIT_FAIL, __VA_ARGS__)
 
 /* The errors of the parsers: one line into err, for the caller to print; returns -1. */
 __attribute__((format(printf, 3, 4)))
@@ -52,26 +70,31 @@ static int fail(char *err, size_t errlen, const char *fmt, ...) {
 
 static void usage(FILE *f) {
     fprintf(f,
-        "usage: ds4 [options]                 run a deepseek4 GGUF model\n"
+        "usage: ds4 [options]                 run a deepseek4 GGUF model; the text goes to stdout\n"
         "       ds4 synth [options] -o FILE   write a synthetic deepseek4 GGUF\n"
         "       ds4 info FILE                 tensor types, parameters, memory and decode bytes of a GGUF\n"
         "\n"
-        "run options:\n"
+        "run options (each at most once):\n"
         "  -m FILE             model (default: models/ds4-tiny.gguf beside the binary)\n"
         "  -p TEXT             prompt text, through the model's tokenizer (BOS first); models\n"
         "                      without a vocabulary: one id per byte\n"
         "  --chat              wrap -p in the V4 chat format and stop at EOS (README)\n"
         "  --think             with --chat: thinking on (<think>), else off (</think>)\n"
+        "  -i, --interactive   with --chat: a conversation, one turn per line of stdin (-p, if\n"
+        "                      given, is the first); the history stays in the context\n"
         "  --tokens IDS        prompt as comma-separated token ids (instead of -p)\n"
-        "  -n N                tokens to generate (default 32)\n"
+        "  -n N                tokens to generate (default 32; per turn with -i)\n"
         "  --temp T            sampling temperature, 0 = greedy (default 0)\n"
         "  --top-p P           nucleus sampling threshold in (0, 1] (default 1)\n"
         "  --seed S            sampling seed (default 1)\n"
-        "  -c, --ctx N         context size in tokens (default: prompt + n)\n"
+        "  -c, --ctx N         context size in tokens (default: prompt + n; -i: 4096 or the model's)\n"
         "  --backend B         cpu or cuda (default: cuda in a CUDA build, else cpu)\n"
         "  --dump-logits FILE  write every row's logits in the DS4LOGIT format (README)\n"
         "  --force IDS         teacher forcing: decode step j feeds IDS[j] instead of the sample\n"
+        "                      (as many ids as -n asks for; without -n, -n is their count)\n"
+        "  --allow-nonfinite   go on when the logits hold NaN or Inf (default: stop, naming the row)\n"
         "  --threads N         CPU threads (default: DS4_THREADS or all cores)\n"
+        "  -v, --verbose       also print the prompt, the prompt ids and the generated ids (stderr)\n"
         "  --stats             after the run, the backend's counters over the decode steps:\n"
         "                      launches per step, device allocations, frees and waits\n"
         "  -h, --help          this text\n"
@@ -83,7 +106,11 @@ static void usage(FILE *f) {
         "  --experts E         routed experts (default: the config's; top-k to 1024)\n"
         "  --vocab             a byte-level BPE vocabulary (default: none, raw ids)\n"
         "  --type T            matrix type f32, f16, bf16 or q8_0 (default f32; flash16: q8_0)\n"
-        "  -o FILE             output path\n");
+        "  -o FILE             output path\n"
+        "\n"
+        "Environment: DS4_THREADS and the other DS4_* variables (CUDA graphs, hooks, tracing) are\n"
+        "listed with their defaults in README.md, \"Environment variables\"; an unknown DS4_* name\n"
+        "is an error.  Exit status: 0 done, 1 failed, 2 usage error, 130 interrupted (Ctrl-C).\n");
 }
 
 /* ---- argument parsing ----
@@ -174,10 +201,12 @@ struct cli_opts {
     int32_t *prompt_ids, *force;               /* --tokens, --force: NULL, or n >= 1 ids >= 0 */
     int n_prompt_ids, n_force;
     int n_gen, n_gen_set;                      /* -n, in [0, 2^24] (default 32, or --force's count) */
-    int n_ctx;                                 /* -c/--ctx in [1, 2^24]; 0: prompt + n */
+    int n_ctx;                                 /* -c/--ctx in [1, 2^24]; 0: prompt + n (-i: 4096) */
     float temp, top_p;                         /* [0, 100], [1e-6, 1] */
     uint64_t seed;
-    int chat, think;
+    int chat, think, interactive;              /* --chat, --think, -i */
+    int verbose;                               /* -v: the prompt and the ids on stderr */
+    int allow_nonfinite;                       /* --allow-nonfinite: NaN/Inf logits do not stop the run */
     int stats;                                 /* --stats */
     int threads;                               /* --threads in [1, 64]; 0: not given */
 };
@@ -190,8 +219,17 @@ static void cli_opts_free(struct cli_opts *o) {
 }
 
 static int cli_parse(int argc, char **argv, struct cli_opts *o, char *err, size_t errlen) {
-    static const char *known[] = { "-m", "-p", "--tokens", "-n", "--temp", "--top-p", "--seed", "-c",
-                                   "--ctx", "--backend", "--dump-logits", "--force", "--threads" };
+    /* every option, with its aliases; each may be given once (an alias counts as its option) */
+    static const char *const opts[][2] = {
+        { "-m", NULL }, { "-p", NULL }, { "--tokens", NULL }, { "-n", NULL }, { "--temp", NULL },
+        { "--top-p", NULL }, { "--seed", NULL }, { "-c", "--ctx" }, { "--backend", NULL }, { "--dump-logits", NULL },
+        { "--force", NULL }, { "--threads", NULL },
+        /* the flags without a value, from here */
+        { "--chat", NULL }, { "--think", NULL }, { "-i", "--interactive" }, { "-v", "--verbose" },
+        { "--allow-nonfinite", NULL }, { "--stats", NULL },
+    };
+    enum { N_OPTS = sizeof opts / sizeof opts[0], FIRST_FLAG = 12 };
+    int seen[N_OPTS] = {0};
     char sh[SHOW_BUF];
     memset(o, 0, sizeof *o);
     o->n_gen = 32;
@@ -201,12 +239,19 @@ static int cli_parse(int argc, char **argv, struct cli_opts *o, char *err, size_
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) { o->help = 1; return 0; }
-        if (!strcmp(a, "--chat")) { o->chat = 1; continue; }       /* the flags without a value */
-        if (!strcmp(a, "--think")) { o->think = 1; continue; }
-        if (!strcmp(a, "--stats")) { o->stats = 1; continue; }
-        int is_known = 0;
-        for (size_t q = 0; q < sizeof(known) / sizeof(known[0]); q++) if (!strcmp(a, known[q])) is_known = 1;
-        if (!is_known) return fail(err, errlen, "unknown option '%s' (see ds4 --help)", show(sh, a));
+        int q = 0;
+        while (q < N_OPTS && strcmp(a, opts[q][0]) && !(opts[q][1] && !strcmp(a, opts[q][1]))) q++;
+        if (q == N_OPTS) return fail(err, errlen, "unknown option '%s' (see ds4 --help)", show(sh, a));
+        if (seen[q]++) return fail(err, errlen, "%s is given twice (each option at most once)", opts[q][0]);
+        if (q >= FIRST_FLAG) {
+            if (!strcmp(a, "--chat")) o->chat = 1;
+            else if (!strcmp(a, "--think")) o->think = 1;
+            else if (!strcmp(a, "--allow-nonfinite")) o->allow_nonfinite = 1;
+            else if (!strcmp(a, "--stats")) o->stats = 1;
+            else if (q == FIRST_FLAG + 2) o->interactive = 1;
+            else o->verbose = 1;
+            continue;
+        }
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!v) return fail(err, errlen, "option %s needs a value (see ds4 --help)", a);
         int rc = 0;
@@ -217,7 +262,7 @@ static int cli_parse(int argc, char **argv, struct cli_opts *o, char *err, size_
         else if (!strcmp(a, "--temp")) rc = parse_float(a, v, 0.0f, 100.0f, &o->temp, err, errlen);
         else if (!strcmp(a, "--top-p")) rc = parse_float(a, v, 1e-6f, 1.0f, &o->top_p, err, errlen);
         else if (!strcmp(a, "--seed")) rc = parse_u64(a, v, &o->seed, err, errlen);
-        else if (!strcmp(a, "-c") || !strcmp(a, "--ctx")) rc = parse_int(a, v, 1, 1 << 24, &o->n_ctx, err, errlen);
+        else if (q == 7) rc = parse_int(a, v, 1, 1 << 24, &o->n_ctx, err, errlen);
         else if (!strcmp(a, "--backend")) o->backend = v;
         else if (!strcmp(a, "--dump-logits")) o->dump = v;
         else if (!strcmp(a, "--force")) rc = parse_ids(a, v, &o->force, &o->n_force, err, errlen);
@@ -227,9 +272,14 @@ static int cli_parse(int argc, char **argv, struct cli_opts *o, char *err, size_
     }
     if (o->prompt && o->prompt_ids) return fail(err, errlen, "give either -p or --tokens, not both");
     if (o->think && !o->chat) return fail(err, errlen, "--think goes with --chat");
+    if (o->interactive && !o->chat) return fail(err, errlen, "-i goes with --chat (a conversation in the V4 chat format)");
     if (o->chat && o->prompt_ids) return fail(err, errlen, "--chat wraps -p TEXT; it does not take --tokens");
+    if (o->interactive && (o->force || o->dump))
+        return fail(err, errlen, "-i takes neither --force nor --dump-logits (their rows need a fixed prompt)");
     if (o->force && !o->n_gen_set) o->n_gen = o->n_force;
-    if (o->force && o->n_force < o->n_gen) return fail(err, errlen, "--force gives fewer ids than -n asks to generate");
+    if (o->force && o->n_force != o->n_gen)
+        return fail(err, errlen, "--force gives %d ids but -n asks for %d tokens (give as many ids as tokens)",
+                    o->n_force, o->n_gen);
 #ifdef DS4_CUDA
     if (!o->backend) o->backend = "cuda";
     if (strcmp(o->backend, "cpu") && strcmp(o->backend, "cuda"))
@@ -268,16 +318,24 @@ static int synth_parse(int argc, char **argv, struct synth_opts *o, char *err, s
     o->seed = 1;
     if (errlen) err[0] = 0;
     const char *type = NULL;
+    int seed_set = 0;
     for (int i = 2; i < argc; i++) {
         const char *a = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) { o->help = 1; return 0; }
-        if (!strcmp(a, "--vocab")) { o->vocab = 1; continue; }   /* the one flag without a value */
+        if (!strcmp(a, "--vocab")) {                              /* the one flag without a value */
+            if (o->vocab++) return fail(err, errlen, "--vocab is given twice (each option at most once)");
+            continue;
+        }
         if (strcmp(a, "--config") && strcmp(a, "--seed") && strcmp(a, "--type") && strcmp(a, "-o") &&
             strcmp(a, "--threads") && strcmp(a, "--experts"))
             return fail(err, errlen, "unknown synth option '%s' (see ds4 synth --help)", show(sh, a));
         if (!v) return fail(err, errlen, "option %s needs a value", a);
         int rc = 0;
+        if ((!strcmp(a, "--config") && o->config) || (!strcmp(a, "--seed") && seed_set) || (!strcmp(a, "--type") && type) ||
+            (!strcmp(a, "-o") && o->out) || (!strcmp(a, "--threads") && o->threads) || (!strcmp(a, "--experts") && o->experts))
+            return fail(err, errlen, "%s is given twice (each option at most once)", a);
+        if (!strcmp(a, "--seed")) seed_set = 1;
         if (!strcmp(a, "--config")) o->config = v;
         else if (!strcmp(a, "--seed")) rc = parse_u64(a, v, &o->seed, err, errlen);
         else if (!strcmp(a, "--type")) type = v;
@@ -313,46 +371,239 @@ static int synth_parse(int argc, char **argv, struct synth_opts *o, char *err, s
     return 0;
 }
 
-/* A token as text: its UTF-8 piece for models with a vocabulary (control
- * bytes other than newline and tab escaped), else the byte-level id. */
-static void print_token(const ds4_model *m, const ds4_tok *tok, int32_t id) {
-    if (tok) {
-        char buf[256];
-        const int n = ds4_tok_piece(tok, id, buf, (int)sizeof buf);
-        if (n < 0) { printf("<%d>", id); return; }
-        for (int i = 0; i < n; i++) {
-            const unsigned char ch = (unsigned char)buf[i];
-            if (ch < 32 && ch != '\n' && ch != '\t') printf("\\x%02x", ch);
-            else putchar(ch);
+/* ---- the text on stdout ----
+ *
+ * Tokens arrive as byte pieces that may split a UTF-8 character, and a random-weight or
+ * damaged model can emit any bytes.  The writer passes well-formed UTF-8 through, holds an
+ * incomplete sequence until its last byte, writes U+FFFD for each maximal ill-formed
+ * subsequence (Unicode's "substitution of maximal subparts"), and writes the C0 control
+ * characters other than tab and newline, and DEL, as their Unicode control pictures
+ * (U+2400 + c, U+2421), so that the text is valid UTF-8 a terminal shows as it is. */
+typedef struct {
+    FILE *f;
+    unsigned char seq[4];
+    int n, need;                 /* bytes held, bytes the held character needs */
+    int err;                     /* errno of the first failed write, 0: none */
+    int at_line_start;           /* the last byte written was a newline (or nothing was written) */
+} textout;
+
+static void tx_put(textout *t, const void *p, size_t n) {
+    if (!n || t->err) return;
+    if (fwrite(p, 1, n, t->f) != n) t->err = errno ? errno : EIO;
+    t->at_line_start = ((const char *)p)[n - 1] == '\n';
+}
+
+static void tx_cp(textout *t, uint32_t cp) {   /* one code point < 0x10000 */
+    unsigned char b[3];
+    if (cp < 0x800) { b[0] = (unsigned char)(0xc0 | cp >> 6); b[1] = (unsigned char)(0x80 | (cp & 0x3f)); tx_put(t, b, 2); return; }
+    b[0] = (unsigned char)(0xe0 | cp >> 12); b[1] = (unsigned char)(0x80 | ((cp >> 6) & 0x3f));
+    b[2] = (unsigned char)(0x80 | (cp & 0x3f));
+    tx_put(t, b, 3);
+}
+
+/* the range the second byte of a sequence led by lead must fall in */
+static int tx_second_ok(unsigned char lead, unsigned char b) {
+    if (lead == 0xe0) return b >= 0xa0 && b <= 0xbf;
+    if (lead == 0xed) return b >= 0x80 && b <= 0x9f;
+    if (lead == 0xf0) return b >= 0x90 && b <= 0xbf;
+    if (lead == 0xf4) return b >= 0x80 && b <= 0x8f;
+    return b >= 0x80 && b <= 0xbf;
+}
+
+static void tx_byte(textout *t, unsigned char b) {
+    if (t->n) {
+        if (t->n == 1 ? tx_second_ok(t->seq[0], b) : (b & 0xc0) == 0x80) {
+            t->seq[t->n++] = b;
+            if (t->n == t->need) { tx_put(t, t->seq, (size_t)t->n); t->n = 0; }
+            return;
         }
-    } else if (!ds4_model_has_vocab(m) && id < 256) {
-        if ((id >= 32 && id < 127) || id == '\n') putchar(id);
-        else printf("\\x%02x", id);
-    } else {
-        printf("<%d>", id);
+        t->n = 0;
+        tx_cp(t, 0xfffd);                        /* the held prefix; b starts afresh */
     }
+    if (b < 0x80) {
+        if ((b < 0x20 && b != '\n' && b != '\t') || b == 0x7f) tx_cp(t, b == 0x7f ? 0x2421 : 0x2400 + b);
+        else tx_put(t, &b, 1);
+    } else if (b >= 0xc2 && b <= 0xf4) {
+        t->seq[0] = b;
+        t->n = 1;
+        t->need = b < 0xe0 ? 2 : b < 0xf0 ? 3 : 4;
+    } else {
+        tx_cp(t, 0xfffd);                        /* a continuation byte alone, C0, C1, F5..FF */
+    }
+}
+
+/* the end of the text: a character still incomplete is ill-formed */
+static void tx_finish(textout *t) {
+    if (t->n) { t->n = 0; tx_cp(t, 0xfffd); }
+}
+
+/* fflush, so the token is on its way; -1 once any write has failed */
+static int tx_sync(textout *t) {
+    if (!t->err && fflush(t->f) != 0) t->err = errno ? errno : EIO;
+    return t->err ? -1 : 0;
+}
+
+/* A token's bytes: its piece for models with a vocabulary; the byte itself for byte-level ids
+ * of models without one (ids past 255 as <id>). */
+static void tx_token(textout *t, const ds4_model *m, const ds4_tok *tok, int32_t id) {
+    char buf[512];
+    int n = -1;
+    if (tok) n = ds4_tok_piece(tok, id, buf, (int)sizeof buf);
+    else if (!ds4_model_has_vocab(m) && id >= 0 && id < 256) { buf[0] = (char)id; n = 1; }
+    if (n < 0) n = snprintf(buf, sizeof buf, "<%d>", id);
+    for (int i = 0; i < n; i++) tx_byte(t, (unsigned char)buf[i]);
 }
 
 /* A special token of the vocabulary by its text, or a one-line error. */
 static int32_t special_id(const ds4_tok *tok, const char *text) {
     const int32_t id = ds4_tok_find(tok, text);
-    if (id < 0) die("--chat: the vocabulary has no '%s' token", text);
+    if (id < 0) die_run("--chat: the vocabulary has no '%s' token", text);
     return id;
 }
 
-static int write_dump(FILE *f, const char *path, int n_vocab, int P, int G, const int32_t *tok,
-                      const float *logits) {
+/* ---- output files ----
+ *
+ * An output file is written beside its target (PATH.tmp-PID) and renamed over it once whole,
+ * so a run that fails, early or late, leaves whatever was at PATH before untouched.  A target
+ * that exists and is not a regular file (a device such as /dev/null or /dev/full, a pipe) is
+ * written in place: there is nothing to protect and nothing can be renamed over it. */
+typedef struct {
+    char *path, *tmp;            /* tmp NULL: written in place */
+    FILE *f;
+} outfile;
+
+static int outfile_open(outfile *o, const char *path, char *err, size_t errlen) {
+    char sh[SHOW_BUF];
+    struct stat st;
+    memset(o, 0, sizeof *o);
+    o->path = strdup(path);
+    if (!o->path) return fail(err, errlen, "out of memory");
+    if (stat(path, &st) == 0 && !S_ISREG(st.st_mode)) {
+        if (S_ISDIR(st.st_mode)) return fail(err, errlen, "cannot write '%s': it is a directory", show(sh, path));
+        o->f = fopen(path, "wb");
+    } else {
+        const size_t n = strlen(path) + 32;
+        o->tmp = malloc(n);
+        if (!o->tmp) return fail(err, errlen, "out of memory");
+        snprintf(o->tmp, n, "%s.tmp-%ld", path, (long)getpid());
+        const int fd = open(o->tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
+        o->f = fd >= 0 ? fdopen(fd, "wb") : NULL;
+        if (fd >= 0 && !o->f) close(fd);
+    }
+    if (!o->f) {
+        const int e = errno;
+        if (o->tmp) unlink(o->tmp);
+        return fail(err, errlen, "cannot write '%s': %s", show(sh, path), strerror(e));
+    }
+    return 0;
+}
+
+/* close and put in place; -1 with the error printed */
+static int outfile_commit(outfile *o) {
+    char sh[SHOW_BUF];
+    int ok = !ferror(o->f);
+    if (fclose(o->f) != 0) ok = 0;
+    o->f = NULL;
+    if (ok && o->tmp && rename(o->tmp, o->path) != 0) {
+        fprintf(stderr, "ds4: cannot put '%s' in place: %s\n", show(sh, o->path), strerror(errno));
+        unlink(o->tmp);
+        return -1;
+    }
+    if (!ok) {
+        fprintf(stderr, "ds4: writing '%s' failed: %s\n", show(sh, o->path), strerror(errno ? errno : EIO));
+        if (o->tmp) unlink(o->tmp);
+        return -1;
+    }
+    return 0;
+}
+
+/* close and remove what was written; the target stays as it was */
+static void outfile_abort(outfile *o) {
+    if (o->f) fclose(o->f);
+    if (o->tmp) unlink(o->tmp);
+    o->f = NULL;
+}
+
+static void outfile_free(outfile *o) {
+    free(o->path);
+    free(o->tmp);
+    o->path = o->tmp = NULL;
+}
+
+static int write_dump(outfile *o, int n_vocab, int P, int G, const int32_t *tok, const float *logits) {
     const int rows = P + G;
     int32_t hdr[6] = { 1, n_vocab, P, G, rows, 0 };
     int32_t *am = malloc(sizeof(int32_t) * (rows ? rows : 1));
+    if (!am) { outfile_abort(o); fprintf(stderr, "ds4: out of memory writing the dump\n"); return -1; }
     for (int i = 0; i < rows; i++) am[i] = ds4_argmax(logits + (size_t)i * n_vocab, n_vocab);
-    int ok = fwrite("DS4LOGIT", 1, 8, f) == 8 && fwrite(hdr, 4, 6, f) == 6 &&
-             fwrite(tok, 4, rows, f) == (size_t)rows && fwrite(am, 4, rows, f) == (size_t)rows &&
-             fwrite(logits, 4, (size_t)rows * n_vocab, f) == (size_t)rows * n_vocab;
+    FILE *f = o->f;
+    const int ok = fwrite("DS4LOGIT", 1, 8, f) == 8 && fwrite(hdr, 4, 6, f) == 6 &&
+                   fwrite(tok, 4, rows, f) == (size_t)rows && fwrite(am, 4, rows, f) == (size_t)rows &&
+                   fwrite(logits, 4, (size_t)rows * n_vocab, f) == (size_t)rows * n_vocab;
     free(am);
-    if (fclose(f) != 0) ok = 0;
-    char sh[SHOW_BUF];
-    if (!ok) { fprintf(stderr, "ds4: short write to '%s'\n", show(sh, path)); return -1; }
+    if (!ok) {
+        char sh[SHOW_BUF];
+        fprintf(stderr, "ds4: writing '%s' failed: %s\n", show(sh, o->path), strerror(errno ? errno : EIO));
+        outfile_abort(o);
+        return -1;
+    }
+    return outfile_commit(o);
+}
+
+/* ---- Ctrl-C ----
+ * The first SIGINT asks the run to stop after the step in flight (the text so far, the dump
+ * and the stats are kept); a second one ends the process as SIGINT does by default. */
+static volatile sig_atomic_t g_interrupted;
+
+static void on_sigint(int sig) {
+    (void)sig;
+    g_interrupted = 1;
+    signal(SIGINT, SIG_DFL);
+}
+
+/* ---- the progress meter: stderr, on a terminal, while stdout goes elsewhere ---- */
+typedef struct {
+    int on;
+    double t0, last;
+    int shown;
+} meter;
+
+static void meter_show(meter *mt, const char *what, long done, long total) {
+    if (!mt->on) return;
+    const double t = now_s();
+    if (t - mt->last < 0.25 && done < total) return;
+    mt->last = t;
+    const double rate = done / (t - mt->t0 > 1e-9 ? t - mt->t0 : 1e-9);
+    const double eta = rate > 0 ? (total - done) / rate : 0;
+    fprintf(stderr, "\r\033[Kds4: %s %ld/%ld tokens, %.1f tok/s, %.0f s left", what, done, total, rate, eta);
+    mt->shown = 1;
+}
+
+static void meter_clear(meter *mt) {
+    if (mt->shown) fprintf(stderr, "\r\033[K");
+    mt->shown = 0;
+}
+
+/* index of the first non-finite value of l[0:n), or -1 */
+static int first_nonfinite(const float *l, int n) {
+    for (int i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, &l[i], 4);
+        if ((u & 0x7f800000u) == 0x7f800000u) return i;
+    }
+    return -1;
+}
+
+/* The logits rows [0, rows) of one call checked; -1 with one line naming the first bad row. */
+static int check_rows(const float *l, int rows, int V, int pos0, const char *what) {
+    for (int r = 0; r < rows; r++) {
+        const int i = first_nonfinite(l + (size_t)r * V, V);
+        if (i < 0) continue;
+        fprintf(stderr, "ds4: non-finite logits in %s: row %d (position %d), vocab id %d is %s; the weights or the "
+                "backend produced NaN/Inf (--allow-nonfinite goes on)\n", what, r, pos0 + r, i,
+                l[(size_t)r * V + i] != l[(size_t)r * V + i] ? "NaN" : "Inf");
+        return -1;
+    }
     return 0;
 }
 
@@ -362,7 +613,7 @@ static int cmd_synth(int argc, char **argv, int threads) {
     if (synth_parse(argc, argv, &o, err, sizeof err) != 0) {
         fprintf(stderr, "ds4: %s\n", err);
         synth_opts_free(&o);
-        return 2;
+        return EXIT_USAGE;
     }
     if (o.help) { usage(stdout); synth_opts_free(&o); return 0; }
     if (o.threads) threads = o.threads;
@@ -370,7 +621,7 @@ static int cmd_synth(int argc, char **argv, int threads) {
     int rc = 0;
     if (ds4_synth_write(o.config, o.seed, o.wtype, o.out, threads, err, sizeof(err)) != 0) {
         fprintf(stderr, "ds4: %s\n", err);
-        rc = 1;
+        rc = ds4_synth_config_ok(o.config) ? EXIT_FAIL : EXIT_USAGE;   /* a config it does not know: usage */
     } else {
         fprintf(stderr, "ds4: wrote %s (config %s, seed %llu, %s) in %.2f s\n", o.out, o.config,
                 (unsigned long long)o.seed, o.layout ? "the published files' tensor types" : o.type, now_s() - t0);
@@ -390,20 +641,144 @@ static const char *default_model_path(char *buf, size_t len) {
     return buf;
 }
 
+/* ---- a run ---- */
+
+/* What the generation loop needs, for a single prompt and for each turn of -i. */
+typedef struct {
+    ds4_ctx *c;
+    const ds4_model *m;
+    const ds4_tok *tok;
+    int V, eos, allow_nonfinite;
+    ds4_sampler smp;
+    void *scratch;               /* the sampler's: V floats + V ints */
+    textout tx;
+    meter mt;
+    int32_t *gen;                /* the generated ids of the current call */
+    int n_done;                  /* how many */
+    int stopped;                 /* why the loop ended early: 0 no, 1 Ctrl-C, 2 failure */
+} run;
+
+/* Feed ids[0:n) in batches of at most max_batch; the logits of the last row into last (all rows
+ * into rows_out when given).  -1 when a call failed, -2 when the logits are not finite, with
+ * the line printed. */
+static int prefill(run *r, const int32_t *ids, int n, int max_batch, float *rows_out, float *last) {
+    char err[1024];
+    for (int i = 0; i < n; i += max_batch) {
+        const int nb = n - i < max_batch ? n - i : max_batch;
+        const int pos0 = ds4_ctx_pos(r->c);
+        float *out = rows_out ? rows_out + (size_t)i * r->V : last;
+        if (ds4_eval(r->c, ids + i, nb, out, rows_out ? 1 : 0, err, sizeof err) != 0) {
+            fprintf(stderr, "ds4: %s\n", err);
+            return -1;
+        }
+        /* without all rows only the batch's last one is known */
+        const float *chk = rows_out ? out : last;
+        const int nchk = rows_out ? nb : 1, at = rows_out ? pos0 : pos0 + nb - 1;
+        if (!r->allow_nonfinite && check_rows(chk, nchk, r->V, at, "the prompt") != 0) return -2;
+        if (rows_out && i + nb == n) memcpy(last, out + (size_t)(nb - 1) * r->V, sizeof(float) * r->V);
+    }
+    return 0;
+}
+
+/* Sample and feed up to n tokens after the logits in prev; every step's logits into rows (when
+ * given, [n][V]) or into last.  Stops at EOS (not fed, not printed), at Ctrl-C, at a failure. */
+static void generate(run *r, int n, const int32_t *force, const float *prev, float *rows, float *last) {
+    char err[1024];
+    r->n_done = 0;
+    r->stopped = 0;
+    for (int j = 0; j < n; j++) {
+        if (g_interrupted) { r->stopped = 1; return; }
+        const int32_t next = force ? force[j] : ds4_sample(&r->smp, prev, r->V, r->scratch);
+        if (next == r->eos) return;
+        r->gen[j] = next;
+        tx_token(&r->tx, r->m, r->tok, next);
+        if (tx_sync(&r->tx) != 0) { r->stopped = 2; return; }
+        float *out = rows ? rows + (size_t)j * r->V : last;
+        const int pos = ds4_ctx_pos(r->c);
+        if (ds4_eval(r->c, &next, 1, out, 0, err, sizeof err) != 0) {
+            fprintf(stderr, "ds4: %s\n", err);
+            r->stopped = 2;
+            return;
+        }
+        r->n_done = j + 1;
+        if (!r->allow_nonfinite) {
+            char what[64];
+            snprintf(what, sizeof what, "decode step %d", j);
+            if (check_rows(out, 1, r->V, pos, what) != 0) { r->stopped = 2; return; }
+        }
+        meter_show(&r->mt, "generated", j + 1, n);
+        prev = out;
+    }
+}
+
+static void print_ids(const char *what, const int32_t *ids, int n) {
+    fprintf(stderr, "%s:", what);
+    for (int i = 0; i < n; i++) fprintf(stderr, " %d", ids[i]);
+    fprintf(stderr, "\n");
+}
+
+/* The prompt on stderr (-v): its ids turned back into text through the same writer as the
+ * output (so BOS and the chat tokens show as their text). */
+static void print_prompt(const ds4_model *m, const ds4_tok *tok, const int32_t *ids, int n) {
+    textout t = { .f = stderr };
+    tx_put(&t, "prompt: ", 8);
+    for (int i = 0; i < n; i++) tx_token(&t, m, tok, ids[i]);
+    tx_finish(&t);
+    tx_put(&t, "\n", 1);
+}
+
+/* -p TEXT as ids: BOS (when the vocabulary has one), then for --chat <｜User｜> TEXT <｜Assistant｜>
+ * and </think> (thinking off) or <think> (--think); turns after the first of -i start without
+ * BOS.  Models without a vocabulary: one byte-level id per byte.  malloc'd; *n its length. */
+static int32_t *prompt_ids_of(const ds4_model *m, ds4_tok *tok, const char *prompt, int chat, int think, int bos_first,
+                             int *n_out) {
+    const size_t len = strlen(prompt);
+    int32_t *ids;
+    int P = 0;
+    if (tok) {
+        const int n = ds4_tok_encode(tok, prompt, len, 0, NULL, 0);
+        if (n < 0) die_run("cannot tokenize the prompt");
+        ids = malloc(sizeof(int32_t) * (size_t)(n + 4));
+        if (!ids) die_run("out of host memory for the prompt");
+        const int bos = ds4_model_bos(m);
+        if (bos >= 0 && bos_first) ids[P++] = bos;
+        if (chat) ids[P++] = special_id(tok, "<｜User｜>");
+        P += ds4_tok_encode(tok, prompt, len, 0, ids + P, n);
+        if (chat) {
+            ids[P++] = special_id(tok, "<｜Assistant｜>");
+            ids[P++] = special_id(tok, think ? "<think>" : "</think>");
+        }
+    } else {
+        if (ds4_model_n_vocab(m) < 256)
+            die_usage("-p feeds byte-level ids, but this model's vocabulary has fewer than 256 ids: pass --tokens");
+        if (len > INT_MAX / 2) die_usage("the prompt is too long");
+        ids = malloc(sizeof(int32_t) * (len ? len : 1));
+        if (!ids) die_run("out of host memory for the prompt");
+        for (size_t i = 0; i < len; i++) ids[P++] = (unsigned char)prompt[i];
+    }
+    *n_out = P;
+    return ids;
+}
+
 int main(int argc, char **argv) {
     char err[1024];
     ds4_env env;
-    if (ds4_env_read(&env, err, sizeof(err)) != 0) { fprintf(stderr, "ds4: %s\n", err); return 2; }
+    if (ds4_env_read(&env, err, sizeof(err)) != 0) { fprintf(stderr, "ds4: %s\n", err); return EXIT_USAGE; }
     int threads = env.threads;
 
     if (argc >= 2 && !strcmp(argv[1], "synth")) return cmd_synth(argc, argv, threads);
     if (argc >= 2 && !strcmp(argv[1], "info")) {
-        /* a file ds4 cannot run fails the validator, whose one line names what is wrong */
-        if (argc != 3) die("usage: ds4 info FILE");
+        /* a file ds4 cannot run fails the validator, whose one line names the file and what is wrong */
+        if (argc != 3 || argv[2][0] == '-') die_usage("usage: ds4 info FILE");
+        if (threads > 0) ds4_cpu_set_threads(threads);
         ds4_model *m = ds4_model_open(argv[2], err, sizeof(err));
-        if (!m) { fprintf(stderr, "ds4: %s: %s\n", argv[2], err); return 1; }
+        if (!m) { fprintf(stderr, "ds4: %s\n", err); return EXIT_FAIL; }
         ds4_model_info(m, stdout);
         ds4_model_close(m);
+        if (fflush(stdout) != 0 || ferror(stdout)) {
+            fprintf(stderr, "ds4: writing to stdout failed: %s\n", strerror(errno ? errno : EIO));
+            return EXIT_FAIL;
+        }
         return 0;
     }
 
@@ -411,15 +786,15 @@ int main(int argc, char **argv) {
     if (cli_parse(argc, argv, &o, err, sizeof err) != 0) {
         fprintf(stderr, "ds4: %s\n", err);
         cli_opts_free(&o);
-        return 2;
+        return EXIT_USAGE;
     }
-    if (o.help) { usage(stdout); cli_opts_free(&o); return 0; }
-    const char *model_path = o.model_path, *prompt = o.prompt, *dump = o.dump;
-    int32_t *prompt_ids = o.prompt_ids, *force = o.force;
-    const int n_prompt_ids = o.n_prompt_ids, n_force = o.n_force, chat = o.chat, think = o.think;
+    if (o.help) { usage(stdout); cli_opts_free(&o); return fflush(stdout) == 0 ? 0 : EXIT_FAIL; }
+    const char *model_path = o.model_path, *prompt = o.prompt;
+    int32_t *force = o.force;
     int n_gen = o.n_gen, n_ctx = o.n_ctx;
     if (o.threads) threads = o.threads;
     if (threads > 0) ds4_cpu_set_threads(threads);
+    signal(SIGPIPE, SIG_IGN);                    /* a closed stdout is a write error, said as one */
 
     const ds4_backend *be = ds4_backend_cpu();
 #ifdef DS4_CUDA
@@ -440,156 +815,219 @@ int main(int argc, char **argv) {
     if (!model_path) {
         model_path = default_model_path(defpath, sizeof(defpath));
         if (access(model_path, R_OK) != 0)
-            die("no -m given and the embedded default model %s is missing (run: make)", show(sh, model_path));
+            die_run("no -m given and the embedded default model %s is missing (run: make)", show(sh, model_path));
     }
     double t0 = now_s();
     ds4_model *m = ds4_model_open(model_path, err, sizeof(err));
-    if (!m) { fprintf(stderr, "ds4: %s\n", err); return 1; }
-    if (ds4_hooks_check(m, &env, err, sizeof err) != 0) { fprintf(stderr, "ds4: %s\n", err); return 2; }
+    if (!m) { fprintf(stderr, "ds4: %s\n", err); return EXIT_FAIL; }
+    /* DS4_HOOKS against the model: a bad selection is a usage error, a file that cannot be written a failure */
+    const int hrc = ds4_hooks_check(m, &env, err, sizeof err);
+    if (hrc != 0) { fprintf(stderr, "ds4: %s\n", err); return hrc == -1 ? EXIT_USAGE : EXIT_FAIL; }
     const int V = ds4_model_n_vocab(m);
 
-    /* prompt ids: --tokens as given; -p through the model's tokenizer (BOS first
-     * when the vocabulary has one), or one byte-level id per byte without one.
-     * --chat: BOS <｜User｜> prompt <｜Assistant｜> then </think> (thinking off)
-     * or <think> (--think); generation stops at EOS. */
-    int P = 0;
-    int32_t *ids;
     ds4_tok *tok = ds4_model_has_vocab(m) ? ds4_model_tokenizer(m, err, sizeof(err)) : NULL;
-    if (ds4_model_has_vocab(m) && !tok) { fprintf(stderr, "ds4: %s\n", err); return 1; }
-    if (chat && !tok) die("--chat needs a model with a vocabulary (this one has none)");
-    if (prompt_ids) {
-        P = n_prompt_ids;
-        ids = prompt_ids;
-    } else if (tok) {
+    if (ds4_model_has_vocab(m) && !tok) { fprintf(stderr, "ds4: %s\n", err); return EXIT_FAIL; }
+    if (o.chat && !tok) die_usage("--chat needs a model with a vocabulary (this one has none)");
+
+    /* the prompt's ids (-i: the first turn's, when -p gives one) */
+    int P = 0;
+    int32_t *ids = NULL;
+    if (o.prompt_ids) {
+        P = o.n_prompt_ids;
+        ids = o.prompt_ids;
+    } else if (!o.interactive || prompt) {
         if (!prompt) prompt = "Once upon a time";
-        const size_t len = strlen(prompt);
-        const int n = ds4_tok_encode(tok, prompt, len, 0, NULL, 0);
-        if (n < 0) die("cannot tokenize the prompt");
-        ids = malloc(sizeof(int32_t) * (size_t)(n + 4));
-        const int bos = ds4_model_bos(m);
-        if (bos >= 0) ids[P++] = bos;
-        if (chat) ids[P++] = special_id(tok, "<｜User｜>");
-        P += ds4_tok_encode(tok, prompt, len, 0, ids + P, n);
-        if (chat) {
-            ids[P++] = special_id(tok, "<｜Assistant｜>");
-            ids[P++] = special_id(tok, think ? "<think>" : "</think>");
-        }
-    } else {
-        if (!prompt) prompt = "Once upon a time";
-        if (V < 256) die("-p feeds byte-level ids, but this model's vocabulary has fewer than 256 ids: pass --tokens");
-        P = (int)strlen(prompt);
-        ids = malloc(sizeof(int32_t) * (P ? P : 1));
-        for (int i = 0; i < P; i++) ids[i] = (unsigned char)prompt[i];
+        ids = prompt_ids_of(m, tok, prompt, o.chat, o.think, 1, &P);
+        if (P == 0) die_usage("the prompt is empty: give -p TEXT or --tokens IDS");
     }
-    const int eos = chat ? ds4_model_eos(m) : -1;
-    if (P == 0) die("the prompt is empty: give -p TEXT or --tokens IDS");
-    for (int i = 0; i < P + n_force; i++) {
+    for (int i = 0; i < P + o.n_force; i++) {
         const int32_t id = i < P ? ids[i] : force[i - P];
         if (id >= V)
-            die("%s token id %d is out of range (the vocabulary has %d ids)", i < P ? "prompt" : "--force", id, V);
+            die_usage("%s token id %d is out of range (the vocabulary has %d ids)", i < P ? "prompt" : "--force", id, V);
     }
-    if (n_ctx == 0) n_ctx = P + n_gen;
-    if (P + n_gen > n_ctx) die("%d prompt + %d generated tokens exceed --ctx %d", P, n_gen, n_ctx);
+    if (n_ctx == 0) {
+        const int64_t train = ds4_model_n_ctx_train(m);
+        n_ctx = o.interactive ? (train > 0 && train < 4096 ? (int)train : 4096) : P + n_gen;
+    }
+    if (P + n_gen > n_ctx && !o.interactive) die_usage("%d prompt + %d generated tokens exceed --ctx %d", P, n_gen, n_ctx);
+    if (P > n_ctx) die_usage("the first turn's %d tokens exceed --ctx %d", P, n_ctx);
 
-    FILE *dumpf = NULL;
-    if (dump && !(dumpf = fopen(dump, "wb"))) die("cannot write '%s': %s", show(sh, dump), strerror(errno));
+    outfile dump;
+    memset(&dump, 0, sizeof dump);
+    if (o.dump && outfile_open(&dump, o.dump, err, sizeof err) != 0) die_run("%s", err);
     ds4_model_describe(m, stderr);
-    if (!prompt_ids && !tok)
+    if (!o.prompt_ids && !tok)
         fprintf(stderr, "ds4: model has no vocabulary: prompt text is fed as byte-level ids (one id per byte)\n");
 
-    ds4_ctx *c = ds4_ctx_new(m, be, n_ctx, P, err, sizeof(err));
+    /* -i feeds each turn in batches of at most 512; a single prompt goes in one batch */
+    const int max_batch = o.interactive ? (n_ctx < 512 ? n_ctx : 512) : (P > 0 ? P : 1);
+    const size_t plan = ds4_ctx_plan_bytes(m, n_ctx, max_batch);
+    if (plan >= ((size_t)1 << 30) || o.verbose)
+        fprintf(stderr, "ds4: context of %d positions, batches of %d: %.2f GB on %s (window, compressed and indexer "
+                "rows, activations), allocating\n", n_ctx, max_batch, plan / 1e9, be->name);
+
+    ds4_ctx *c = ds4_ctx_new(m, be, n_ctx, max_batch, err, sizeof(err));
     if (!c) {
         if (err[0]) fprintf(stderr, "ds4: %s\n", err);   /* empty: the backend already said why */
+        if (o.dump) { outfile_abort(&dump); outfile_free(&dump); }
         ds4_model_close(m);
-        return 1;
+        return EXIT_FAIL;
     }
     const double t_load = now_s() - t0;
 
+    run r;
+    memset(&r, 0, sizeof r);
+    r.c = c; r.m = m; r.tok = tok; r.V = V; r.allow_nonfinite = o.allow_nonfinite;
+    r.eos = o.chat ? ds4_model_eos(m) : -1;
+    r.tx.f = stdout;
+    r.tx.at_line_start = 1;
+    r.mt.on = isatty(STDERR_FILENO) && !isatty(STDOUT_FILENO);
+    ds4_sampler_init(&r.smp, o.temp, o.top_p, o.seed);
     const int rows = P + n_gen;
-    float *logits = dump ? malloc(sizeof(float) * (size_t)rows * V) : malloc(sizeof(float) * (size_t)P * V);
+    float *logits = o.dump ? malloc(sizeof(float) * (size_t)rows * V) : NULL;
     float *last = malloc(sizeof(float) * V);
-    int32_t *fed = malloc(sizeof(int32_t) * rows);
-    void *scratch = malloc((sizeof(float) + sizeof(int)) * (size_t)V);
-    if (!logits || !last || !fed || !scratch) die("out of host memory for logits");
-    memcpy(fed, ids, sizeof(int32_t) * P);
+    int32_t *fed = malloc(sizeof(int32_t) * (rows ? rows : 1));
+    r.scratch = malloc((sizeof(float) + sizeof(int)) * (size_t)V);
+    r.gen = malloc(sizeof(int32_t) * (n_gen ? n_gen : 1));
+    if ((o.dump && !logits) || !last || !fed || !r.scratch || !r.gen) die_run("out of host memory for the logits");
+    if (P) memcpy(fed, ids, sizeof(int32_t) * P);
 
-    ds4_sampler smp;
-    ds4_sampler_init(&smp, o.temp, o.top_p, o.seed);
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_sigint;                   /* no SA_RESTART: a read of stdin (-i) returns */
+    sigaction(SIGINT, &sa, NULL);
 
-    double tp0 = now_s();
-    if (ds4_eval(c, ids, P, dump ? logits : last, dump ? 1 : 0, err, sizeof(err)) != 0) {
-        fprintf(stderr, "ds4: %s\n", err);
-        return 1;
-    }
-    const double t_prefill = now_s() - tp0;
-    ds4_backend_stats bst;
-    ds4_ctx_stats(c, &bst, 1);                  /* --stats counts the decode steps only */
-    const float *prev = dump ? logits + (size_t)(P - 1) * V : last;
-
-    printf("prompt ids:");
-    for (int i = 0; i < P; i++) printf(" %d", ids[i]);
-    printf("\n");
-    fflush(stdout);
-
-    int32_t *gen = malloc(sizeof(int32_t) * (n_gen ? n_gen : 1));
-    double td0 = now_s();
-    for (int j = 0; j < n_gen; j++) {
-        const int32_t next = force ? force[j] : ds4_sample(&smp, prev, V, scratch);
-        if (next == eos) { n_gen = j; break; }   /* --chat: the answer is complete */
-        gen[j] = next;
-        fed[P + j] = next;
-        float *out = dump ? logits + (size_t)(P + j) * V : last;
-        if (ds4_eval(c, &next, 1, out, 0, err, sizeof(err)) != 0) {
-            fprintf(stderr, "ds4: %s\n", err);
-            return 1;
-        }
-        prev = out;
-    }
-    const double t_decode = now_s() - td0;
-
-    printf("generated ids:");
-    for (int j = 0; j < n_gen; j++) printf(" %d", gen[j]);
-    printf("\ntext: ");
-    if (prompt && !prompt_ids) for (int i = 0; i < P; i++) print_token(m, tok, ids[i]);
-    printf("[");
-    for (int j = 0; j < n_gen; j++) print_token(m, tok, gen[j]);
-    printf("]\n");
-    printf("speed: load %.2f s, prefill %d tokens in %.3f s (%.1f tok/s), decode %d tokens in %.3f s (%.2f tok/s), backend %s\n",
-           t_load, P, t_prefill, P / (t_prefill > 0 ? t_prefill : 1e-9), n_gen, t_decode,
-           n_gen / (t_decode > 0 ? t_decode : 1e-9), be->name);
-
-    if (o.stats) {
-        ds4_ctx_stats(c, &bst, 0);
-        const double ns = n_gen > 0 ? (double)n_gen : 1.0;
-        printf("stats: decode %d steps on %s: %.1f launches per step (%.1f us of host time), "
-               "%llu device allocations, %llu frees, %llu device syncs, %llu stream syncs\n",
-               n_gen, be->name, (double)bst.launches / ns, bst.launch_seconds * 1e6 / ns,
-               (unsigned long long)bst.mallocs, (unsigned long long)bst.frees,
-               (unsigned long long)bst.device_syncs, (unsigned long long)bst.stream_syncs);
-        if (env.cuda_graphs)
-            printf("stats: graphs: %llu captures (%.1f ms capture, %.1f ms instantiate), %llu replays, "
-                   "%llu eager fallbacks; %llu held, %llu nodes, %.1f MiB; programmatic dependent launch %s\n",
-                   (unsigned long long)bst.captures, bst.capture_ms, bst.instantiate_ms,
-                   (unsigned long long)bst.replays, (unsigned long long)bst.fallbacks, (unsigned long long)bst.graphs,
-                   (unsigned long long)bst.graph_nodes, (double)bst.graph_bytes / (1024.0 * 1024.0),
-                   bst.graph_pdl ? "on" : "off");
-    }
     int rc = 0;
+    double t_prefill = 0, t_decode = 0;
+    long n_prefilled = 0, n_decoded = 0;
+    ds4_backend_stats bst;
+    if (!o.interactive) {
+        const double tp0 = now_s();
+        const int prc = prefill(&r, ids, P, max_batch, logits, last);
+        if (prc != 0) r.stopped = 2;
+        t_prefill = now_s() - tp0;
+        n_prefilled = prc == -1 ? 0 : P;          /* a failed call computed no rows */
+        ds4_ctx_stats(c, &bst, 1);                /* --stats counts the decode steps only */
+        if (o.verbose) { print_prompt(m, tok, ids, P); print_ids("prompt ids", ids, P); }
+        const double td0 = now_s();
+        if (!r.stopped) generate(&r, n_gen, force, last, logits ? logits + (size_t)P * V : NULL, last);
+        t_decode = now_s() - td0;
+        n_decoded = r.n_done;
+        meter_clear(&r.mt);
+        memcpy(fed + P, r.gen, sizeof(int32_t) * (size_t)r.n_done);
+        if (o.verbose) print_ids("generated ids", r.gen, r.n_done);
+    } else {
+        /* -i: one turn per line of stdin; the history stays in the context, each answer closed
+         * by EOS as the chat format has it */
+        char *line = NULL;
+        size_t cap = 0;
+        const int eos = ds4_model_eos(m);
+        if (eos < 0) die_run("-i: the vocabulary has no EOS token to end a turn with");
+        for (int turn = 0; !r.stopped && !g_interrupted; turn++) {
+            int nt = 0;
+            int32_t *tids = NULL;
+            if (turn == 0 && ids) { tids = ids; nt = P; }
+            else {
+                if (isatty(STDIN_FILENO)) fprintf(stderr, "> ");
+                errno = 0;
+                const ssize_t got = getline(&line, &cap, stdin);
+                if (got < 0) { if (errno == EINTR) r.stopped = 1; break; }
+                if (got > 0 && line[got - 1] == '\n') line[got - 1] = 0;
+                if (!line[0]) { turn--; continue; }
+                tids = prompt_ids_of(m, tok, line, 1, o.think, ds4_ctx_pos(c) == 0, &nt);
+            }
+            const int left = n_ctx - ds4_ctx_pos(c);
+            if (nt + 1 > left) {
+                fprintf(stderr, "ds4: the context is full: this turn needs %d positions, %d are left of -c %d\n",
+                        nt + 1, left, n_ctx);
+                rc = EXIT_FAIL;
+                if (tids != ids) free(tids);
+                break;
+            }
+            double tq = now_s();
+            if (prefill(&r, tids, nt, max_batch, NULL, last) != 0) r.stopped = 2;
+            t_prefill += now_s() - tq;
+            n_prefilled += nt;
+            if (o.verbose) { print_prompt(m, tok, tids, nt); print_ids("prompt ids", tids, nt); }
+            if (tids != ids) free(tids);
+            if (r.stopped) break;
+            /* the answer, leaving one position for the EOS that closes it */
+            const int room = n_ctx - ds4_ctx_pos(c) - 1;
+            tq = now_s();
+            generate(&r, n_gen < room ? n_gen : room, NULL, last, NULL, last);
+            t_decode += now_s() - tq;
+            n_decoded += r.n_done;
+            if (o.verbose) print_ids("generated ids", r.gen, r.n_done);
+            if (r.stopped) break;
+            if (ds4_eval(c, &eos, 1, last, 0, err, sizeof err) != 0) { fprintf(stderr, "ds4: %s\n", err); r.stopped = 2; }
+            tx_put(&r.tx, "\n", 1);
+            if (tx_sync(&r.tx) != 0) r.stopped = 2;
+        }
+        free(line);
+    }
+    if (g_interrupted && !r.stopped) r.stopped = 1;
+
+    /* the end of the text: a newline after it, so the shell's prompt starts a line */
+    tx_finish(&r.tx);
+    if (!r.tx.at_line_start) tx_put(&r.tx, "\n", 1);
+    if (tx_sync(&r.tx) != 0) {
+        fprintf(stderr, "ds4: writing the text to stdout failed: %s\n", strerror(r.tx.err));
+        rc = EXIT_FAIL;
+    } else if (r.stopped == 2) {
+        rc = EXIT_FAIL;
+    }
+    if (r.stopped == 1) {
+        fprintf(stderr, "ds4: interrupted: %ld tokens generated; the output files are closed whole\n", n_decoded);
+        rc = EXIT_INTERRUPTED;
+    }
+    fprintf(stderr, "speed: load %.2f s, prefill %ld tokens in %.3f s (%.1f tok/s), decode %ld tokens in %.3f s "
+            "(%.2f tok/s), backend %s\n", t_load, n_prefilled, t_prefill,
+            n_prefilled / (t_prefill > 0 ? t_prefill : 1e-9), n_decoded, t_decode,
+            n_decoded / (t_decode > 0 ? t_decode : 1e-9), be->name);
+
+    if (o.stats) {                               /* -i: over the whole conversation */
+        ds4_ctx_stats(c, &bst, 0);
+        const double ns = n_decoded > 0 ? (double)n_decoded : 1.0;
+        fprintf(stderr, "stats: decode %ld steps on %s: %.1f launches per step (%.1f us of host time), "
+                "%llu device allocations, %llu frees, %llu device syncs, %llu stream syncs\n",
+                n_decoded, be->name, (double)bst.launches / ns, bst.launch_seconds * 1e6 / ns,
+                (unsigned long long)bst.mallocs, (unsigned long long)bst.frees,
+                (unsigned long long)bst.device_syncs, (unsigned long long)bst.stream_syncs);
+        if (env.cuda_graphs)
+            fprintf(stderr, "stats: graphs: %llu captures (%.1f ms capture, %.1f ms instantiate), %llu replays, "
+                    "%llu eager fallbacks; %llu held, %llu nodes, %.1f MiB; programmatic dependent launch %s\n",
+                    (unsigned long long)bst.captures, bst.capture_ms, bst.instantiate_ms,
+                    (unsigned long long)bst.replays, (unsigned long long)bst.fallbacks, (unsigned long long)bst.graphs,
+                    (unsigned long long)bst.graph_nodes, (double)bst.graph_bytes / (1024.0 * 1024.0),
+                    bst.graph_pdl ? "on" : "off");
+    }
     ds4_hooks_stats hst;
     if (ds4_ctx_hooks_stats(c, &hst) == 0) {      /* DS4_HOOKS: every record written by now */
         if (o.stats)
-            printf("stats: hooks: %llu records produced, %llu written (%.1f MB), %llu dropped in %llu gaps, "
-                   "%llu producer waits, %llu drain batches (%.1f GB/s copying)\n",
-                   (unsigned long long)hst.produced, (unsigned long long)hst.written, hst.payload_bytes / 1e6,
-                   (unsigned long long)hst.dropped, (unsigned long long)hst.gaps, (unsigned long long)hst.waits,
-                   (unsigned long long)hst.batches,
-                   hst.copy_seconds > 0 ? hst.payload_bytes / hst.copy_seconds / 1e9 : 0.0);
-        if (hst.err) rc = 1;                      /* the line naming it comes when the context closes */
+            fprintf(stderr, "stats: hooks: %llu records produced, %llu written (%.1f MB), %llu dropped in %llu gaps, "
+                    "%llu producer waits, %llu drain batches (%.1f GB/s copying)\n",
+                    (unsigned long long)hst.produced, (unsigned long long)hst.written, hst.payload_bytes / 1e6,
+                    (unsigned long long)hst.dropped, (unsigned long long)hst.gaps, (unsigned long long)hst.waits,
+                    (unsigned long long)hst.batches,
+                    hst.copy_seconds > 0 ? hst.payload_bytes / hst.copy_seconds / 1e9 : 0.0);
+        if (hst.err) rc = EXIT_FAIL;              /* the line naming it comes when the context closes */
+        else {
+            char hp[4 * 1024 + 8];
+            fprintf(stderr, "ds4: hooks: %llu records (%.1f MB) written to %s%s\n", (unsigned long long)hst.written,
+                    hst.payload_bytes / 1e6, ds4_show(hp, sizeof hp, env.hooks_out, strlen(env.hooks_out), 1024),
+                    hst.dropped ? ", some dropped (above)" : "");
+        }
     }
 
-    if (dumpf && write_dump(dumpf, dump, V, P, n_gen, fed, logits) != 0) rc = 1;
-    free(gen); free(scratch); free(fed); free(last); free(logits);
-    if (ids != prompt_ids) free(ids);
+    /* the dump holds every row computed, also after a failure or Ctrl-C: P prompt rows (when
+     * the prompt went through) and the decode steps done */
+    if (o.dump) {
+        if (n_prefilled == P && write_dump(&dump, V, P, r.n_done, fed, logits) != 0) rc = EXIT_FAIL;
+        else if (n_prefilled != P) outfile_abort(&dump);
+        outfile_free(&dump);
+    }
+    free(r.gen); free(r.scratch); free(fed); free(last); free(logits);
+    if (ids != o.prompt_ids) free(ids);
     cli_opts_free(&o);
     ds4_ctx_free(c);
     ds4_model_close(m);

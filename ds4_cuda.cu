@@ -517,8 +517,10 @@ static int cuda_init(void) {
     int n = 0;
     cudaError_t e = cudaGetDeviceCount(&n);
     if (e != cudaSuccess || n == 0) {
-        fprintf(stderr, "ds4: no CUDA device available: %s\n",
-                e != cudaSuccess ? cudaGetErrorString(e) : "no device found");
+        /* no driver (cudaErrorInsufficientDriver) and no device (cudaErrorNoDevice) both mean the same to a user */
+        fprintf(stderr, "ds4: no CUDA GPU found (the CUDA runtime says: %s); run on a machine with an NVIDIA GPU "
+                "and its driver, or use --backend cpu\n", e != cudaSuccess ? cudaGetErrorString(e) : "0 devices");
+        (void)cudaGetLastError();
         return -1;
     }
     e = cudaSetDevice(0);
@@ -4111,6 +4113,9 @@ static void cuda_session_stats(void *s, ds4_backend_stats *st, int reset) {
  * The backend table
  * ------------------------------------------------------------------------- */
 
+/* What upload_weight and the ops take: the matrix types, and I32 (tid2eid, read by moe_route). */
+static int cuda_supports_type(int type) { return type_supported(type) || type == DS4_TYPE_I32; }
+
 static ds4_backend make_cuda_backend(void) {
     ds4_backend b;
     memset(&b, 0, sizeof b);
@@ -4124,6 +4129,7 @@ static ds4_backend make_cuda_backend(void) {
     b.upload_weight = cuda_upload_weight;
     b.release_weight = cuda_release_weight;
     b.synchronize = cuda_synchronize;
+    b.supports_type = cuda_supports_type;
     b.session_new = cuda_session_new;
     b.session_free = cuda_session_free;
     b.session_bind = cuda_session_bind;

@@ -265,6 +265,7 @@ typedef struct ds4_backend {
     int   (*upload_weight)(ds4_weight *w);                 /* sets w->dev */
     void  (*release_weight)(ds4_weight *w);
     void  (*synchronize)(void);                            /* wait for every op issued */
+    int   (*supports_type)(int type);                      /* 1: upload_weight and the ops take DS4_TYPE_type */
 
     /* ---- sessions ----
      * session_new sizes and allocates everything the ops will need for these

@@ -81,8 +81,10 @@ class Stream:
 def read(path):
     with open(path, "rb") as f:
         buf = f.read()
-    if len(buf) < 16 or buf[:8] != MAGIC:
+    if buf[:min(len(buf), 8)] != MAGIC[:min(len(buf), 8)] or not buf:
         raise FormatError(f"{path}: not a ds4 hook stream (no DS4HOOKS magic)")
+    if len(buf) < 16:
+        raise FormatError(f"{path}: truncated: {len(buf)} bytes, shorter than the 16-byte file header")
     version, n = struct.unpack_from("<II", buf, 8)
     if version != 1:
         raise FormatError(f"{path}: format version {version}, this reader knows 1")
@@ -190,11 +192,11 @@ def write_safetensors(path, arrays):
 def cmd_compare(a):
     sa, sb = read(a.a), read(a.b)
     aa, ab = sa.arrays(), sb.arrays()
-    bad = 0
-    if set(aa) != set(ab):
+    bad = 0                    # arrays of both streams that differ
+    missing = sorted(set(aa) ^ set(ab))
+    if missing:
         print(f"ds4hooks: different (hook, layer) sets: only in A {sorted(set(aa) - set(ab))}, "
               f"only in B {sorted(set(ab) - set(aa))}")
-        bad += 1
     for key in sorted(set(aa) & set(ab)):
         (pa, va), (pb, vb) = aa[key], ab[key]
         name = key_name(*key)
@@ -222,8 +224,9 @@ def cmd_compare(a):
         ok = d <= a.tol
         print(f"  {name:12s} max|d| {d:.3g}  {'ok' if ok else 'ABOVE ' + str(a.tol)}")
         bad += not ok
-    print(f"compare: {len(set(aa) & set(ab))} arrays, {bad} differ")
-    return 1 if bad else 0
+    print(f"compare: {len(set(aa) & set(ab))} arrays in both, {bad} differ"
+          + (f"; {len(missing)} in only one" if missing else ""))
+    return 1 if bad or missing else 0
 
 
 def cmd_plot(a):
@@ -298,7 +301,14 @@ def main(argv=None):
     q.add_argument("-o", "--out", required=True)
     a = p.parse_args(argv)
     try:
-        return {"info": cmd_info, "export": cmd_export, "compare": cmd_compare, "plot": cmd_plot}[a.cmd](a)
+        rc = {"info": cmd_info, "export": cmd_export, "compare": cmd_compare, "plot": cmd_plot}[a.cmd](a)
+        sys.stdout.flush()
+        return rc
+    except BrokenPipeError:
+        # the reader left (ds4hooks.py info F | head): not an error of ours; stop quietly, and
+        # keep Python from reporting the pipe again when it flushes stdout at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except (FormatError, OSError) as e:
         print(f"ds4hooks: {e}", file=sys.stderr)
         return 2

@@ -195,9 +195,9 @@ if want series; then
       rm -f "$OUT"/series-$m-*.ds4logit
     done
     # decode waits and allocations, counted by the backend (ds4 --stats)
-    ./ds4 -m build/test-out/small.gguf --backend cuda --tokens "$TOK" -n 256 --stats 2>/dev/null | grep '^stats:' > "$OUT/series-stats.log"
+    ./ds4 -m build/test-out/small.gguf --backend cuda --tokens "$TOK" -n 256 --stats 2>&1 >/dev/null | grep '^stats:' > "$OUT/series-stats.log"
     row "series waits (small, 256 steps): $(cat "$OUT/series-stats.log")"
-    DS4_CUDA_GRAPHS=1 ./ds4 -m build/test-out/small.gguf --backend cuda --tokens "$TOK" -n 4096 --stats 2>/dev/null | grep '^stats:' > "$OUT/series-stats-graphs.log"
+    DS4_CUDA_GRAPHS=1 ./ds4 -m build/test-out/small.gguf --backend cuda --tokens "$TOK" -n 4096 --stats 2>&1 >/dev/null | grep '^stats:' > "$OUT/series-stats-graphs.log"
     row "series graphs (small, 4096 steps): $(tr '\n' ' ' < "$OUT/series-stats-graphs.log")"
     # the flash16 spot check (Q8_0, built in host memory): CUDA logits byte for byte
     make --no-print-directory build/cuda-"$ARCH"/spot_check CUDA_ARCH="$ARCH" -j16 >> "$OUT/series.log" 2>&1

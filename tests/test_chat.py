@@ -25,9 +25,10 @@ def vocab_model():
 
 
 def ds4(args):
-    """Run ds4 (generated pieces of a random-weight model need not be valid UTF-8)."""
-    r = subprocess.run([DS4] + args, capture_output=True)
-    out, err = r.stdout.decode("utf-8", "replace"), r.stderr.decode("utf-8", "replace")
+    """Run ds4 with -v: the generated text (stdout, UTF-8 always) and stderr, which has the
+    prompt as text and the prompt and generated ids."""
+    r = subprocess.run([DS4, "-v"] + args, capture_output=True)
+    out, err = r.stdout.decode("utf-8"), r.stderr.decode("utf-8")
     assert r.returncode == 0, f"ds4 {' '.join(args)} failed ({r.returncode}): {err}"
     return out, err
 
@@ -46,38 +47,39 @@ def test_prompt_round_trip():
     m = vocab_model()
     text = "Once upon a time, 3 émigrés saw 東京 🙂"
     out, err = ds4(["-m", m, "--backend", "cpu", "-p", text, "-n", "4"])
-    ids = ids_of(out, "prompt ids")
+    ids = ids_of(err, "prompt ids")
     assert ids[0] == special("bos") and len(ids) < len(text.encode()) + 1   # merges were used
-    assert "text: <｜begin▁of▁sentence｜>" + text + "[" in out
+    assert "prompt: <｜begin▁of▁sentence｜>" + text + "\n" in err           # the ids back to the text
     assert "byte-level ids" not in err
 
 
 def test_chat_layout():
     m = vocab_model()
-    out, _ = ds4(["-m", m, "--backend", "cpu", "-p", "Hi", "--chat", "-n", "2"])
+    _, out = ds4(["-m", m, "--backend", "cpu", "-p", "Hi", "--chat", "-n", "2"])
     ids = ids_of(out, "prompt ids")
     assert ids[:2] == [special("bos"), special("user")]
     assert ids[-2:] == [special("assistant"), special("/think")]
-    out2, _ = ds4(["-m", m, "--backend", "cpu", "-p", "Hi", "--chat", "--think", "-n", "2"])
+    _, out2 = ds4(["-m", m, "--backend", "cpu", "-p", "Hi", "--chat", "--think", "-n", "2"])
     assert ids_of(out2, "prompt ids")[-1] == special("think")
     assert ids_of(out2, "prompt ids")[:-1] == ids[:-1]
     # in the prompt, control-token text stays text; user-defined tokens (<think>) are matched,
     # as llama_tokenize(parse_special = false) does
-    out3, _ = ds4(["-m", m, "--backend", "cpu", "-p", "<｜User｜><think>", "--chat", "-n", "1"])
+    _, out3 = ds4(["-m", m, "--backend", "cpu", "-p", "<｜User｜><think>", "--chat", "-n", "1"])
     inner = ids_of(out3, "prompt ids")[2:-2]
     assert special("user") not in inner and inner[-1] == special("think")
 
 
 def test_chat_stops_at_eos():
     m = vocab_model()
-    out, _ = ds4(["-m", m, "--backend", "cpu", "-p", "Hi", "--chat", "-n", "4", "--force", "5,6,1,7"])
+    text, out = ds4(["-m", m, "--backend", "cpu", "-p", "Hi", "--chat", "-n", "4", "--force", "5,6,1,7"])
     assert ids_of(out, "generated ids") == [5, 6]
+    assert text == "\u2403\u2404\n"     # ids 5 and 6 are the bytes 3 and 4 (control pictures); EOS is not printed
     d = os.path.join(OUT, "chat-eos.ds4logit")
     ds4(["-m", m, "--backend", "cpu", "-p", "Hi", "--chat", "-n", "4", "--force", "5,6,1,7", "--dump-logits", d])
     import ds4logit
     assert ds4logit.read(d).n_gen == 2
     # without --chat, EOS is a token like any other
-    out, _ = ds4(["-m", m, "--backend", "cpu", "-p", "Hi", "-n", "4", "--force", "5,6,1,7"])
+    _, out = ds4(["-m", m, "--backend", "cpu", "-p", "Hi", "-n", "4", "--force", "5,6,1,7"])
     assert ids_of(out, "generated ids") == [5, 6, 1, 7]
 
 

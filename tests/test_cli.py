@@ -46,7 +46,12 @@ FLAG_CASES = [
     (["-c", "4", "-p", "Once upon a time"], "exceed --ctx 4"),
     (["-c", "0"], "-c expects"),
     (["--threads", "0"], "--threads expects"),
-    (["--force", "1,2", "-n", "5"], "fewer ids"),
+    (["--force", "1,2", "-n", "5"], "--force gives 2 ids but -n asks for 5"),
+    (["--force", "1,2,3", "-n", "2"], "--force gives 3 ids but -n asks for 2"),
+    (["-p", "a", "-p", "b"], "-p is given twice"),
+    (["-c", "9", "--ctx", "9"], "-c is given twice"),
+    (["-v", "--verbose"], "-v is given twice"),
+    (["-i", "-p", "x"], "-i goes with --chat"),
     (["--dump-logits", "/nonexistent-dir/x.bin", "-n", "1"], "cannot write"),
     (["synth"], "synth needs --config"),
     (["synth", "--config", "huge", "-o", "/tmp/x.gguf"], "unknown synthetic config 'huge'"),
@@ -62,6 +67,7 @@ FLAG_CASES = [
     (["synth", "--config", "tiny", "--seed", "\t-2", "-o", "/tmp/x.gguf"], "got '\\x09-2'"),
     (["synth", "--config", "tiny@" + "0" * 82 + "16junk", "--vocab", "-o", os.path.join(OUT, "cut.gguf")],
      "unknown name or an expert count"),
+    (["synth", "--config", "tiny", "--config", "small", "-o", "/tmp/x.gguf"], "--config is given twice"),
 ]
 
 
@@ -72,11 +78,24 @@ def test_bad_flags(args, needle):
     expect_error(args, needle)
 
 
-def test_last_value_wins():
-    """A flag given twice takes its last value (fuzz_cli: the first --tokens list leaked)."""
-    r = ds4_run(["-m", make_model("tiny"), "--tokens", "1", "--tokens", "2,3", "--force", "4",
-                 "--force", "5,6", "-n", "1", "-n", "2", "--backend", "cpu"])
-    assert "prompt ids: 2 3\n" in r.stdout and "generated ids: 5 6\n" in r.stdout
+# Exit status: 2 for a usage error (a bad flag, value or combination), 1 when a file, the model
+# or the run fails (README, "Running").
+STATUS_CASES = [
+    (["-n", "abc"], 2), (["-p", "a", "-p", "b"], 2), (["--tokens", "999999"], 2), (["-c", "4"], 2),
+    (["synth", "--config", "nope", "-o", "/tmp/x.gguf"], 2), (["synth", "--config", "tiny"], 2),
+    (["synth", "--config", "small-q2", "--experts", "2", "-o", "/tmp/x.gguf"], 2),
+    (["synth", "--config", "tiny", "-o", "/nonexistent-dir/x.gguf"], 1),
+    (["info"], 2), (["-m", "/nonexistent/model.gguf"], 1), (["info", "/nonexistent/model.gguf"], 1),
+    (["--dump-logits", "/nonexistent-dir/x.bin", "-n", "1"], 1),
+]
+
+
+@pytest.mark.parametrize("args,status", STATUS_CASES, ids=[" ".join(a) for a, _ in STATUS_CASES])
+def test_exit_status(args, status):
+    if not any(a in ("-m", "synth", "info") for a in args):
+        args = ["-m", make_model("tiny")] + args
+    r = run([DS4] + args)
+    assert r.returncode == status, f"{args}: exit {r.returncode}, expected {status}: {r.stderr}"
 
 
 ENV_CASES = [
@@ -157,18 +176,24 @@ def test_bad_model_files():
 def test_help_and_default_model():
     r = run([DS4, "--help"])
     assert r.returncode == 0 and "usage: ds4" in r.stdout
+    assert "DS4_" in r.stdout and "README" in r.stdout          # the environment, and where it is documented
     default = os.path.join(os.path.dirname(DS4), "models", "ds4-tiny.gguf")
     if not os.path.exists(default):
         pytest.skip("no embedded default model beside this binary")
-    r = subprocess.run([DS4, "-p", "Once upon a time", "-n", "8", "--backend", "cpu"], capture_output=True)
-    out = r.stdout.decode("utf-8", "replace")
-    assert r.returncode == 0, r.stderr
-    assert "generated ids:" in out and "tok/s" in out
+    r = subprocess.run([DS4, "-p", "Once upon a time", "-n", "8", "--backend", "cpu", "-v"], capture_output=True)
+    err = r.stderr.decode("utf-8")
+    assert r.returncode == 0, err
+    # stdout is the generated text alone; the ids, the prompt and the speed are on stderr
+    assert r.stdout.decode("utf-8").endswith("\n") and b"ids:" not in r.stdout and b"tok/s" not in r.stdout
+    assert "generated ids:" in err and "tok/s" in err
     # the default model has a vocabulary (ds4 synth --vocab): the prompt is tokenized, BOS first
-    prompt_ids = [int(x) for x in out.split("prompt ids:")[1].split("\n")[0].split()]
+    prompt_ids = [int(x) for x in err.split("prompt ids:")[1].split("\n")[0].split()]
     assert prompt_ids[0] == 0 and len(prompt_ids) < 1 + len("Once upon a time")
-    assert "text: <｜begin▁of▁sentence｜>Once upon a time[" in out
-    assert b"byte-level ids" not in r.stderr
+    assert "prompt: <｜begin▁of▁sentence｜>Once upon a time\n" in err
+    assert "byte-level ids" not in err
+    # without -v: no ids
+    r = run([DS4, "-n", "2"])
+    assert r.returncode == 0 and "ids:" not in r.stderr and "speed:" in r.stderr
 
 
 def test_info():
@@ -190,7 +215,7 @@ def test_info():
 def test_stats_flag():
     """--stats prints the backend's counters over the decode steps (the CPU backend has none)."""
     r = ds4_run(["-m", make_model("tiny"), "--tokens", "1,2,3", "-n", "5", "--backend", "cpu", "--stats"])
-    assert "stats: decode 5 steps on cpu: 0.0 launches per step" in r.stdout, r.stdout
+    assert "stats: decode 5 steps on cpu: 0.0 launches per step" in r.stderr, r.stderr
 
 
 def test_launch_trace_on_cpu_says_so():

@@ -163,7 +163,7 @@ def test_decode_allocates_nothing_and_waits_once():
     n = 64
     r = ds4_run(["-m", make_model("small"), "--backend", "cuda", "--tokens", ",".join(map(str, PROMPT)),
                  "-n", str(n), "--stats"], binary=CUDA_BIN)
-    line = next(l for l in r.stdout.splitlines() if l.startswith("stats:"))
+    line = next(l for l in r.stderr.splitlines() if l.startswith("stats:"))
     assert f"decode {n} steps on cuda" in line, line
     assert ", 0 device allocations, 0 frees, 0 device syncs, " in line, line
     assert line.endswith(f", {n} stream syncs"), line
@@ -189,8 +189,8 @@ def graph_run(name, n, graphs=None, layers=None, fail=None, stats=False, tag="",
     return data, r
 
 
-def graph_stats(stdout):
-    line = next(l for l in stdout.splitlines() if l.startswith("stats: graphs:"))
+def graph_stats(stderr):
+    line = next(l for l in stderr.splitlines() if l.startswith("stats: graphs:"))
     nums = [int(x) for x in __import__("re").findall(r"(\d+) (?:captures|replays|eager fallbacks|held)", line)]
     return dict(zip(["captures", "replays", "fallbacks", "held"], nums)), line
 
@@ -208,7 +208,7 @@ def test_graphs_replay_bit_identical_4096(name):
     for lay in (None, 1, 4):
         data, r = graph_run(name, n, graphs=True, layers=lay, stats=True, tag=f"g{lay}")
         assert data == eager, f"DS4_CUDA_GRAPH_LAYERS={lay}: the dump differs from eager"
-        st, line = graph_stats(r.stdout)
+        st, line = graph_stats(r.stderr)
         regions = 1 if not lay else -(-layers // lay)
         assert st["captures"] == regions, line
         assert st["replays"] == regions * (n - 1), line
@@ -226,7 +226,7 @@ def test_graphs_pdl_identical():
     for pdl in (0, 1):
         data, r = graph_run("small", 300, graphs=True, stats=True, tag=f"pdl{pdl}", pdl=pdl)
         assert data == eager, f"DS4_CUDA_GRAPH_PDL={pdl}: the dump differs from eager"
-        st, line = graph_stats(r.stdout)
+        st, line = graph_stats(r.stderr)
         assert st["fallbacks"] == 0 and st["captures"] == 1, line
         assert line.endswith("programmatic dependent launch " + ("on" if pdl and on else "off")), line
 
@@ -240,7 +240,7 @@ def test_graphs_fail_closed():
     assert data == eager
     assert r.stderr.count("CUDA graph recording of region") == 1, r.stderr
     assert "injected by DS4_CUDA_GRAPH_FAIL=1" in r.stderr
-    st, line = graph_stats(r.stdout)
+    st, line = graph_stats(r.stderr)
     assert st["fallbacks"] == 64 and st["captures"] == 1, line   # region 0 eager every step, region 1 recorded
 
 
@@ -276,9 +276,9 @@ def hooks_run(name, n, hooks, graphs=False, tag="", extra_env=None, backend="cud
     return data, hp, r
 
 
-def hooks_stats(stdout):
+def hooks_stats(stderr):
     import re
-    line = next(l for l in stdout.splitlines() if l.startswith("stats: hooks:"))
+    line = next(l for l in stderr.splitlines() if l.startswith("stats: hooks:"))
     m = re.search(r"(\d+) records produced, (\d+) written .* (\d+) dropped in (\d+) gaps, (\d+) producer waits", line)
     return dict(zip(["produced", "written", "dropped", "gaps", "waits"], map(int, m.groups()))), line
 
@@ -297,7 +297,7 @@ def test_hooks_cuda_leave_logits_and_stream_identical(name):
     assert off == off_g == on == on_g, "hooks or graphs changed the logits"
     assert open(he, "rb").read() == open(hg, "rb").read(), "the hook stream differs between eager and graphs"
     for r in (re_, rg):
-        st, line = hooks_stats(r.stdout)
+        st, line = hooks_stats(r.stderr)
         assert st["produced"] == st["written"] and st["dropped"] == 0, line
     s = ds4hooks.read(he)
     assert not s.truncated and s.dropped() == 0
@@ -345,7 +345,7 @@ def test_hooks_lossless_throttled_consumer():
     n = 32300            # tiny: 31 records per step (5 hooks x 6 layers, logits) + the prompt call
     env = {"DS4_HOOKS_RING_MB": "1", "DS4_HOOKS_THROTTLE_US": "25000"}
     _, hp, r = hooks_run("tiny", n, "attn,resid,moe,logits", graphs=True, tag="lossless", extra_env=env)
-    st, line = hooks_stats(r.stdout)
+    st, line = hooks_stats(r.stderr)
     print(line)
     assert st["produced"] >= 1_000_000, line
     assert st["written"] == st["produced"] and st["dropped"] == 0 and st["gaps"] == 0, line
@@ -365,7 +365,7 @@ def test_hooks_drop_counts_exactly():
     ref, _, _ = hooks_run("tiny", n, None, graphs=True, tag="drop-ref")
     data, hp, r = hooks_run("tiny", n, "attn,resid,moe,logits", graphs=True, tag="drop", extra_env=env)
     assert data == ref
-    st, line = hooks_stats(r.stdout)
+    st, line = hooks_stats(r.stderr)
     print(line)
     assert st["dropped"] > 0, f"nothing was dropped: {line}"
     assert st["produced"] == st["written"] + st["dropped"] and st["waits"] == 0, line

@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import OUT, PROMPT, REPO, ds4_run, ds4logit, make_model
+from conftest import DS4, OUT, PROMPT, REPO, ds4_run, ds4logit, make_model
 from test_cli import expect_error
 
 sys.path.insert(0, os.path.join(REPO, "scripts"))
@@ -140,6 +140,69 @@ def test_not_a_stream(tmp_path):
     p.write_bytes(b"GGUF" + b"\0" * 60)
     r = subprocess.run([sys.executable, TOOL, "info", str(p)], capture_output=True, text=True)
     assert r.returncode == 2 and "not a ds4 hook stream" in r.stderr
+
+
+def test_short_and_piped(tiny_all, tmp_path):
+    """A file cut inside its 16-byte header says 'truncated', not 'not a stream'; info into a
+    pipe that closes early stops quietly; compare counts the arrays it compared."""
+    out, _ = tiny_all
+    p = tmp_path / "short.ds4h"
+    p.write_bytes(open(out, "rb").read()[:12])
+    r = subprocess.run([sys.executable, TOOL, "info", str(p)], capture_output=True, text=True)
+    assert r.returncode == 2 and "truncated: 12 bytes" in r.stderr, r.stderr
+    r = subprocess.run(f"{sys.executable} {TOOL} info {out} | head -1", shell=True, capture_output=True, text=True)
+    assert r.returncode == 0 and r.stderr == "" and len(r.stdout.splitlines()) == 1, r.stderr
+    r = subprocess.run([sys.executable, TOOL, "compare", out, out], capture_output=True, text=True)
+    n = len(ds4hooks.read(out).arrays())
+    assert r.returncode == 0 and f"compare: {n} arrays in both, 0 differ" in r.stdout, r.stdout
+
+
+def test_failed_runs_leave_the_capture_alone(tmp_path):
+    """A run that fails before it starts (a context too small, a layer past the model, a token
+    past the vocabulary, a damaged model) leaves the previous stream byte for byte, and no
+    temporary file beside it; the run that works says where the records went."""
+    out = str(tmp_path / "keep.ds4h")
+    env = clean_env(DS4_HOOKS="attn", DS4_HOOKS_OUT=out)
+    r = ds4_run(["-m", make_model("tiny"), "--backend", "cpu", "-n", "4"], env=env)
+    before = open(out, "rb").read()
+    assert f"ds4: hooks: {len(ds4hooks.read(out).records)} records" in r.stderr and out in r.stderr, r.stderr
+    for args, e in ((["-c", "5"], env), (["--tokens", "99999"], env),
+                    (["-n", "1"], clean_env(DS4_HOOKS="attn:9", DS4_HOOKS_OUT=out)),
+                    (["-m", "/nonexistent.gguf"], env)):
+        r = subprocess.run([DS4] + (["-m", make_model("tiny")] if "-m" not in args else []) + args,
+                           env=e, capture_output=True, text=True)
+        assert r.returncode != 0, args
+        assert open(out, "rb").read() == before, args
+    assert os.listdir(tmp_path) == ["keep.ds4h"]
+
+
+def test_ctrl_c_closes_the_stream_whole(tmp_path):
+    """Ctrl-C in the middle of a long run: the stream holds whole records, every one numbered,
+    and reads without a truncation."""
+    import pty
+    import select
+    import time
+    out = str(tmp_path / "int.ds4h")
+    pid, fd = pty.fork()
+    if pid == 0:
+        os.environ.update(DS4_HOOKS="attn,moe", DS4_HOOKS_OUT=out)
+        os.execv(DS4, [DS4, "-m", make_model("tiny"), "--backend", "cpu", "-n", "100000"])
+    buf, end = b"", time.time() + 60
+    while time.time() < end and buf.count(b"\n") < 1 or len(buf) < 300:
+        if select.select([fd], [], [], 0.1)[0]:
+            buf += os.read(fd, 4096)
+    os.write(fd, b"\x03")
+    try:
+        while select.select([fd], [], [], 30)[0] and os.read(fd, 4096):
+            pass
+    except OSError:
+        pass
+    _, status = os.waitpid(pid, 0)
+    os.close(fd)
+    assert os.WEXITSTATUS(status) == 130, status
+    s = ds4hooks.read(out)
+    assert not s.truncated and len(s.records) > 0
+    assert [r.seq for r in s.records] == list(range(len(s.records)))
 
 
 def test_export_npz_and_safetensors(tiny_all, tmp_path):

@@ -31,6 +31,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "ds4.h"
 #include "ds4_gpu.h"
 
 #define U 5.9604644775390625e-08 /* 2^-24: f32 unit roundoff */
@@ -312,6 +313,30 @@ static void test_converters(void) {
 }
 
 /* ------------------------------------------------------------- lifetime */
+
+/* ds4_ctx_plan_bytes, the plan a caller prints before a context is made, against what
+ * ds4_ctx_new allocates: tiny and small, short and long contexts, batch 1 and large.  The
+ * buffers that scale are planned exactly; a fixed remainder (a stage's step block) may not be. */
+static void test_ctx_plan(void) {
+    static const char *const cfg[] = { "tiny", "small" };
+    static const int sizes[][2] = { { 16, 1 }, { 300, 300 }, { 70000, 64 }, { 1 << 20, 8 } };
+    for (int ci = 0; ci < 2; ci++) {
+        char err[512];
+        ds4_model *m = ds4_synth_open(cfg[ci], 1, DS4_TYPE_F32, 2, err, sizeof err);
+        if (!m) { printf("FAIL ctx plan: %s\n", err); n_fail++; continue; }
+        for (int si = 0; si < 4; si++) {
+            ds4_ctx *c = ds4_ctx_new(m, be, sizes[si][0], sizes[si][1], err, sizeof err);
+            char name[128];
+            snprintf(name, sizeof name, "ctx plan = allocations (%s, n_ctx %d, batch %d)", cfg[ci], sizes[si][0], sizes[si][1]);
+            if (!c) { printf("FAIL %s: %s\n", name, err); n_fail++; continue; }
+            const size_t plan = ds4_ctx_plan_bytes(m, sizes[si][0], sizes[si][1]), got = ds4_ctx_bytes(c);
+            const size_t diff = plan > got ? plan - got : got - plan;
+            report_bool(name, diff <= 4096, (double)diff, 0);
+            ds4_ctx_free(c);
+        }
+        ds4_model_close(m);
+    }
+}
 
 static void test_lifetime(void) {
     const size_t n = 1000;
@@ -1293,6 +1318,7 @@ int main(int argc, char **argv) {
 
     test_converters();
     test_lifetime();
+    test_ctx_plan();
 
     static const int types[] = { DS4_TYPE_F32, DS4_TYPE_F16, DS4_TYPE_BF16, DS4_TYPE_Q8_0 };
     for (int ti = 0; ti < 4; ti++) {

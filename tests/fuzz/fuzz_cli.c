@@ -139,7 +139,7 @@ static void check_run(const struct cli_opts *o, int argc, char **argv) {
     if (o->prompt && o->prompt_ids) bad("accepted both -p and --tokens", argv, argc);
     if (o->think && !o->chat) bad("accepted --think without --chat", argv, argc);
     if (o->chat && o->prompt_ids) bad("accepted --chat with --tokens", argv, argc);
-    if (o->force && o->n_force < o->n_gen) bad("accepted --force shorter than -n", argv, argc);
+    if (o->force && o->n_force != o->n_gen) bad("accepted --force of another length than -n", argv, argc);
     if (!o->backend || (r.val[R_BACKEND] && strcmp(o->backend, r.val[R_BACKEND]))) bad("backend not as given", argv, argc);
 #ifdef DS4_CUDA
     if (strcmp(o->backend, "cpu") && strcmp(o->backend, "cuda")) bad("unknown backend accepted", argv, argc);
