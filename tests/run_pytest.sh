@@ -13,12 +13,20 @@ if [ -z "$PY" ]; then
   echo "run_pytest: no python3 with pytest and numpy (run scripts/test-deps.sh: it installs them as root, else prints the command)" >&2
   exit 2
 fi
+# TEST_QUICK=1 (make test-quick): the files that need no llama.cpp oracle, without fetching it
+if [ -n "${TEST_QUICK:-}" ]; then
+  "$PY" -m pytest -v -rs tests/test_cli.py tests/test_run.py tests/test_chat.py tests/test_layouts.py \
+    tests/test_stream_check.py tests/test_hooks.py -k "not llama_cpp" "$@"
+  rc=$?
+  [ $rc -eq 5 ] && { echo "run_pytest: pytest collected no tests" >&2; exit 1; }
+  exit $rc
+fi
 if ! tests/oracle/fetch_llama.sh build/oracle; then
   echo "run_pytest: could not fetch the llama.cpp oracle (npm)" >&2
   exit 2
 fi
 make --no-print-directory -f tests/oracle/Makefile.inc oracle ORACLE_PYTHON="$PY" >/dev/null || exit 2
-"$PY" -m pytest -q -rs tests "$@"
+"$PY" -m pytest -v -rs tests "$@"
 rc=$?
 if [ $rc -eq 5 ]; then
   case " $* " in
