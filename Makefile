@@ -4,7 +4,8 @@
 #   make cpu                     the same
 #   make cuda CUDA_ARCH=sm_90    CUDA engine ./ds4 (cuBLAS); CUDA_ARCH is required (sm_89, sm_120, ...)
 #   make test                    every CPU test, the fuzz corpus replay and a short fuzzing budget,
-#                                the CUDA compile+link check, GPU tests where a GPU exists
+#                                the CUDA compile+link check, GPU tests where a GPU exists, the series
+#   make test-quick              the inner loop: C tests and the pytest files that need no oracle
 #   make sanitize                malformed-input tests under -fsanitize=address,undefined
 #   make clean
 
@@ -178,9 +179,18 @@ series-check:
 	bash scripts/series.sh check
 
 # test-deps first, also under make -j: a bare machine installs (or stops) before any build.
+# Each phase announced with the seconds spent so far (the 2-core CI machine has a time limit).
+TEST_PHASES := stream-check cpu test-c fuzz-replay fuzz-ci cuda-check test-py test-gpu series-check
 test: test-deps
-	@$(MAKE) --no-print-directory stream-check cpu test-c fuzz-replay fuzz-ci cuda-check test-py test-gpu series-check
-	@echo "make test: all done"
+	@t0=$$(date +%s); for p in $(TEST_PHASES); do \
+	  echo "== make test: $$p ($$(( $$(date +%s) - t0 )) s so far)"; \
+	  $(MAKE) --no-print-directory $$p || { echo "make test: $$p failed"; exit 1; }; \
+	done; echo "make test: all done in $$(( $$(date +%s) - t0 )) s"
+
+# The inner loop: the CPU engine, the C tests and the pytest files that need no oracle.
+test-quick: test-deps cpu test-c
+	TEST_QUICK=1 bash tests/run_pytest.sh
+.PHONY: test-quick
 
 # ---- fuzzing (tests/fuzz/README.md): libFuzzer targets for the GGUF reader, the tokenizer,
 # the DS4_* environment and the command-line parsers, and a DS4LOGIT mutation loop.
