@@ -24,6 +24,10 @@
 #             memcheck with every hook on (eager, graphs), the pinned copy bandwidth, flash16 decode
 #             with graphs and hooks off / attn / all but attn_probs side by side (2 rounds), and the
 #             drain on a 4096-token prefill with resid against the same prefill without hooks
+#   cli       the program on a GPU: the CUDA dump equals the CPU's greedy tokens path with hooks and
+#             graphs on, a failed CUDA run leaves an earlier hook stream and dump byte for byte, ds4
+#             info's backends column, and the load-time NaN/Inf scan's cost on flash16 (ds4 info,
+#             which parses and scans, against a CUDA run's load, weights uploaded)
 #   all       all of these: build, test, hf, sanitize, spot, bench flash16, kernels, bench tiny+small
 #
 # Rough times on one H200: build ~1 min, test ~2 min, sanitize a few minutes (19 runs, 3 at
@@ -48,8 +52,8 @@ mkdir -p "$OUT" build/test-out
 rm -f "$OUT/table.txt"      # this run's rows only (build/gpu-out persists between runs)
 WHAT=" ${*:-all} "
 for w in $WHAT; do
-  case "$w" in all|test|hf|sanitize|spot|bench|kernels|series|hooks) ;;
-    *) echo "gpu-check: unknown WHAT '$w' (all, test, hf, sanitize, spot, bench, kernels, series, hooks)"; exit 2 ;; esac
+  case "$w" in all|test|hf|sanitize|spot|bench|kernels|series|hooks|cli) ;;
+    *) echo "gpu-check: unknown WHAT '$w' (all, test, hf, sanitize, spot, bench, kernels, series, hooks, cli)"; exit 2 ;; esac
 done
 want() { [[ "$WHAT" == *" all "* || "$WHAT" == *" $1 "* ]]; }
 ARCH=${CUDA_ARCH:-sm_90}
@@ -272,6 +276,38 @@ if want bench; then
       row "tiny DS4_CUDA_GRAPHS=$g run $r: $(grep -o 'metric=decode_tok_s value=[0-9.]*' "$OUT/bench-tiny-graphs$g-$r.log" || echo 'no result')"
     done
   done
+fi
+
+if want cli; then
+  step "cli: the program on the GPU"
+  C="$OUT/cli"; mkdir -p "$C"
+  ./ds4 synth --config small --seed 1 --type f32 -o "$C/small.gguf" > /dev/null 2>&1
+  DS4_CUDA_GRAPHS=1 DS4_HOOKS=attn,moe DS4_HOOKS_OUT="$C/keep.ds4h" ./ds4 -m "$C/small.gguf" --backend cuda \
+      --tokens 1,2,3,4,5,6,7,8 -n 64 --stats --dump-logits "$C/keep.ds4logit" > "$C/text.txt" 2> "$C/run.log"
+  row "cli cuda run: rc $? $(grep -c . "$C/text.txt") text line(s); $(grep '^ds4: hooks:' "$C/run.log" | sed 's/ written to .*//')"
+  before=$(md5sum < "$C/keep.ds4h")$(md5sum < "$C/keep.ds4logit")
+  for bad in "-c 5" "--tokens 99999" "-n 2 --backend cuda -m /nonexistent.gguf"; do
+    DS4_HOOKS=attn DS4_HOOKS_OUT="$C/keep.ds4h" ./ds4 -m "$C/small.gguf" --backend cuda $bad --dump-logits "$C/keep.ds4logit" \
+        > /dev/null 2>> "$C/fail.log"
+    rc=$?
+    after=$(md5sum < "$C/keep.ds4h")$(md5sum < "$C/keep.ds4logit")
+    row "cli failed run ($bad): rc $rc, capture and dump $([ "$before" = "$after" ] && echo intact || echo CHANGED)"
+  done
+  ./ds4 -m "$C/small.gguf" --backend cpu --tokens 1,2,3,4,5,6,7,8 -n 64 -v > /dev/null 2> "$C/cpu.log"
+  ./ds4 -m "$C/small.gguf" --backend cuda --tokens 1,2,3,4,5,6,7,8 -n 64 -v > /dev/null 2> "$C/cuda.log"
+  row "cli greedy ids cpu vs cuda: $(cmp -s <(grep '^generated ids' "$C/cpu.log") <(grep '^generated ids' "$C/cuda.log") && echo identical || echo DIFFERENT)"
+  ./ds4 info "$C/small.gguf" | grep -E '^(F32|I32) ' | sed 's/^/cli info: /' >> "$OUT/table.txt"
+  ./ds4 synth --config small-q2 --seed 1 -o "$C/small-q2.gguf" > /dev/null 2>&1
+  ./ds4 info "$C/small-q2.gguf" | grep -E '^(Q2_K|IQ2_XXS|Q8_0|F16) ' | sed 's/^/cli info: /' >> "$OUT/table.txt"
+  # the load-time scan on flash16 (25 GB, Q8_0): ds4 info parses and scans; the run also uploads
+  F=build/test-out/flash16.gguf
+  [ -f "$F" ] || timeout 300 ./ds4 synth --config flash16 --seed 1 -o "$F" > "$C/synth.log" 2>&1
+  for r in 1 2 3; do
+    s0=$(date +%s.%N); ./ds4 info "$F" > /dev/null; s1=$(date +%s.%N)
+    row "cli flash16 ds4 info (parse + scan) run $r: $(echo "$s1 - $s0" | bc) s"
+  done
+  ./ds4 -m "$F" --backend cuda --tokens 1,2,3 -n 1 2>&1 >/dev/null | grep '^speed' | sed 's/^/cli flash16 /' >> "$OUT/table.txt"
+  rm -f "$F"
 fi
 
 echo
