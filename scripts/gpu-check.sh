@@ -286,12 +286,16 @@ if want cli; then
       --tokens 1,2,3,4,5,6,7,8 -n 64 --stats --dump-logits "$C/keep.ds4logit" > "$C/text.txt" 2> "$C/run.log"
   row "cli cuda run: rc $? $(grep -c . "$C/text.txt") text line(s); $(grep '^ds4: hooks:' "$C/run.log" | sed 's/ written to .*//')"
   before=$(md5sum < "$C/keep.ds4h")$(md5sum < "$C/keep.ds4logit")
-  for bad in "-c 5" "--tokens 99999" "-n 2 --backend cuda -m /nonexistent.gguf"; do
-    DS4_HOOKS=attn DS4_HOOKS_OUT="$C/keep.ds4h" ./ds4 -m "$C/small.gguf" --backend cuda $bad --dump-logits "$C/keep.ds4logit" \
-        > /dev/null 2>> "$C/fail.log"
+  # each a run that fails before it starts: too small a context, a token past the vocabulary,
+  # a layer past the model, a device ring too small for attn_probs
+  fails=("DS4_HOOKS=attn|-c 5" "DS4_HOOKS=attn|--tokens 99999" "DS4_HOOKS=attn:99|-n 2"
+         "DS4_HOOKS=attn_probs DS4_HOOKS_RING_MB=1|-n 2 -c 2000000")
+  for f in "${fails[@]}"; do
+    env ${f%%|*} DS4_HOOKS_OUT="$C/keep.ds4h" ./ds4 -m "$C/small.gguf" --backend cuda ${f#*|} \
+        --dump-logits "$C/keep.ds4logit" > /dev/null 2>> "$C/fail.log"
     rc=$?
     after=$(md5sum < "$C/keep.ds4h")$(md5sum < "$C/keep.ds4logit")
-    row "cli failed run ($bad): rc $rc, capture and dump $([ "$before" = "$after" ] && echo intact || echo CHANGED)"
+    row "cli failed run (${f%%|*} ${f#*|}): rc $rc, capture and dump $([ "$before" = "$after" ] && echo intact || echo CHANGED)"
   done
   ./ds4 -m "$C/small.gguf" --backend cpu --tokens 1,2,3,4,5,6,7,8 -n 64 -v > /dev/null 2> "$C/cpu.log"
   ./ds4 -m "$C/small.gguf" --backend cuda --tokens 1,2,3,4,5,6,7,8 -n 64 -v > /dev/null 2> "$C/cuda.log"
@@ -303,8 +307,8 @@ if want cli; then
   F=build/test-out/flash16.gguf
   [ -f "$F" ] || timeout 300 ./ds4 synth --config flash16 --seed 1 -o "$F" > "$C/synth.log" 2>&1
   for r in 1 2 3; do
-    s0=$(date +%s.%N); ./ds4 info "$F" > /dev/null; s1=$(date +%s.%N)
-    row "cli flash16 ds4 info (parse + scan) run $r: $(echo "$s1 - $s0" | bc) s"
+    s0=$(date +%s%N); ./ds4 info "$F" > /dev/null; s1=$(date +%s%N)
+    row "cli flash16 ds4 info (parse + scan) run $r: $(( (s1 - s0) / 1000000 )) ms"
   done
   ./ds4 -m "$F" --backend cuda --tokens 1,2,3 -n 1 2>&1 >/dev/null | grep '^speed' | sed 's/^/cli flash16 /' >> "$OUT/table.txt"
   rm -f "$F"
