@@ -55,8 +55,9 @@ static void check_error(int rc, const char *err, char **argv, int argc) {
  * known flag nor a flag's value, which an accepted argv must not have. */
 struct flag { const char *name; int slot; };   /* slot -1: no value (bare[slot] set to 1 instead) */
 struct reading {
-    int help, bare[3];
+    int help, bare[8];
     const char *val[16];
+    int twice;                                 /* an option (or its alias) came more than once */
 };
 
 static int read_argv(int first, int argc, char **argv, const struct flag *flags, struct reading *r) {
@@ -67,8 +68,9 @@ static int read_argv(int first, int argc, char **argv, const struct flag *flags,
         const struct flag *f = flags;
         while (f->name && strcmp(f->name, a)) f++;
         if (!f->name) return 0;
-        if (f->slot < 0) { r->bare[-1 - f->slot] = 1; continue; }
+        if (f->slot < 0) { r->twice |= r->bare[-1 - f->slot]; r->bare[-1 - f->slot] = 1; continue; }
         if (i + 1 >= argc) return 0;
+        r->twice |= r->val[f->slot] != NULL;
         r->val[f->slot] = argv[++i];
     }
     return 1;
@@ -117,10 +119,14 @@ static void check_run(const struct cli_opts *o, int argc, char **argv) {
         { "-m", R_M }, { "-p", R_P }, { "--tokens", R_TOKENS }, { "-n", R_N }, { "--temp", R_TEMP },
         { "--top-p", R_TOPP }, { "--seed", R_SEED }, { "-c", R_CTX }, { "--ctx", R_CTX }, { "--backend", R_BACKEND },
         { "--dump-logits", R_DUMP }, { "--force", R_FORCE }, { "--threads", R_THREADS },
-        { "--chat", -1 }, { "--think", -2 }, { "--stats", -3 }, { NULL, 0 } };
+        { "--chat", -1 }, { "--think", -2 }, { "--stats", -3 }, { "-v", -4 }, { "--verbose", -4 },
+        { "-i", -5 }, { "--interactive", -5 }, { "--allow-nonfinite", -6 }, { NULL, 0 } };
     struct reading r;
     if (!read_argv(1, argc, argv, flags, &r)) bad("accepted an argument that is no option", argv, argc);
+    if (r.twice && !r.help) bad("accepted an option given twice", argv, argc);
     if (o->help != r.help || o->chat != r.bare[0] || o->think != r.bare[1]) bad("-h/--chat/--think not as given", argv, argc);
+    if (o->verbose != r.bare[3] || o->interactive != r.bare[4] || o->allow_nonfinite != r.bare[5])
+        bad("-v/-i/--allow-nonfinite not as given", argv, argc);
     if (o->stats != r.bare[2]) bad("--stats not as given", argv, argc);
     if (o->model_path != r.val[R_M] || o->prompt != r.val[R_P] || o->dump != r.val[R_DUMP])
         bad("-m/-p/--dump-logits not the last value given", argv, argc);
@@ -138,6 +144,7 @@ static void check_run(const struct cli_opts *o, int argc, char **argv) {
     if (!r.val[R_N] && o->n_gen != (o->force ? o->n_force : 32)) bad("-n default wrong", argv, argc);
     if (o->prompt && o->prompt_ids) bad("accepted both -p and --tokens", argv, argc);
     if (o->think && !o->chat) bad("accepted --think without --chat", argv, argc);
+    if (o->interactive && (!o->chat || o->force || o->dump)) bad("accepted -i without --chat, or with --force or a dump", argv, argc);
     if (o->chat && o->prompt_ids) bad("accepted --chat with --tokens", argv, argc);
     if (o->force && o->n_force != o->n_gen) bad("accepted --force of another length than -n", argv, argc);
     if (!o->backend || (r.val[R_BACKEND] && strcmp(o->backend, r.val[R_BACKEND]))) bad("backend not as given", argv, argc);
@@ -158,6 +165,7 @@ static void check_synth(const struct synth_opts *o, int argc, char **argv) {
     if (!read_argv(2, argc, argv, flags, &r)) bad("synth: accepted an argument that is no option", argv, argc);
     if (o->help != r.help) bad("synth: --help not as given", argv, argc);
     if (o->help) return;
+    if (r.twice) bad("synth: accepted an option given twice", argv, argc);
     if (o->vocab != r.bare[0] || !o->out || o->out != r.val[S_O]) bad("synth: --vocab/-o not as given", argv, argc);
     check_seed(r.val[S_SEED], o->seed, argv, argc);
     check_int(r.val[S_THREADS], o->threads, 1, 64, 0, "synth: --threads out of range or not as given", argv, argc);
