@@ -50,6 +50,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -1838,14 +1839,31 @@ static uint32_t synth_layout_type(const gguf_tspec *sp, int layout) {
 /* A config by name, optionally with a vocabulary and a routed-expert count:
  * "tiny+vocab", "flash-q2@256" (E from top-k to 1024; the real Flash has 256).
  * Fills *out; 0 if unknown. */
+/* NAME[+vocab][@E][/N]: a config, its vocabulary, E routed experts, context_length N (the
+ * positions the file declares; the YaRN original context stays the config's, so the
+ * arithmetic at any position is the same). */
 static int synth_find(const char *config, synth_config *out) {
     if (!config) return 0;
-    const char *plus = strstr(config, "+vocab");
+    const char *slash = strchr(config, '/');
+    long ctx = 0;
+    if (slash) {
+        char *end;
+        errno = 0;
+        ctx = strtol(slash + 1, &end, 10);
+        if (errno || end == slash + 1 || *end || slash[1] < '0' || slash[1] > '9' || ctx < 1 || ctx > DS4_SYNTH_MAX_CTX)
+            return 0;
+    }
+    const size_t len = slash ? (size_t)(slash - config) : strlen(config);
+    char head[128];
+    if (len >= sizeof head) return 0;
+    memcpy(head, config, len);
+    head[len] = 0;
+    const char *plus = strstr(head, "+vocab");
     if (plus && plus[6] != 0 && plus[6] != '@') return 0;
-    const char *at = strchr(config, '@');
-    const size_t n = plus ? (size_t)(plus - config) : at ? (size_t)(at - config) : strlen(config);
+    const char *at = strchr(head, '@');
+    const size_t n = plus ? (size_t)(plus - head) : at ? (size_t)(at - head) : strlen(head);
     for (size_t i = 0; i < sizeof synth_configs / sizeof synth_configs[0]; i++) {
-        if (strlen(synth_configs[i].name) != n || strncmp(config, synth_configs[i].name, n) != 0) continue;
+        if (strlen(synth_configs[i].name) != n || strncmp(head, synth_configs[i].name, n) != 0) continue;
         *out = synth_configs[i];
         out->vocab = plus != NULL;
         if (at) {
@@ -1855,6 +1873,7 @@ static int synth_find(const char *config, synth_config *out) {
             if (errno || end == at + 1 || *end || e < out->n_used || e > 1024) return 0;
             out->n_expert = (int)e;
         }
+        if (ctx) out->n_ctx = (int)ctx;
         return 1;
     }
     return 0;
@@ -2528,6 +2547,32 @@ static int  cpu_init(void) { pool_start(); return 0; }
 static int  cpu_upload_weight(ds4_weight *w) { w->dev = (void *)w->host; return 0; }
 static void cpu_release_weight(ds4_weight *w) { w->dev = NULL; }
 static void cpu_synchronize(void) {}
+/* A "Key: N kB" line of a /proc file, in bytes; 0 when absent. */
+static size_t proc_kb(const char *path, const char *key) {
+    FILE *f = fopen(path, "r");
+    if (!f) return 0;
+    char line[256];
+    unsigned long long kb = 0;
+    const size_t kl = strlen(key);
+    while (fgets(line, sizeof line, f))
+        if (!strncmp(line, key, kl) && sscanf(line + kl, " %llu kB", &kb) == 1) break;
+    fclose(f);
+    return (size_t)kb * 1024;
+}
+
+/* What the process can still take: the kernel's MemAvailable, and under an address-space limit
+ * (ulimit -v) what is left of it; (size_t)-1 when neither is known. */
+static size_t cpu_mem_available(void) {
+    size_t avail = proc_kb("/proc/meminfo", "MemAvailable:");
+    if (!avail) avail = (size_t)-1;
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_AS, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY) {
+        const size_t used = proc_kb("/proc/self/status", "VmSize:");
+        const size_t left = rl.rlim_cur > used ? (size_t)(rl.rlim_cur - used) : 0;
+        if (left < avail) avail = left;
+    }
+    return avail;
+}
 static int  cpu_supports_type(int t) {
     return t == DS4_TYPE_F32 || t == DS4_TYPE_F16 || t == DS4_TYPE_BF16 || t == DS4_TYPE_Q8_0 || t == DS4_TYPE_Q2_K ||
            t == DS4_TYPE_Q4_K || t == DS4_TYPE_IQ2_XXS || t == DS4_TYPE_I32;
@@ -3141,7 +3186,7 @@ static const ds4_backend g_cpu_backend = {
     .init = cpu_init, .alloc = cpu_alloc, .free = cpu_free,
     .upload = cpu_memcpy, .download = cpu_memcpy, .copy = cpu_memcpy,
     .upload_weight = cpu_upload_weight, .release_weight = cpu_release_weight,
-    .synchronize = cpu_synchronize, .supports_type = cpu_supports_type,
+    .synchronize = cpu_synchronize, .supports_type = cpu_supports_type, .mem_available = cpu_mem_available,
     .session_new = cpu_session_new, .session_free = cpu_session_free, .session_bind = cpu_session_bind,
     .session_stats = cpu_session_stats, .region_begin = cpu_region_begin, .region_end = cpu_region_end,
     .session_reset = cpu_session_reset,
@@ -3521,9 +3566,10 @@ int ds4_synth_write(const char *config, uint64_t seed, int wtype, const char *pa
                     int n_threads, char *err, size_t errlen) {
     if (!ds4_synth_config_ok(config)) {
         if (config && strchr(config, '@'))
-            errf(err, errlen, "synthetic config '%s': unknown name or an expert count outside [top-k, 1024]", shown(config));
+            errf(err, errlen, "synthetic config '%s': unknown name or an expert count outside [top-k, 1024], or a "
+                 "context length (/N) outside [1, %d]", shown(config), DS4_SYNTH_MAX_CTX);
         else
-            errf(err, errlen, "unknown synthetic config '%s' (known: tiny, small, flash16, small-q2, small-q4, flash-q2, flash-q4; NAME@E sets the expert count)", shown(config));
+            errf(err, errlen, "unknown synthetic config '%s' (known: tiny, small, flash16, small-q2, small-q4, flash-q2, flash-q4; NAME@E sets the expert count, NAME/N the context length)", shown(config));
         return -1;
     }
     size_t size = ds4_synth_size(config, wtype);
@@ -3558,9 +3604,10 @@ ds4_model *ds4_synth_open(const char *config, uint64_t seed, int wtype, int n_th
                           char *err, size_t errlen) {
     if (!ds4_synth_config_ok(config)) {
         if (config && strchr(config, '@'))
-            errf(err, errlen, "synthetic config '%s': unknown name or an expert count outside [top-k, 1024]", shown(config));
+            errf(err, errlen, "synthetic config '%s': unknown name or an expert count outside [top-k, 1024], or a "
+                 "context length (/N) outside [1, %d]", shown(config), DS4_SYNTH_MAX_CTX);
         else
-            errf(err, errlen, "unknown synthetic config '%s' (known: tiny, small, flash16, small-q2, small-q4, flash-q2, flash-q4; NAME@E sets the expert count)", shown(config));
+            errf(err, errlen, "unknown synthetic config '%s' (known: tiny, small, flash16, small-q2, small-q4, flash-q2, flash-q4; NAME@E sets the expert count, NAME/N the context length)", shown(config));
         return NULL;
     }
     size_t size = ds4_synth_size(config, wtype);
@@ -3736,6 +3783,8 @@ struct ds4_ctx {
     void    *allocs[64 + 8 * DS4_MAX_LAYERS];
     int      n_allocs;
     size_t   bytes;               /* what the allocations took */
+    ds4_progress_fn progress;     /* called between prefill chunks (ds4_ctx_set_progress) */
+    void    *progress_user;
 };
 
 /* DS4_HOOKS parsed into sel and checked against the model's layers. */
@@ -4038,12 +4087,20 @@ static void ctx_init_rope(ds4_ctx *c) {
     c->rope_comp = r;
 }
 
+/* The bytes the weights take on a backend: the CPU reads them where the file is mapped. */
+static size_t model_backend_weight_bytes(const ds4_model *m, const ds4_backend *be) {
+    return strcmp(be->name, "cpu") == 0 ? 0 : m->weight_bytes;
+}
+
 ds4_ctx *ds4_ctx_new(ds4_model *m, const ds4_backend *be, int n_ctx, int max_batch,
                      char *err, size_t errlen) {
     const ds4_hparams *hp = &m->hp;
     if (n_ctx <= 0) { errf(err, errlen, "context size must be positive (got %d)", n_ctx); return NULL; }
-    if (max_batch <= 0) max_batch = 1;
-    if (max_batch > n_ctx) max_batch = n_ctx;
+    if ((int64_t)n_ctx > hp->n_ctx_train) {
+        errf(err, errlen, "a context of %d positions is past the model's context_length %lld", n_ctx,
+             (long long)hp->n_ctx_train);
+        return NULL;
+    }
     if (hp->n_rot > 1024 || hp->n_expert > 1024) {
         errf(err, errlen, "model exceeds ds4's limits (rope dims %d and experts %d must be <= 1024)",
              hp->n_rot, hp->n_expert);
@@ -4051,10 +4108,26 @@ ds4_ctx *ds4_ctx_new(ds4_model *m, const ds4_backend *be, int n_ctx, int max_bat
     }
     ds4_env env;
     if (ds4_env_read(&env, err, errlen) != 0) return NULL;
+    /* the batch is a prefill chunk: at most DS4_UBATCH tokens, whatever the caller asks */
+    if (max_batch <= 0) max_batch = 1;
+    if (max_batch > env.ubatch) max_batch = env.ubatch;
+    if (max_batch > n_ctx) max_batch = n_ctx;
     if (be->init() != 0) {
         /* the backend has printed its one line (ds4_gpu.h's convention); add nothing */
         if (err && errlen) err[0] = 0;
         return NULL;
+    }
+    /* the memory plan, checked before anything is allocated: the weights (when they are not on
+     * this backend yet) and the context's buffers against what the backend has free */
+    if (be->mem_available) {
+        const size_t w = m->weights_backend == be ? 0 : model_backend_weight_bytes(m, be);
+        const size_t cb = ds4_ctx_plan_bytes(m, n_ctx, max_batch), avail = be->mem_available();
+        if (w + cb > avail) {
+            errf(err, errlen, "a context of %d positions (batches of %d) needs %.2f GB on %s (weights %.2f GB, "
+                 "context %.2f GB) and %.2f GB are available; give a smaller -c or DS4_UBATCH", n_ctx, max_batch, (w + cb) / 1e9,
+                 be->name, w / 1e9, cb / 1e9, avail / 1e9);
+            return NULL;
+        }
     }
     if (model_upload_weights(m, be, err, errlen) != 0) return NULL;
 
@@ -4133,6 +4206,7 @@ ds4_ctx *ds4_ctx_new(ds4_model *m, const ds4_backend *be, int n_ctx, int max_bat
     lim.n_head = hp->n_head;
     lim.head_dim = hp->head_dim;
     lim.idx_topk = hp->idx_topk;
+    lim.n_swa = hp->n_swa;
     lim.n_expert = hp->n_expert;
     lim.n_expert_used = hp->n_expert_used;
     lim.n_ff_exp = hp->n_ff_exp;
@@ -4402,11 +4476,10 @@ static void fwd_batch(ds4_ctx *c, int nt, int all_rows) {
     }
 }
 
-int ds4_eval(ds4_ctx *c, const int32_t *tokens, int n, float *logits, int all_rows,
-             char *err, size_t errlen) {
+/* One forward call of n <= max_batch tokens at c->pos. */
+static int eval_chunk(ds4_ctx *c, const int32_t *tokens, int n, float *logits, int all_rows,
+                      char *err, size_t errlen) {
     const ds4_hparams *hp = &c->m->hp;
-    if (n <= 0) { errf(err, errlen, "no tokens to evaluate"); return -1; }
-    if (n > c->max_batch) { errf(err, errlen, "batch of %d tokens exceeds the context's batch limit %d", n, c->max_batch); return -1; }
     if (c->pos + n > c->n_ctx) {
         errf(err, errlen, "context full: position %d + %d tokens exceeds --ctx %d", c->pos, n, c->n_ctx);
         return -1;
@@ -4438,6 +4511,39 @@ int ds4_eval(ds4_ctx *c, const int32_t *tokens, int n, float *logits, int all_ro
     }
     return 0;
 }
+
+/* Chunked prefill: n tokens go through in chunks of at most max_batch (DS4_UBATCH), each a
+ * forward call at the position the one before left; every state (window ring, compressed and
+ * indexer rows, compressor state, hook sequence) carries across, so the logits do not depend
+ * on the chunk size (the CPU's are byte-identical for any; tests/test_chunks.py). */
+int ds4_eval(ds4_ctx *c, const int32_t *tokens, int n, float *logits, int all_rows,
+             char *err, size_t errlen) {
+    const ds4_hparams *hp = &c->m->hp;
+    if (n <= 0) { errf(err, errlen, "no tokens to evaluate"); return -1; }
+    if (c->pos + n > c->n_ctx) {
+        errf(err, errlen, "context full: position %d + %d tokens exceeds --ctx %d", c->pos, n, c->n_ctx);
+        return -1;
+    }
+    for (int i = 0; i < n; i += c->max_batch) {
+        const int nb = n - i < c->max_batch ? n - i : c->max_batch;
+        const int last = i + nb == n;
+        /* all rows: each chunk's rows in place; the last row only: the last chunk's */
+        float *out = !logits ? NULL : all_rows ? logits + (size_t)i * hp->n_vocab : last ? logits : NULL;
+        if (eval_chunk(c, tokens + i, nb, out, all_rows, err, errlen) != 0) return -1;
+        if (!last && c->progress && c->progress(c->progress_user, i + nb, n) != 0) {
+            errf(err, errlen, "interrupted after %d of %d prompt tokens", i + nb, n);
+            return -2;
+        }
+    }
+    return 0;
+}
+
+void ds4_ctx_set_progress(ds4_ctx *c, ds4_progress_fn fn, void *user) {
+    c->progress = fn;
+    c->progress_user = user;
+}
+
+int ds4_ctx_max_batch(const ds4_ctx *c) { return c->max_batch; }
 
 /* ---------------------------------------------------------------------------
  * Sampling
@@ -4502,7 +4608,7 @@ extern char **environ;
 int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
     static const char *known[] = { "DS4_THREADS", "DS4_CUDA_GRAPHS", "DS4_LAUNCH_TRACE", "DS4_CUDA_GRAPH_LAYERS",
                                    "DS4_CUDA_GRAPH_CACHE", "DS4_CUDA_GRAPH_FAIL", "DS4_CUDA_GRAPH_PDL", "DS4_HOOKS", "DS4_HOOKS_OUT",
-                                   "DS4_HOOKS_POLICY", "DS4_HOOKS_RING_MB", "DS4_HOOKS_THROTTLE_US" };
+                                   "DS4_HOOKS_POLICY", "DS4_HOOKS_RING_MB", "DS4_HOOKS_THROTTLE_US", "DS4_UBATCH" };
     char shown[256];
     memset(env, 0, sizeof(*env));
     for (char **e = environ; e && *e; e++) {
@@ -4515,7 +4621,7 @@ int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
         if (!ok) {
             errf(err, errlen, "unknown environment variable %s (ds4 reads: DS4_THREADS, DS4_CUDA_GRAPHS, DS4_CUDA_GRAPH_LAYERS, "
                  "DS4_CUDA_GRAPH_CACHE, DS4_CUDA_GRAPH_FAIL, DS4_CUDA_GRAPH_PDL, DS4_LAUNCH_TRACE, DS4_HOOKS, DS4_HOOKS_OUT, "
-                 "DS4_HOOKS_POLICY, DS4_HOOKS_RING_MB, DS4_HOOKS_THROTTLE_US; see README)",
+                 "DS4_HOOKS_POLICY, DS4_HOOKS_RING_MB, DS4_HOOKS_THROTTLE_US, DS4_UBATCH; see README)",
                  ds4_show(shown, sizeof shown, *e, nl, 48));
             return -1;
         }
@@ -4543,6 +4649,7 @@ int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
     }
     env->graph_cache = 64;
     env->graph_pdl = 1;
+    env->ubatch = DS4_UBATCH_DEFAULT;
     static const struct { const char *name; long lo, hi; const char *what; } ints[] = {
         { "DS4_CUDA_GRAPH_LAYERS", 0, 1024, "layers per recorded region, 0 = the whole step" },
         { "DS4_CUDA_GRAPH_CACHE", 1, 4096, "recordings kept per context" },
@@ -4550,6 +4657,7 @@ int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
         { "DS4_CUDA_GRAPH_PDL", 0, 1, "1 = recorded kernels launch as programmatic dependents" },
         { "DS4_HOOKS_RING_MB", 0, 65536, "MiB of the hook payload ring, 0 = sized from the model and the selection" },
         { "DS4_HOOKS_THROTTLE_US", 0, 1000000, "debug: microseconds the hook drain pauses after each batch" },
+        { "DS4_UBATCH", 1, DS4_UBATCH_MAX, "the most tokens of one prefill chunk" },
     };
     for (size_t i = 0; i < sizeof ints / sizeof ints[0]; i++) {
         const char *v = getenv(ints[i].name);
@@ -4567,7 +4675,8 @@ int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
         else if (i == 2) env->graph_fail = (int)x;
         else if (i == 3) env->graph_pdl = (int)x;
         else if (i == 4) env->hooks_ring_mb = (int)x;
-        else env->hooks_throttle_us = (int)x;
+        else if (i == 5) env->hooks_throttle_us = (int)x;
+        else env->ubatch = (int)x;
     }
     const char *hk = getenv("DS4_HOOKS");
     if (hk) {

@@ -65,7 +65,9 @@ int ds4_parse_wtype(const char *s);
 int ds4_synth_write(const char *config, uint64_t seed, int wtype, const char *path,
                     int n_threads, char *err, size_t errlen);
 /* 1 if `ds4 synth` knows the config: tiny, small, flash16, small-q2, small-q4,
- * flash-q2, flash-q4, each optionally NAME@E with E routed experts (top-k..1024). */
+ * flash-q2, flash-q4, each optionally NAME[+vocab][@E][/N]: a vocabulary, E routed experts
+ * (top-k..1024), context_length N (1..DS4_SYNTH_MAX_CTX; default the config's). */
+#define DS4_SYNTH_MAX_CTX (1 << 24)
 int ds4_synth_config_ok(const char *config);
 /* Build the same image in memory and open it (no file). */
 ds4_model *ds4_synth_open(const char *config, uint64_t seed, int wtype, int n_threads,
@@ -82,6 +84,16 @@ ds4_model *ds4_synth_open(const char *config, uint64_t seed, int wtype, int n_th
 ds4_ctx *ds4_ctx_new(ds4_model *m, const ds4_backend *be, int n_ctx, int max_batch,
                      char *err, size_t errlen);
 void     ds4_ctx_free(ds4_ctx *c);
+/* The most tokens of one prefill chunk: DS4_UBATCH, or its default, bounds the batch a
+ * context is made for; DS4_UBATCH_MAX keeps every grid dimension that counts tokens within
+ * a GPU's 65535. */
+#define DS4_UBATCH_DEFAULT 4096
+#define DS4_UBATCH_MAX 65535
+int      ds4_ctx_max_batch(const ds4_ctx *c);
+/* Called between the chunks of a prefill with the tokens done and the call's total; a non-zero
+ * return stops the call (ds4_eval returns -2). */
+typedef int (*ds4_progress_fn)(void *user, int done, int total);
+void     ds4_ctx_set_progress(ds4_ctx *c, ds4_progress_fn fn, void *user);
 /* The backend bytes a context of n_ctx positions and batches of up to max_batch tokens
  * allocates (window ring, compressed and indexer rows, compressor state, activations),
  * computed without allocating: the plan a caller prints or checks before ds4_ctx_new.
@@ -100,9 +112,12 @@ void     ds4_ctx_stats(ds4_ctx *c, struct ds4_backend_stats *st, int reset);
 struct ds4_hooks_stats;
 int      ds4_ctx_hooks_stats(ds4_ctx *c, struct ds4_hooks_stats *st);
 
-/* Feed n tokens at the current position: one prefill batch when n > 1, one
- * decode step when n == 1.  logits (host, may be NULL) receives [n][n_vocab]
- * when all_rows, else only the last row [n_vocab]. */
+/* Feed n tokens at the current position: a prefill in chunks of at most the context's batch
+ * (ds4_ctx_max_batch: max_batch of ds4_ctx_new capped by DS4_UBATCH) when n > 1, one decode
+ * step when n == 1.  logits (host, may be NULL) receives [n][n_vocab] when all_rows, else
+ * only the last row [n_vocab].  The chunks do not change the logits.  -1 with one line on
+ * failure; -2 when the progress function (ds4_ctx_set_progress) asked to stop between two
+ * chunks: the chunks done stay in the context (ds4_ctx_pos says how far it got). */
 int ds4_eval(ds4_ctx *c, const int32_t *tokens, int n, float *logits, int all_rows,
              char *err, size_t errlen);
 
@@ -146,6 +161,7 @@ typedef struct ds4_env {
     int hooks_ring_mb;          /* DS4_HOOKS_RING_MB: the CUDA emitter's payload ring, 0 = sized from the
                                    model and the selection */
     int hooks_throttle_us;      /* DS4_HOOKS_THROTTLE_US: debug, the drain pauses after each batch */
+    int ubatch;                 /* DS4_UBATCH: the most tokens of one prefill chunk (DS4_UBATCH_DEFAULT) */
 } ds4_env;
 int ds4_env_read(ds4_env *env, char *err, size_t errlen);
 /* DS4_HOOKS against a model, before a context is made: its layer ranges fit the model and

@@ -72,7 +72,8 @@ static void usage(FILE *f) {
     fprintf(f,
         "usage: ds4 [options]                 run a deepseek4 GGUF model; the text goes to stdout\n"
         "       ds4 synth [options] -o FILE   write a synthetic deepseek4 GGUF\n"
-        "       ds4 info FILE                 tensor types, parameters, memory and decode bytes of a GGUF\n"
+        "       ds4 info FILE [--ctx N]       tensor types, parameters, memory and decode bytes of a GGUF;\n"
+        "                                     with --ctx, the memory plan of a context of N positions\n"
         "\n"
         "run options (each at most once):\n"
         "  -m FILE             model (default: models/ds4-tiny.gguf beside the binary)\n"
@@ -82,6 +83,7 @@ static void usage(FILE *f) {
         "  --think             with --chat: thinking on (<think>), else off (</think>)\n"
         "  -i, --interactive   with --chat: a conversation, one turn per line of stdin (-p, if\n"
         "                      given, is the first); the history stays in the context\n"
+        "  -f, --file FILE     prompt text from FILE (- for stdin), as -p takes it: long documents\n"
         "  --tokens IDS        prompt as comma-separated token ids (instead of -p)\n"
         "  -n N                tokens to generate (default 32; per turn with -i)\n"
         "  --temp T            sampling temperature, 0 = greedy (default 0)\n"
@@ -106,6 +108,7 @@ static void usage(FILE *f) {
         "  --experts E         routed experts (default: the config's; top-k to 1024)\n"
         "  --vocab             a byte-level BPE vocabulary (default: none, raw ids)\n"
         "  --type T            matrix type f32, f16, bf16 or q8_0 (default f32; flash16: q8_0)\n"
+        "  --ctx N             the context_length the file declares (default: the config's)\n"
         "  -o FILE             output path\n"
         "\n"
         "Environment: DS4_THREADS and the other DS4_* variables (CUDA graphs, hooks, tracing) are\n"
@@ -197,6 +200,7 @@ static int parse_ids(const char *flag, const char *s, int32_t **ids_out, int *n_
 struct cli_opts {
     int help;                                  /* -h/--help: print the usage, run nothing */
     const char *model_path, *prompt, *dump;    /* -m, -p, --dump-logits; NULL when not given */
+    const char *prompt_file;                   /* -f: the prompt text from a file ("-": stdin) */
     const char *backend;                       /* "cpu" or "cuda" (the build's default when not given) */
     int32_t *prompt_ids, *force;               /* --tokens, --force: NULL, or n >= 1 ids >= 0 */
     int n_prompt_ids, n_force;
@@ -223,12 +227,12 @@ static int cli_parse(int argc, char **argv, struct cli_opts *o, char *err, size_
     static const char *const opts[][2] = {
         { "-m", NULL }, { "-p", NULL }, { "--tokens", NULL }, { "-n", NULL }, { "--temp", NULL },
         { "--top-p", NULL }, { "--seed", NULL }, { "-c", "--ctx" }, { "--backend", NULL }, { "--dump-logits", NULL },
-        { "--force", NULL }, { "--threads", NULL },
+        { "--force", NULL }, { "--threads", NULL }, { "-f", "--file" },
         /* the flags without a value, from here */
         { "--chat", NULL }, { "--think", NULL }, { "-i", "--interactive" }, { "-v", "--verbose" },
         { "--allow-nonfinite", NULL }, { "--stats", NULL },
     };
-    enum { N_OPTS = sizeof opts / sizeof opts[0], FIRST_FLAG = 12 };
+    enum { N_OPTS = sizeof opts / sizeof opts[0], FIRST_FLAG = 13 };
     int seen[N_OPTS] = {0};
     char sh[SHOW_BUF];
     memset(o, 0, sizeof *o);
@@ -267,13 +271,17 @@ static int cli_parse(int argc, char **argv, struct cli_opts *o, char *err, size_
         else if (!strcmp(a, "--dump-logits")) o->dump = v;
         else if (!strcmp(a, "--force")) rc = parse_ids(a, v, &o->force, &o->n_force, err, errlen);
         else if (!strcmp(a, "--threads")) rc = parse_int(a, v, 1, 64, &o->threads, err, errlen);
+        else if (q == 12) o->prompt_file = v;
         if (rc) return -1;
         i++;
     }
-    if (o->prompt && o->prompt_ids) return fail(err, errlen, "give either -p or --tokens, not both");
+    if ((o->prompt != NULL) + (o->prompt_ids != NULL) + (o->prompt_file != NULL) > 1)
+        return fail(err, errlen, "give one of -p, -f or --tokens");
     if (o->think && !o->chat) return fail(err, errlen, "--think goes with --chat");
     if (o->interactive && !o->chat) return fail(err, errlen, "-i goes with --chat (a conversation in the V4 chat format)");
     if (o->chat && o->prompt_ids) return fail(err, errlen, "--chat wraps -p TEXT; it does not take --tokens");
+    if (o->interactive && o->prompt_file && !strcmp(o->prompt_file, "-"))
+        return fail(err, errlen, "-i reads its turns from stdin; -f - would read the same");
     if (o->interactive && (o->force || o->dump))
         return fail(err, errlen, "-i takes neither --force nor --dump-logits (their rows need a fixed prompt)");
     if (o->force && !o->n_gen_set) o->n_gen = o->n_force;
@@ -303,6 +311,7 @@ struct synth_opts {
     int layout;                  /* a published files' layout (-q2, -q4): its own tensor types */
     uint64_t seed;
     int experts, vocab;          /* --experts in [1, 1024] (0: the config's), --vocab */
+    int ctx;                     /* --ctx: context_length in [1, 2^24] (0: the config's) */
     int threads;                 /* --threads in [1, 64]; 0: not given */
     char *folded;                /* malloc'd: config when --vocab or --experts rewrote it */
 };
@@ -328,12 +337,13 @@ static int synth_parse(int argc, char **argv, struct synth_opts *o, char *err, s
             continue;
         }
         if (strcmp(a, "--config") && strcmp(a, "--seed") && strcmp(a, "--type") && strcmp(a, "-o") &&
-            strcmp(a, "--threads") && strcmp(a, "--experts"))
+            strcmp(a, "--threads") && strcmp(a, "--experts") && strcmp(a, "--ctx"))
             return fail(err, errlen, "unknown synth option '%s' (see ds4 synth --help)", show(sh, a));
         if (!v) return fail(err, errlen, "option %s needs a value", a);
         int rc = 0;
         if ((!strcmp(a, "--config") && o->config) || (!strcmp(a, "--seed") && seed_set) || (!strcmp(a, "--type") && type) ||
-            (!strcmp(a, "-o") && o->out) || (!strcmp(a, "--threads") && o->threads) || (!strcmp(a, "--experts") && o->experts))
+            (!strcmp(a, "-o") && o->out) || (!strcmp(a, "--threads") && o->threads) || (!strcmp(a, "--experts") && o->experts) ||
+            (!strcmp(a, "--ctx") && o->ctx))
             return fail(err, errlen, "%s is given twice (each option at most once)", a);
         if (!strcmp(a, "--seed")) seed_set = 1;
         if (!strcmp(a, "--config")) o->config = v;
@@ -342,24 +352,27 @@ static int synth_parse(int argc, char **argv, struct synth_opts *o, char *err, s
         else if (!strcmp(a, "-o")) o->out = v;
         else if (!strcmp(a, "--threads")) rc = parse_int(a, v, 1, 64, &o->threads, err, errlen);
         else if (!strcmp(a, "--experts")) rc = parse_int(a, v, 1, 1024, &o->experts, err, errlen);
+        else if (!strcmp(a, "--ctx")) rc = parse_int(a, v, 1, DS4_SYNTH_MAX_CTX, &o->ctx, err, errlen);
         if (rc) return -1;
         i++;
     }
     if (!o->config) return fail(err, errlen, "synth needs --config (tiny, small, flash16, small-q2, small-q4, flash-q2 or flash-q4)");
     if (!o->out) return fail(err, errlen, "synth needs -o FILE");
-    if (o->experts || o->vocab) {          /* "NAME+vocab@E" for the synth API */
+    if (o->experts || o->vocab || o->ctx) {   /* "NAME+vocab@E/N" for the synth API */
         const char *config = o->config;
+        if (o->ctx && strchr(config, '/')) return fail(err, errlen, "give the context length once (--ctx or NAME/N)");
         if (o->experts && strchr(config, '@')) return fail(err, errlen, "give the expert count once (--experts or NAME@E)");
         if (o->vocab && strstr(config, "+vocab")) return fail(err, errlen, "give the vocabulary once (--vocab or NAME+vocab)");
-        /* all of it, whatever its length: a cut could turn a bad config into a good one */
-        const char *at = strchr(config, '@');
-        const size_t name = at ? (size_t)(at - config) : strlen(config);
-        const size_t size = strlen(config) + sizeof "+vocab" + sizeof "@1024";
+        /* all of it, whatever its length: a cut could turn a bad config into a good one.
+         * NAME, then +vocab, then the config's @E or --experts, then its /N or --ctx */
+        const size_t name = strcspn(config, "@/"), at_len = strcspn(config + name, "/");
+        const size_t size = strlen(config) + sizeof "+vocab" + sizeof "@1024" + sizeof "/16777216";
         char *buf = o->folded = malloc(size);
         if (!buf) return fail(err, errlen, "out of memory");
-        memcpy(buf, config, name);
-        snprintf(buf + name, size - name, "%s%s", o->vocab ? "+vocab" : "", at ? at : "");
+        snprintf(buf, size, "%.*s%s%.*s", (int)name, config, o->vocab ? "+vocab" : "", (int)at_len, config + name);
         if (o->experts) snprintf(buf + strlen(buf), size - strlen(buf), "@%d", o->experts);
+        snprintf(buf + strlen(buf), size - strlen(buf), "%s", config + name + at_len);
+        if (o->ctx) snprintf(buf + strlen(buf), size - strlen(buf), "/%d", o->ctx);
         o->config = buf;
     }
     o->layout = strstr(o->config, "-q2") || strstr(o->config, "-q4");
@@ -561,17 +574,18 @@ static void on_sigint(int sig) {
     signal(SIGINT, SIG_DFL);
 }
 
-/* ---- the progress meter: stderr, on a terminal, while stdout goes elsewhere ---- */
+/* ---- the progress meters: one line on stderr when stderr is a terminal, for the prompt once
+ * it has taken 2 s, for the generation when the text goes elsewhere (a file, a pipe) ---- */
 typedef struct {
     int on;
-    double t0, last;
+    double t0, last, delay;
     int shown;
 } meter;
 
 static void meter_show(meter *mt, const char *what, long done, long total) {
     if (!mt->on) return;
     const double t = now_s();
-    if (t - mt->last < 0.25 && done < total) return;
+    if ((t - mt->last < 0.25 && done < total) || t - mt->t0 < mt->delay) return;
     mt->last = t;
     const double rate = done / (t - mt->t0 > 1e-9 ? t - mt->t0 : 1e-9);
     const double eta = rate > 0 ? (total - done) / rate : 0;
@@ -652,31 +666,36 @@ typedef struct {
     ds4_sampler smp;
     void *scratch;               /* the sampler's: V floats + V ints */
     textout tx;
-    meter mt;
+    meter mt, pmt;               /* the generation's, the prompt's */
     int32_t *gen;                /* the generated ids of the current call */
     int n_done;                  /* how many */
     int stopped;                 /* why the loop ended early: 0 no, 1 Ctrl-C, 2 failure */
 } run;
 
-/* Feed ids[0:n) in batches of at most max_batch; the logits of the last row into last (all rows
- * into rows_out when given).  -1 when a call failed, -2 when the logits are not finite, with
- * the line printed. */
-static int prefill(run *r, const int32_t *ids, int n, int max_batch, float *rows_out, float *last) {
+/* Between the prompt's chunks (ds4_ctx_set_progress): the meter, and Ctrl-C stops the prompt. */
+static int on_chunk(void *user, int done, int total) {
+    run *r = user;
+    meter_show(&r->pmt, "prompt", done, total);
+    return g_interrupted != 0;
+}
+
+/* Feed ids[0:n) (ds4_eval chunks it); the logits of the last row into last (all rows into
+ * rows_out when given).  -1 when a call failed, -2 when the logits are not finite, -3 when
+ * Ctrl-C stopped it, with the line printed (-3: by the caller). */
+static int prefill(run *r, const int32_t *ids, int n, float *rows_out, float *last) {
     char err[1024];
-    for (int i = 0; i < n; i += max_batch) {
-        const int nb = n - i < max_batch ? n - i : max_batch;
-        const int pos0 = ds4_ctx_pos(r->c);
-        float *out = rows_out ? rows_out + (size_t)i * r->V : last;
-        if (ds4_eval(r->c, ids + i, nb, out, rows_out ? 1 : 0, err, sizeof err) != 0) {
-            fprintf(stderr, "ds4: %s\n", err);
-            return -1;
-        }
-        /* without all rows only the batch's last one is known */
-        const float *chk = rows_out ? out : last;
-        const int nchk = rows_out ? nb : 1, at = rows_out ? pos0 : pos0 + nb - 1;
-        if (!r->allow_nonfinite && check_rows(chk, nchk, r->V, at, "the prompt") != 0) return -2;
-        if (rows_out && i + nb == n) memcpy(last, out + (size_t)(nb - 1) * r->V, sizeof(float) * r->V);
-    }
+    const int pos0 = ds4_ctx_pos(r->c);
+    r->pmt.t0 = now_s();
+    r->pmt.last = 0;
+    const int rc = ds4_eval(r->c, ids, n, rows_out ? rows_out : last, rows_out ? 1 : 0, err, sizeof err);
+    meter_clear(&r->pmt);
+    if (rc == -2) return -3;
+    if (rc != 0) { fprintf(stderr, "ds4: %s\n", err); return -1; }
+    /* without all rows only the last one is known */
+    const float *chk = rows_out ? rows_out : last;
+    const int nchk = rows_out ? n : 1, at = rows_out ? pos0 : pos0 + n - 1;
+    if (!r->allow_nonfinite && check_rows(chk, nchk, r->V, at, "the prompt") != 0) return -2;
+    if (rows_out) memcpy(last, rows_out + (size_t)(n - 1) * r->V, sizeof(float) * r->V);
     return 0;
 }
 
@@ -769,11 +788,36 @@ int main(int argc, char **argv) {
     if (argc >= 2 && !strcmp(argv[1], "synth")) return cmd_synth(argc, argv, threads);
     if (argc >= 2 && !strcmp(argv[1], "info")) {
         /* a file ds4 cannot run fails the validator, whose one line names the file and what is wrong */
-        if (argc != 3 || argv[2][0] == '-') die_usage("usage: ds4 info FILE");
+        const char *file = NULL;
+        int plan_ctx = 0;
+        for (int i = 2; i < argc; i++) {
+            if (!strcmp(argv[i], "--ctx") && i + 1 < argc && !plan_ctx) {
+                if (parse_int("--ctx", argv[++i], 1, 1 << 24, &plan_ctx, err, sizeof err) != 0) die_usage("%s", err);
+            } else if (argv[i][0] != '-' && !file) {
+                file = argv[i];
+            } else {
+                die_usage("usage: ds4 info FILE [--ctx N]");
+            }
+        }
+        if (!file) die_usage("usage: ds4 info FILE [--ctx N]");
         if (threads > 0) ds4_cpu_set_threads(threads);
-        ds4_model *m = ds4_model_open(argv[2], err, sizeof(err));
+        ds4_model *m = ds4_model_open(file, err, sizeof(err));
         if (!m) { fprintf(stderr, "ds4: %s\n", err); return EXIT_FAIL; }
         ds4_model_info(m, stdout);
+        if (plan_ctx) {
+            /* the plan ds4_ctx_new checks before it allocates: a prompt of N goes in chunks of
+             * DS4_UBATCH, so the batch is the smaller of the two */
+            const int64_t train = ds4_model_n_ctx_train(m);
+            const int b = plan_ctx < env.ubatch ? plan_ctx : env.ubatch;
+            const size_t cb = ds4_ctx_plan_bytes(m, plan_ctx, b), w = ds4_model_weight_bytes(m);
+            printf("context of %d positions (model context_length %lld%s), prefill chunks of %d tokens:\n", plan_ctx,
+                   (long long)train, plan_ctx > train ? ": PAST IT, ds4 refuses this -c" : "", b);
+            printf("  context buffers (window, compressed and indexer rows, compressor state, activations): %.3f GB\n",
+                   cb / 1e9);
+            printf("  on a GPU: %.3f GB of weights + %.3f GB = %.3f GB, plus the backend's fixed scratch\n", w / 1e9,
+                   cb / 1e9, (w + cb) / 1e9);
+            printf("  on the CPU: %.3f GB beside the mapped file\n", cb / 1e9);
+        }
         ds4_model_close(m);
         if (fflush(stdout) != 0 || ferror(stdout)) {
             fprintf(stderr, "ds4: writing to stdout failed: %s\n", strerror(errno ? errno : EIO));
@@ -829,6 +873,26 @@ int main(int argc, char **argv) {
     if (ds4_model_has_vocab(m) && !tok) { fprintf(stderr, "ds4: %s\n", err); return EXIT_FAIL; }
     if (o.chat && !tok) die_usage("--chat needs a model with a vocabulary (this one has none)");
 
+    /* -f: the file's bytes are the prompt text (a NUL in it ends the text: say so rather than cut) */
+    char *file_text = NULL;
+    if (o.prompt_file) {
+        FILE *pf = strcmp(o.prompt_file, "-") ? fopen(o.prompt_file, "rb") : stdin;
+        if (!pf) die_run("cannot read the prompt file '%s': %s", show(sh, o.prompt_file), strerror(errno));
+        size_t cap = 1 << 16, len = 0;
+        file_text = malloc(cap);
+        for (size_t got; file_text && (got = fread(file_text + len, 1, cap - len - 1, pf)) > 0;) {
+            len += got;
+            if (len + 1 == cap) { char *more = realloc(file_text, cap * 2); if (!more) { free(file_text); file_text = NULL; } else { file_text = more; cap *= 2; } }
+        }
+        if (!file_text) die_run("out of host memory for the prompt file");
+        const int rerr = ferror(pf);
+        if (pf != stdin) fclose(pf);
+        if (rerr) die_run("reading the prompt file '%s' failed", show(sh, o.prompt_file));
+        file_text[len] = 0;
+        if (strlen(file_text) != len) die_usage("the prompt file '%s' holds a NUL byte", show(sh, o.prompt_file));
+        prompt = file_text;
+    }
+
     /* the prompt's ids (-i: the first turn's, when -p gives one) */
     int P = 0;
     int32_t *ids = NULL;
@@ -845,9 +909,12 @@ int main(int argc, char **argv) {
         if (id >= V)
             die_usage("%s token id %d is out of range (the vocabulary has %d ids)", i < P ? "prompt" : "--force", id, V);
     }
+    const int64_t train = ds4_model_n_ctx_train(m);
+    if (n_ctx > train) die_usage("-c %d is past the model's context_length %lld", n_ctx, (long long)train);
     if (n_ctx == 0) {
-        const int64_t train = ds4_model_n_ctx_train(m);
-        n_ctx = o.interactive ? (train > 0 && train < 4096 ? (int)train : 4096) : P + n_gen;
+        n_ctx = o.interactive ? (train < 4096 ? (int)train : 4096) : P + n_gen;
+        if (!o.interactive && (int64_t)P + n_gen > train)
+            die_usage("%d prompt + %d generated tokens are past the model's context_length %lld", P, n_gen, (long long)train);
     }
     if (P + n_gen > n_ctx && !o.interactive) die_usage("%d prompt + %d generated tokens exceed --ctx %d", P, n_gen, n_ctx);
     if (P > n_ctx) die_usage("the first turn's %d tokens exceed --ctx %d", P, n_ctx);
@@ -859,12 +926,13 @@ int main(int argc, char **argv) {
     if (!o.prompt_ids && !tok)
         fprintf(stderr, "ds4: model has no vocabulary: prompt text is fed as byte-level ids (one id per byte)\n");
 
-    /* -i feeds each turn in batches of at most 512; a single prompt goes in one batch */
-    const int max_batch = o.interactive ? (n_ctx < 512 ? n_ctx : 512) : (P > 0 ? P : 1);
+    /* the prompt goes in chunks of at most DS4_UBATCH tokens (ds4_ctx_new caps the batch) */
+    int max_batch = o.interactive ? n_ctx : (P > 0 ? P : 1);
+    if (max_batch > env.ubatch) max_batch = env.ubatch;
     const size_t plan = ds4_ctx_plan_bytes(m, n_ctx, max_batch);
     if (plan >= ((size_t)1 << 30) || o.verbose)
         fprintf(stderr, "ds4: context of %d positions, batches of %d: %.2f GB on %s (window, compressed and indexer "
-                "rows, activations), allocating\n", n_ctx, max_batch, plan / 1e9, be->name);
+                "rows, activations)\n", n_ctx, max_batch, plan / 1e9, be->name);
 
     ds4_ctx *c = ds4_ctx_new(m, be, n_ctx, max_batch, err, sizeof(err));
     if (!c) {
@@ -882,6 +950,9 @@ int main(int argc, char **argv) {
     r.tx.f = stdout;
     r.tx.at_line_start = 1;
     r.mt.on = isatty(STDERR_FILENO) && !isatty(STDOUT_FILENO);
+    r.pmt.on = isatty(STDERR_FILENO);
+    r.pmt.delay = 2.0;
+    ds4_ctx_set_progress(c, on_chunk, &r);
     ds4_sampler_init(&r.smp, o.temp, o.top_p, o.seed);
     const int rows = P + n_gen;
     float *logits = o.dump ? malloc(sizeof(float) * (size_t)rows * V) : NULL;
@@ -903,10 +974,10 @@ int main(int argc, char **argv) {
     ds4_backend_stats bst;
     if (!o.interactive) {
         const double tp0 = now_s();
-        const int prc = prefill(&r, ids, P, max_batch, logits, last);
-        if (prc != 0) r.stopped = 2;
+        const int prc = prefill(&r, ids, P, logits, last);
+        if (prc != 0) r.stopped = prc == -3 ? 1 : 2;
         t_prefill = now_s() - tp0;
-        n_prefilled = prc == -1 ? 0 : P;          /* a failed call computed no rows */
+        n_prefilled = prc == -1 || prc == -3 ? 0 : P;   /* a failed or stopped prompt left no whole rows */
         ds4_ctx_stats(c, &bst, 1);                /* --stats counts the decode steps only */
         if (o.verbose) { print_prompt(m, tok, ids, P); print_ids("prompt ids", ids, P); }
         const double td0 = now_s();
@@ -945,7 +1016,8 @@ int main(int argc, char **argv) {
                 break;
             }
             double tq = now_s();
-            if (prefill(&r, tids, nt, max_batch, NULL, last) != 0) r.stopped = 2;
+            const int prc = prefill(&r, tids, nt, NULL, last);
+            if (prc != 0) r.stopped = prc == -3 ? 1 : 2;
             t_prefill += now_s() - tq;
             n_prefilled += nt;
             if (o.verbose) { print_prompt(m, tok, tids, nt); print_ids("prompt ids", tids, nt); }
@@ -1028,6 +1100,7 @@ int main(int argc, char **argv) {
     }
     free(r.gen); free(r.scratch); free(fed); free(last); free(logits);
     if (ids != o.prompt_ids) free(ids);
+    free(file_text);
     cli_opts_free(&o);
     ds4_ctx_free(c);
     ds4_model_close(m);

@@ -378,6 +378,7 @@ typedef struct {
 static struct {
     int            ready;
     int            n_sm;
+    int            max_grid_yz;   /* the device's grid limit in y and z (65535 on every GPU so far) */
     int            cc_major;
     size_t         smem_optin;        /* max dynamic shared memory per block */
     int            att_bps[17];       /* resident k_attention<DM> blocks per SM, by DM (cuda_init) */
@@ -541,6 +542,7 @@ static int cuda_init(void) {
         return -1;
     }
     g_cuda.n_sm = prop.multiProcessorCount;
+    g_cuda.max_grid_yz = prop.maxGridSize[1] < prop.maxGridSize[2] ? prop.maxGridSize[1] : prop.maxGridSize[2];
     g_cuda.cc_major = prop.major;
     g_cuda.smem_optin = prop.sharedMemPerBlockOptin;
     ops_setup();
@@ -3951,6 +3953,20 @@ static void *cuda_session_new(const ds4_limits *lim) {
                 lim->max_batch, lim->n_ctx);
         return NULL;
     }
+    /* The launch bounds, checked once for the largest chunk and context.  The token count of a
+     * call rides in grid.y or grid.z of the hc, matvec, attention, indexer, gate and attn_probs
+     * launches, and attn_probs's column chunks in grid.y; every other dimension is a
+     * grid-stride loop, a capped grid.x, or a fixed count. */
+    {
+        const int64_t yz = g_cuda.max_grid_yz;
+        const int64_t n128 = (int64_t)lim->n_ctx / 128 + 1, k = lim->idx_topk > 0 ? lim->idx_topk : 0;
+        const int64_t probs_chunks = ((int64_t)lim->n_swa + (k > n128 ? k : n128) + PROBS_ROWS - 1) / PROBS_ROWS;
+        if (lim->max_batch > yz || probs_chunks > yz) {
+            fprintf(stderr, "ds4: a batch of %d tokens on a context of %d positions exceeds this GPU's grid limit "
+                    "%lld in y and z (give a smaller DS4_UBATCH or -c)\n", lim->max_batch, lim->n_ctx, (long long)yz);
+            return NULL;
+        }
+    }
     ds4_session *S = (ds4_session *)calloc(1, sizeof *S);
     if (!S) {
         fprintf(stderr, "ds4: out of host memory\n");
@@ -4113,6 +4129,13 @@ static void cuda_session_stats(void *s, ds4_backend_stats *st, int reset) {
  * The backend table
  * ------------------------------------------------------------------------- */
 
+/* Device memory free now (cudaMemGetInfo): ds4_ctx_new's plan is checked against it. */
+static size_t cuda_mem_available(void) {
+    size_t free_b = 0, total = 0;
+    if (cudaMemGetInfo(&free_b, &total) != cudaSuccess) { (void)cudaGetLastError(); return (size_t)-1; }
+    return free_b;
+}
+
 /* What upload_weight and the ops take: the matrix types, and I32 (tid2eid, read by moe_route). */
 static int cuda_supports_type(int type) { return type_supported(type) || type == DS4_TYPE_I32; }
 
@@ -4130,6 +4153,7 @@ static ds4_backend make_cuda_backend(void) {
     b.release_weight = cuda_release_weight;
     b.synchronize = cuda_synchronize;
     b.supports_type = cuda_supports_type;
+    b.mem_available = cuda_mem_available;
     b.session_new = cuda_session_new;
     b.session_free = cuda_session_free;
     b.session_bind = cuda_session_bind;

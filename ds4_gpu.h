@@ -166,6 +166,7 @@ typedef struct ds4_limits {
     int     n_embd;           /* D */
     int     n_head, head_dim; /* attention */
     int     idx_topk;         /* ratio-4 picks per query */
+    int     n_swa;            /* the sliding window's rows */
     int     n_expert, n_expert_used, n_ff_exp;   /* routed experts {D, F, E}, k used per token */
     int     n_vocab;
     int64_t max_k;            /* the longest weight row (K) of any matmul */
@@ -266,6 +267,7 @@ typedef struct ds4_backend {
     void  (*release_weight)(ds4_weight *w);
     void  (*synchronize)(void);                            /* wait for every op issued */
     int   (*supports_type)(int type);                      /* 1: upload_weight and the ops take DS4_TYPE_type */
+    size_t (*mem_available)(void);                         /* bytes free for weights and contexts (after init) */
 
     /* ---- sessions ----
      * session_new sizes and allocates everything the ops will need for these

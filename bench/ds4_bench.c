@@ -1,8 +1,9 @@
 /* ds4_bench.c -- decode and prefill throughput of ds4 on one backend, and the
  * decode step that scripts/kernel_report.sh profiles.
  *
- *   ds4_bench --model tiny|small|flash16|flash-q2|...[@EXPERTS]|FILE [--type q8_0] [--backend cuda|cpu]
- *             [--reps 5] [--decode 32] [--prefill 512,4096] [--copy-bw GBps] [--threads N]
+ *   ds4_bench --model tiny|small|flash16|flash-q2|...[@EXPERTS][/CTX]|FILE [--type q8_0] [--backend cuda|cpu]
+ *             [--reps 5] [--decode 32] [--decode-after 512] [--prefill 512,4096] [--no-warmup] [--ubatch U1,... [--ubatch-prompt N]]
+ *             [--copy-bw GBps] [--threads N]
  *             [--profile-step [--profile-warmup 8] [--profile-timed 16]]      (CUDA builds)
  *
  * Synthetic configs are built in memory from the seed (no file), through the
@@ -69,18 +70,21 @@ static void fail(const char *what, const char *err) {
 
 static void usage(FILE *f) {
     fprintf(f, "usage: ds4_bench --model tiny|small|flash16|FILE [--type T] [--backend cuda|cpu] [--reps N]\n"
-               "                 [--decode N] [--prefill L1,L2,...] [--copy-bw GBps] [--threads N]\n"
+               "                 [--decode N] [--decode-after P] [--prefill L1,L2,...] [--no-warmup] [--ubatch U1,... [--ubatch-prompt N]] [--copy-bw GBps] [--threads N]\n"
                "                 [--profile-step [--profile-warmup N] [--profile-timed N]]\n");
 }
 
 int main(int argc, char **argv) {
     const char *model = "tiny", *type = NULL, *backend = NULL, *prefill_list = "512,4096";
-    int reps = 5, n_decode = 32, threads = 0;
+    int reps = 5, n_decode = 32, threads = 0, decode_after = 512, warmup = 1;
+    const char *ubatch_list = NULL;
+    int ubatch_prompt = 16384;
     int profile_step = 0, prof_warmup = 8, prof_timed = 16;
     double copy_bw = 0.0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-        if (!strcmp(a, "--profile-step")) { profile_step = 1; continue; }   /* the one flag without a value */
+        if (!strcmp(a, "--profile-step")) { profile_step = 1; continue; }   /* the flags without a value */
+        if (!strcmp(a, "--no-warmup")) { warmup = 0; continue; }
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(stdout); return 0; }
         if (!v) { fprintf(stderr, "ds4_bench: %s needs a value\n", a); return 2; }
         if (!strcmp(a, "--model")) model = v;
@@ -88,6 +92,9 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--backend")) backend = v;
         else if (!strcmp(a, "--reps")) reps = atoi(v);
         else if (!strcmp(a, "--decode")) n_decode = atoi(v);
+        else if (!strcmp(a, "--decode-after")) decode_after = atoi(v);
+        else if (!strcmp(a, "--ubatch")) ubatch_list = v;
+        else if (!strcmp(a, "--ubatch-prompt")) ubatch_prompt = atoi(v);
         else if (!strcmp(a, "--prefill")) prefill_list = v;
         else if (!strcmp(a, "--copy-bw")) copy_bw = atof(v);
         else if (!strcmp(a, "--threads")) threads = atoi(v);
@@ -162,14 +169,14 @@ int main(int argc, char **argv) {
     double *v = malloc(sizeof(double) * (size_t)n_v);
 
     if (reps > 0) {
-        /* decode: after a 512-token (or shorter) prefill */
-        const int P0 = max_p < 512 ? max_p : 512;
+        /* decode: after a --decode-after-token prefill (default 512, at most the longest --prefill) */
+        const int P0 = max_p < decode_after ? max_p : decode_after < 1 ? 1 : decode_after;
         const size_t bytes_tok = ds4_model_decode_bytes(m);
         double launches_tok = 0, launch_s_tok = 0;
         ds4_backend_stats ds, warm;
         memset(&ds, 0, sizeof ds);
         memset(&warm, 0, sizeof warm);
-        for (int r = -1; r < reps; r++) {
+        for (int r = warmup ? -1 : 0; r < reps; r++) {      /* r = -1 is the warm-up */
             ds4_ctx_reset(c);
             if (ds4_eval(c, tok, P0, logits, 0, err, sizeof(err)) != 0) fail("prefill", err);
             for (int w = 0; w < 4; w++)
@@ -240,7 +247,7 @@ int main(int argc, char **argv) {
     for (int i = 0; i < n_pl && reps > 0; i++) {
         const int P = pl[i];
         if (P > max_p || P < 1) continue;
-        for (int r = -1; r < reps; r++) {      /* r = -1 is the warm-up */
+        for (int r = warmup ? -1 : 0; r < reps; r++) {      /* r = -1 is the warm-up */
             ds4_ctx_reset(c);
             double s = now_s();
             if (ds4_eval(c, tok, P, logits, 0, err, sizeof(err)) != 0) fail("prefill", err);
@@ -292,7 +299,6 @@ int main(int argc, char **argv) {
     }
 #endif
 
-    free(v); free(logits); free(tok);
     ds4_hooks_stats hs;
     if (ds4_ctx_hooks_stats(c, &hs) == 0) {
         /* DS4_HOOKS (patches/series stage 3): what the emitter moved during the whole run */
@@ -307,6 +313,44 @@ int main(int argc, char **argv) {
                (unsigned long long)hs.payload_bytes, (unsigned long long)hs.batches,
                hs.copy_seconds > 0 ? hs.payload_bytes / hs.copy_seconds / 1e9 : 0.0);
     }
+    /* --ubatch U1,U2,...: a --ubatch-prompt-token prefill (default 16384) in chunks of each U
+     * (DS4_UBATCH, read when a context is made: one context per U, the weights uploaded once) */
+    const int up = ubatch_prompt < 1 ? 1 : ubatch_prompt > n_ctx ? n_ctx : ubatch_prompt;
+    for (const char *p = ubatch_list; p && *p && reps > 0;) {
+        const int ub = atoi(p);
+        p = strchr(p, ',');
+        p = p ? p + 1 : NULL;
+        if (ub < 1) continue;
+        char num[32];
+        snprintf(num, sizeof num, "%d", ub);
+        setenv("DS4_UBATCH", num, 1);
+        ds4_ctx *cu = ds4_ctx_new(m, be, up + 8, up, err, sizeof(err));
+        if (!cu) fail("context (--ubatch)", err);
+        for (int r = warmup ? -1 : 0; r < reps; r++) {
+            ds4_ctx_reset(cu);
+            double s = now_s();
+            if (ds4_eval(cu, tok, up, logits, 0, err, sizeof(err)) != 0) fail("prefill (--ubatch)", err);
+            if (r >= 0) v[r] = now_s() - s;
+        }
+        const double med = median(v, reps);
+        printf("prefill %5d tokens in chunks of %d: median %.4f s = %.1f tok/s (%d reps)\n", up, ub, med, up / med, reps);
+        printf("RESULT model=%s backend=%s metric=prefill_tok_s prompt=%d ubatch=%d value=%.2f\n", model, be->name,
+               up, ub, up / med);
+        ds4_ctx_free(cu);
+    }
+    free(v); free(logits); free(tok);
+#ifdef DS4_CUDA
+    if (!strcmp(be->name, "cuda")) {
+        /* a context allocates everything when it is made: what is in use now is the peak */
+        size_t free_b = 0, total = 0;
+        if (cudaMemGetInfo(&free_b, &total) == cudaSuccess) {
+            printf("device memory in use: %.2f GB of %.2f GB (weights %.2f GB)\n", (total - free_b) / 1e9, total / 1e9,
+                   ds4_model_weight_bytes(m) / 1e9);
+            printf("RESULT model=%s backend=%s metric=device_memory used_GB=%.3f total_GB=%.3f batch=%d n_ctx=%d\n",
+                   model, be->name, (total - free_b) / 1e9, total / 1e9, ds4_ctx_max_batch(c), n_ctx);
+        }
+    }
+#endif
     ds4_ctx_free(c);
     ds4_model_close(m);
     return 0;

@@ -28,6 +28,11 @@
 #             graphs on, a failed CUDA run leaves an earlier hook stream and dump byte for byte, ds4
 #             info's backends column, and the load-time NaN/Inf scan's cost on flash16 (ds4 info,
 #             which parses and scans, against a CUDA run's load, weights uploaded)
+#   long      chunked prefill (patch 0005): flash16 declared with a 262144-token context, prefill of
+#             512..65536 tokens (LONG_PREFILL) in DS4_UBATCH chunks and 64 decode steps with graphs at
+#             that depth, device memory; the prefill of 16384 tokens in chunks of 1024..8192; tiny
+#             with a 1M context: 1,000,000 prompt positions on CUDA in chunks then 64 decode steps
+#             with graphs, finite logits, its last 1000 prompt rows against the CPU backend's
 #   all       all of these: build, test, hf, sanitize, spot, bench flash16, kernels, bench tiny+small
 #
 # Rough times on one H200: build ~1 min, test ~2 min, sanitize a few minutes (19 runs, 3 at
@@ -52,8 +57,8 @@ mkdir -p "$OUT" build/test-out
 rm -f "$OUT/table.txt"      # this run's rows only (build/gpu-out persists between runs)
 WHAT=" ${*:-all} "
 for w in $WHAT; do
-  case "$w" in all|test|hf|sanitize|spot|bench|kernels|series|hooks|cli) ;;
-    *) echo "gpu-check: unknown WHAT '$w' (all, test, hf, sanitize, spot, bench, kernels, series, hooks, cli)"; exit 2 ;; esac
+  case "$w" in all|test|hf|sanitize|spot|bench|kernels|series|hooks|cli|long) ;;
+    *) echo "gpu-check: unknown WHAT '$w' (all, test, hf, sanitize, spot, bench, kernels, series, hooks, cli, long)"; exit 2 ;; esac
 done
 want() { [[ "$WHAT" == *" all "* || "$WHAT" == *" $1 "* ]]; }
 ARCH=${CUDA_ARCH:-sm_90}
@@ -312,6 +317,42 @@ if want cli; then
   done
   ./ds4 -m "$F" --backend cuda --tokens 1,2,3 -n 1 2>&1 >/dev/null | grep '^speed' | sed 's/^/cli flash16 /' >> "$OUT/table.txt"
   rm -f "$F"
+fi
+
+if want long; then
+  step "long: chunked prefill"
+  make --no-print-directory build/cuda-"$ARCH"/ds4_bench CUDA_ARCH="$ARCH" >> "$OUT/build.log" 2>&1
+  LP=${LONG_PREFILL:-512,4096,16384,65536}
+  LD=${LP##*,}
+  DS4_CUDA_GRAPHS=1 timeout "${LONG_LIMIT:-420}" build/cuda-"$ARCH"/ds4_bench --model flash16/262144 --backend cuda \
+      --reps 1 --no-warmup --decode 64 --decode-after "$LD" --prefill "$LP" --ubatch "${LONG_UBATCH:-1024,2048,4096,8192}" --ubatch-prompt 16384 \
+      2>&1 | tee "$OUT/long-flash16.log"
+  grep RESULT "$OUT/long-flash16.log" | sed 's/^RESULT /long: /' >> "$OUT/table.txt"
+  if [ -n "${LONG_1M:-1}" ] && [ "${LONG_1M:-1}" != 0 ]; then
+    ./ds4 synth --config tiny --ctx 1048576 --seed 1 -o build/test-out/tiny-1m.gguf > /dev/null 2>&1
+    $PY -c "import random; r=random.Random(5); open('build/test-out/p1m.txt','w').write(''.join(chr(32+r.randrange(95)) for _ in range(1000000)))"
+    s0=$(date +%s)
+    DS4_CUDA_GRAPHS=1 ./ds4 -m build/test-out/tiny-1m.gguf --backend cuda -f build/test-out/p1m.txt -n 64 \
+        --dump-logits "$OUT/long-1m-cuda.ds4logit" --stats > /dev/null 2> "$OUT/long-1m-cuda.log"
+    row "long tiny 1M cuda: rc $? in $(( $(date +%s) - s0 )) s; $(grep '^speed' "$OUT/long-1m-cuda.log")"
+    s0=$(date +%s)
+    timeout "${LONG_CPU_LIMIT:-300}" ./ds4 -m build/test-out/tiny-1m.gguf --backend cpu -f build/test-out/p1m.txt -n 0 \
+        --dump-logits "$OUT/long-1m-cpu.ds4logit" > /dev/null 2> "$OUT/long-1m-cpu.log"
+    row "long tiny 1M cpu: rc $? in $(( $(date +%s) - s0 )) s; $(grep '^speed' "$OUT/long-1m-cpu.log")"
+    $PY - "$OUT/long-1m-cuda.ds4logit" "$OUT/long-1m-cpu.ds4logit" <<'PYEOF' | tee -a "$OUT/table.txt"
+import sys, numpy as np
+def rows(p):
+    h = np.fromfile(p, dtype=np.int32, count=8, offset=8)
+    V, P, G, R = int(h[1]), int(h[2]), int(h[3]), int(h[4])
+    off = 32 + 8 * R
+    return P, G, np.memmap(p, dtype=np.float32, mode="r", offset=off, shape=(R, V))
+Pa, Ga, a = rows(sys.argv[1]); Pb, Gb, b = rows(sys.argv[2])
+fin = bool(np.isfinite(a).all())
+d = float(np.abs(a[Pa - 1000:Pa].astype(np.float64) - b[Pb - 1000:Pb]).max())
+print(f"long: tiny 1M prompt {Pa} + {Ga} decode rows (cuda, graphs) all finite: {fin}; last 1000 prompt rows cuda vs cpu max|d| {d:.3g} (bound 5e-5: {'ok' if d <= 5e-5 else 'ABOVE'})")
+PYEOF
+    rm -f "$OUT"/long-1m-*.ds4logit
+  fi
 fi
 
 echo

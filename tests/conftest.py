@@ -58,6 +58,8 @@ def make_model(name):
         return p
     if name in ("tiny", "small"):
         ds4_run(["synth", "--config", name, "--seed", "1", "--type", "f32", "-o", p])
+    elif name in ("tiny-1m", "small-1m"):   # the same weights, context_length 1,048,576 (long runs)
+        ds4_run(["synth", "--config", name[:-3], "--ctx", "1048576", "--seed", "1", "--type", "f32", "-o", p])
     elif name in ("small-q2", "small-q4"):   # the published files' type layouts, small shape
         ds4_run(["synth", "--config", name, "--seed", "1", "-o", p])
     elif name == "other":

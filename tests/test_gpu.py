@@ -202,11 +202,11 @@ def test_graphs_replay_bit_identical_4096(name):
     threshold many times over) with graphs -- one per step, and clusters of 1 and of 4 layers --
     give the eager run's dump byte for byte, with zero re-captures in steady decode: one capture
     per region, every later step replayed, no fallback."""
-    n = 4096
-    eager, _ = graph_run(name, n, tag="eager")
+    n = 4096                 # past tiny's context_length 4096: its -1m twin (the same weights)
+    eager, _ = graph_run(name + "-1m", n, tag="eager")
     layers = {"tiny": 6, "small": 8}[name]
     for lay in (None, 1, 4):
-        data, r = graph_run(name, n, graphs=True, layers=lay, stats=True, tag=f"g{lay}")
+        data, r = graph_run(name + "-1m", n, graphs=True, layers=lay, stats=True, tag=f"g{lay}")
         assert data == eager, f"DS4_CUDA_GRAPH_LAYERS={lay}: the dump differs from eager"
         st, line = graph_stats(r.stderr)
         regions = 1 if not lay else -(-layers // lay)

@@ -186,7 +186,7 @@ def test_ctrl_c_closes_the_stream_whole(tmp_path):
     pid, fd = pty.fork()
     if pid == 0:
         os.environ.update(DS4_HOOKS="attn,moe", DS4_HOOKS_OUT=out)
-        os.execv(DS4, [DS4, "-m", make_model("tiny"), "--backend", "cpu", "-n", "100000"])
+        os.execv(DS4, [DS4, "-m", make_model("tiny-1m"), "--backend", "cpu", "-n", "100000"])
     buf, end = b"", time.time() + 60
     while time.time() < end and buf.count(b"\n") < 1 or len(buf) < 300:
         if select.select([fd], [], [], 0.1)[0]:

@@ -318,7 +318,7 @@ static void test_converters(void) {
  * ds4_ctx_new allocates: tiny and small, short and long contexts, batch 1 and large.  The
  * buffers that scale are planned exactly; a fixed remainder (a stage's step block) may not be. */
 static void test_ctx_plan(void) {
-    static const char *const cfg[] = { "tiny", "small" };
+    static const char *const cfg[] = { "tiny/1048576", "small/1048576" };
     static const int sizes[][2] = { { 16, 1 }, { 300, 300 }, { 70000, 64 }, { 1 << 20, 8 } };
     for (int ci = 0; ci < 2; ci++) {
         char err[512];

@@ -106,7 +106,7 @@ def test_streams_on_a_terminal_and_ctrl_c_keeps_the_files():
         os.unlink(dump)
     pid, fd = pty.fork()
     if pid == 0:
-        os.execv(DS4, [DS4, "-m", make_model("tiny"), "--tokens", "1,2,3", "-n", "200000", "--dump-logits", dump])
+        os.execv(DS4, [DS4, "-m", make_model("tiny-1m"), "--tokens", "1,2,3", "-n", "200000", "--dump-logits", dump])
     try:
         early = read_until(fd, lambda b: b.count(b"\n") >= 1 and len(b.split(b"\n", 1)[1]) >= 16, 60)
         assert os.waitpid(pid, os.WNOHANG) == (0, 0), "the run ended before any text was read"

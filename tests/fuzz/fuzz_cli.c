@@ -112,13 +112,13 @@ static void check_ids(const char *v, const int32_t *ids, int n, const char *what
     }
 }
 
-enum { R_M, R_P, R_TOKENS, R_N, R_TEMP, R_TOPP, R_SEED, R_CTX, R_BACKEND, R_DUMP, R_FORCE, R_THREADS };
+enum { R_M, R_P, R_TOKENS, R_N, R_TEMP, R_TOPP, R_SEED, R_CTX, R_BACKEND, R_DUMP, R_FORCE, R_THREADS, R_FILE };
 
 static void check_run(const struct cli_opts *o, int argc, char **argv) {
     static const struct flag flags[] = {
         { "-m", R_M }, { "-p", R_P }, { "--tokens", R_TOKENS }, { "-n", R_N }, { "--temp", R_TEMP },
         { "--top-p", R_TOPP }, { "--seed", R_SEED }, { "-c", R_CTX }, { "--ctx", R_CTX }, { "--backend", R_BACKEND },
-        { "--dump-logits", R_DUMP }, { "--force", R_FORCE }, { "--threads", R_THREADS },
+        { "--dump-logits", R_DUMP }, { "--force", R_FORCE }, { "--threads", R_THREADS }, { "-f", R_FILE }, { "--file", R_FILE },
         { "--chat", -1 }, { "--think", -2 }, { "--stats", -3 }, { "-v", -4 }, { "--verbose", -4 },
         { "-i", -5 }, { "--interactive", -5 }, { "--allow-nonfinite", -6 }, { NULL, 0 } };
     struct reading r;
@@ -128,7 +128,7 @@ static void check_run(const struct cli_opts *o, int argc, char **argv) {
     if (o->verbose != r.bare[3] || o->interactive != r.bare[4] || o->allow_nonfinite != r.bare[5])
         bad("-v/-i/--allow-nonfinite not as given", argv, argc);
     if (o->stats != r.bare[2]) bad("--stats not as given", argv, argc);
-    if (o->model_path != r.val[R_M] || o->prompt != r.val[R_P] || o->dump != r.val[R_DUMP])
+    if (o->model_path != r.val[R_M] || o->prompt != r.val[R_P] || o->dump != r.val[R_DUMP] || o->prompt_file != r.val[R_FILE])
         bad("-m/-p/--dump-logits not the last value given", argv, argc);
     check_ids(r.val[R_TOKENS], o->prompt_ids, o->n_prompt_ids, "--tokens list not as given", argv, argc);
     check_ids(r.val[R_FORCE], o->force, o->n_force, "--force list not as given", argv, argc);
@@ -142,7 +142,7 @@ static void check_run(const struct cli_opts *o, int argc, char **argv) {
     if (o->n_gen_set != (r.val[R_N] != NULL)) bad("n_gen_set not as given", argv, argc);
     if (o->help) return;   /* the checks across options are not made for --help */
     if (!r.val[R_N] && o->n_gen != (o->force ? o->n_force : 32)) bad("-n default wrong", argv, argc);
-    if (o->prompt && o->prompt_ids) bad("accepted both -p and --tokens", argv, argc);
+    if ((o->prompt != NULL) + (o->prompt_ids != NULL) + (o->prompt_file != NULL) > 1) bad("accepted two prompts", argv, argc);
     if (o->think && !o->chat) bad("accepted --think without --chat", argv, argc);
     if (o->interactive && (!o->chat || o->force || o->dump)) bad("accepted -i without --chat, or with --force or a dump", argv, argc);
     if (o->chat && o->prompt_ids) bad("accepted --chat with --tokens", argv, argc);
@@ -155,12 +155,12 @@ static void check_run(const struct cli_opts *o, int argc, char **argv) {
 #endif
 }
 
-enum { S_CONFIG, S_SEED, S_TYPE, S_O, S_THREADS, S_EXPERTS };
+enum { S_CONFIG, S_SEED, S_TYPE, S_O, S_THREADS, S_EXPERTS, S_CTX };
 
 static void check_synth(const struct synth_opts *o, int argc, char **argv) {
     static const struct flag flags[] = {
         { "--config", S_CONFIG }, { "--seed", S_SEED }, { "--type", S_TYPE }, { "-o", S_O }, { "--threads", S_THREADS },
-        { "--experts", S_EXPERTS }, { "--vocab", -1 }, { NULL, 0 } };
+        { "--experts", S_EXPERTS }, { "--ctx", S_CTX }, { "--vocab", -1 }, { NULL, 0 } };
     struct reading r;
     if (!read_argv(2, argc, argv, flags, &r)) bad("synth: accepted an argument that is no option", argv, argc);
     if (o->help != r.help) bad("synth: --help not as given", argv, argc);
@@ -170,25 +170,32 @@ static void check_synth(const struct synth_opts *o, int argc, char **argv) {
     check_seed(r.val[S_SEED], o->seed, argv, argc);
     check_int(r.val[S_THREADS], o->threads, 1, 64, 0, "synth: --threads out of range or not as given", argv, argc);
     check_int(r.val[S_EXPERTS], o->experts, 1, 1024, 0, "synth: --experts out of range or not as given", argv, argc);
+    check_int(r.val[S_CTX], o->ctx, 1, 1 << 24, 0, "synth: --ctx out of range or not as given", argv, argc);
     const char *cfg = r.val[S_CONFIG];
     if (!cfg || !o->config) bad("synth: accepted without --config", argv, argc);
-    if (!o->vocab && !o->experts) {
+    if (!o->vocab && !o->experts && !o->ctx) {
         if (o->config != cfg) bad("synth: config is not --config's value", argv, argc);
     } else {
-        /* --config NAME[@E] with --vocab and --experts E': NAME[+vocab][@E][@E'] (one @ at most, else rejected) */
+        /* --config NAME[@E][/N] with --vocab, --experts E', --ctx N': NAME[+vocab][@E][@E'][/N][/N']
+         * (one @ and one / at most, else rejected); NAME ends at the first @ or / */
+        const char *slash = strchr(cfg, '/');
         const char *at = strchr(cfg, '@');
-        const size_t name = at ? (size_t)(at - cfg) : strlen(cfg);
-        char *want = malloc(strlen(cfg) + 32);
+        if (at && slash && at > slash) at = NULL;            /* an @ after the / belongs to the /N part */
+        const size_t name = at ? (size_t)(at - cfg) : slash ? (size_t)(slash - cfg) : strlen(cfg);
+        char *want = malloc(strlen(cfg) + 64);
         if (!want) abort();
         memcpy(want, cfg, name);
         want[name] = 0;
         if (o->vocab) strcat(want, "+vocab");
-        if (at) strcat(want, at);
+        if (at) strncat(want, at, slash ? (size_t)(slash - at) : strlen(at));
         if (o->experts) sprintf(want + strlen(want), "@%d", o->experts);
+        if (slash) strcat(want, slash);
+        if (o->ctx) sprintf(want + strlen(want), "/%d", o->ctx);
         const int same = !strcmp(want, o->config);
         free(want);
-        if (!same) bad("synth: config is not --config with --vocab/--experts folded in", argv, argc);
+        if (!same) bad("synth: config is not --config with --vocab/--experts/--ctx folded in", argv, argc);
         if (o->experts && at) bad("synth: accepted --experts with NAME@E", argv, argc);
+        if (o->ctx && slash) bad("synth: accepted --ctx with NAME/N", argv, argc);
         if (o->vocab && strstr(cfg, "+vocab")) bad("synth: accepted --vocab with NAME+vocab", argv, argc);
     }
     (void)ds4_synth_config_ok(o->config);   /* ds4_synth_write's check, run here only for crashes */
