@@ -41,7 +41,7 @@ static double now_s(void) {
     return ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
-enum { EXIT_FAIL = 1, EXIT_USAGE = 2, EXIT_INTERRUPTED = 130 };
+enum { EXIT_FAIL = 1, EXIT_USAGE = 2 };   /* a stop by signal: 128 + the signal (Ctrl-C: 130) */
 
 /* The errors of main: one line on stderr, then exit: die_usage for a bad flag, value or
  * combination (status 2), die_run for everything else -- files, the model, memory (status 1). */
@@ -564,14 +564,14 @@ static int write_dump(outfile *o, int n_vocab, int P, int G, const int32_t *tok,
 }
 
 /* ---- Ctrl-C ----
- * The first SIGINT asks the run to stop after the step in flight (the text so far, the dump
- * and the stats are kept); a second one ends the process as SIGINT does by default. */
-static volatile sig_atomic_t g_interrupted;
+ * The first SIGINT (or SIGTERM) asks the run to stop after the step or prompt chunk in flight
+ * (the text so far, the dump and the stats are kept; exit 128 + the signal); a second one ends
+ * the process as the signal does by default. */
+static volatile sig_atomic_t g_interrupted;   /* the signal that asked to stop (SIGINT, SIGTERM), 0: none */
 
 static void on_sigint(int sig) {
-    (void)sig;
-    g_interrupted = 1;
-    signal(SIGINT, SIG_DFL);
+    g_interrupted = sig;
+    signal(sig, SIG_DFL);
 }
 
 /* ---- the progress meters: one line on stderr when stderr is a terminal, for the prompt once
@@ -967,6 +967,7 @@ int main(int argc, char **argv) {
     memset(&sa, 0, sizeof sa);
     sa.sa_handler = on_sigint;                   /* no SA_RESTART: a read of stdin (-i) returns */
     sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);               /* kill, timeout: the same clean stop */
 
     int rc = 0;
     double t_prefill = 0, t_decode = 0;
@@ -1049,8 +1050,9 @@ int main(int argc, char **argv) {
         rc = EXIT_FAIL;
     }
     if (r.stopped == 1) {
-        fprintf(stderr, "ds4: interrupted: %ld tokens generated; the output files are closed whole\n", n_decoded);
-        rc = EXIT_INTERRUPTED;
+        fprintf(stderr, "ds4: interrupted (%s): %ld tokens generated; the output files are closed whole\n",
+                g_interrupted == SIGTERM ? "SIGTERM" : "Ctrl-C", n_decoded);
+        rc = 128 + (g_interrupted ? (int)g_interrupted : SIGINT);
     }
     fprintf(stderr, "speed: load %.2f s, prefill %ld tokens in %.3f s (%.1f tok/s), decode %ld tokens in %.3f s "
             "(%.2f tok/s), backend %s\n", t_load, n_prefilled, t_prefill,

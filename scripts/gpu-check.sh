@@ -324,7 +324,7 @@ if want long; then
   make --no-print-directory build/cuda-"$ARCH"/ds4_bench CUDA_ARCH="$ARCH" >> "$OUT/build.log" 2>&1
   LP=${LONG_PREFILL:-512,4096,16384,65536}
   LD=${LP##*,}
-  DS4_CUDA_GRAPHS=1 timeout "${LONG_LIMIT:-420}" build/cuda-"$ARCH"/ds4_bench --model flash16/262144 --backend cuda \
+  [ "${LONG_FLASH:-1}" = 0 ] || DS4_CUDA_GRAPHS=1 timeout "${LONG_LIMIT:-420}" build/cuda-"$ARCH"/ds4_bench --model flash16/262144 --backend cuda \
       --reps 1 --no-warmup --decode 64 --decode-after "$LD" --prefill "$LP" --ubatch "${LONG_UBATCH:-1024,2048,4096,8192}" --ubatch-prompt 16384 \
       2>&1 | tee "$OUT/long-flash16.log"
   grep RESULT "$OUT/long-flash16.log" | sed 's/^RESULT /long: /' >> "$OUT/table.txt"
@@ -353,6 +353,15 @@ print(f"long: tiny 1M prompt {Pa} + {Ga} decode rows (cuda, graphs) all finite: 
 PYEOF
     rm -f "$OUT"/long-1m-*.ds4logit
   fi
+  # compute-sanitizer on a chunked prefill in chunks of 7 across the window (32), a ratio-128
+  # boundary and the indexer's top-k (8 of the ratio-4 rows), then decode steps with graphs
+  ./ds4 synth --config tiny --seed 1 --type f32 -o build/test-out/tiny.gguf > /dev/null 2>&1
+  TOKS=$($PY -c "import random; r=random.Random(3); print(','.join(str(r.randrange(512)) for _ in range(300)))")
+  for tool in memcheck racecheck; do
+    DS4_UBATCH=7 DS4_CUDA_GRAPHS=1 timeout 240 compute-sanitizer --tool $tool --error-exitcode 9 ./ds4 \
+        -m build/test-out/tiny.gguf --backend cuda --tokens "$TOKS" -n 40 > "$OUT/long-san-$tool.log" 2>&1
+    row "long sanitize $tool (tiny, 300 prompt tokens in chunks of 7, 40 steps with graphs): rc $? $(grep -h 'ERROR SUMMARY\|RACECHECK SUMMARY' "$OUT/long-san-$tool.log" | tail -1)"
+  done
 fi
 
 echo

@@ -118,11 +118,25 @@ def test_streams_on_a_terminal_and_ctrl_c_keeps_the_files():
         os.close(fd)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 130, status
     tail = (early + rest).decode("utf-8", "replace")
-    assert "ds4: interrupted:" in tail and "speed:" in tail, tail
+    assert "ds4: interrupted (Ctrl-C):" in tail and "speed:" in tail, tail
     d = ds4logit.read(dump)
     assert d.n_prompt == 3 and 0 < d.n_gen < 200000
     assert os.path.getsize(dump) == 32 + 8 * (3 + d.n_gen) + 4 * (3 + d.n_gen) * 512
     assert not [f for f in os.listdir(OUT) if f.startswith("ctrl-c.ds4logit.tmp")]
+
+
+def test_sigterm_stops_cleanly():
+    """kill and timeout send SIGTERM: the same clean stop as Ctrl-C, status 143, a whole dump."""
+    dump = os.path.join(OUT, "sigterm.ds4logit")
+    p = subprocess.Popen([DS4, "-m", make_model("tiny-1m"), "--tokens", "1,2", "-n", "200000", "--dump-logits", dump],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first = p.stdout.read(64)                       # the run is generating
+    p.terminate()
+    _, err = p.communicate(timeout=60)
+    assert first and p.returncode == 143, err
+    assert b"ds4: interrupted (SIGTERM)" in err
+    d = ds4logit.read(dump)
+    assert d.n_prompt == 2 and 0 < d.n_gen < 200000
 
 
 def test_write_errors_are_errors():
