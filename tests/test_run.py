@@ -216,13 +216,17 @@ def test_cuda_build_without_a_gpu():
         pytest.skip("skipped: no CUDA build (make cuda-check builds one where nvcc exists)")
     if subprocess.run("nvidia-smi -L", shell=True, capture_output=True).returncode == 0:
         pytest.skip("skipped: this machine has a GPU")
-    dump = os.path.join(OUT, "keep-cuda.ds4logit")
-    with open(dump, "wb") as f:
-        f.write(b"earlier capture")
-    r = run([b, "-m", make_model("tiny"), "-n", "2", "--dump-logits", dump])
+    dump, hooks = os.path.join(OUT, "keep-cuda.ds4logit"), os.path.join(OUT, "keep-cuda.ds4h")
+    for p in (dump, hooks):
+        with open(p, "wb") as f:
+            f.write(b"earlier capture")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DS4_")}
+    env.update(DS4_HOOKS="attn", DS4_HOOKS_OUT=hooks)
+    r = run([b, "-m", make_model("tiny"), "-n", "2", "--dump-logits", dump], env=env)
     assert r.returncode == 1
     one_line(r.stderr, "no CUDA GPU found")
-    assert open(dump, "rb").read() == b"earlier capture"
+    assert open(dump, "rb").read() == b"earlier capture" and open(hooks, "rb").read() == b"earlier capture"
+    assert not [f for f in os.listdir(OUT) if ".tmp-" in f and f.startswith("keep-cuda")]
     r = run([b, "info", make_model("small-q2")])
     assert r.returncode == 0 and [l for l in r.stdout.splitlines() if l.startswith("Q2_K")][0].endswith("cpu, cuda")
 
