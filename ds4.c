@@ -4476,19 +4476,10 @@ static void fwd_batch(ds4_ctx *c, int nt, int all_rows) {
     }
 }
 
-/* One forward call of n <= max_batch tokens at c->pos. */
+/* One forward call of n <= max_batch tokens at c->pos (ds4_eval has checked them and the room). */
 static int eval_chunk(ds4_ctx *c, const int32_t *tokens, int n, float *logits, int all_rows,
                       char *err, size_t errlen) {
     const ds4_hparams *hp = &c->m->hp;
-    if (c->pos + n > c->n_ctx) {
-        errf(err, errlen, "context full: position %d + %d tokens exceeds --ctx %d", c->pos, n, c->n_ctx);
-        return -1;
-    }
-    for (int i = 0; i < n; i++)
-        if (tokens[i] < 0 || tokens[i] >= hp->n_vocab) {
-            errf(err, errlen, "token id %d out of range [0, %d)", tokens[i], hp->n_vocab);
-            return -1;
-        }
     /* The step's inputs go up as one small ordered copy (the position in the
      * step block, then the tokens); the ops read them when they run.  The
      * host waits once, for the logits (or, without them, for the step to end). */
@@ -4524,6 +4515,11 @@ int ds4_eval(ds4_ctx *c, const int32_t *tokens, int n, float *logits, int all_ro
         errf(err, errlen, "context full: position %d + %d tokens exceeds --ctx %d", c->pos, n, c->n_ctx);
         return -1;
     }
+    for (int i = 0; i < n; i++)                  /* every chunk's tokens, before the first runs */
+        if (tokens[i] < 0 || tokens[i] >= hp->n_vocab) {
+            errf(err, errlen, "token id %d out of range [0, %d)", tokens[i], hp->n_vocab);
+            return -1;
+        }
     for (int i = 0; i < n; i += c->max_batch) {
         const int nb = n - i < c->max_batch ? n - i : c->max_batch;
         const int last = i + nb == n;
