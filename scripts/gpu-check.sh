@@ -30,7 +30,8 @@
 #             which parses and scans, against a CUDA run's load, weights uploaded)
 #   long      chunked prefill (patch 0005): flash16 declared with a 262144-token context, prefill of
 #             512..65536 tokens (LONG_PREFILL) in DS4_UBATCH chunks and 64 decode steps with graphs at
-#             that depth, device memory; the prefill of 16384 tokens in chunks of 1024..8192; tiny
+#             that depth, device memory; the prefill of 16384 tokens in chunks of 1024..8192
+#             (LONG_UBATCH, empty: none); llama.cpp at the longest length (LONG_PEER=1, .peer carried); tiny
 #             with a 1M context: 1,000,000 prompt positions on CUDA in chunks then 64 decode steps
 #             with graphs, finite logits, its last 1000 prompt rows against the CPU backend's
 #   all       all of these: build, test, hf, sanitize, spot, bench flash16, kernels, bench tiny+small
@@ -325,12 +326,23 @@ if want long; then
   LP=${LONG_PREFILL:-512,4096,16384,65536}
   LD=${LP##*,}
   [ "${LONG_FLASH:-1}" = 0 ] || DS4_CUDA_GRAPHS=1 timeout "${LONG_LIMIT:-420}" build/cuda-"$ARCH"/ds4_bench --model flash16/262144 --backend cuda \
-      --reps 1 --no-warmup --decode 64 --decode-after "$LD" --prefill "$LP" --ubatch "${LONG_UBATCH:-1024,2048,4096,8192}" --ubatch-prompt 16384 \
+      --reps 1 --no-warmup --decode 64 --decode-after "$LD" --prefill "$LP" --ubatch "${LONG_UBATCH-1024,2048,4096,8192}" --ubatch-prompt 16384 \
       2>&1 | tee "$OUT/long-flash16.log"
   grep RESULT "$OUT/long-flash16.log" | sed 's/^RESULT /long: /' >> "$OUT/table.txt"
+  # llama.cpp side by side at the longest length, on the same weights written to a file
+  # (LONG_PEER=1; the peer folder carried as .peer: cp -r ../shared/peer .peer)
+  if [ "${LONG_PEER:-0}" = 1 ] && [ -f .peer/run.sh ]; then
+    ./ds4 synth --config flash16 --ctx 262144 --seed 1 -o build/test-out/flash16-256k.gguf > /dev/null 2>&1
+    timeout 600 bash .peer/run.sh build/test-out/flash16-256k.gguf "$LD" 64 1 2>&1 | tee "$OUT/long-peer.log"
+    grep RESULT "$OUT/long-peer.log" | sed 's/^RESULT /long peer (llama.cpp): /' >> "$OUT/table.txt"
+    rm -f build/test-out/flash16-256k.gguf
+  fi
   if [ -n "${LONG_1M:-1}" ] && [ "${LONG_1M:-1}" != 0 ]; then
     ./ds4 synth --config tiny --ctx 1048576 --seed 1 -o build/test-out/tiny-1m.gguf > /dev/null 2>&1
-    $PY -c "import random; r=random.Random(5); open('build/test-out/p1m.txt','w').write(''.join(chr(32+r.randrange(95)) for _ in range(1000000)))"
+    # LONG_1M_POS prompt positions (default 1,000,000).  The CPU half is the long one: tiny's
+    # indexer scores every earlier ratio-4 row for each position, about 5e14 multiply-adds over
+    # 1M positions, more than one 10-minute call on 16 cores (LONG_CPU_LIMIT).
+    $PY -c "import random; r=random.Random(5); open('build/test-out/p1m.txt','w').write(''.join(chr(32+r.randrange(95)) for _ in range(${LONG_1M_POS:-1000000})))"
     s0=$(date +%s)
     DS4_CUDA_GRAPHS=1 ./ds4 -m build/test-out/tiny-1m.gguf --backend cuda -f build/test-out/p1m.txt -n 64 \
         --dump-logits "$OUT/long-1m-cuda.ds4logit" --stats > /dev/null 2> "$OUT/long-1m-cuda.log"
