@@ -340,8 +340,9 @@ if want long; then
   if [ -n "${LONG_1M:-1}" ] && [ "${LONG_1M:-1}" != 0 ]; then
     ./ds4 synth --config tiny --ctx 1048576 --seed 1 -o build/test-out/tiny-1m.gguf > /dev/null 2>&1
     # LONG_1M_POS prompt positions (default 1,000,000).  The CPU half is the long one: tiny's
-    # indexer scores every earlier ratio-4 row for each position, about 5e14 multiply-adds over
-    # 1M positions, more than one 10-minute call on 16 cores (LONG_CPU_LIMIT).
+    # indexer scores every earlier ratio-4 row at each position, 1024 * n^2 / 2 multiply-adds
+    # (5e14 at 1M; the CPU did 1.4e11 in 29 s on 2 cores at 16k, so hours on 16 cores), far past
+    # one call (LONG_CPU_LIMIT); at 131,072 positions it is 1/58 of that.
     $PY -c "import random; r=random.Random(5); open('build/test-out/p1m.txt','w').write(''.join(chr(32+r.randrange(95)) for _ in range(${LONG_1M_POS:-1000000})))"
     s0=$(date +%s)
     DS4_CUDA_GRAPHS=1 ./ds4 -m build/test-out/tiny-1m.gguf --backend cuda -f build/test-out/p1m.txt -n 64 \
