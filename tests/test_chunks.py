@@ -124,3 +124,44 @@ def test_a_context_that_does_not_fit_is_refused():
     assert "a context of 1048576 positions (batches of 65535) needs" in lines[0] and "GB are available" in lines[0], lines
     r = subprocess.run(base + ["--tokens", "1,2,3"], env=env, preexec_fn=limit, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+def test_prompt_meter_and_ctrl_c_between_chunks():
+    """Under a pty: a prompt that takes more than 2 s shows its meter on stderr (tokens done,
+    tok/s), and Ctrl-C stops it between two chunks: status 130, the dump not written (its
+    prompt rows are not all there), no temporary file left."""
+    import pty
+    import select
+    import time
+    dump = os.path.join(OUT, "meter.ds4logit")
+    if os.path.exists(dump):
+        os.unlink(dump)
+    text = os.path.join(OUT, "meter-prompt.txt")
+    with open(text, "w") as f:
+        f.write("".join(chr(33 + i % 90) for i in range(60000)))   # tiny-1m has no vocabulary: 60,000 ids
+    pid, fd = pty.fork()
+    if pid == 0:
+        os.environ["DS4_UBATCH"] = "16"
+        os.execv(DS4, [DS4, "-m", make_model("tiny-1m"), "-f", text, "-n", "4", "--dump-logits", dump])
+    buf, end = b"", time.time() + 60
+    while time.time() < end and b"ds4: prompt " not in buf:
+        if select.select([fd], [], [], 0.1)[0]:
+            try:
+                buf += os.read(fd, 4096)
+            except OSError:
+                break
+    assert b"ds4: prompt " in buf and b"/60000 tokens" in buf, buf[-500:]
+    os.write(fd, b"\x03")
+    try:
+        while select.select([fd], [], [], 30)[0]:
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                break
+            buf += chunk
+    except OSError:
+        pass
+    _, status = os.waitpid(pid, 0)
+    os.close(fd)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 130, (status, buf[-500:])
+    assert b"interrupted (Ctrl-C)" in buf
+    assert not os.path.exists(dump) and not [f for f in os.listdir(OUT) if f.startswith("meter.ds4logit.tmp")]
