@@ -2573,10 +2573,8 @@ static size_t cpu_mem_available(void) {
     }
     return avail;
 }
-static int  cpu_supports_type(int t) {
-    return t == DS4_TYPE_F32 || t == DS4_TYPE_F16 || t == DS4_TYPE_BF16 || t == DS4_TYPE_Q8_0 || t == DS4_TYPE_Q2_K ||
-           t == DS4_TYPE_Q4_K || t == DS4_TYPE_IQ2_XXS || t == DS4_TYPE_I32;
-}
+/* The CPU runs every type the reader accepts. */
+static int  cpu_supports_type(int t) { return t >= 0 && gguf_tensor_type_ok((uint32_t)t); }
 /* The CPU backend keeps no per-context state: a session is a token. */
 static char g_cpu_session;
 static void *cpu_session_new(const ds4_limits *lim) { (void)lim; return &g_cpu_session; }
@@ -3214,6 +3212,16 @@ uint8_t *ds4_alloc_huge(size_t size) {
     return p == MAP_FAILED ? NULL : (uint8_t *)p;
 }
 void ds4_free_huge(uint8_t *p, size_t size) { if (p) munmap(p, size); }
+
+int ds4_tmp_path(const char *path, char **tmp) {
+    struct stat st;
+    *tmp = NULL;
+    if (stat(path, &st) == 0 && !S_ISREG(st.st_mode)) return 0;   /* a device or a pipe: in place */
+    const size_t n = strlen(path) + 32;
+    if (!(*tmp = malloc(n))) return -1;
+    snprintf(*tmp, n, "%s.tmp-%ld", path, (long)getpid());
+    return 0;
+}
 
 static void errf(char *err, size_t errlen, const char *fmt, ...) {
     if (!err || errlen == 0) return;

@@ -57,6 +57,12 @@ void   ds4_model_info(const ds4_model *m, FILE *f);
 uint8_t *ds4_alloc_huge(size_t size);
 void     ds4_free_huge(uint8_t *p, size_t size);
 
+/* Output files that a failed run must not destroy are written beside their target and renamed
+ * over it once whole: *tmp := PATH.tmp-PID (malloc'd), or NULL when PATH exists and is not a
+ * regular file (a device such as /dev/null, a pipe), which is written in place.  -1 when out of
+ * memory. */
+int ds4_tmp_path(const char *path, char **tmp);
+
 /* ---- synthetic models ---- */
 
 /* Parse "f32", "f16", "bf16", "q8_0"; -1 if unknown. */

@@ -476,10 +476,10 @@ static int32_t special_id(const ds4_tok *tok, const char *text) {
 
 /* ---- output files ----
  *
- * An output file is written beside its target (PATH.tmp-PID) and renamed over it once whole,
- * so a run that fails, early or late, leaves whatever was at PATH before untouched.  A target
- * that exists and is not a regular file (a device such as /dev/null or /dev/full, a pipe) is
- * written in place: there is nothing to protect and nothing can be renamed over it. */
+ * An output file is written beside its target (ds4_tmp_path: PATH.tmp-PID) and renamed over it
+ * once whole, so a run that fails, early or late, leaves whatever was at PATH before untouched.
+ * A target that exists and is not a regular file (/dev/null, /dev/full, a pipe) is written in
+ * place: there is nothing to protect and nothing can be renamed over it. */
 typedef struct {
     char *path, *tmp;            /* tmp NULL: written in place */
     FILE *f;
@@ -491,14 +491,11 @@ static int outfile_open(outfile *o, const char *path, char *err, size_t errlen) 
     memset(o, 0, sizeof *o);
     o->path = strdup(path);
     if (!o->path) return fail(err, errlen, "out of memory");
-    if (stat(path, &st) == 0 && !S_ISREG(st.st_mode)) {
-        if (S_ISDIR(st.st_mode)) return fail(err, errlen, "cannot write '%s': it is a directory", show(sh, path));
+    if (stat(path, &st) == 0 && S_ISDIR(st.st_mode)) return fail(err, errlen, "cannot write '%s': it is a directory", show(sh, path));
+    if (ds4_tmp_path(path, &o->tmp) != 0) return fail(err, errlen, "out of memory");
+    if (!o->tmp) {
         o->f = fopen(path, "wb");
     } else {
-        const size_t n = strlen(path) + 32;
-        o->tmp = malloc(n);
-        if (!o->tmp) return fail(err, errlen, "out of memory");
-        snprintf(o->tmp, n, "%s.tmp-%ld", path, (long)getpid());
         const int fd = open(o->tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
         o->f = fd >= 0 ? fdopen(fd, "wb") : NULL;
         if (fd >= 0 && !o->f) close(fd);
