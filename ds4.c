@@ -3807,18 +3807,9 @@ static int hooks_selection(const ds4_model *m, const ds4_env *env, ds4h_selectio
     return 0;
 }
 
-/* The stream is written to PATH.tmp-PID beside its target and renamed over PATH once the
- * context exists (ds4_ctx_new's last step), so a run that fails before it starts -- a bad
- * selection, a prompt too long, no GPU -- leaves an earlier capture at PATH as it was.  A
- * target that exists and is not a regular file (/dev/null, a pipe) is written in place. */
-static char *hooks_tmp_path(const char *path) {
-    struct stat st;
-    if (stat(path, &st) == 0 && !S_ISREG(st.st_mode)) return NULL;
-    const size_t n = strlen(path) + 32;
-    char *t = malloc(n);
-    if (t) snprintf(t, n, "%s.tmp-%ld", path, (long)getpid());
-    return t;
-}
+/* The stream is written beside its target (ds4_tmp_path) and renamed over PATH once the context
+ * exists (ds4_ctx_new's last step), so a run that fails before it starts -- a bad selection, a
+ * prompt too long, no GPU -- leaves an earlier capture at PATH as it was. */
 
 int ds4_hooks_check(const ds4_model *m, const ds4_env *env, char *err, size_t errlen) {
     if (!env->hooks) return 0;
@@ -3830,7 +3821,8 @@ int ds4_hooks_check(const ds4_model *m, const ds4_env *env, char *err, size_t er
         return -2;
     }
     /* try what hooks_open will do, leaving nothing behind and PATH untouched */
-    char *tmp = hooks_tmp_path(env->hooks_out);
+    char *tmp;
+    if (ds4_tmp_path(env->hooks_out, &tmp) != 0) { errf(err, errlen, "out of memory"); return -2; }
     const int fd = tmp ? open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666)
                        : open(env->hooks_out, O_WRONLY | O_CLOEXEC);
     if (fd < 0) {
@@ -3871,8 +3863,8 @@ static int hooks_open(ds4_ctx *c, const ds4_env *env, char *err, size_t errlen) 
         if (fail || !c->aptmp) { errf(err, errlen, "DS4_HOOKS: attn_probs: out of memory"); return -1; }
     }
     c->hpath = strdup(env->hooks_out);
-    c->htmp = c->hpath ? hooks_tmp_path(c->hpath) : NULL;
-    c->hf = c->hpath ? fopen(c->htmp ? c->htmp : c->hpath, "wb") : NULL;
+    if (!c->hpath || ds4_tmp_path(c->hpath, &c->htmp) != 0) { errf(err, errlen, "out of memory"); return -1; }
+    c->hf = fopen(c->htmp ? c->htmp : c->hpath, "wb");
     if (!c->hf) {
         errf(err, errlen, "DS4_HOOKS_OUT: cannot write %s: %s", env->hooks_out, strerror(errno));
         return -1;
@@ -4242,7 +4234,7 @@ ds4_ctx *ds4_ctx_new(ds4_model *m, const ds4_backend *be, int n_ctx, int max_bat
         ds4_ctx_free(c);
         return NULL;
     }
-    /* the context exists: the hook stream takes its target's place (hooks_tmp_path) */
+    /* the context exists: the hook stream takes its target's place (ds4_tmp_path) */
     if (c->htmp) {
         if (rename(c->htmp, c->hpath) != 0) {
             errf(err, errlen, "DS4_HOOKS_OUT: cannot put %s in place: %s", shown(c->hpath), strerror(errno));
