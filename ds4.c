@@ -1682,6 +1682,9 @@ static const synth_config synth_configs[] = {
     /* name      vocab   D    L  hash H   d    rot  q    g  r     swa  Hi  di   topk E   k  S  f     ctx    yarn  orig layout vocab */
     {"tiny",     512,    128, 6, 2,   8,  64,  16,  64,  2, 32,   32,  32, 64,  8,   8,  2, 1, 64,   4096,  4.0f, 256, 0, 0},
     {"small",    1024,   256, 8, 3,   16, 128, 32,  128, 4, 64,   64,  32, 64,  16,  16, 4, 1, 128,  8192,  8.0f, 1024, 0, 0},
+    /* tiny narrowed for 1M-position checks: 4 layers (one ratio-4, one ratio-128), 2 heads and one
+     * indexer head of 32, so the CPU backend's quadratic indexer and ratio-128 attention take minutes */
+    {"slim",     512,    128, 4, 2,   2,  64,  16,  64,  2, 32,   32,  1,  32,  8,   8,  2, 1, 64,   4096,  4.0f, 256, 0, 0},
     {"flash16",  129280, 4096, 43, 3, 64, 512, 64,  1024, 8, 1024, 128, 64, 128, 512, 16, 6, 1, 2048, 65536, 16.0f, 65536, 0, 0},
     /* the real files' layouts; the small ones widen the experts to one 256-element super-block */
     {"small-q2", 1024,   256, 8, 3,   16, 128, 32,  128, 4, 64,   64,  32, 64,  16,  16, 4, 1, 256,  8192,  8.0f, 1024, 2, 0},
@@ -1960,7 +1963,7 @@ static int synth_plan_init(gguf_plan *p, const char *config, int wtype, char *er
     synth_config cfg;
     const synth_config *c = synth_find(config, &cfg) ? &cfg : NULL;
     if (!c) {
-        if (err && errlen) snprintf(err, errlen, "unknown synth config '%s' (expected tiny, small, flash16, small-q2, small-q4, flash-q2 or flash-q4, optionally @EXPERTS)",
+        if (err && errlen) snprintf(err, errlen, "unknown synth config '%s' (expected tiny, small, slim, flash16, small-q2, small-q4, flash-q2 or flash-q4, optionally @EXPERTS)",
                                     config ? shown(config) : "(null)");
         return 0;
     }
@@ -2933,10 +2936,18 @@ static void cpu_compress_pool(const float *kv, const float *sc, const float *st_
     cpu_compress_pool_at(kv, sc, st_kv, st_sc, step->pos0, nt, ratio, c, dc, out);
 }
 
-/* -- lightning indexer -- */
+/* -- lightning indexer --
+ * Each query's top k visible rows by score, best first, ties to the lower row:
+ * the order scored_cmp defines, which is total on finite scores, so the picks
+ * are exactly the first k of the fully sorted list.  They are kept in place as
+ * the rows stream past (an insertion into k sorted slots when a row beats the
+ * worst kept one): about one comparison per row instead of a sort of up to
+ * n_ctx/4 rows at every position.  A thread walks its queries tile by tile of
+ * IX_CPU_TILE rows, so a tile is read from memory once for all of them; each
+ * (query, row) score is the same arithmetic in any order. */
+#define IX_CPU_TILE 512
 typedef struct { float s; int32_t i; } scored;
-static int scored_cmp(const void *x, const void *y) {
-    const scored *a = x, *b = y;
+static int scored_cmp(const scored *a, const scored *b) {
     if (a->s > b->s) return -1;
     if (a->s < b->s) return 1;
     return a->i < b->i ? -1 : a->i > b->i;
@@ -2944,23 +2955,39 @@ static int scored_cmp(const void *x, const void *y) {
 typedef struct { const float *q, *w; float ws; const float *rows; int pos0, Hi, di, ratio, k; int32_t *out; } ix_args;
 static void ix_task(void *a_, int64_t i0, int64_t i1) {
     ix_args *a = a_;
-    for (int64_t t = i0; t < i1; t++) {
-        const int n_vis = ds4_comp_rows(a->pos0 + (int)t, a->ratio);
-        scored *sc = malloc((size_t)(n_vis > 0 ? n_vis : 1) * sizeof(scored));
-        for (int r = 0; r < n_vis; r++) {
-            float acc = 0.0f;
-            for (int h = 0; h < a->Hi; h++) {
-                const float qk = dot_f32(a->q + ((size_t)t * a->Hi + h) * a->di, a->rows + (size_t)r * a->di, a->di);
-                const float wv = a->w[(size_t)t * a->Hi + h] * a->ws;   /* as scale() would */
-                acc += wv * (qk > 0.0f ? qk : 0.0f);
+    const int k = a->k, nq = (int)(i1 - i0), Hi = a->Hi, di = a->di;
+    const float ws = a->ws;
+    scored *best = malloc(((size_t)nq * (size_t)(k > 0 ? k : 1)) * sizeof(scored));
+    int *kept = calloc((size_t)nq, sizeof(int));
+    if (!best || !kept) { fprintf(stderr, "ds4: out of memory (indexer)\n"); exit(1); }
+    const int n_max = ds4_comp_rows(a->pos0 + (int)i1 - 1, a->ratio);   /* the last query sees the most */
+    for (int r0 = 0; r0 < n_max && k > 0; r0 += IX_CPU_TILE) {
+        for (int64_t t = i0; t < i1; t++) {
+            const int n_vis = ds4_comp_rows(a->pos0 + (int)t, a->ratio);
+            const int r1 = n_vis < r0 + IX_CPU_TILE ? n_vis : r0 + IX_CPU_TILE;
+            scored *bt = best + (size_t)(t - i0) * k;
+            int *kt = &kept[t - i0];
+            const float *qt = a->q + (size_t)t * Hi * di, *wt = a->w + (size_t)t * Hi;
+            for (int r = r0; r < r1; r++) {
+                const float *row = a->rows + (size_t)r * di;
+                float acc = 0.0f;
+                for (int h = 0; h < Hi; h++) {
+                    const float qk = dot_f32(qt + (size_t)h * di, row, di);
+                    acc += wt[h] * ws * (qk > 0.0f ? qk : 0.0f);   /* the weight scaled as scale() would */
+                }
+                /* rows come in increasing order, so a row that only ties the worst kept one loses */
+                if (*kt == k && !(acc > bt[k - 1].s)) continue;
+                const scored x = { acc, r };
+                int j = *kt < k ? (*kt)++ : k - 1;             /* the free slot, or the worst one's */
+                for (; j > 0 && scored_cmp(&x, &bt[j - 1]) < 0; j--) bt[j] = bt[j - 1];
+                bt[j] = x;
             }
-            sc[r].s = acc;
-            sc[r].i = r;
         }
-        qsort(sc, (size_t)n_vis, sizeof(scored), scored_cmp);
-        for (int j = 0; j < a->k; j++) a->out[(size_t)t * a->k + j] = j < n_vis ? sc[j].i : -1;
-        free(sc);
     }
+    for (int64_t t = i0; t < i1; t++)
+        for (int j = 0; j < k; j++) a->out[(size_t)t * k + j] = j < kept[t - i0] ? best[(size_t)(t - i0) * k + j].i : -1;
+    free(best);
+    free(kept);
 }
 static void cpu_indexer_topk(const float *q, const float *w, float w_scale, const float *rows,
                              const ds4_step *step, int nt, int Hi, int di, int ratio, int k, int32_t *out) {
@@ -3577,7 +3604,7 @@ int ds4_synth_write(const char *config, uint64_t seed, int wtype, const char *pa
             errf(err, errlen, "synthetic config '%s': unknown name or an expert count outside [top-k, 1024], or a "
                  "context length (/N) outside [1, %d]", shown(config), DS4_SYNTH_MAX_CTX);
         else
-            errf(err, errlen, "unknown synthetic config '%s' (known: tiny, small, flash16, small-q2, small-q4, flash-q2, flash-q4; NAME@E sets the expert count, NAME/N the context length)", shown(config));
+            errf(err, errlen, "unknown synthetic config '%s' (known: tiny, small, slim, flash16, small-q2, small-q4, flash-q2, flash-q4; NAME@E sets the expert count, NAME/N the context length)", shown(config));
         return -1;
     }
     size_t size = ds4_synth_size(config, wtype);
@@ -3615,7 +3642,7 @@ ds4_model *ds4_synth_open(const char *config, uint64_t seed, int wtype, int n_th
             errf(err, errlen, "synthetic config '%s': unknown name or an expert count outside [top-k, 1024], or a "
                  "context length (/N) outside [1, %d]", shown(config), DS4_SYNTH_MAX_CTX);
         else
-            errf(err, errlen, "unknown synthetic config '%s' (known: tiny, small, flash16, small-q2, small-q4, flash-q2, flash-q4; NAME@E sets the expert count, NAME/N the context length)", shown(config));
+            errf(err, errlen, "unknown synthetic config '%s' (known: tiny, small, slim, flash16, small-q2, small-q4, flash-q2, flash-q4; NAME@E sets the expert count, NAME/N the context length)", shown(config));
         return NULL;
     }
     size_t size = ds4_synth_size(config, wtype);

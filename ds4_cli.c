@@ -102,7 +102,7 @@ static void usage(FILE *f) {
         "  -h, --help          this text\n"
         "\n"
         "synth options:\n"
-        "  --config NAME       tiny, small, flash16, or the published files' layouts small-q2,\n"
+        "  --config NAME       tiny, small, slim, flash16, or the published files' layouts small-q2,\n"
         "                      small-q4, flash-q2, flash-q4 (IQ2_XXS/Q2_K or Q4_K experts)\n"
         "  --seed N            weight seed (default 1)\n"
         "  --experts E         routed experts (default: the config's; top-k to 1024)\n"
@@ -356,7 +356,7 @@ static int synth_parse(int argc, char **argv, struct synth_opts *o, char *err, s
         if (rc) return -1;
         i++;
     }
-    if (!o->config) return fail(err, errlen, "synth needs --config (tiny, small, flash16, small-q2, small-q4, flash-q2 or flash-q4)");
+    if (!o->config) return fail(err, errlen, "synth needs --config (tiny, small, slim, flash16, small-q2, small-q4, flash-q2 or flash-q4)");
     if (!o->out) return fail(err, errlen, "synth needs -o FILE");
     if (o->experts || o->vocab || o->ctx) {   /* "NAME+vocab@E/N" for the synth API */
         const char *config = o->config;

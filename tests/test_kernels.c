@@ -1417,6 +1417,8 @@ int main(int argc, char **argv) {
     test_indexer(1, 72, 4, 1,   7,  3, 1, 1);
     test_indexer(3, 40, 4, 16, 60, 17, 1, 6);
     test_indexer(4, 64, 4, 16, 200, 3, 0, 0);
+    test_indexer(2, 40, 4, 16, 2040, 17, 1, 40);  /* the queries' rows end either side of a 512-row tile */
+    test_indexer(1, 32, 4, 64, 5000, 33, 1, 200); /* three tiles, many ties, queries over threads */
 
     /*            E  k nt hash norm wscale tiny */
     test_moe_route(16, 6, 17, 0, 1, 1.5f, 0);
