@@ -386,7 +386,7 @@ PYEOF
   if [ "${LONG_SAN:-1}" != 0 ]; then
     ./ds4 synth --config tiny --seed 1 --type f32 -o build/test-out/tiny.gguf > /dev/null 2>&1
     for tool in memcheck racecheck; do
-      n=300; g=40; [ $tool = racecheck ] && n=150 && g=8
+      n=300; g=40; [ $tool = racecheck ] && n=140 && g=4
       TOKS=$($PY -c "import random; r=random.Random(3); print(','.join(str(r.randrange(512)) for _ in range($n)))")
       DS4_UBATCH=7 DS4_CUDA_GRAPHS=1 timeout "${LONG_SAN_LIMIT:-300}" compute-sanitizer --tool $tool --error-exitcode 9 ./ds4 \
           -m build/test-out/tiny.gguf --backend cuda --tokens "$TOKS" -n $g > "$OUT/long-san-$tool.log" 2>&1
