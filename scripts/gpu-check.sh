@@ -34,7 +34,9 @@
 #             (LONG_UBATCH, empty: none); llama.cpp at LONG_PEER_LEN (LONG_PEER=1, .peer carried);
 #             slim with a 1M context (LONG_1M=0: skip): 1,000,000 prompt positions on CUDA in chunks
 #             then 64 decode steps with graphs, finite logits, its last 1000 prompt rows against the
-#             CPU backend's; compute-sanitizer memcheck and racecheck on chunks of 7 (LONG_SAN=0: skip)
+#             CPU backend's; every launch's grid against the device limits at 1M positions in
+#             chunks of 65535 (LONG_BOUNDS=0: skip); compute-sanitizer memcheck and racecheck on
+#             chunks of 7 (LONG_SAN=0: skip)
 #   all       all of these: build, test, hf, sanitize, spot, bench flash16, kernels, bench tiny+small
 #
 # Rough times on one H200: build ~1 min, test ~2 min, sanitize a few minutes (19 runs, 3 at
@@ -379,6 +381,37 @@ print(f"long: {sys.argv[3]} last 1000 prompt rows (positions {Pa - 1000}..{Pa - 
       f"argmax differ {int((x.argmax(1) != y.argmax(1)).sum())} ({'ok' if m.max() <= 5e-5 else 'ABOVE'})")
 PYEOF
     rm -f "$OUT"/long-1m-*.ds4logit
+  fi
+  # Launch bounds at the largest shapes (LONG_BOUNDS=0: skip): slim's 1M context in chunks of
+  # DS4_UBATCH_MAX (65535) tokens, then decode steps with graphs, every launch written by
+  # DS4_LAUNCH_TRACE; each grid must be within the device's limits (x < 2^31, y and z <= 65535,
+  # 1024 threads a block), and the largest grid.y/z seen must be the chunk's 65535 (planted).
+  if [ "${LONG_BOUNDS:-1}" != 0 ]; then
+    ./ds4 synth --config slim --ctx 1048576 --seed 1 -o build/test-out/long-1m.gguf > /dev/null 2>&1
+    [ -f build/test-out/p1m.txt ] || $PY -c "import random; r=random.Random(5); open('build/test-out/p1m.txt','w').write(''.join(chr(32+r.randrange(95)) for _ in range(1000000)))"
+    s0=$(date +%s)
+    DS4_UBATCH=65535 DS4_CUDA_GRAPHS=1 DS4_LAUNCH_TRACE="$OUT/long-bounds.trace" ./ds4 -m build/test-out/long-1m.gguf \
+        --backend cuda -f build/test-out/p1m.txt -n 8 > /dev/null 2> "$OUT/long-bounds.log"
+    row "long launch bounds (slim, 1M positions in chunks of 65535, 8 steps with graphs): rc $? in $(( $(date +%s) - s0 )) s"
+    $PY - "$OUT/long-bounds.trace" <<'PYEOF' | tee -a "$OUT/table.txt"
+import re, sys
+n, bad, my, mx = 0, [], 0, 0
+for line in open(sys.argv[1], errors="replace"):
+    m = re.match(r"launch L(\d+) \S+ grid=(\d+),(\d+),(\d+) block=(\d+),(\d+),(\d+) smem=(\d+)", line)
+    if not m:
+        continue
+    L, gx, gy, gz, bx, by, bz, smem = map(int, m.groups())
+    n += 1
+    my, mx = max(my, gy, gz), max(mx, gx)
+    if not (1 <= gx < 2**31 and 1 <= gy <= 65535 and 1 <= gz <= 65535 and bx * by * bz <= 1024 and smem <= 232448):
+        bad.append(line.strip()[:120])
+ok = n > 0 and not bad and my == 65535
+print(f"long: launch bounds: {n} launches traced, largest grid.x {mx}, largest grid.y/z {my} (the chunk: 65535), "
+      f"{len(bad)} out of bounds {'ok' if ok else 'FAIL'}")
+for b in bad[:5]:
+    print("  out of bounds:", b)
+PYEOF
+    rm -f "$OUT/long-bounds.trace"
   fi
   # compute-sanitizer on a chunked prefill in chunks of 7 across the window (32), a ratio-128
   # boundary and the indexer's top-k (8 of the ratio-4 rows), then decode steps with graphs
