@@ -2,8 +2,8 @@
  *
  * What it is.  ds4 loads a DeepSeek V4 ("Flash" architecture) model from a
  * GGUF file in the deepseek4 convention shared with llama.cpp, and runs it:
- * prefill of a prompt in one batch, then decode one token at a time, sharing
- * one KV state.  The model is the full architecture: mHC residual streams
+ * prefill of a prompt in chunks of up to DS4_UBATCH tokens, then decode one
+ * token at a time, sharing one KV state.  The model is the full architecture: mHC residual streams
  * with Sinkhorn mixing, low-rank MQA attention with per-head sinks over a
  * sliding window, ratio-4 (overlapping, lightning-indexer top-k) and
  * ratio-128 compressed KV, partial RoPE with YaRN, a grouped low-rank output,
