@@ -10,7 +10,8 @@
  *                                      time ds4_synth_fill (TYPE: f32 f16 bf16 q8_0) and parse it
  */
 #define _POSIX_C_SOURCE 200809L
-#include "../ds4.c"   /* the whole engine: the GGUF section is static */
+#include "../ds4.c"         /* the whole engine: its GGUF reader is static */
+#include "../ds4_synth.c"   /* and the writer, whose plans build the malformed files below */
 
 #include <time.h>
 
