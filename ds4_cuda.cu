@@ -18,8 +18,8 @@
  * weight, so it dequantizes weights to f32 and hands the products to cuBLAS
  * (f32 arithmetic, no TF32).  Everything else (norms, RoPE, mHC, attention,
  * the indexer, routing) is small next to the weights, but at decode each of
- * those kernels costs a few microseconds of latency, ~45 of them per layer
- * at first.  So the contract has fused ops (ds4_gpu.h: hc_pre, matmul_multi,
+ * those kernels costs a few microseconds of latency, and a layer run op by op
+ * takes about 45 of them.  So the contract has fused ops (ds4_gpu.h: hc_pre, matmul_multi,
  * head_norm_rope, matmul_swiglu, attention_step, compressor_step(s),
  * indexer_step, moe_gate),
  * each defined as a composition of plain ops, which this file runs as fewer
@@ -1280,8 +1280,8 @@ static void cuda_rmsnorm(const float *x, const float *w, float *y, int rows, int
  *     in slice order at the end.
  *     The activations reach the registers through shared memory: a lane's 32
  *     values are contiguous, so reading them straight from global memory
- *     touches 32 cache lines per instruction, which at first cost more than
- *     the weights (22 us for a 4096x1024 Q8_0 matvec, now 5).  The block loads
+ *     touches 32 cache lines per instruction and costs more than reading the
+ *     weights.  The block loads
  *     them coalesced into a padded (bank-conflict-free) buffer instead, while
  *     the first weight rows are already in flight.
  *     Q8_0 rows (34-byte blocks, only 16-byte aligned per 1024 elements) are
@@ -3248,11 +3248,11 @@ static void cuda_indexer_step(float *q, const float *w, float w_scale, const flo
  * in gate|up mode computes h = swiglu(gate x, up x) for every (token, slot)
  * into [nt][k][F], reading the expert id from sel on the device; down mode
  * computes each slot's output into [nt][k][D]; k_moe_combine adds them with
- * the routing weights in slot order.  Three launches; 6 experts of
- * 4096x2048 (160 MB of Q8_0) take 60 us on an H200, 2.7 TB/s.  (Folding the
- * combine into the down launch, its last block per row tile adding the
- * slots after a fence and a counter, made that launch 8.5 us slower, more
- * than the 3.7 us combine launch it saved: measured 2026-12-01.)
+ * the routing weights in slot order.  Three launches, which stream the
+ * selected experts' weights near the copy bandwidth.  The combine stays a
+ * launch of its own: folded into the down launch (its last block per row
+ * tile adding the slots after a fence and a counter) it slows that launch
+ * by more than the launch it saves.
  * Experts, prefill: sel is copied to the host and (token, slot) pairs are
  * counted per expert.  Dequantizing an expert costs about as much as eight
  * matvecs over it, so with fewer than MOE_GEMM_MIN_AVG tokens per used expert
