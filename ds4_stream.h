@@ -40,15 +40,6 @@ void ds4_stream_pop(void);
 
 #ifdef __cplusplus
 }
-
-/* An override for one C++ scope. */
-struct ds4_stream_scope {
-    int pushed;
-    explicit ds4_stream_scope(cudaStream_t s) : pushed(ds4_stream_push(s) == 0) {}
-    ~ds4_stream_scope() { if (pushed) ds4_stream_pop(); }
-    ds4_stream_scope(const ds4_stream_scope &) = delete;
-    ds4_stream_scope &operator=(const ds4_stream_scope &) = delete;
-};
 #endif
 
 #endif /* DS4_STREAM_H */
