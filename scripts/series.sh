@@ -6,7 +6,7 @@
 #
 #   scripts/series.sh base DIR          the baseline tree into DIR (created; must not exist)
 #   scripts/series.sh tree N DIR        the baseline with the first N patches applied, into DIR
-#                                       (N = 0: the baseline; 1: with 0001, mission stage 0; N = -1:
+#                                       (N = 0: the baseline; 1: with 0001, the stream seam; N = -1:
 #                                       all but the newest patch, which the GPU series check
 #                                       compares HEAD with)
 #   scripts/series.sh export DIR        DIR/base (the baseline) and DIR/patches (the numbered
