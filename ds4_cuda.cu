@@ -56,8 +56,11 @@
  * as a CUDA graph on its stream and replays it on every later step
  * (region_begin/region_end, in the Sessions banner): a capture is checked
  * node for node against the launches the region issued, and any failure
- * leaves that region eager for good (fail closed).  There are no activation
- * hooks yet.
+ * leaves that region eager for good (fail closed).
+ *
+ * Hooks (stage 3).  ds4_hooks.cu's emitter records activations inside the
+ * same regions: producer kernels on a side stream copy them into device rings,
+ * and a drain thread streams the rings to the host while the graphs replay.
  *
  * Determinism.  Same inputs give byte-identical outputs run to run: no
  * floating-point atomics, every reduction has a fixed shape (warp butterflies,
@@ -144,9 +147,6 @@
  * cudaMalloc/cudaHostAlloc, free and synchronisation of the backend goes
  * through the wrappers below, which count it. */
 static std::atomic<uint64_t> g_n_malloc, g_n_free, g_n_dev_sync, g_n_stream_sync;
-/* the hook drain thread's waits on its own stream (ds4_hooks.cu): apart, so the decode
- * step's counters stay the compute stream's */
-static std::atomic<uint64_t> g_n_hook_sync;
 
 /* The session bound to the calling thread (ds4_gpu.h session_bind); defined
  * with the backend state below. */

@@ -24,7 +24,7 @@
  * stores the control ring's fill count into pinned mapped memory with a system-scope release;
  * the drain thread reads it with acquire.  Everything before it in the stream has completed,
  * so the descriptors and payloads it covers are in device memory when the copy engine reads
- * them.  Per-record publication of small payloads is what made DMI's copy path expensive.
+ * them.  One publication per call, not per record: each would cost a system-scope fence.
  *
  * Space.  Producers check free space against the drained counters the drain thread stores
  * (release) into the same mapped memory.  Lossless by default (DS4_HOOKS_POLICY=wait): a
@@ -193,14 +193,12 @@ __device__ bool hk_reserve(const hk_put_args *a, int n, unsigned long long *off_
     return true;
 }
 
-/* The copy.  A producer is a node on the step's critical path, so its copy is latency-bound:
- * each thread issues HK_U loads before it stores any of them (HK_U x threads elements in
- * flight per round, one memory latency each), the ring position wraps by one comparison
- * (a record is never larger than the ring), and k_hook_put's threads load their first
- * round of the largest record while thread 0 reserves.  On flash16 with graphs (H200) a
- * decode producer added ~6.5 us to the step with a scalar copy loop (a 64-bit modulo per
- * element) and ~4.5 us with this one; a drain kept idle during the decode changed nothing,
- * so what is left is the producer node itself (bench/RESULTS.md, seventh pass). */
+/* The copy.  A producer moves a few kilobytes, so its copy is latency-bound: each thread
+ * issues HK_U loads before it stores any of them (HK_U x threads elements in flight per
+ * round, one memory latency each), the ring position wraps by one comparison (a record is
+ * never larger than the ring), and k_hook_put's threads load their first round of the
+ * largest record while thread 0 reserves.  (What a producer costs the step:
+ * bench/RESULTS.md.) */
 #define HK_U 8
 
 /* Where element e of the record is in its source (rows d0 of d1 x d2, strides s0, s1). */
@@ -345,7 +343,6 @@ static void hk_ring_copy(hk_emitter *E, void *dst, const unsigned char *ring, un
 }
 
 static void hk_drain_wait(hk_emitter *E) {
-    g_n_hook_sync++;
     DS4_CUDA_CHECK(cudaStreamSynchronize(E->drain));   /* NOTE(hook drain): the drain thread's own copies */
 }
 
