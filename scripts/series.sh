@@ -2,7 +2,8 @@
 # series.sh -- the patch series of patches/ (patches/README.md): the eager baseline engine and one
 # patch per stage on top of it.  No baseline tree is stored: it is HEAD's tracked files (outside
 # patches/) with every patch of patches/series reverse-applied.  Invariant: baseline + every patch
-# == HEAD, byte for byte.
+# == HEAD, byte for byte.  The project's documents (README.md, bench/RESULTS.md) are in no patch:
+# every stage carries HEAD's, so editing them never regenerates a patch.
 #
 #   scripts/series.sh base DIR          the baseline tree into DIR (created; must not exist)
 #   scripts/series.sh tree N DIR        the baseline with the first N patches applied, into DIR
@@ -43,6 +44,9 @@ PATCHES=$ROOT/patches
 JOBS=${SERIES_JOBS:-2}
 
 die() { echo "series.sh: $*" >&2; exit 2; }
+
+# What a patch never holds: the series itself, and the project's documents (HEAD's at every stage).
+NOT_STAGED=(':(exclude)patches' ':(exclude)README.md' ':(exclude)bench/RESULTS.md')
 
 # git apply in directory $1, as a plain patch tool there: a repository that merely encloses $1
 # (a tree exported under a checkout's build/) must not make git apply skip "outside" paths;
@@ -188,7 +192,7 @@ cmd_add() {
   file=$(printf '%04d-%s.patch' "$n" "$name")
   local header
   header=$(printf 'From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001\nFrom: ds4 <ds4@localhost>\nSubject: [PATCH %d] %s\n\nWhat changes:\nWhy behaviour cannot change (or what does):\nVerification:\n---\n\n' "$n" "$name")
-  git -C "$ROOT" diff --binary --full-index "$rev" HEAD -- . ':(exclude)patches' | write_patch "$PATCHES/$file" "$header"$'\n\n'
+  git -C "$ROOT" diff --binary --full-index "$rev" HEAD -- . "${NOT_STAGED[@]}" | write_patch "$PATCHES/$file" "$header"$'\n\n'
   echo "$file" >> "$PATCHES/series"
   echo "series.sh: wrote patches/$file ($(grep -c '^diff --git ' "$PATCHES/$file") files); fill in its header, then commit"
 }
@@ -215,7 +219,7 @@ cmd_regen() {
   git -C "$ROOT" archive HEAD | tar -x -C "$t"
   rm -rf "$t/patches"
   git -C "$t" add -A
-  git -C "$t" diff --cached --binary --full-index | write_patch "$PATCHES/$p" "$(header_of "$PATCHES/$p")"$'\n'
+  git -C "$t" diff --cached --binary --full-index -- . "${NOT_STAGED[@]}" | write_patch "$PATCHES/$p" "$(header_of "$PATCHES/$p")"$'\n'
   rm -rf "$t" "$t.patch"
   echo "series.sh: regenerated patches/$p: the stage before it as at $rev, against HEAD ($(grep -c '^diff --git ' "$PATCHES/$p") files)"
 }
@@ -259,7 +263,7 @@ cmd_refresh() {
   local prev k p
   if [ "$n" -ge 1 ]; then
     p=${ps[$((n - 1))]}
-    "${g[@]}" diff --binary --full-index "stage-$((n - 1))" HEAD | write_patch "$PATCHES/$p" "$(header_of "$PATCHES/$p")"$'\n'
+    "${g[@]}" diff --binary --full-index "stage-$((n - 1))" HEAD -- . "${NOT_STAGED[@]}" | write_patch "$PATCHES/$p" "$(header_of "$PATCHES/$p")"$'\n'
     echo "series.sh: regenerated $p"
   fi
   for ((k = n + 1; k <= ${#ps[@]}; k++)); do
@@ -272,7 +276,7 @@ cmd_refresh() {
     "${g[@]}" add -A
     "${g[@]}" commit -qm "stage $k: $p" --allow-empty
     "${g[@]}" tag -f "stage-$k" HEAD > /dev/null
-    "${g[@]}" diff --binary --full-index "$prev" HEAD | write_patch "$PATCHES/$p" "$(header_of "$PATCHES/$p")"$'\n'
+    "${g[@]}" diff --binary --full-index "$prev" HEAD -- . "${NOT_STAGED[@]}" | write_patch "$PATCHES/$p" "$(header_of "$PATCHES/$p")"$'\n'
     echo "series.sh: re-applied and regenerated $p"
   done
   # this checkout := the new top of the series (outside patches/)
