@@ -187,3 +187,20 @@ def test_bad_usage(clone):
     assert series(d, "edit", "99", os.path.join(top, "x"), check=False).returncode == 2
     assert series(d, "add", "Bad_Name", "HEAD", check=False).returncode == 2
     assert series(d, "frobnicate", check=False).returncode == 2
+
+
+def test_patches_readme_lists_every_patch():
+    """patches/README.md's table names every patch of the series, in order, with its size as
+    `git apply --numstat` counts it (a regenerated patch whose size moved must be restated)."""
+    names = patch_files(REPO)
+    rows = [l for l in open(os.path.join(REPO, "patches", "README.md")) if l.startswith("| `0")]
+    assert [r.split("`")[1] for r in rows] == names
+    for name, row in zip(names, rows):
+        out = sh(["git", "apply", "--numstat", os.path.join("patches", name)], REPO).stdout
+        add = dele = 0
+        for line in out.splitlines():
+            a, d, _ = line.split("\t", 2)
+            add += int(a) if a != "-" else 0
+            dele += int(d) if d != "-" else 0
+        size = f"+{add:,}/\u2212{dele:,}, {len(out.splitlines())} files"
+        assert f"| {size} |" in row, f"{name}: patches/README.md says {row.split('|')[3].strip()}, the patch is {size}"
