@@ -10,7 +10,8 @@
  * tensor whose name is NAME-<layer> (the names deepseek4.cpp gives them: attn_out, l_last,
  * ffn_out, ...) as it is computed, to FILE: "LLTENSOR", u32 version 1, then per tensor
  * u32 name length, the name, i32 layer, i64 ne[4], u64 bytes, f32 data in ggml order (ne[0]
- * fastest).  One record per tensor per llama_decode: the prompt's batch, then each step.
+ * fastest; an I32 tensor such as lid_top_k: its i32 values, same layout).  One record per
+ * tensor per llama_decode: the prompt's batch, then each step.
  *
  * One prefill llama_decode of the P prompt tokens (logits for every row), then N_GEN decode
  * steps of one token each. Step j feeds force[j] when --force is given (teacher forcing),
@@ -105,7 +106,8 @@ static bool tensor_cb(struct ggml_tensor *t, bool ask, void *ud) {
     int layer;
     if (!tensor_wanted(ggml_get_name(t), &layer)) return !ask;
     if (ask) return true;
-    if (t->type != GGML_TYPE_F32) die("--tensors: %s is not F32 (type %d)", ggml_get_name(t), (int) t->type);
+    if (t->type != GGML_TYPE_F32 && t->type != GGML_TYPE_I32)
+        die("--tensors: %s is not F32 or I32 (type %d)", ggml_get_name(t), (int) t->type);
     const size_t n = (size_t) ggml_nelements(t);
     float *buf = malloc(n * sizeof(float));
     char *raw = malloc(ggml_nbytes(t));
