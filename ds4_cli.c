@@ -1076,11 +1076,12 @@ int main(int argc, char **argv) {
     if (ds4_ctx_hooks_stats(c, &hst) == 0) {      /* DS4_HOOKS: every record written by now */
         if (o.stats)
             fprintf(stderr, "stats: hooks: %llu records produced, %llu written (%.1f MB), %llu dropped in %llu gaps, "
-                    "%llu producer waits, %llu drain batches (%.1f GB/s copying)\n",
+                    "%llu producer waits, %llu drain batches (%.1f GB/s copying, %llu drain waits)\n",
                     (unsigned long long)hst.produced, (unsigned long long)hst.written, hst.payload_bytes / 1e6,
                     (unsigned long long)hst.dropped, (unsigned long long)hst.gaps, (unsigned long long)hst.waits,
                     (unsigned long long)hst.batches,
-                    hst.copy_seconds > 0 ? hst.payload_bytes / hst.copy_seconds / 1e9 : 0.0);
+                    hst.copy_seconds > 0 ? hst.payload_bytes / hst.copy_seconds / 1e9 : 0.0,
+                    (unsigned long long)hst.drain_syncs);
         if (hst.err) rc = EXIT_FAIL;              /* the line naming it comes when the context closes */
         else {
             char hp[4 * 1024 + 8];

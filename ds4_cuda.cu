@@ -147,6 +147,9 @@
  * cudaMalloc/cudaHostAlloc, free and synchronisation of the backend goes
  * through the wrappers below, which count it. */
 static std::atomic<uint64_t> g_n_malloc, g_n_free, g_n_dev_sync, g_n_stream_sync;
+/* the hook drain thread's waits on its own stream (ds4_hooks.cu): counted apart, so the decode
+ * step's counters stay the compute stream's, and reported as ds4_hooks_stats.drain_syncs */
+static std::atomic<uint64_t> g_n_hook_sync;
 
 /* The session bound to the calling thread (ds4_gpu.h session_bind); defined
  * with the backend state below. */

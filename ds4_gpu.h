@@ -235,6 +235,7 @@ typedef struct ds4_hooks_stats {
     uint64_t payload_bytes;     /* payload bytes written */
     uint64_t batches;           /* drain batches (published spans taken) */
     double   copy_seconds;      /* the drain's device-to-host copies (payload), waited for */
+    uint64_t drain_syncs;       /* the drain thread's waits for its copies (the process's; CPU: 0) */
     int      err;               /* errno of a failed write (0: none) */
 } ds4_hooks_stats;
 

@@ -343,6 +343,7 @@ static void hk_ring_copy(hk_emitter *E, void *dst, const unsigned char *ring, un
 }
 
 static void hk_drain_wait(hk_emitter *E) {
+    g_n_hook_sync++;
     DS4_CUDA_CHECK(cudaStreamSynchronize(E->drain));   /* NOTE(hook drain): the drain thread's own copies */
 }
 
@@ -662,6 +663,7 @@ static void cuda_hooks_stats(ds4_hooks_stats *st, int flush) {
     st->payload_bytes = __atomic_load_n(&E->bytes, __ATOMIC_RELAXED);
     st->batches = __atomic_load_n(&E->batches, __ATOMIC_RELAXED);
     st->copy_seconds = (double)__atomic_load_n(&E->copy_ns, __ATOMIC_RELAXED) * 1e-9;
+    st->drain_syncs = g_n_hook_sync;
     st->err = __atomic_load_n(&E->err, __ATOMIC_ACQUIRE);
 }
 
