@@ -193,12 +193,12 @@ __device__ bool hk_reserve(const hk_put_args *a, int n, unsigned long long *off_
     return true;
 }
 
-/* The copy.  A producer moves a few kilobytes, so its copy is latency-bound: each thread
- * issues HK_U loads before it stores any of them (HK_U x threads elements in flight per
- * round, one memory latency each), the ring position wraps by one comparison (a record is
- * never larger than the ring), and k_hook_put's threads load their first round of the
- * largest record while thread 0 reserves.  (What a producer costs the step:
- * bench/RESULTS.md.) */
+/* The copy.  A producer's records are small next to the step's weights, so its copy is
+ * latency-bound rather than bandwidth-bound: each thread issues HK_U loads before it stores
+ * any of them (HK_U x threads elements in flight per round, one memory latency each), the
+ * ring position wraps by one comparison (a record is never larger than the ring), and
+ * k_hook_put's threads load their first round of the largest record while thread 0
+ * reserves.  (What a producer costs the step: bench/RESULTS.md.) */
 #define HK_U 8
 
 /* Where element e of the record is in its source (rows d0 of d1 x d2, strides s0, s1). */
