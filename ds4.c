@@ -18,6 +18,8 @@
  * without a vocabulary take byte-level ids).  The deepseek4 file convention
  * (keys, tensor table, hyperparameters) is ds4_gguf.h, shared with the writer
  * of synthetic models, ds4_synth.c, which is tooling and not the engine.
+ * Activation hooks are a module (ds4_hooks.h, ds4_hooks.c): the forward pass
+ * emits a record after the op that made it, and holds one pointer to the rest.
  * The CUDA backend is ds4_cuda.cu; the program is ds4_cli.c; the block
  * layouts of the super-block quantisations (Q2_K, Q4_K, IQ2_XXS) live in
  * ds4_quant.c.  Fused ops of the contract (hc_pre, matmul_multi, ...) are
@@ -61,6 +63,8 @@
 #include "ds4_quant.h"
 #include "ds4_tok.h"
 #include "ds4_gguf.h"
+
+#define errf ds4_errf   /* this file's short name for ds4.h's one-line error */
 
 /* ---------------------------------------------------------------------------
  * Model structures
@@ -2166,7 +2170,7 @@ int ds4_tmp_path(const char *path, char **tmp) {
     return 0;
 }
 
-static void errf(char *err, size_t errlen, const char *fmt, ...) {
+void ds4_errf(char *err, size_t errlen, const char *fmt, ...) {
     if (!err || errlen == 0) return;
     va_list ap;
     va_start(ap, fmt);
@@ -2574,97 +2578,6 @@ ds4_model *ds4_synth_open(const char *config, uint64_t seed, int wtype, int n_th
 }
 
 /* ---------------------------------------------------------------------------
- * Activation hooks (ds4_hooks.h): the selection, and the CPU backend's writer
- *
- * The forward pass calls hook_emit after the op that makes each catalog
- * tensor; with the CPU backend the tensor is host memory and the record goes
- * straight to the file (synchronous: nothing is ever dropped).  A failed
- * write stops the run with one line (ds4_eval returns the error): records are
- * never lost silently.
- * ------------------------------------------------------------------------- */
-
-static const char *const g_hook_names[DS4H_N_HOOKS] = { "attn", "resid", "moe_sel", "moe_w", "moe", "logits",
-                                                         "attn_probs" };
-
-const char *ds4h_name(int hook) { return hook >= 0 && hook < DS4H_N_HOOKS ? g_hook_names[hook] : NULL; }
-
-/* "a" or "a-b" (decimal digits only) into [lo, hi]. */
-static int hooks_range(const char *s, size_t n, int *lo, int *hi) {
-    if (n == 0) return -1;            /* "attn:" (fuzz_env found it: an empty range read as -1) */
-    long v[2] = { -1, -1 };
-    int k = 0;
-    size_t i = 0;
-    while (i < n && k < 2) {
-        if (s[i] < '0' || s[i] > '9') return -1;
-        long x = 0;
-        while (i < n && s[i] >= '0' && s[i] <= '9') {
-            x = x * 10 + (s[i] - '0');
-            if (x >= DS4H_MAX_LAYERS) return -1;
-            i++;
-        }
-        v[k++] = x;
-        if (i < n) {
-            if (s[i] != '-' || k == 2) return -1;
-            i++;
-            if (i == n) return -1;
-        }
-    }
-    if (i != n) return -1;
-    *lo = (int)v[0];
-    *hi = k == 2 ? (int)v[1] : (int)v[0];
-    return *lo <= *hi ? 0 : -1;
-}
-
-int ds4h_parse(const char *spec, ds4h_selection *sel, char *err, size_t errlen) {
-    char sh[160], sh2[80];
-    memset(sel, 0, sizeof *sel);
-    sel->max_layer = -1;
-    if (!*spec) return (errf(err, errlen, "empty (give hooks: attn, resid, moe, moe_sel, moe_w, logits, attn_probs)"), -1);
-    const char *p = spec;
-    for (;;) {
-        const char *end = strchr(p, ',');
-        const size_t n = end ? (size_t)(end - p) : strlen(p);
-        const char *colon = memchr(p, ':', n);
-        const size_t nl = colon ? (size_t)(colon - p) : n;
-        if (nl == 0) return (errf(err, errlen, "an empty hook name (items are NAME or NAME:A-B, comma-separated)"), -1);
-        int hooks[3], nh = 0;
-        if (nl == 3 && !strncmp(p, "moe", 3)) {
-            hooks[0] = DS4H_MOE_SEL; hooks[1] = DS4H_MOE_W; hooks[2] = DS4H_MOE; nh = 3;
-        } else {
-            for (int h = 0; h < DS4H_N_HOOKS; h++)
-                if (strlen(g_hook_names[h]) == nl && !strncmp(p, g_hook_names[h], nl)) hooks[nh++] = h;
-        }
-        if (!nh)
-            return (errf(err, errlen, "unknown hook '%s' (attn, resid, moe, moe_sel, moe_w, logits, attn_probs)",
-                              ds4_show(sh, sizeof sh, p, nl, 32)), -1);
-        int lo = 0, hi = DS4H_MAX_LAYERS - 1;
-        if (colon) {
-            if (hooks[0] == DS4H_LOGITS) return (errf(err, errlen, "logits has no layers: give it without a range"), -1);
-            if (hooks_range(colon + 1, n - nl - 1, &lo, &hi) != 0)
-                return (errf(err, errlen, "bad layer range '%s' for %s (A or A-B, A <= B < %d)",
-                                  ds4_show(sh, sizeof sh, colon + 1, n - nl - 1, 32),
-                                  ds4_show(sh2, sizeof sh2, p, nl, 16), DS4H_MAX_LAYERS), -1);
-            if (hi > sel->max_layer) sel->max_layer = hi;
-        }
-        for (int j = 0; j < nh; j++) {
-            if (!colon) sel->all_layers[hooks[j]] = 1;
-            else for (int l = lo; l <= hi; l++) sel->layers[hooks[j]][l / 64] |= (uint64_t)1 << (l % 64);
-        }
-        sel->any = 1;
-        if (!end) break;
-        p = end + 1;
-    }
-    return 0;
-}
-
-int ds4h_selected(const ds4h_selection *sel, int hook, int layer) {
-    if (!sel || hook < 0 || hook >= DS4H_N_HOOKS) return 0;
-    if (sel->all_layers[hook]) return 1;
-    if (layer < 0 || layer >= DS4H_MAX_LAYERS) return 0;
-    return (int)(sel->layers[hook][layer / 64] >> (layer % 64) & 1);
-}
-
-/* ---------------------------------------------------------------------------
  * Contexts: KV window ring, compressed rows, compressor state, activations
  *
  * Per layer (d = head_dim, W = sliding window, r = ratio, c = 2 for ratio 4):
@@ -2692,20 +2605,8 @@ struct ds4_ctx {
     int                graphs;    /* record decode steps as regions (DS4_CUDA_GRAPHS) */
     int                graph_layers;  /* layers per region, 0 = the whole step (DS4_CUDA_GRAPH_LAYERS) */
     uint32_t           generation;    /* bumped by ds4_ctx_reset: part of every region key */
-    ds4h_selection    *hsel;      /* DS4_HOOKS: what to write (NULL: hooks off) */
-    FILE              *hf;        /* DS4_HOOKS_OUT */
-    char              *hpath;
-    char              *htmp;      /* where the stream is written until the context exists; NULL: at hpath */
-    uint64_t           hseq;      /* records written (the CPU's writer) */
-    uint64_t           hbytes;    /* their payload bytes */
-    int                hdev;      /* the backend's emitter writes the records (CUDA: ds4_hooks.cu) */
-    ds4_hook_put       hq[DS4_HOOK_PUT_MAX];  /* records made at one point of the step, not yet put */
-    int                nhq;
+    ds4h_ctx          *hk;        /* DS4_HOOKS: the hooks module (ds4_hooks.c); NULL: hooks off */
     uint32_t           hcalls;    /* forward calls made */
-    int                herr;      /* errno of a failed write (0: none) */
-    float             *aprobs;    /* attn_probs: [B][H][aprobs_ld] (backend memory: the CPU's) */
-    int                aprobs_ld;
-    float             *aptmp;     /* one token's [H][n+1], packed for its record */
     ds4_step          *step;      /* the step block (backend memory), written before each call */
     void              *step_host; /* its host image: the block, then the batch's tokens */
     /* activations, all [B][...] with B = max_batch */
@@ -2738,237 +2639,12 @@ struct ds4_ctx {
     void    *progress_user;
 };
 
-/* DS4_HOOKS parsed into sel and checked against the model's layers. */
-static int hooks_selection(const ds4_model *m, const ds4_env *env, ds4h_selection *sel, char *err, size_t errlen) {
-    char e2[256];
-    if (ds4h_parse(env->hooks, sel, e2, sizeof e2) != 0) { errf(err, errlen, "DS4_HOOKS: %s", e2); return -1; }
-    if (sel->max_layer >= m->hp.n_layer) {
-        errf(err, errlen, "DS4_HOOKS: layer %d is past the model's %d layers (0..%d)", sel->max_layer,
-             m->hp.n_layer, m->hp.n_layer - 1);
-        return -1;
-    }
-    return 0;
-}
-
-/* The stream is written beside its target (ds4_tmp_path) and renamed over PATH once the context
- * exists (ds4_ctx_new's last step), so a run that fails before it starts -- a bad selection, a
- * prompt too long, no GPU -- leaves an earlier capture at PATH as it was. */
-
+/* DS4_HOOKS against the model (ds4.h); the hooks module checks it (ds4_hooks.c). */
 int ds4_hooks_check(const ds4_model *m, const ds4_env *env, char *err, size_t errlen) {
-    if (!env->hooks) return 0;
-    ds4h_selection sel;
-    if (hooks_selection(m, env, &sel, err, errlen) != 0) return -1;
-    struct stat st;
-    if (stat(env->hooks_out, &st) == 0 && S_ISDIR(st.st_mode)) {
-        errf(err, errlen, "DS4_HOOKS_OUT: cannot write %s: it is a directory", shown(env->hooks_out));
-        return -2;
-    }
-    /* try what hooks_open will do, leaving nothing behind and PATH untouched */
-    char *tmp;
-    if (ds4_tmp_path(env->hooks_out, &tmp) != 0) { errf(err, errlen, "out of memory"); return -2; }
-    const int fd = tmp ? open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666)
-                       : open(env->hooks_out, O_WRONLY | O_CLOEXEC);
-    if (fd < 0) {
-        errf(err, errlen, "DS4_HOOKS_OUT: cannot write %s: %s", shown(env->hooks_out), strerror(errno));
-        free(tmp);
-        return -2;
-    }
-    close(fd);
-    if (tmp) unlink(tmp);
-    free(tmp);
-    return 0;
+    return ds4h_check(m->hp.n_layer, env, err, errlen);
 }
 
-static void *ctx_alloc(ds4_ctx *c, size_t bytes, int *fail);
-
-/* DS4_HOOKS: the selection checked against the model, the file opened and its header written. */
-static int hooks_open(ds4_ctx *c, const ds4_env *env, char *err, size_t errlen) {
-    const ds4_hparams *hp = &c->m->hp;
-    if (strcmp(c->be->name, "cpu") != 0 && !c->be->hooks_open) {
-        errf(err, errlen, "DS4_HOOKS: the %s backend has no hook emitter", c->be->name);
-        return -1;
-    }
-    c->hsel = malloc(sizeof *c->hsel);
-    if (!c->hsel) { errf(err, errlen, "out of memory"); return -1; }
-    if (hooks_selection(c->m, env, c->hsel, err, errlen) != 0) return -1;
-    int probs = 0;
-    for (int l = 0; l < hp->n_layer; l++) probs |= ds4h_selected(c->hsel, DS4H_ATTN_PROBS, l);
-    if (probs) {
-        if (!c->be->attention_probs) {
-            errf(err, errlen, "DS4_HOOKS: attn_probs: the %s backend cannot report attention weights", c->be->name);
-            return -1;
-        }
-        const int k = hp->idx_topk > 0 ? hp->idx_topk : 0, n128 = c->n_ctx / 128 + 1;
-        c->aprobs_ld = hp->n_swa + (k > n128 ? k : n128) + 1;
-        int fail = 0;
-        c->aprobs = ctx_alloc(c, (size_t)c->max_batch * hp->n_head * c->aprobs_ld * 4, &fail);
-        c->aptmp = malloc((size_t)hp->n_head * c->aprobs_ld * 4);
-        if (fail || !c->aptmp) { errf(err, errlen, "DS4_HOOKS: attn_probs: out of memory"); return -1; }
-    }
-    c->hpath = strdup(env->hooks_out);
-    if (!c->hpath || ds4_tmp_path(c->hpath, &c->htmp) != 0) { errf(err, errlen, "out of memory"); return -1; }
-    c->hf = fopen(c->htmp ? c->htmp : c->hpath, "wb");
-    if (!c->hf) {
-        errf(err, errlen, "DS4_HOOKS_OUT: cannot write %s: %s", env->hooks_out, strerror(errno));
-        return -1;
-    }
-    setvbuf(c->hf, NULL, _IOFBF, (size_t)1 << 22);   /* records arrive in many small writes */
-    /* the header: what a reader needs to name and shape the records */
-    char js[4096];
-    int n = snprintf(js, sizeof js,
-                     "{\"format\": \"ds4h\", \"version\": %d, \"backend\": \"%s\", \"policy\": \"%s\", "
-                     "\"model\": {\"n_layer\": %d, \"n_embd\": %d, \"n_hc\": %d, \"n_expert_used\": %d, "
-                     "\"n_vocab\": %d}, \"catalog\": [", DS4H_VERSION, c->be->name, env->hooks_drop ? "drop" : "wait",
-                     hp->n_layer, hp->n_embd, hp->n_hc, hp->n_expert_used, hp->n_vocab);
-    for (int h = 0; h < DS4H_N_HOOKS; h++)
-        n += snprintf(js + n, sizeof js - (size_t)n, "%s{\"id\": %d, \"name\": \"%s\", \"dtype\": \"%s\", "
-                      "\"per_layer\": %s}", h ? ", " : "", h, ds4h_name(h), h == DS4H_MOE_SEL ? "i32" : "f32",
-                      h == DS4H_LOGITS ? "false" : "true");
-    n += snprintf(js + n, sizeof js - (size_t)n, "], \"selection\": {");
-    for (int h = 0, first = 1; h < DS4H_N_HOOKS; h++) {
-        const int per = h != DS4H_LOGITS;
-        int any = 0;
-        for (int l = 0; l < (per ? hp->n_layer : 1); l++) any |= ds4h_selected(c->hsel, h, per ? l : -1);
-        if (!any) continue;
-        n += snprintf(js + n, sizeof js - (size_t)n, "%s\"%s\": [", first ? "" : ", ", ds4h_name(h));
-        first = 0;
-        for (int l = 0, k = 0; per && l < hp->n_layer; l++)
-            if (ds4h_selected(c->hsel, h, l)) n += snprintf(js + n, sizeof js - (size_t)n, "%s%d", k++ ? ", " : "", l);
-        n += snprintf(js + n, sizeof js - (size_t)n, "]");
-    }
-    n += snprintf(js + n, sizeof js - (size_t)n, "}}");
-    if (n <= 0 || (size_t)n >= sizeof js - 8) { errf(err, errlen, "DS4_HOOKS: the header does not fit"); return -1; }
-    while (n % 8) js[n++] = ' ';
-    const uint32_t ver = DS4H_VERSION, len = (uint32_t)n;
-    if (fwrite("DS4HOOKS", 1, 8, c->hf) != 8 || fwrite(&ver, 4, 1, c->hf) != 1 || fwrite(&len, 4, 1, c->hf) != 1 ||
-        fwrite(js, 1, (size_t)n, c->hf) != (size_t)n) {
-        errf(err, errlen, "DS4_HOOKS_OUT: writing %s failed: %s", c->hpath, strerror(errno));
-        return -1;
-    }
-    if (!c->be->hooks_open) return 0;        /* the CPU: hook_emit writes each record itself */
-
-    /* A device emitter (ds4_gpu.h hooks_open): rings sized from what one decode step of this
-     * selection produces, so the drain may fall many steps behind before a producer waits,
-     * and at least four times the largest record a producer cannot split (a row, one
-     * token's attn_probs), so that one always fits once the drain catches up. */
-    uint64_t step_bytes = 0, step_recs = 0, big = 0;
-    const uint64_t D = (uint64_t)hp->n_embd, k = (uint64_t)hp->n_expert_used;
-    for (int h = 0; h < DS4H_N_HOOKS; h++) {
-        const uint64_t b = h == DS4H_ATTN || h == DS4H_MOE ? D * 4 : h == DS4H_RESID ? (uint64_t)hp->n_hc * D * 4
-                         : h == DS4H_MOE_SEL || h == DS4H_MOE_W ? k * 4 : h == DS4H_LOGITS ? (uint64_t)hp->n_vocab * 4
-                         : (uint64_t)hp->n_head * (uint64_t)(c->aprobs_ld > 0 ? c->aprobs_ld : 1) * 4;
-        for (int l = 0; l < (h == DS4H_LOGITS ? 1 : hp->n_layer); l++) {
-            if (!ds4h_selected(c->hsel, h, h == DS4H_LOGITS ? -1 : l)) continue;
-            step_bytes += (b + 7) & ~(uint64_t)7;
-            step_recs++;
-            if (b > big) big = b;
-        }
-    }
-    const uint64_t MiB = (uint64_t)1 << 20, need = (4 * big + MiB - 1) / MiB;
-    uint64_t mb;
-    if (env->hooks_ring_mb > 0) {
-        mb = (uint64_t)env->hooks_ring_mb;
-        if (mb < need) {
-            errf(err, errlen, "DS4_HOOKS_RING_MB=%d is too small for this selection: the ring must hold four of "
-                 "its largest record (%llu bytes), give at least %llu", env->hooks_ring_mb, (unsigned long long)big,
-                 (unsigned long long)need);
-            return -1;
-        }
-    } else {
-        mb = (64 * step_bytes + MiB - 1) / MiB;
-        if (mb < 64) mb = 64;
-        if (mb > 1024) mb = 1024;
-        if (mb < need) mb = need;
-    }
-    ds4_hooks_cfg cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.f = c->hf;
-    cfg.path = c->hpath;
-    cfg.drop = env->hooks_drop;
-    cfg.ring_bytes = mb * MiB;
-    cfg.ring_slots = cfg.ring_bytes / 1024 > 1024 ? cfg.ring_bytes / 1024 : 1024;
-    if (cfg.ring_slots < 4 * step_recs) cfg.ring_slots = 4 * step_recs;
-    cfg.throttle_us = (uint32_t)env->hooks_throttle_us;
-    if (fflush(c->hf) != 0) {               /* the header goes out before any record */
-        errf(err, errlen, "DS4_HOOKS_OUT: writing %s failed: %s", c->hpath, strerror(errno));
-        return -1;
-    }
-    void *prev = c->be->session_bind(c->sess);
-    const int rc = c->be->hooks_open(&cfg, err, errlen);
-    c->be->session_bind(prev);
-    if (rc != 0) return -1;
-    c->hdev = 1;
-    return 0;
-}
-
-int ds4_ctx_hooks_stats(ds4_ctx *c, ds4_hooks_stats *st) {
-    memset(st, 0, sizeof *st);
-    if (!c->hsel) return -1;
-    if (c->hdev) {
-        void *prev = c->be->session_bind(c->sess);
-        c->be->hooks_stats(st, 1);
-        c->be->session_bind(prev);
-        return 0;
-    }
-    st->produced = st->written = c->hseq;
-    st->payload_bytes = c->hbytes;
-    st->err = c->herr;
-    return 0;
-}
-
-/* The device emitter: the records queued at this point of the step, in one producer. */
-static void hook_flush(ds4_ctx *c) {
-    if (c->nhq) c->be->hook_put(c->hq, c->nhq);
-    c->nhq = 0;
-}
-
-/* Its producers may run beside the ops issued after them (ds4_gpu.h hooks_join): before an op
- * overwrites a tensor a record was made from, and at the end of a span of layers, the step
- * waits for them.  The overwrites: attention's output projection writes c->f (the MoE output
- * and the experts and resid records of the layer before were made from c->f, c->sel, c->wts
- * and c->x, which nothing in attention before it writes); the MoE writes c->sel, c->wts and
- * c->f (the attn record was made from c->f, attn_probs from c->aprobs, which the next
- * layer's attention rewrites after that); the publication joins by itself. */
-static void hooks_join(ds4_ctx *c) {
-    if (c->hdev) c->be->hooks_join();
-}
-
-/* One record: the tensor at data (backend memory), rows d0 of d1 x d2, its first row at
- * position c->pos + pos_add.  A device emitter gets a producer on the stream (the position
- * and the call index are read from the step block when it runs); the CPU writes it now. */
-static void hook_emit(ds4_ctx *c, int hook, int layer, const void *data, int dtype, int ndim,
-                      uint32_t d0, uint32_t d1, uint32_t d2, int pos_add) {
-    if (!c->hf || c->herr || !ds4h_selected(c->hsel, hook, layer)) return;
-    if (c->hdev) {              /* queued: hook_flush puts the point's records in one producer */
-        if (c->nhq == DS4_HOOK_PUT_MAX) hook_flush(c);
-        const ds4_hook_put p = { hook, layer, dtype, ndim, d0, d1, d2, data, (int64_t)d1 * d2, (int64_t)d2,
-                                 pos_add, 0, 0, 0, 0, c->step };
-        c->hq[c->nhq++] = p;
-        return;
-    }
-    const int pos = c->pos + pos_add;
-    ds4h_record r;
-    memset(&r, 0, sizeof r);
-    r.magic = DS4H_RECORD_MAGIC;
-    r.hook = (uint32_t)hook;
-    r.seq = c->hseq;
-    r.layer = layer;
-    r.pos = (uint32_t)pos;
-    r.step = c->hcalls;
-    r.dtype = (uint8_t)dtype;
-    r.ndim = (uint8_t)ndim;
-    r.shape[0] = d0; r.shape[1] = d1; r.shape[2] = d2; r.shape[3] = 1;
-    r.nbytes = (uint64_t)d0 * d1 * d2 * 4;
-    static const uint8_t zeros[8];
-    const size_t pad = (size_t)((8 - r.nbytes % 8) % 8);
-    if (fwrite(&r, sizeof r, 1, c->hf) != 1 || fwrite(data, 1, (size_t)r.nbytes, c->hf) != r.nbytes ||
-        (pad && fwrite(zeros, 1, pad, c->hf) != pad)) {
-        c->herr = errno ? errno : EIO;
-        return;
-    }
-    c->hseq++;
-    c->hbytes += r.nbytes;
-}
+int ds4_ctx_hooks_stats(ds4_ctx *c, ds4_hooks_stats *st) { return ds4h_stats(c->hk, st); }
 
 static void *ctx_alloc(ds4_ctx *c, size_t bytes, int *fail) {
     if (*fail) return NULL;
@@ -3173,19 +2849,19 @@ ds4_ctx *ds4_ctx_new(ds4_model *m, const ds4_backend *be, int n_ctx, int max_bat
         ds4_ctx_free(c);
         return NULL;
     }
-    if (env.hooks && hooks_open(c, &env, err, errlen) != 0) {
-        ds4_ctx_free(c);
-        return NULL;
-    }
-    /* the context exists: the hook stream takes its target's place (ds4_tmp_path) */
-    if (c->htmp) {
-        if (rename(c->htmp, c->hpath) != 0) {
-            errf(err, errlen, "DS4_HOOKS_OUT: cannot put %s in place: %s", shown(c->hpath), strerror(errno));
+    if (env.hooks) {
+        const ds4h_host host = { be, c->sess, hp, c->n_ctx, c->max_batch };
+        const int rc = ds4h_open(&c->hk, &host, &env, err, errlen);
+        c->bytes += ds4h_device_bytes(c->hk);
+        if (rc != 0) {
             ds4_ctx_free(c);
             return NULL;
         }
-        free(c->htmp);
-        c->htmp = NULL;
+    }
+    /* the context exists: the hook stream takes its target's place (ds4_tmp_path) */
+    if (ds4h_start(c->hk, err, errlen) != 0) {
+        ds4_ctx_free(c);
+        return NULL;
     }
     return c;
 }
@@ -3194,13 +2870,7 @@ void ds4_ctx_free(ds4_ctx *c) {
     if (!c) return;
     if (c->sess) c->be->session_free(c->sess);
     free(c->step_host);
-    if (c->hf && fclose(c->hf) != 0 && !c->herr)
-        fprintf(stderr, "ds4: DS4_HOOKS_OUT: closing %s failed: %s\n", c->hpath, strerror(errno));
-    if (c->htmp) unlink(c->htmp);               /* the context never started: PATH stays as it was */
-    free(c->htmp);
-    free(c->hpath);
-    free(c->hsel);
-    free(c->aptmp);
+    ds4h_close(c->hk);                          /* after the session: its emitter writes to the stream */
     for (int i = 0; i < c->n_allocs; i++) c->be->free(c->allocs[i]);
     free(c);
 }
@@ -3290,23 +2960,13 @@ static void fwd_attention(ds4_ctx *c, int il, const float *hn, int nt, float *ou
 
     /* the attn_probs hook: attention's weights, from the inputs attention_step is given
      * (before it stores this batch into the ring); one record per token, n+1 columns */
-    if (c->aprobs && ds4h_selected(c->hsel, DS4H_ATTN_PROBS, il)) {
+    int probs_ld;
+    float *probs = ds4h_probs(c->hk, il, &probs_ld);
+    if (probs) {
         be->attention_probs(c->q, c->kv, S->ring, hp->n_swa, c->step, nt, H, d, S->comp, ratio,
-                            ratio == 4 ? c->topk : NULL, k, L->attn_sinks.dev, 1.0f / sqrtf((float)d), c->aprobs,
-                            c->aprobs_ld);
-        for (int t = 0; t < nt; t++) {
-            if (c->hdev) {              /* the producer packs [H][cols], cols read from the step block */
-                const ds4_hook_put p = { DS4H_ATTN_PROBS, il, DS4H_F32, 2, (uint32_t)H, 0, 1,
-                                         c->aprobs + (size_t)t * H * c->aprobs_ld, c->aprobs_ld, 1, t,
-                                         1, hp->n_swa, ratio, k, c->step };
-                be->hook_put(&p, 1);
-                continue;
-            }
-            const int P = c->pos + t, cols = ds4_att_rows(P, hp->n_swa, ratio, k) + 1;
-            for (int h = 0; h < H; h++)
-                memcpy(c->aptmp + (size_t)h * cols, c->aprobs + ((size_t)t * H + h) * c->aprobs_ld, (size_t)cols * 4);
-            hook_emit(c, DS4H_ATTN_PROBS, il, c->aptmp, DS4H_F32, 2, (uint32_t)H, (uint32_t)cols, 1, t);
-        }
+                            ratio == 4 ? c->topk : NULL, k, L->attn_sinks.dev, 1.0f / sqrtf((float)d), probs,
+                            probs_ld);
+        ds4h_emit_probs(c->hk, il, nt, ratio, k);
     }
 
     /* attention, the window ring update, and the query-position rotation
@@ -3314,7 +2974,7 @@ static void fwd_attention(ds4_ctx *c, int il, const float *hn, int nt, float *ou
     be->attention_step(c->q, c->kv, S->ring, hp->n_swa, c->step, nt, H, d, S->comp, ratio,
                        ratio == 4 ? c->topk : NULL, k, L->attn_sinks.dev, 1.0f / sqrtf((float)d), rp, c->o);
     be->matmul_grouped(&L->out_a, hp->o_groups, c->o, c->oa, nt);
-    hooks_join(c);              /* out is c->f: the previous layer's records were made from it */
+    ds4h_join(c->hk);              /* out is c->f: the previous layer's records were made from it */
     be->matmul(&L->out_b, 0, c->oa, out, nt);
 }
 
@@ -3337,18 +2997,28 @@ static void fwd_moe(ds4_ctx *c, int il, const float *hn, int nt, float *out) {
                     nt, hp->n_expert_used, hp->clamp_exp[il], shared, out);
 }
 
-/* A layer's records after its MoE: the experts chosen (c->sel, c->wts), the MoE output
+/* Hooks in the forward pass (ds4_hooks.h, "The engine's side").  A record is emitted after
+ * the op that makes its tensor.  A device emitter's producers may run beside the ops issued
+ * after them (ds4_gpu.h hooks_join), so before an op overwrites a tensor a record was made
+ * from, and at the end of a span of layers, the step joins them (ds4h_join).  The
+ * overwrites: attention's output projection writes c->f (the MoE output and the experts and
+ * resid records of the layer before were made from c->f, c->sel, c->wts and c->x, which
+ * nothing in attention before it writes); the MoE writes c->sel, c->wts and c->f (the attn
+ * record was made from c->f, attn_probs from the module's buffer, which the next layer's
+ * attention rewrites after that); the publication joins by itself.
+ *
+ * A layer's records after its MoE: the experts chosen (c->sel, c->wts), the MoE output
  * (c->f) and the streams once that output is added back (c->x).  They are emitted after the
  * next hc_pre (the next layer's, or the head's), which makes c->x and leaves the others as
  * they were, so one producer carries all four -- in the order the CPU writes them. */
 static void hooks_layer_end(ds4_ctx *c, int il, int nt) {
     const ds4_hparams *hp = &c->m->hp;
     const uint32_t k = (uint32_t)hp->n_expert_used, D = (uint32_t)hp->n_embd;
-    hook_emit(c, DS4H_MOE_SEL, il, c->sel, DS4H_I32, 2, (uint32_t)nt, k, 1, 0);
-    hook_emit(c, DS4H_MOE_W, il, c->wts, DS4H_F32, 2, (uint32_t)nt, k, 1, 0);
-    hook_emit(c, DS4H_MOE, il, c->f, DS4H_F32, 2, (uint32_t)nt, D, 1, 0);
-    hook_emit(c, DS4H_RESID, il, c->x, DS4H_F32, 3, (uint32_t)nt, (uint32_t)hp->n_hc, D, 0);
-    hook_flush(c);
+    ds4h_emit(c->hk, DS4H_MOE_SEL, il, c->sel, DS4H_I32, 2, (uint32_t)nt, k, 1, 0);
+    ds4h_emit(c->hk, DS4H_MOE_W, il, c->wts, DS4H_F32, 2, (uint32_t)nt, k, 1, 0);
+    ds4h_emit(c->hk, DS4H_MOE, il, c->f, DS4H_F32, 2, (uint32_t)nt, D, 1, 0);
+    ds4h_emit(c->hk, DS4H_RESID, il, c->x, DS4H_F32, 3, (uint32_t)nt, (uint32_t)hp->n_hc, D, 0);
+    ds4h_flush(c->hk);
 }
 
 /* Each sublayer starts with hc_pre, which first applies the residual update
@@ -3372,15 +3042,15 @@ static void fwd_span(ds4_ctx *c, int l0, int l1, int nt, int all_rows) {
                    c->flat, c->mix, c->h, c->post, c->comb);
         if (il > 0) hooks_layer_end(c, il - 1, nt);
         fwd_attention(c, il, c->h, nt, c->f);
-        hook_emit(c, DS4H_ATTN, il, c->f, DS4H_F32, 2, (uint32_t)nt, (uint32_t)D, 1, 0);
-        hook_flush(c);
+        ds4h_emit(c->hk, DS4H_ATTN, il, c->f, DS4H_F32, 2, (uint32_t)nt, (uint32_t)D, 1, 0);
+        ds4h_flush(c->hk);
         be->hc_pre(c->f, c->x, c->x2, &L->hc_ffn_fn, L->hc_ffn_scale.dev, L->hc_ffn_base.dev,
                    L->ffn_norm.dev, nt, D, hc, 0, eps, heps, it, c->flat, c->mix, c->h, c->post, c->comb);
-        hooks_join(c);          /* the MoE rewrites c->f (the attn record's source) */
+        ds4h_join(c->hk);          /* the MoE rewrites c->f (the attn record's source) */
         fwd_moe(c, il, c->h, nt, c->f);
     }
     if (l1 < hp->n_layer) {
-        hooks_join(c);          /* a recorded region ends joined */
+        ds4h_join(c->hk);          /* a recorded region ends joined */
         return;
     }
     /* head: the last update, collapse the streams, normalise, project to the vocabulary */
@@ -3390,10 +3060,10 @@ static void fwd_span(ds4_ctx *c, int l0, int l1, int nt, int all_rows) {
     if (all_rows) be->matmul(&m->output, 0, c->h, c->logits, nt);
     else be->matmul(&m->output, 0, c->h + (size_t)(nt - 1) * D, c->logits, 1);
     const int rows = all_rows ? nt : 1;
-    hook_emit(c, DS4H_LOGITS, -1, c->logits, DS4H_F32, 2, (uint32_t)rows, (uint32_t)hp->n_vocab, 1, nt - rows);
-    hook_flush(c);
+    ds4h_emit(c->hk, DS4H_LOGITS, -1, c->logits, DS4H_F32, 2, (uint32_t)rows, (uint32_t)hp->n_vocab, 1, nt - rows);
+    ds4h_flush(c->hk);
     /* the call's records become visible to the device emitter's drain in one publication */
-    if (c->hdev) be->hooks_publish();
+    ds4h_publish(c->hk);
 }
 
 /* A decode step (one token, the last row's logits) with DS4_CUDA_GRAPHS=1 runs
@@ -3432,17 +3102,14 @@ static int eval_chunk(ds4_ctx *c, const int32_t *tokens, int n, float *logits, i
     memcpy(c->step_host, &st, sizeof st);
     memcpy((ds4_step *)c->step_host + 1, tokens, (size_t)n * 4);
     be->upload(c->step, c->step_host, sizeof st + (size_t)n * 4);
+    ds4h_call_begin(c->hk, c->pos, c->hcalls, c->step);
     fwd_batch(c, n, all_rows);
     if (logits) be->download(logits, c->logits, (size_t)(all_rows ? n : 1) * hp->n_vocab * 4);
     else be->synchronize();
     be->session_bind(prev);
     c->pos += n;
     c->hcalls++;
-    if (c->hf && !c->hdev && !c->herr && fflush(c->hf) != 0) c->herr = errno ? errno : EIO;
-    if (c->herr) {
-        errf(err, errlen, "DS4_HOOKS_OUT: writing %s failed: %s", c->hpath, strerror(c->herr));
-        return -1;
-    }
+    if (ds4h_call_end(c->hk, err, errlen) != 0) return -1;
     return 0;
 }
 

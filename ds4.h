@@ -147,6 +147,14 @@ int  ds4_sample(ds4_sampler *s, const float *logits, int n, void *scratch);
  * holds.  out holds cap bytes (4 * max + 4 always suffice). */
 const char *ds4_show(char *out, size_t cap, const char *s, size_t n, size_t max);
 
+/* The one-line error every call that can fail returns: fmt into err (NULL or 0 bytes:
+ * nothing), truncated to errlen - 1 bytes. */
+void ds4_errf(char *err, size_t errlen, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 3, 4)))
+#endif
+    ;
+
 /* ---- environment ---- */
 
 /* Validate every DS4_* environment variable once at start-up: unknown names

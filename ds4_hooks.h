@@ -10,7 +10,7 @@
  * where the data is made; a reader never infers it from order.
  *
  * Who writes.  The CPU backend's forward pass writes each record as the op that makes it
- * returns (ds4.c, the "plain writer": synchronous, so nothing is ever dropped).  The CUDA
+ * returns (ds4_hooks.c, the writer: synchronous, so nothing is ever dropped).  The CUDA
  * backend produces records on the device, into rings a host thread drains (ds4_hooks.cu):
  * eagerly or inside a replayed CUDA graph, losslessly (DS4_HOOKS_POLICY=wait, the default)
  * or dropping what does not fit (drop).  A prompt's rows may come in several records
@@ -105,6 +105,57 @@ int ds4h_parse(const char *spec, ds4h_selection *sel, char *err, size_t errlen);
 
 /* Is (hook, layer) selected?  layer < 0 for logits. */
 int ds4h_selected(const ds4h_selection *sel, int hook, int layer);
+
+/* ---------------------------------------------------------------------------
+ * The engine's side (ds4_hooks.c): what ds4.c calls, in this order.
+ *
+ *   ds4h_check       DS4_HOOKS against a model of n_layer layers, before a context: the
+ *                    selection fits and DS4_HOOKS_OUT can be written; writes nothing.  0; -1
+ *                    (the selection) or -2 (the file) with one line.
+ *   ds4h_open        at context creation: the selection checked, the attn_probs buffer
+ *                    allocated (backend memory, ds4h_device_bytes), the stream opened beside
+ *                    its target and its header written; with a device emitter (ds4_gpu.h
+ *                    hooks_open) the rings sized and opened on the context's session.  On
+ *                    failure *out may still hold a partial state for ds4h_close.
+ *   ds4h_start       once the context exists: the stream takes its target's place.
+ *   per forward call ds4h_call_begin (its position, index and step block), then at each point
+ *                    ds4h_emit (a tensor the op before made, rows d0 of d1 x d2, its first row
+ *                    at the call's position + pos_add) and ds4h_flush (the point's records
+ *                    to one producer); ds4h_probs/ds4h_emit_probs for attn_probs; ds4h_join
+ *                    before an op overwrites a recorded tensor; ds4h_publish at the call's
+ *                    end; then ds4h_call_end (the CPU writer's flush; a failed write: -1 with
+ *                    one line).
+ *   ds4h_stats, ds4h_close (after the backend's session is freed: its emitter writes last).
+ * Every call on a ds4h_ctx takes NULL (hooks off) and does nothing (ds4h_stats: -1).
+ * ------------------------------------------------------------------------- */
+struct ds4_backend;
+struct ds4_env;
+struct ds4_hparams;
+struct ds4_step;
+struct ds4_hooks_stats;
+typedef struct ds4h_ctx ds4h_ctx;
+typedef struct ds4h_host {
+    const struct ds4_backend *be;
+    void                     *sess;          /* the context's backend session */
+    const struct ds4_hparams *hp;
+    int                       n_ctx, max_batch;
+} ds4h_host;
+
+int    ds4h_check(int n_layer, const struct ds4_env *env, char *err, size_t errlen);
+int    ds4h_open(ds4h_ctx **out, const ds4h_host *host, const struct ds4_env *env, char *err, size_t errlen);
+size_t ds4h_device_bytes(const ds4h_ctx *h);
+int    ds4h_start(ds4h_ctx *h, char *err, size_t errlen);
+void   ds4h_call_begin(ds4h_ctx *h, int pos, uint32_t call, const struct ds4_step *step);
+void   ds4h_emit(ds4h_ctx *h, int hook, int layer, const void *data, int dtype, int ndim, uint32_t d0, uint32_t d1,
+                 uint32_t d2, int pos_add);
+void   ds4h_flush(ds4h_ctx *h);
+float *ds4h_probs(ds4h_ctx *h, int layer, int *ld);   /* the buffer when layer's attn_probs is selected */
+void   ds4h_emit_probs(ds4h_ctx *h, int layer, int nt, int ratio, int k);
+void   ds4h_join(ds4h_ctx *h);
+void   ds4h_publish(ds4h_ctx *h);
+int    ds4h_call_end(ds4h_ctx *h, char *err, size_t errlen);
+int    ds4h_stats(ds4h_ctx *h, struct ds4_hooks_stats *st);
+void   ds4h_close(ds4h_ctx *h);
 
 #ifdef __cplusplus
 }
