@@ -168,9 +168,14 @@ $(B)/tests/test_kernels: tests/test_kernels.c $(B)/cpu/ds4.o $(B)/cpu/ds4_synth.
 	@mkdir -p $(B)/tests
 	$(CC) $(CFLAGS) -I. tests/test_kernels.c $(B)/cpu/ds4.o $(B)/cpu/ds4_synth.o $(B)/cpu/ds4_hooks.o $(B)/cpu/ds4_quant.o $(B)/cpu/ds4_tok.o -o $@ $(LDLIBS)
 
-test-c: $(B)/tests/test_gguf $(B)/tests/test_kernels
+$(B)/tests/test_hooks_plan: tests/test_hooks_plan.c $(B)/cpu/ds4.o $(B)/cpu/ds4_synth.o $(B)/cpu/ds4_hooks.o $(B)/cpu/ds4_quant.o $(B)/cpu/ds4_tok.o
+	@mkdir -p $(B)/tests
+	$(CC) $(CFLAGS) -I. tests/test_hooks_plan.c $(B)/cpu/ds4.o $(B)/cpu/ds4_synth.o $(B)/cpu/ds4_hooks.o $(B)/cpu/ds4_quant.o $(B)/cpu/ds4_tok.o -o $@ $(LDLIBS)
+
+test-c: $(B)/tests/test_gguf $(B)/tests/test_kernels $(B)/tests/test_hooks_plan
 	$(B)/tests/test_gguf
 	$(B)/tests/test_kernels
+	$(B)/tests/test_hooks_plan
 
 # What the tests need beyond gcc and make: python3 with pytest and numpy, npm, git.
 # Installs the missing Debian packages as root; otherwise prints the command and stops.

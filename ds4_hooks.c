@@ -235,16 +235,16 @@ static int write_header(ds4h_ctx *h, const ds4h_host *host, const ds4_env *env, 
  * drain catches up.
  * ------------------------------------------------------------------------- */
 
-static int ring_plan(const ds4h_ctx *h, const ds4_hparams *hp, const ds4_env *env, ds4_hooks_cfg *cfg,
-                     char *err, size_t errlen) {
+int ds4h_ring_plan(const ds4h_selection *sel, const struct ds4_hparams *hp, int probs_ld, const struct ds4_env *env,
+                   struct ds4_hooks_cfg *cfg, char *err, size_t errlen) {
     uint64_t step_bytes = 0, step_recs = 0, big = 0;
     const uint64_t D = (uint64_t)hp->n_embd, k = (uint64_t)hp->n_expert_used;
     for (int hk = 0; hk < DS4H_N_HOOKS; hk++) {
         const uint64_t b = hk == DS4H_ATTN || hk == DS4H_MOE ? D * 4 : hk == DS4H_RESID ? (uint64_t)hp->n_hc * D * 4
                          : hk == DS4H_MOE_SEL || hk == DS4H_MOE_W ? k * 4 : hk == DS4H_LOGITS ? (uint64_t)hp->n_vocab * 4
-                         : (uint64_t)hp->n_head * (uint64_t)(h->probs_ld > 0 ? h->probs_ld : 1) * 4;
+                         : (uint64_t)hp->n_head * (uint64_t)(probs_ld > 0 ? probs_ld : 1) * 4;
         for (int l = 0; l < (hk == DS4H_LOGITS ? 1 : hp->n_layer); l++) {
-            if (!ds4h_selected(&h->sel, hk, hk == DS4H_LOGITS ? -1 : l)) continue;
+            if (!ds4h_selected(sel, hk, hk == DS4H_LOGITS ? -1 : l)) continue;
             step_bytes += (b + 7) & ~(uint64_t)7;
             step_recs++;
             if (b > big) big = b;
@@ -267,8 +267,6 @@ static int ring_plan(const ds4h_ctx *h, const ds4_hparams *hp, const ds4_env *en
         if (mb < need) mb = need;
     }
     memset(cfg, 0, sizeof *cfg);
-    cfg->f = h->f;
-    cfg->path = h->path;
     cfg->drop = env->hooks_drop;
     cfg->ring_bytes = mb * MiB;
     cfg->ring_slots = cfg->ring_bytes / 1024 > 1024 ? cfg->ring_bytes / 1024 : 1024;
@@ -323,7 +321,9 @@ int ds4h_open(ds4h_ctx **out, const ds4h_host *host, const ds4_env *env, char *e
     if (!be->hooks_open) return 0;           /* the CPU: ds4h_emit writes each record itself */
 
     ds4_hooks_cfg cfg;
-    if (ring_plan(h, hp, env, &cfg, err, errlen) != 0) return -1;
+    if (ds4h_ring_plan(&h->sel, hp, h->probs_ld, env, &cfg, err, errlen) != 0) return -1;
+    cfg.f = h->f;
+    cfg.path = h->path;
     if (fflush(h->f) != 0) {                 /* the header goes out before any record */
         errf(err, errlen, "DS4_HOOKS_OUT: writing %s failed: %s", h->path, strerror(errno));
         return -1;

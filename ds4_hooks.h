@@ -157,6 +157,17 @@ int    ds4h_call_end(ds4h_ctx *h, char *err, size_t errlen);
 int    ds4h_stats(ds4h_ctx *h, struct ds4_hooks_stats *st);
 void   ds4h_close(ds4h_ctx *h);
 
+/* The device emitter's rings for a selection (ds4h_open's policy, apart so that a test can
+ * hold it to its promises): the payload ring DS4_HOOKS_RING_MB MiB when given (-1 with one
+ * line when that cannot hold four of the selection's largest record), else 64 x what one
+ * decode step produces, within 64..1024 MiB, and never below four largest records; the
+ * control ring at least 1024 slots, one per KiB of payload ring, and four steps' records.
+ * probs_ld: attn_probs's row (ds4h_open's), 0 without it.  Fills cfg's sizes, drop and
+ * throttle (not f or path). */
+struct ds4_hooks_cfg;
+int    ds4h_ring_plan(const ds4h_selection *sel, const struct ds4_hparams *hp, int probs_ld,
+                      const struct ds4_env *env, struct ds4_hooks_cfg *cfg, char *err, size_t errlen);
+
 #ifdef __cplusplus
 }
 #endif
