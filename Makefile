@@ -18,11 +18,12 @@ PYTHON  ?= python3
 CUDA_HOME ?= /usr/local/cuda
 B       := build
 
-CORE_SRC := ds4.c ds4.h ds4_gguf.h ds4_gpu.h ds4_hooks.h ds4_quant.h ds4_tok.h
+CORE_SRC := ds4.c ds4.h ds4_msg.h ds4_gguf.h ds4_gpu.h ds4_hooks.h ds4_quant.h ds4_tok.h
 SYNTH_SRC := ds4_synth.c ds4.h ds4_gguf.h ds4_gpu.h ds4_quant.h ds4_tok.h
 HOOKS_SRC := ds4_hooks.c ds4.h ds4_gguf.h ds4_gpu.h ds4_hooks.h
 QUANT_SRC := ds4_quant.c ds4_quant.h ds4_quant_tables.h ds4_gpu.h
-TOK_SRC := ds4_tok.c ds4_tok.h ds4_unicode.h
+TOK_SRC := ds4_tok.c ds4_tok.h ds4_unicode.h ds4_msg.h
+MSG_SRC := ds4_msg.c ds4_msg.h
 
 .PHONY: all cpu cuda cuda-check test test-c test-py test-gpu sanitize clean models stream-check series-check
 
@@ -50,6 +51,10 @@ $(B)/cpu/ds4_quant.o: $(QUANT_SRC)
 	@mkdir -p $(B)/cpu
 	$(CC) $(CFLAGS) -c ds4_quant.c -o $@
 
+$(B)/cpu/ds4_msg.o: $(MSG_SRC)
+	@mkdir -p $(B)/cpu
+	$(CC) $(CFLAGS) -c ds4_msg.c -o $@
+
 $(B)/cpu/ds4_tok.o: $(TOK_SRC)
 	@mkdir -p $(B)/cpu
 	$(CC) $(CFLAGS) -c ds4_tok.c -o $@
@@ -58,7 +63,7 @@ $(B)/cpu/ds4_cli.o: ds4_cli.c ds4.h ds4_gpu.h
 	@mkdir -p $(B)/cpu
 	$(CC) $(CFLAGS) -c ds4_cli.c -o $@
 
-$(B)/cpu/ds4: $(B)/cpu/ds4.o $(B)/cpu/ds4_synth.o $(B)/cpu/ds4_hooks.o $(B)/cpu/ds4_quant.o $(B)/cpu/ds4_tok.o $(B)/cpu/ds4_cli.o
+$(B)/cpu/ds4: $(B)/cpu/ds4.o $(B)/cpu/ds4_synth.o $(B)/cpu/ds4_hooks.o $(B)/cpu/ds4_quant.o $(B)/cpu/ds4_tok.o $(B)/cpu/ds4_msg.o $(B)/cpu/ds4_cli.o
 	$(CC) $(CFLAGS) $^ -o $@ $(LDLIBS)
 
 # The embedded default model: written by the build, never downloaded.
@@ -100,6 +105,10 @@ $(B)/cuda-%/ds4_quant.o: $(QUANT_SRC)
 	@mkdir -p $(dir $@)
 	$(CC) $(CUDA_CFLAGS) -c ds4_quant.c -o $@
 
+$(B)/cuda-%/ds4_msg.o: $(MSG_SRC)
+	@mkdir -p $(dir $@)
+	$(CC) $(CUDA_CFLAGS) -c ds4_msg.c -o $@
+
 $(B)/cuda-%/ds4_tok.o: $(TOK_SRC)
 	@mkdir -p $(dir $@)
 	$(CC) $(CUDA_CFLAGS) -c ds4_tok.c -o $@
@@ -114,21 +123,21 @@ $(B)/cuda-%/ds4_cuda.o: ds4_cuda.cu ds4_hooks.cu ds4_hooks.h ds4_cuda_quant.cuh 
 
 CUDA_LIBS = -L$(CUDA_HOME)/lib64 -lcublas -lcudart $(LDLIBS) -lstdc++
 
-$(B)/cuda-%/ds4: $(B)/cuda-%/ds4.o $(B)/cuda-%/ds4_synth.o $(B)/cuda-%/ds4_hooks.o $(B)/cuda-%/ds4_quant.o $(B)/cuda-%/ds4_tok.o $(B)/cuda-%/ds4_cli.o $(B)/cuda-%/ds4_cuda.o
+$(B)/cuda-%/ds4: $(B)/cuda-%/ds4.o $(B)/cuda-%/ds4_synth.o $(B)/cuda-%/ds4_hooks.o $(B)/cuda-%/ds4_quant.o $(B)/cuda-%/ds4_tok.o $(B)/cuda-%/ds4_msg.o $(B)/cuda-%/ds4_cli.o $(B)/cuda-%/ds4_cuda.o
 	$(CC) $(CFLAGS) $^ -o $@ $(CUDA_LIBS)
 
-$(B)/cuda-%/test_backend_ops: tests/test_backend_ops.c $(B)/cuda-%/ds4.o $(B)/cuda-%/ds4_synth.o $(B)/cuda-%/ds4_hooks.o $(B)/cuda-%/ds4_quant.o $(B)/cuda-%/ds4_tok.o $(B)/cuda-%/ds4_cuda.o
-	$(CC) $(CUDA_CFLAGS) -I. tests/test_backend_ops.c $(B)/cuda-$*/ds4.o $(B)/cuda-$*/ds4_synth.o $(B)/cuda-$*/ds4_hooks.o $(B)/cuda-$*/ds4_quant.o $(B)/cuda-$*/ds4_tok.o $(B)/cuda-$*/ds4_cuda.o -o $@ $(CUDA_LIBS)
+$(B)/cuda-%/test_backend_ops: tests/test_backend_ops.c $(B)/cuda-%/ds4.o $(B)/cuda-%/ds4_synth.o $(B)/cuda-%/ds4_hooks.o $(B)/cuda-%/ds4_quant.o $(B)/cuda-%/ds4_tok.o $(B)/cuda-%/ds4_msg.o $(B)/cuda-%/ds4_cuda.o
+	$(CC) $(CUDA_CFLAGS) -I. tests/test_backend_ops.c $(B)/cuda-$*/ds4.o $(B)/cuda-$*/ds4_synth.o $(B)/cuda-$*/ds4_hooks.o $(B)/cuda-$*/ds4_quant.o $(B)/cuda-$*/ds4_tok.o $(B)/cuda-$*/ds4_msg.o $(B)/cuda-$*/ds4_cuda.o -o $@ $(CUDA_LIBS)
 
 # bench programs are C (cc); they include CUDA runtime headers (profiler bracket, events)
-$(B)/cuda-%/ds4_bench: bench/ds4_bench.c $(B)/cuda-%/ds4.o $(B)/cuda-%/ds4_synth.o $(B)/cuda-%/ds4_hooks.o $(B)/cuda-%/ds4_quant.o $(B)/cuda-%/ds4_tok.o $(B)/cuda-%/ds4_cuda.o
-	$(CC) $(CUDA_CFLAGS) -I. -I$(CUDA_HOME)/include bench/ds4_bench.c $(B)/cuda-$*/ds4.o $(B)/cuda-$*/ds4_synth.o $(B)/cuda-$*/ds4_hooks.o $(B)/cuda-$*/ds4_quant.o $(B)/cuda-$*/ds4_tok.o $(B)/cuda-$*/ds4_cuda.o -o $@ $(CUDA_LIBS)
+$(B)/cuda-%/ds4_bench: bench/ds4_bench.c $(B)/cuda-%/ds4.o $(B)/cuda-%/ds4_synth.o $(B)/cuda-%/ds4_hooks.o $(B)/cuda-%/ds4_quant.o $(B)/cuda-%/ds4_tok.o $(B)/cuda-%/ds4_msg.o $(B)/cuda-%/ds4_cuda.o
+	$(CC) $(CUDA_CFLAGS) -I. -I$(CUDA_HOME)/include bench/ds4_bench.c $(B)/cuda-$*/ds4.o $(B)/cuda-$*/ds4_synth.o $(B)/cuda-$*/ds4_hooks.o $(B)/cuda-$*/ds4_quant.o $(B)/cuda-$*/ds4_tok.o $(B)/cuda-$*/ds4_msg.o $(B)/cuda-$*/ds4_cuda.o -o $@ $(CUDA_LIBS)
 
-$(B)/cuda-%/spot_check: tests/spot_check.c $(B)/cuda-%/ds4.o $(B)/cuda-%/ds4_synth.o $(B)/cuda-%/ds4_hooks.o $(B)/cuda-%/ds4_quant.o $(B)/cuda-%/ds4_tok.o $(B)/cuda-%/ds4_cuda.o
-	$(CC) $(CUDA_CFLAGS) -I. tests/spot_check.c $(B)/cuda-$*/ds4.o $(B)/cuda-$*/ds4_synth.o $(B)/cuda-$*/ds4_hooks.o $(B)/cuda-$*/ds4_quant.o $(B)/cuda-$*/ds4_tok.o $(B)/cuda-$*/ds4_cuda.o -o $@ $(CUDA_LIBS)
+$(B)/cuda-%/spot_check: tests/spot_check.c $(B)/cuda-%/ds4.o $(B)/cuda-%/ds4_synth.o $(B)/cuda-%/ds4_hooks.o $(B)/cuda-%/ds4_quant.o $(B)/cuda-%/ds4_tok.o $(B)/cuda-%/ds4_msg.o $(B)/cuda-%/ds4_cuda.o
+	$(CC) $(CUDA_CFLAGS) -I. tests/spot_check.c $(B)/cuda-$*/ds4.o $(B)/cuda-$*/ds4_synth.o $(B)/cuda-$*/ds4_hooks.o $(B)/cuda-$*/ds4_quant.o $(B)/cuda-$*/ds4_tok.o $(B)/cuda-$*/ds4_msg.o $(B)/cuda-$*/ds4_cuda.o -o $@ $(CUDA_LIBS)
 
-$(B)/cuda-%/matvec_table: bench/matvec_table.c ds4_stream.h $(B)/cuda-%/ds4.o $(B)/cuda-%/ds4_synth.o $(B)/cuda-%/ds4_hooks.o $(B)/cuda-%/ds4_quant.o $(B)/cuda-%/ds4_tok.o $(B)/cuda-%/ds4_cuda.o
-	$(CC) $(CUDA_CFLAGS) -I. -I$(CUDA_HOME)/include bench/matvec_table.c $(B)/cuda-$*/ds4.o $(B)/cuda-$*/ds4_synth.o $(B)/cuda-$*/ds4_hooks.o $(B)/cuda-$*/ds4_quant.o $(B)/cuda-$*/ds4_tok.o $(B)/cuda-$*/ds4_cuda.o -o $@ $(CUDA_LIBS)
+$(B)/cuda-%/matvec_table: bench/matvec_table.c ds4_stream.h $(B)/cuda-%/ds4.o $(B)/cuda-%/ds4_synth.o $(B)/cuda-%/ds4_hooks.o $(B)/cuda-%/ds4_quant.o $(B)/cuda-%/ds4_tok.o $(B)/cuda-%/ds4_msg.o $(B)/cuda-%/ds4_cuda.o
+	$(CC) $(CUDA_CFLAGS) -I. -I$(CUDA_HOME)/include bench/matvec_table.c $(B)/cuda-$*/ds4.o $(B)/cuda-$*/ds4_synth.o $(B)/cuda-$*/ds4_hooks.o $(B)/cuda-$*/ds4_quant.o $(B)/cuda-$*/ds4_tok.o $(B)/cuda-$*/ds4_msg.o $(B)/cuda-$*/ds4_cuda.o -o $@ $(CUDA_LIBS)
 
 # the quant decoders of ds4_cuda_quant.cuh, compiled for the host, against ds4_quant.c (no GPU needed)
 $(B)/cuda-%/test_cuda_quant_host: tests/test_cuda_quant_host.cu ds4_cuda_quant.cuh $(QUANT_SRC)
@@ -160,17 +169,17 @@ cuda-check:
 # ---- tests ----
 include tests/oracle/Makefile.inc
 
-$(B)/tests/test_gguf: tests/test_gguf.c $(CORE_SRC) $(SYNTH_SRC) $(HOOKS_SRC) $(QUANT_SRC) $(TOK_SRC)
+$(B)/tests/test_gguf: tests/test_gguf.c $(CORE_SRC) $(SYNTH_SRC) $(HOOKS_SRC) $(QUANT_SRC) $(TOK_SRC) $(MSG_SRC)
 	@mkdir -p $(B)/tests
-	$(CC) $(CFLAGS) -I. tests/test_gguf.c ds4_hooks.c ds4_quant.c ds4_tok.c -o $@ $(LDLIBS)
+	$(CC) $(CFLAGS) -I. tests/test_gguf.c ds4_hooks.c ds4_quant.c ds4_tok.c ds4_msg.c -o $@ $(LDLIBS)
 
-$(B)/tests/test_kernels: tests/test_kernels.c $(B)/cpu/ds4.o $(B)/cpu/ds4_synth.o $(B)/cpu/ds4_hooks.o $(B)/cpu/ds4_quant.o $(B)/cpu/ds4_tok.o
+$(B)/tests/test_kernels: tests/test_kernels.c $(B)/cpu/ds4.o $(B)/cpu/ds4_synth.o $(B)/cpu/ds4_hooks.o $(B)/cpu/ds4_quant.o $(B)/cpu/ds4_tok.o $(B)/cpu/ds4_msg.o
 	@mkdir -p $(B)/tests
-	$(CC) $(CFLAGS) -I. tests/test_kernels.c $(B)/cpu/ds4.o $(B)/cpu/ds4_synth.o $(B)/cpu/ds4_hooks.o $(B)/cpu/ds4_quant.o $(B)/cpu/ds4_tok.o -o $@ $(LDLIBS)
+	$(CC) $(CFLAGS) -I. tests/test_kernels.c $(B)/cpu/ds4.o $(B)/cpu/ds4_synth.o $(B)/cpu/ds4_hooks.o $(B)/cpu/ds4_quant.o $(B)/cpu/ds4_tok.o $(B)/cpu/ds4_msg.o -o $@ $(LDLIBS)
 
-$(B)/tests/test_hooks_plan: tests/test_hooks_plan.c $(B)/cpu/ds4.o $(B)/cpu/ds4_synth.o $(B)/cpu/ds4_hooks.o $(B)/cpu/ds4_quant.o $(B)/cpu/ds4_tok.o
+$(B)/tests/test_hooks_plan: tests/test_hooks_plan.c $(B)/cpu/ds4.o $(B)/cpu/ds4_synth.o $(B)/cpu/ds4_hooks.o $(B)/cpu/ds4_quant.o $(B)/cpu/ds4_tok.o $(B)/cpu/ds4_msg.o
 	@mkdir -p $(B)/tests
-	$(CC) $(CFLAGS) -I. tests/test_hooks_plan.c $(B)/cpu/ds4.o $(B)/cpu/ds4_synth.o $(B)/cpu/ds4_hooks.o $(B)/cpu/ds4_quant.o $(B)/cpu/ds4_tok.o -o $@ $(LDLIBS)
+	$(CC) $(CFLAGS) -I. tests/test_hooks_plan.c $(B)/cpu/ds4.o $(B)/cpu/ds4_synth.o $(B)/cpu/ds4_hooks.o $(B)/cpu/ds4_quant.o $(B)/cpu/ds4_tok.o $(B)/cpu/ds4_msg.o -o $@ $(LDLIBS)
 
 test-c: $(B)/tests/test_gguf $(B)/tests/test_kernels $(B)/tests/test_hooks_plan
 	$(B)/tests/test_gguf
@@ -234,8 +243,8 @@ fuzz-ci: cpu fuzz-replay
 SAN = -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
 sanitize: cpu
 	@mkdir -p $(B)/san
-	$(CC) -std=c11 -O1 -g $(SAN) -Wall -Wextra -Wno-unused-parameter -pthread -I. tests/test_gguf.c ds4_hooks.c ds4_quant.c ds4_tok.c -o $(B)/san/test_gguf $(LDLIBS)
-	$(CC) -std=c11 -O1 -g $(SAN) -Wall -Wextra -Wno-unused-parameter -pthread ds4.c ds4_synth.c ds4_hooks.c ds4_quant.c ds4_tok.c ds4_cli.c -o $(B)/san/ds4 $(LDLIBS)
+	$(CC) -std=c11 -O1 -g $(SAN) -Wall -Wextra -Wno-unused-parameter -pthread -I. tests/test_gguf.c ds4_hooks.c ds4_quant.c ds4_tok.c ds4_msg.c -o $(B)/san/test_gguf $(LDLIBS)
+	$(CC) -std=c11 -O1 -g $(SAN) -Wall -Wextra -Wno-unused-parameter -pthread ds4.c ds4_synth.c ds4_hooks.c ds4_quant.c ds4_tok.c ds4_msg.c ds4_cli.c -o $(B)/san/ds4 $(LDLIBS)
 	ASAN_OPTIONS=detect_leaks=0 $(B)/san/test_gguf
 	@mkdir -p $(B)/san/models && cp -f models/ds4-tiny.gguf $(B)/san/models/ 2>/dev/null || $(B)/san/ds4 synth --config tiny --seed 1 -o $(B)/san/models/ds4-tiny.gguf
 	ASAN_OPTIONS=detect_leaks=0 TEST_DS4_BIN=$(CURDIR)/$(B)/san/ds4 /usr/bin/python3 -m pytest -q tests/test_cli.py

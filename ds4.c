@@ -465,18 +465,6 @@ static int gguf_fail(gguf_ctx *g, const char *fmt, ...) {
     return 0;
 }
 
-const char *ds4_show(char *out, size_t cap, const char *s, size_t n, size_t max) {
-    size_t o = 0, i = 0;
-    for (; i < n && i < max && o + 5 < cap; i++) {
-        const unsigned char c = (unsigned char)s[i];
-        if (c >= 0x20 && c < 0x7f) out[o++] = (char)c;
-        else o += (size_t)snprintf(out + o, cap - o, "\\x%02x", c);
-    }
-    if (n > max && o + 4 < cap) { memcpy(out + o, "...", 3); o += 3; }
-    out[o] = 0;
-    return out;
-}
-
 /* A printable, NUL-terminated copy of a (possibly hostile) name for messages. */
 static const char *gguf_show(char *out, size_t outlen, gguf_str s) {
     size_t n = 0;
@@ -2168,14 +2156,6 @@ int ds4_tmp_path(const char *path, char **tmp) {
     if (!(*tmp = malloc(n))) return -1;
     snprintf(*tmp, n, "%s.tmp-%ld", path, (long)getpid());
     return 0;
-}
-
-void ds4_errf(char *err, size_t errlen, const char *fmt, ...) {
-    if (!err || errlen == 0) return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
-    va_end(ap);
 }
 
 /* The ops take ape tables as F32 (ds4_gpu.h); an F16 table becomes an F32

@@ -17,6 +17,7 @@
 #include <stdio.h>
 
 #include "ds4_gpu.h"
+#include "ds4_msg.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -142,18 +143,7 @@ int  ds4_sample(ds4_sampler *s, const float *logits, int n, void *scratch);
 
 /* ---- messages ---- */
 
-/* s[0:n) as an error line quotes it: printable ASCII as it is, every other byte as \xNN,
- * at most max bytes and "..." when cut, so that the message stays one line whatever s
- * holds.  out holds cap bytes (4 * max + 4 always suffice). */
-const char *ds4_show(char *out, size_t cap, const char *s, size_t n, size_t max);
-
-/* The one-line error every call that can fail returns: fmt into err (NULL or 0 bytes:
- * nothing), truncated to errlen - 1 bytes. */
-void ds4_errf(char *err, size_t errlen, const char *fmt, ...)
-#if defined(__GNUC__)
-    __attribute__((format(printf, 3, 4)))
-#endif
-    ;
+/* ds4_show and ds4_errf: ds4_msg.h (included above). */
 
 /* ---- environment ---- */
 

@@ -47,6 +47,7 @@
  * Tables: token text -> id and (left id, right id) -> (rank, merged id) are open-addressing
  * hash tables: building for 129280 tokens and 127741 merges takes about 70 ms (-O2).
  */
+#include "ds4_msg.h"
 #include "ds4_tok.h"
 #include "ds4_unicode.h"
 
@@ -77,14 +78,6 @@ struct ds4_tok {
 
 /* ---------------------------------------------------------------------------------------- */
 /* small helpers                                                                             */
-
-static void set_err(char *err, size_t errlen, const char *fmt, ...) {
-    if (!err || errlen == 0) return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
-    va_end(ap);
-}
 
 static uint64_t hash_bytes(const char *s, size_t n) {
     uint64_t h = 1469598103934665603ull;           /* FNV-1a, then a final mix */
@@ -324,12 +317,12 @@ ds4_tok *ds4_tok_new(int n_tokens, const char *const *tokens, const uint32_t *to
                      const uint32_t *merge_lens, const char *pre, char *err, size_t errlen) {
     if (err && errlen) err[0] = 0;
     if (!pre || (strcmp(pre, "deepseek-v3") != 0 && strcmp(pre, "joyai-llm") != 0)) {
-        set_err(err, errlen, "unsupported tokenizer pre-tokenizer '%s' (only deepseek-v3, joyai-llm)",
+        ds4_errf(err, errlen, "unsupported tokenizer pre-tokenizer '%s' (only deepseek-v3, joyai-llm)",
                 pre ? pre : "(none)");
         return NULL;
     }
     if (n_tokens <= 0 || !tokens || !token_lens || n_merges < 0 || (n_merges > 0 && (!merges || !merge_lens))) {
-        set_err(err, errlen, "tokenizer: bad arguments (n_tokens %d, n_merges %d)", n_tokens, n_merges);
+        ds4_errf(err, errlen, "tokenizer: bad arguments (n_tokens %d, n_merges %d)", n_tokens, n_merges);
         return NULL;
     }
     ds4_tok *t = calloc(1, sizeof *t);
@@ -347,7 +340,7 @@ ds4_tok *ds4_tok_new(int n_tokens, const char *const *tokens, const uint32_t *to
     for (int i = 0; i < n_tokens; i++) {
         t->toff[i] = off;
         if (token_lens[i]) {
-            if (!tokens[i]) { set_err(err, errlen, "tokenizer: token %d has no text", i); goto fail; }
+            if (!tokens[i]) { ds4_errf(err, errlen, "tokenizer: token %d has no text", i); goto fail; }
             memcpy(t->text + off, tokens[i], token_lens[i]);
             off += token_lens[i];
         } else {
@@ -406,14 +399,14 @@ ds4_tok *ds4_tok_new(int n_tokens, const char *const *tokens, const uint32_t *to
         size_t n = merge_lens[i], sp = 0, nsp = 0;
         for (size_t j = 0; m && j < n; j++) if (m[j] == ' ') { nsp++; if (!sp) sp = j; }
         if (!m || nsp != 1 || sp == 0 || sp + 1 >= n) {
-            set_err(err, errlen, "tokenizer: merge %d '%.*s' is not two parts separated by one space",
+            ds4_errf(err, errlen, "tokenizer: merge %d '%.*s' is not two parts separated by one space",
                     i, (int) (n > 80 ? 80 : n), m ? m : "");
             free(cat);
             goto fail;
         }
         int32_t l = ds4_tok_find_n(t, m, sp), r = ds4_tok_find_n(t, m + sp + 1, n - sp - 1);
         if (l < 0 || r < 0) {
-            set_err(err, errlen, "tokenizer: merge %d '%.*s': %s part is not a token", i,
+            ds4_errf(err, errlen, "tokenizer: merge %d '%.*s': %s part is not a token", i,
                     (int) (n > 80 ? 80 : n), m, l < 0 ? "left" : "right");
             free(cat);
             goto fail;
@@ -488,7 +481,7 @@ ds4_tok *ds4_tok_new(int n_tokens, const char *const *tokens, const uint32_t *to
     return t;
 
 oom:
-    set_err(err, errlen, "tokenizer: out of memory");
+    ds4_errf(err, errlen, "tokenizer: out of memory");
 fail:
     ds4_tok_free(t);
     return NULL;

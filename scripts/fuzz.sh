@@ -46,7 +46,7 @@ need_clang() {
 build_one() {
   local t=$1 src=${2:-} bin=$OUT/fuzz_$1 extra=""
   [ -n "$src" ] && bin=$OUT/fuzz_gguf_planted
-  local deps="tests/fuzz/fuzz_${t%_pad}.c ds4.c ds4.h ds4_gguf.h ds4_synth.c ds4_hooks.c ds4_hooks.h ds4_gpu.h ds4_quant.c ds4_quant.h ds4_tok.c ds4_tok.h ds4_unicode.h $src"
+  local deps="tests/fuzz/fuzz_${t%_pad}.c ds4.c ds4.h ds4_gguf.h ds4_synth.c ds4_hooks.c ds4_hooks.h ds4_gpu.h ds4_quant.c ds4_quant.h ds4_tok.c ds4_tok.h ds4_msg.c ds4_msg.h ds4_unicode.h $src"
   [ "$t" = cli ] && deps="$deps ds4_cli.c"
   local stale=0 f
   [ -x "$bin" ] || stale=1
@@ -56,12 +56,12 @@ build_one() {
   mkdir -p $OUT
   case $t in
     gguf) [ -n "$src" ] && extra="-DDS4_FUZZ_SRC=\"$src\""
-          $CLANG $FLAGS $extra tests/fuzz/fuzz_gguf.c ds4_synth.c ds4_hooks.c ds4_quant.c ds4_tok.c -o "$bin" $LIBS ;;
+          $CLANG $FLAGS $extra tests/fuzz/fuzz_gguf.c ds4_synth.c ds4_hooks.c ds4_quant.c ds4_tok.c ds4_msg.c -o "$bin" $LIBS ;;
     gguf_pad) [ -n "$src" ] && extra="-DDS4_FUZZ_SRC=\"$src\""
-          $CLANG $FLAGS $extra -DDS4_FUZZ_PAD tests/fuzz/fuzz_gguf.c ds4_synth.c ds4_hooks.c ds4_quant.c ds4_tok.c -o "$bin" $LIBS ;;
-    env)  $CLANG $FLAGS tests/fuzz/fuzz_env.c ds4_synth.c ds4_hooks.c ds4_quant.c ds4_tok.c -o "$bin" $LIBS ;;
-    tok)  $CLANG $FLAGS tests/fuzz/fuzz_tok.c ds4.c ds4_synth.c ds4_hooks.c ds4_quant.c ds4_tok.c -o "$bin" $LIBS ;;
-    cli)  $CLANG $FLAGS tests/fuzz/fuzz_cli.c ds4.c ds4_synth.c ds4_hooks.c ds4_quant.c ds4_tok.c -o "$bin" $LIBS ;;
+          $CLANG $FLAGS $extra -DDS4_FUZZ_PAD tests/fuzz/fuzz_gguf.c ds4_synth.c ds4_hooks.c ds4_quant.c ds4_tok.c ds4_msg.c -o "$bin" $LIBS ;;
+    env)  $CLANG $FLAGS tests/fuzz/fuzz_env.c ds4_synth.c ds4_hooks.c ds4_quant.c ds4_tok.c ds4_msg.c -o "$bin" $LIBS ;;
+    tok)  $CLANG $FLAGS tests/fuzz/fuzz_tok.c ds4.c ds4_synth.c ds4_hooks.c ds4_quant.c ds4_tok.c ds4_msg.c -o "$bin" $LIBS ;;
+    cli)  $CLANG $FLAGS tests/fuzz/fuzz_cli.c ds4.c ds4_synth.c ds4_hooks.c ds4_quant.c ds4_tok.c ds4_msg.c -o "$bin" $LIBS ;;
   esac
 }
 
