@@ -189,9 +189,10 @@ if want series; then
     TOK=1,5,9,14,2,7,3,30,11,4,8,6,12,19,25,17,21,13,10,16,27,22,15,18,24,20,23,26,28,29,31,33
     # 32 prompt tokens + N decode steps: 1000 on tiny and small cross the window (32, 64), the
     # indexer's top-k threshold (8, 16 visible rows) and 8 ratio-128 emissions; 300 on other
-    for m in tiny small other; do
+    for m in tiny small other small-q2; do
       p=build/test-out/$m.gguf; n=1000
-      case "$m" in tiny|small) ./ds4 synth --config "$m" --seed 1 --type f32 -o "$p" > /dev/null 2>&1 ;; other) n=300 ;; esac
+      case "$m" in tiny|small) ./ds4 synth --config "$m" --seed 1 --type f32 -o "$p" > /dev/null 2>&1 ;; other) n=300 ;;
+        small-q2) ./ds4 synth --config "$m" --seed 1 -o "$p" > /dev/null 2>&1; n=300 ;; esac
       [ -f "$p" ] || { row "series $m: model missing ($p), skipped"; continue; }
       "$SB"/ds4 -m "$p" --backend cuda --tokens "$TOK" -n $n --dump-logits "$OUT/series-$m-prev.ds4logit" > /dev/null 2>&1
       ./ds4 -m "$p" --backend cuda --tokens "$TOK" -n $n --dump-logits "$OUT/series-$m-head.ds4logit" > /dev/null 2>&1
@@ -206,6 +207,23 @@ if want series; then
         row "series $m ($n steps): DUMPS DIFFER or missing (series-$m-{prev,head,on,l1,l4}.ds4logit)"
       fi
       rm -f "$OUT"/series-$m-*.ds4logit
+      # the hook streams (every point but attn_probs), eager and with graphs, byte for byte
+      same=1
+      for g in 0 1; do
+        for b in prev head; do
+          bin=./ds4; [ $b = prev ] && bin=$SB/ds4
+          DS4_CUDA_GRAPHS=$g DS4_HOOKS=attn,resid,moe,logits DS4_HOOKS_OUT="$OUT/series-$m-$b-$g.ds4h" \
+            "$bin" -m "$p" --backend cuda --tokens "$TOK" -n 200 > /dev/null 2>&1
+        done
+        [ -s "$OUT/series-$m-prev-$g.ds4h" ] && cmp -s "$OUT/series-$m-prev-$g.ds4h" "$OUT/series-$m-head-$g.ds4h" || same=0
+      done
+      cmp -s "$OUT/series-$m-head-0.ds4h" "$OUT/series-$m-head-1.ds4h" || same=0
+      if [ $same = 1 ]; then
+        row "series $m hooks (200 steps): previous stage and HEAD, eager and graphs, byte-identical streams ($(wc -c < "$OUT/series-$m-head-0.ds4h") bytes)"
+      else
+        row "series $m hooks (200 steps): STREAMS DIFFER or missing (series-$m-*.ds4h)"
+      fi
+      rm -f "$OUT"/series-$m-*.ds4h
     done
     # decode waits and allocations, counted by the backend (ds4 --stats)
     ./ds4 -m build/test-out/small.gguf --backend cuda --tokens "$TOK" -n 256 --stats 2>&1 >/dev/null | grep '^stats:' > "$OUT/series-stats.log"
@@ -225,7 +243,7 @@ if want series; then
       row "series flash16 spot: DUMPS DIFFER or missing (series-spot-*.log)"
     fi
     rm -f "$OUT"/series-spot-*.f32     # 16 x 129280 floats each: the verdict and logs stay
-    for r in 1 2; do        # side by side, alternating (medians of 3 reps each); head also with graphs
+    for r in $(seq 1 "${SERIES_BENCH:-2}"); do   # side by side, alternating (medians of 3 reps each); head also with graphs
       for b in prev head graphs; do
         bin=build/cuda-"$ARCH"/ds4_bench; [ "$b" = prev ] && bin=$SB/$bin
         g=0; [ "$b" = graphs ] && g=1
