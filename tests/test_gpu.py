@@ -342,9 +342,9 @@ def test_hooks_lossless_throttled_consumer():
     """Lossless by default: with a 1 MiB ring and a drain that pauses 25 ms after each batch,
     the producers wait (counted) and not one of >= 10^6 records is lost: sequence numbers run
     0..N-1 without a gap record, and produced == written."""
-    n = 32300            # tiny: 31 records per step (5 hooks x 6 layers, logits) + the prompt call
-    env = {"DS4_HOOKS_RING_MB": "1", "DS4_HOOKS_THROTTLE_US": "25000"}
-    _, hp, r = hooks_run("tiny", n, "attn,resid,moe,logits", graphs=True, tag="lossless", extra_env=env)
+    n = 32300            # tiny: 31 records per step (5 hooks x 6 layers, logits) + the prompt call;
+    env = {"DS4_HOOKS_RING_MB": "1", "DS4_HOOKS_THROTTLE_US": "25000"}   # past 4096: tiny-1m
+    _, hp, r = hooks_run("tiny-1m", n, "attn,resid,moe,logits", graphs=True, tag="lossless", extra_env=env)
     st, line = hooks_stats(r.stderr)
     print(line)
     assert st["produced"] >= 1_000_000, line
