@@ -35,33 +35,23 @@ ds4-cpu-build: $(B)/cpu/ds4
 	cp $(B)/cpu/ds4 ds4
 	@echo "built ./ds4 (CPU backend)"
 
-$(B)/cpu/ds4.o: $(CORE_SRC)
-	@mkdir -p $(B)/cpu
-	$(CC) $(CFLAGS) -c ds4.c -o $@
-
-$(B)/cpu/ds4_synth.o: $(SYNTH_SRC)
-	@mkdir -p $(B)/cpu
-	$(CC) $(CFLAGS) -c ds4_synth.c -o $@
-
-$(B)/cpu/ds4_hooks.o: $(HOOKS_SRC)
-	@mkdir -p $(B)/cpu
-	$(CC) $(CFLAGS) -c ds4_hooks.c -o $@
-
-$(B)/cpu/ds4_quant.o: $(QUANT_SRC)
-	@mkdir -p $(B)/cpu
-	$(CC) $(CFLAGS) -c ds4_quant.c -o $@
-
-$(B)/cpu/ds4_msg.o: $(MSG_SRC)
-	@mkdir -p $(B)/cpu
-	$(CC) $(CFLAGS) -c ds4_msg.c -o $@
-
-$(B)/cpu/ds4_tok.o: $(TOK_SRC)
-	@mkdir -p $(B)/cpu
-	$(CC) $(CFLAGS) -c ds4_tok.c -o $@
-
-$(B)/cpu/ds4_cli.o: ds4_cli.c ds4.h ds4_gpu.h
-	@mkdir -p $(B)/cpu
-	$(CC) $(CFLAGS) -c ds4_cli.c -o $@
+# The engine's C objects, one rule for both builds: build/cpu/X.o and build/cuda-ARCH/X.o from
+# X.c (the CUDA build's with -DDS4_CUDA), each with the sources it includes.
+define C_OBJ
+$(B)/cpu/$(1).o: $(2)
+	@mkdir -p $$(dir $$@)
+	$$(CC) $$(CFLAGS) -c $(1).c -o $$@
+$(B)/cuda-%/$(1).o: $(2)
+	@mkdir -p $$(dir $$@)
+	$$(CC) $$(CUDA_CFLAGS) -c $(1).c -o $$@
+endef
+$(eval $(call C_OBJ,ds4,$(CORE_SRC)))
+$(eval $(call C_OBJ,ds4_synth,$(SYNTH_SRC)))
+$(eval $(call C_OBJ,ds4_hooks,$(HOOKS_SRC)))
+$(eval $(call C_OBJ,ds4_quant,$(QUANT_SRC)))
+$(eval $(call C_OBJ,ds4_msg,$(MSG_SRC)))
+$(eval $(call C_OBJ,ds4_tok,$(TOK_SRC)))
+$(eval $(call C_OBJ,ds4_cli,ds4_cli.c ds4.h ds4_gpu.h))
 
 $(B)/cpu/ds4: $(B)/cpu/ds4.o $(B)/cpu/ds4_synth.o $(B)/cpu/ds4_hooks.o $(B)/cpu/ds4_quant.o $(B)/cpu/ds4_tok.o $(B)/cpu/ds4_msg.o $(B)/cpu/ds4_cli.o
 	$(CC) $(CFLAGS) $^ -o $@ $(LDLIBS)
@@ -89,55 +79,42 @@ cuda:
 NVCCFLAGS ?= -O3 -std=c++17 -lineinfo
 CUDA_CFLAGS = $(CFLAGS) -DDS4_CUDA
 
-$(B)/cuda-%/ds4.o: $(CORE_SRC)
-	@mkdir -p $(dir $@)
-	$(CC) $(CUDA_CFLAGS) -c ds4.c -o $@
+# The CUDA backend: its entry point, one translation unit per op family and the hook emitter
+# (ds4_cuda_common.cuh is what they share), compiled apart so that an edit rebuilds one unit.
+# Their objects go to cu/, apart from the C objects (ds4_hooks.c and ds4_hooks.cu both exist).
+CUDA_UNITS := ds4_cuda ds4_cuda_norm ds4_cuda_mhc ds4_cuda_matmul ds4_cuda_attn ds4_cuda_compressor \
+              ds4_cuda_indexer ds4_cuda_moe ds4_hooks
+CUDA_HDRS := ds4_cuda_common.cuh ds4_cuda_quant.cuh ds4_quant_tables.h ds4_gpu.h ds4_hooks.h ds4_stream.h
+define CUDA_UNIT
+$(B)/cuda-%/cu/$(1).o: $(1).cu $(CUDA_HDRS) $(2)
+	@mkdir -p $$(dir $$@)
+	$$(NVCC) $$(NVCCFLAGS) -arch=$$* -DDS4_CUDA -c $(1).cu -o $$@
+endef
+$(foreach u,$(filter-out ds4_cuda_matmul ds4_cuda_attn,$(CUDA_UNITS)),$(eval $(call CUDA_UNIT,$(u))))
+$(eval $(call CUDA_UNIT,ds4_cuda_matmul,ds4_cuda_matvec_q.cuh))
+$(eval $(call CUDA_UNIT,ds4_cuda_attn,ds4_cuda_probs.cuh))
 
-$(B)/cuda-%/ds4_synth.o: $(SYNTH_SRC)
-	@mkdir -p $(dir $@)
-	$(CC) $(CUDA_CFLAGS) -c ds4_synth.c -o $@
-
-$(B)/cuda-%/ds4_hooks.o: $(HOOKS_SRC)
-	@mkdir -p $(dir $@)
-	$(CC) $(CUDA_CFLAGS) -c ds4_hooks.c -o $@
-
-$(B)/cuda-%/ds4_quant.o: $(QUANT_SRC)
-	@mkdir -p $(dir $@)
-	$(CC) $(CUDA_CFLAGS) -c ds4_quant.c -o $@
-
-$(B)/cuda-%/ds4_msg.o: $(MSG_SRC)
-	@mkdir -p $(dir $@)
-	$(CC) $(CUDA_CFLAGS) -c ds4_msg.c -o $@
-
-$(B)/cuda-%/ds4_tok.o: $(TOK_SRC)
-	@mkdir -p $(dir $@)
-	$(CC) $(CUDA_CFLAGS) -c ds4_tok.c -o $@
-
-$(B)/cuda-%/ds4_cli.o: ds4_cli.c ds4.h ds4_gpu.h
-	@mkdir -p $(dir $@)
-	$(CC) $(CUDA_CFLAGS) -c ds4_cli.c -o $@
-
-$(B)/cuda-%/ds4_cuda.o: ds4_cuda.cu ds4_hooks.cu ds4_hooks.h ds4_cuda_quant.cuh ds4_cuda_probs.cuh ds4_quant_tables.h ds4_gpu.h ds4_stream.h
-	@mkdir -p $(dir $@)
-	$(NVCC) $(NVCCFLAGS) -arch=$* -DDS4_CUDA -c ds4_cuda.cu -o $@
+# Everything a program that drives the engine links, as prerequisites of a pattern rule (% = ARCH).
+ENGINE_CUDA := $(foreach o,ds4 ds4_synth ds4_hooks ds4_quant ds4_tok ds4_msg,$(B)/cuda-%/$(o).o) \
+               $(foreach u,$(CUDA_UNITS),$(B)/cuda-%/cu/$(u).o)
 
 CUDA_LIBS = -L$(CUDA_HOME)/lib64 -lcublas -lcudart $(LDLIBS) -lstdc++
 
-$(B)/cuda-%/ds4: $(B)/cuda-%/ds4.o $(B)/cuda-%/ds4_synth.o $(B)/cuda-%/ds4_hooks.o $(B)/cuda-%/ds4_quant.o $(B)/cuda-%/ds4_tok.o $(B)/cuda-%/ds4_msg.o $(B)/cuda-%/ds4_cli.o $(B)/cuda-%/ds4_cuda.o
+$(B)/cuda-%/ds4: $(B)/cuda-%/ds4_cli.o $(ENGINE_CUDA)
 	$(CC) $(CFLAGS) $^ -o $@ $(CUDA_LIBS)
 
-$(B)/cuda-%/test_backend_ops: tests/test_backend_ops.c $(B)/cuda-%/ds4.o $(B)/cuda-%/ds4_synth.o $(B)/cuda-%/ds4_hooks.o $(B)/cuda-%/ds4_quant.o $(B)/cuda-%/ds4_tok.o $(B)/cuda-%/ds4_msg.o $(B)/cuda-%/ds4_cuda.o
-	$(CC) $(CUDA_CFLAGS) -I. tests/test_backend_ops.c $(B)/cuda-$*/ds4.o $(B)/cuda-$*/ds4_synth.o $(B)/cuda-$*/ds4_hooks.o $(B)/cuda-$*/ds4_quant.o $(B)/cuda-$*/ds4_tok.o $(B)/cuda-$*/ds4_msg.o $(B)/cuda-$*/ds4_cuda.o -o $@ $(CUDA_LIBS)
+$(B)/cuda-%/test_backend_ops: tests/test_backend_ops.c $(ENGINE_CUDA)
+	$(CC) $(CUDA_CFLAGS) -I. $^ -o $@ $(CUDA_LIBS)
 
 # bench programs are C (cc); they include CUDA runtime headers (profiler bracket, events)
-$(B)/cuda-%/ds4_bench: bench/ds4_bench.c $(B)/cuda-%/ds4.o $(B)/cuda-%/ds4_synth.o $(B)/cuda-%/ds4_hooks.o $(B)/cuda-%/ds4_quant.o $(B)/cuda-%/ds4_tok.o $(B)/cuda-%/ds4_msg.o $(B)/cuda-%/ds4_cuda.o
-	$(CC) $(CUDA_CFLAGS) -I. -I$(CUDA_HOME)/include bench/ds4_bench.c $(B)/cuda-$*/ds4.o $(B)/cuda-$*/ds4_synth.o $(B)/cuda-$*/ds4_hooks.o $(B)/cuda-$*/ds4_quant.o $(B)/cuda-$*/ds4_tok.o $(B)/cuda-$*/ds4_msg.o $(B)/cuda-$*/ds4_cuda.o -o $@ $(CUDA_LIBS)
+$(B)/cuda-%/ds4_bench: bench/ds4_bench.c $(ENGINE_CUDA)
+	$(CC) $(CUDA_CFLAGS) -I. -I$(CUDA_HOME)/include $^ -o $@ $(CUDA_LIBS)
 
-$(B)/cuda-%/spot_check: tests/spot_check.c $(B)/cuda-%/ds4.o $(B)/cuda-%/ds4_synth.o $(B)/cuda-%/ds4_hooks.o $(B)/cuda-%/ds4_quant.o $(B)/cuda-%/ds4_tok.o $(B)/cuda-%/ds4_msg.o $(B)/cuda-%/ds4_cuda.o
-	$(CC) $(CUDA_CFLAGS) -I. tests/spot_check.c $(B)/cuda-$*/ds4.o $(B)/cuda-$*/ds4_synth.o $(B)/cuda-$*/ds4_hooks.o $(B)/cuda-$*/ds4_quant.o $(B)/cuda-$*/ds4_tok.o $(B)/cuda-$*/ds4_msg.o $(B)/cuda-$*/ds4_cuda.o -o $@ $(CUDA_LIBS)
+$(B)/cuda-%/spot_check: tests/spot_check.c $(ENGINE_CUDA)
+	$(CC) $(CUDA_CFLAGS) -I. $^ -o $@ $(CUDA_LIBS)
 
-$(B)/cuda-%/matvec_table: bench/matvec_table.c ds4_stream.h $(B)/cuda-%/ds4.o $(B)/cuda-%/ds4_synth.o $(B)/cuda-%/ds4_hooks.o $(B)/cuda-%/ds4_quant.o $(B)/cuda-%/ds4_tok.o $(B)/cuda-%/ds4_msg.o $(B)/cuda-%/ds4_cuda.o
-	$(CC) $(CUDA_CFLAGS) -I. -I$(CUDA_HOME)/include bench/matvec_table.c $(B)/cuda-$*/ds4.o $(B)/cuda-$*/ds4_synth.o $(B)/cuda-$*/ds4_hooks.o $(B)/cuda-$*/ds4_quant.o $(B)/cuda-$*/ds4_tok.o $(B)/cuda-$*/ds4_msg.o $(B)/cuda-$*/ds4_cuda.o -o $@ $(CUDA_LIBS)
+$(B)/cuda-%/matvec_table: bench/matvec_table.c ds4_stream.h $(ENGINE_CUDA)
+	$(CC) $(CUDA_CFLAGS) -I. -I$(CUDA_HOME)/include $(filter-out %.h,$^) -o $@ $(CUDA_LIBS)
 
 # the quant decoders of ds4_cuda_quant.cuh, compiled for the host, against ds4_quant.c (no GPU needed)
 $(B)/cuda-%/test_cuda_quant_host: tests/test_cuda_quant_host.cu ds4_cuda_quant.cuh $(QUANT_SRC)

@@ -50,8 +50,9 @@
  * cross-block communication but the kernel boundary, so the output is byte-identical run to
  * run and the same whichever order the blocks run in.
  *
- * Included by ds4_cuda.cu after its attention section (DS4_LAUNCH, sess(), warp_sum,
- * ATT_MAX_D are defined there); cuda_attention_probs is its one entry.
+ * Part of ds4_cuda_attn.cu, included after its attention section (ATT_MAX_D is defined
+ * there; DS4_LAUNCH, sess() and warp_sum come from ds4_cuda_common.cuh);
+ * cuda_attention_probs is its one entry.
  */
 
 #define PROBS_HB           8      /* heads per scoring block (one shared key/value head: each row read once) */

@@ -43,12 +43,14 @@
  * launches), and the core's rows are split into records of at most a quarter of the
  * payload ring so that a prompt of any length streams through a ring of any size.  Hooks off: no kernel, no allocation, no thread (the core never calls in).
  *
- * This file is part of ds4_cuda.cu's translation unit (#included at its Hooks banner), so
- * its launches go through the one DS4_LAUNCH, count in the session, and fail a capture
+ * It is a translation unit of the CUDA backend like the op families (ds4_cuda_common.cuh),
+ * so its launches go through the one DS4_LAUNCH, count in the session, and fail a capture
  * like every other op's.  The drain's copies are the backend's only work on a stream other
  * than ds4_current_stream(): each is marked NOTE(hook drain), which scripts/check_streams.py
  * accepts only with the emitter's own stream.
  */
+
+#include "ds4_cuda_common.cuh"
 
 #define HK_ONE_BLOCK     (128u << 10)  /* payload bytes one block reserves and copies */
 #define HK_PUT_THREADS   1024
@@ -669,7 +671,7 @@ static void cuda_hooks_stats(ds4_hooks_stats *st, int flush) {
 
 /* The emitter's end (session_free): the last publication, the drain to its end, a gap record
  * for drops after the last record written, one line about drops or a failed write. */
-static void hk_close(ds4_session *S) {
+void hk_close(ds4_session *S) {
     hk_emitter *E = S->hk;
     if (!E) return;
     void *prev = cuda_session_bind(S);
@@ -697,4 +699,13 @@ static void hk_close(ds4_session *S) {
     S->hk = NULL;
     hk_free(E);
     cuda_session_bind(prev);
+}
+
+/* Its entries in the backend table (ds4_cuda.cu). */
+void ds4_cuda_ops_hooks(ds4_backend *b) {
+    b->hooks_open = cuda_hooks_open;
+    b->hook_put = cuda_hook_put;
+    b->hooks_publish = cuda_hooks_publish;
+    b->hooks_join = cuda_hooks_join;
+    b->hooks_stats = cuda_hooks_stats;
 }

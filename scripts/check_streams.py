@@ -36,7 +36,7 @@ Comments and string literals are ignored (their text is blanked, line numbers ke
 
   scripts/check_streams.py [--engine FILE ...] [--other FILE ...]
 
-Without arguments it checks the repository's files: engine = ds4_cuda.cu, ds4_hooks.cu and
+Without arguments it checks the repository's files: engine = ds4_cuda*.cu, ds4_hooks.cu and
 every *.cuh and ds4_stream.h at the top level; other (all rules but sync) = the benchmark programs that drive
 the backend (bench/ds4_bench.c, bench/matvec_table.c).  bench/bandwidth.cu is not checked: it
 is a standalone copy-bandwidth probe with its own kernels, not the engine.  One line per
@@ -265,8 +265,8 @@ def main(argv):
             return 2
     if not engine and not other:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        engine = [os.path.join(root, "ds4_cuda.cu"), os.path.join(root, "ds4_hooks.cu"),
-                  os.path.join(root, "ds4_stream.h")]
+        engine = sorted(glob.glob(os.path.join(root, "ds4_cuda*.cu"))) + [os.path.join(root, "ds4_hooks.cu"),
+                                                                         os.path.join(root, "ds4_stream.h")]
         engine += sorted(glob.glob(os.path.join(root, "*.cuh")))
         other = [os.path.join(root, "bench", "ds4_bench.c"), os.path.join(root, "bench", "matvec_table.c")]
     n = 0

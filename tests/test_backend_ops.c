@@ -19,8 +19,7 @@
  * The last line is "N passed, M failed"; the exit status is non-zero on any
  * failure.  Without a GPU the program prints "skipped: no GPU" and exits 0.
  *
- * Build: cc -DDS4_CUDA -I. tests/test_backend_ops.c ds4.o ds4_cuda.o
- *        -lcublas -lcudart -lm -lpthread -lstdc++
+ * Build: make build/cuda-ARCH/test_backend_ops (it links the engine's objects and the CUDA units)
  */
 #include <math.h>
 #include <stdint.h>
@@ -1341,7 +1340,7 @@ static void test_determinism(void) {
 }
 
 /* Q2_K, Q4_K and IQ2_XXS, the routed experts of the published Flash files (random valid
- * super-blocks).  Their decode kernel (ds4_cuda_quant.cuh) takes K = 256 n with 4-byte
+ * super-blocks).  Their decode kernel (ds4_cuda_matvec_q.cuh) takes K = 256 n with 4-byte
  * aligned rows, two dense tokens per launch, 16-row tiles; so: token counts 1..8 (odd
  * counts leave a one-token launch), rows that are not a multiple of 16, K = 256 x odd
  * (IQ2_XXS rows of 66 x odd bytes are 2-byte aligned: the generic path), one super-block,

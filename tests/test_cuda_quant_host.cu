@@ -38,7 +38,6 @@
  *       -o build/test_cuda_quant_host && ./build/test_cuda_quant_host
  * The last line is "N passed, M failed"; the exit status is non-zero on any failure.
  */
-#define DSQ_DECODERS_ONLY
 #include "ds4_cuda_quant.cuh"
 
 extern "C" {

@@ -64,7 +64,7 @@ def test_cuda_matches_cpu(name):
     cuda_vs_cpu(name)
 
 
-# The quantised layouts (IQ2_XXS/Q2_K or Q4_K experts, ds4_cuda_quant.cuh): the same bound.  Their
+# The quantised layouts (IQ2_XXS/Q2_K or Q4_K experts, ds4_cuda_matvec_q.cuh): the same bound.  Their
 # kernels' products are exact and their sums f32 (tensor-core accumulation), so the per-op error
 # is DOT-sized like every other matvec's (test_backend_ops).  qo-*-ggml hold expert blocks
 # written by libggml's own quantiser (test_quant_oracle makes them with the llama.cpp library;

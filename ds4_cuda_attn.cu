@@ -1,0 +1,453 @@
+/* ds4_cuda_attn.cu -- the CUDA backend's attention: the window and compressed rows with the
+ * split-row combine (and, for attention_step, the ring store and de-rotation fused in), the
+ * ring store, and the diagnostic attention_probs (ds4_cuda_probs.cuh).
+ */
+
+#include "ds4_cuda_common.cuh"
+
+/* ---------------------------------------------------------------------------
+ * Attention
+ *
+ * Query t at position P attends, in order, to its window rows (from this
+ * batch's kv or from the ring), then to the compressed rows (all visible ones
+ * for ratio 128, the indexer's picks for ratio 4), plus the head's sink in
+ * the denominator.
+ *
+ * k_attention: one block per (head group of ATT_HB heads, row chunk, query).
+ * The key/value head is shared by all heads (MQA), so a block loads each row
+ * once for its ATT_HB heads.  Each of the 8 warps takes every 8th row of the
+ * chunk, two rows per step so that their loads overlap, computes the ATT_HB
+ * scores (lane-strided dims, butterfly sums) and keeps an online softmax
+ * state (max, sum, output) per head in registers.
+ * The warps' states are merged by a fixed 3-level tree through shared memory.
+ * With one chunk the block applies the sink and writes the output; decode
+ * (few queries) splits the rows into chunks so that enough blocks run, and
+ * k_attention_combine merges the chunk partials in chunk order.
+ * A block stages its heads' queries and its chunk's ratio-4 picks in shared
+ * memory first, so each row costs one memory round trip.
+ * Shared memory for d = 512: q 8 KiB + merge buffer 32 KiB + picks 4 KiB.
+ * Decode on an H200 (64 heads x 512, 640 rows): 14.5 us + 3.9 us combine.
+ * That is instruction issue (~90 instructions per head and row: q from
+ * shared memory, a butterfly per score, the rescale), not memory; scoring a
+ * tile of rows with one transposed reduction and applying the softmax per
+ * tile is the next step if attention shows up in a profile.
+ * ------------------------------------------------------------------------- */
+
+#define ATT_HB         4
+#define ATT_WARPS      8
+#define ATT_THREADS    (ATT_WARPS * 32)
+#define ATT_MAX_CHUNKS 32
+#define ATT_MAX_D      512
+#define ATT_MAX_TOPK   1024    /* ratio-4 picks per query staged in shared memory */
+
+typedef struct {
+    const float *q, *kv, *ring, *comp, *sinks;
+    const int32_t *topk;
+    float *out, *part_o, *part_ml;
+    const ds4_step *step;   /* pos0 is read from here when the kernel runs */
+    int W, H, d, ratio, k;
+    int want;               /* row chunks wanted (the grid's y); the chunking of a step: att_chunks */
+    float scale;
+    int nt;
+    int derot;          /* attention_step: de-rotate the output (inverse RoPE at P) as it is written */
+    rope_args rope;
+    float *ring_out;    /* attention_step with split rows: k_attention_combine stores kv into the ring */
+} attn_args;
+
+/* Element e of an output head row as written: v, or, with a.derot, its
+ * inverse rotation at position P.  The partner of a pair sits in lane ^ 1
+ * (the rotated dims start at an even offset), so every lane of the warp
+ * must call this. */
+__device__ __forceinline__ float att_derot(const attn_args &a, float v, int e, int P) {
+    const float pv = __shfl_xor_sync(FULL_MASK, v, 1);
+    const int r0 = a.d - a.rope.n_rot;
+    if (!a.derot || e < r0 || e >= a.d) return v;
+    const int j = e - r0;
+    float c, s;
+    rope_cs(a.rope, P, j >> 1, 1, &c, &s);
+    return (j & 1) ? rope_rot1(pv, v, c, s) : rope_rot0(v, pv, c, s);
+}
+
+/* Row i of a query's list (window, then compressed), or NULL for a -1 pick;
+ * ids_s holds the query's ratio-4 picks. */
+__device__ __forceinline__ const float *att_row(const attn_args &a, int pos0, const int *ids_s, int n_win,
+                                                int p_first, int i) {
+    if (i < n_win) {
+        const int p = p_first + i;
+        return p >= pos0 ? a.kv + (int64_t)(p - pos0) * a.d : a.ring + (int64_t)(p % a.W) * a.d;
+    }
+    if (a.ratio == 4) {
+        const int id = ids_s[i - n_win];
+        return id < 0 ? NULL : a.comp + (int64_t)id * a.d;
+    }
+    return a.comp + (int64_t)(i - n_win) * a.d;
+}
+
+/* Online softmax step for two rows at once (scores sa, sb uniform across the
+ * warp; -inf for a missing row, whose values are 0).  Branch-free, so the
+ * compiler can interleave the heads' chains. */
+template <int DM>
+__device__ __forceinline__ void att_online2(float sa, float sb, const float (&va)[DM], const float (&vb)[DM],
+                                            float &m, float &l, float (&o)[DM]) {
+    const float mn = fmaxf(m, fmaxf(sa, sb));
+    if (mn == -INFINITY) return;                  /* nothing seen yet and both rows missing */
+    const float corr = expf(m - mn);              /* 0 when m was -inf */
+    const float pa = expf(sa - mn), pb = expf(sb - mn);
+    m = mn;
+    l = l * corr + pa + pb;
+#pragma unroll
+    for (int k = 0; k < DM; k++) o[k] = fmaf(pb, vb[k], fmaf(pa, va[k], o[k] * corr));
+}
+
+/* How a step's rows are split: the longest row list of the batch (its last
+ * query's) into chunks of a multiple of 16 rows (two per warp per step), at
+ * least 32, so that about `want` chunks run; one chunk when the list is
+ * short or want is 1.  A function of the position, computed where it runs. */
+__host__ __device__ __forceinline__ void att_chunks(int pos0, int nt, int W, int ratio, int k, int want,
+                                                   int *chunks, int *chunk_rows) {
+    const int Lmax = ds4_att_rows(pos0 + nt - 1, W, ratio, k);
+    int c = 1, rows = Lmax > 0 ? Lmax : 1;
+    if (want > 1 && Lmax > 32) {
+        rows = (Lmax + want - 1) / want;
+        rows = (rows + 15) / 16 * 16;
+        if (rows < 32) rows = 32;
+        c = (Lmax + rows - 1) / rows;
+    }
+    *chunks = c;
+    *chunk_rows = rows;
+}
+
+template <int DM>
+__global__ void __launch_bounds__(ATT_THREADS) k_attention(const attn_args a) {
+    ds4_grid_dep();
+    __shared__ float q_s[ATT_HB][32 * DM];
+    __shared__ float red_o[ATT_WARPS / 2][ATT_HB][32 * DM];
+    __shared__ float red_m[ATT_WARPS / 2][ATT_HB], red_l[ATT_WARPS / 2][ATT_HB];
+    __shared__ int ids_s[ATT_MAX_TOPK];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int h0 = blockIdx.x * ATT_HB, c = blockIdx.y, t = blockIdx.z;
+    const int pos0 = a.step->pos0;               /* in flight with the query loads below */
+#pragma unroll
+    for (int idx = threadIdx.x; idx < ATT_HB * 32 * DM; idx += ATT_THREADS) {
+        const int hb = idx / (32 * DM), e = idx % (32 * DM), h = h0 + hb;
+        q_s[hb][e] = (h < a.H && e < a.d) ? a.q[((int64_t)t * a.H + h) * a.d + e] : 0.0f;
+    }
+    int chunks, chunk_rows;
+    att_chunks(pos0, a.nt, a.W, a.ratio, a.k, a.want, &chunks, &chunk_rows);
+    if (c >= chunks) return;                     /* the grid is sized for `want` chunks */
+    const int P = pos0 + t;
+    const int n_win = ds4_win_rows(P, a.W);
+    const int p_first = P - n_win + 1;
+    const int L = ds4_att_rows(P, a.W, a.ratio, a.k);
+    const int i0 = c * chunk_rows;
+    const int i1 = min(L, i0 + chunk_rows);
+
+    if (a.ratio == 4) {      /* this chunk's picks, so a row costs one round trip, not two */
+        const int j0 = max(i0 - n_win, 0), j1 = max(i1 - n_win, 0);
+        for (int j = j0 + threadIdx.x; j < j1; j += ATT_THREADS) ids_s[j] = a.topk[(int64_t)t * a.k + j];
+    }
+    __syncthreads();
+
+    float m_r[ATT_HB], l_r[ATT_HB], o[ATT_HB][DM];
+#pragma unroll
+    for (int hb = 0; hb < ATT_HB; hb++) {
+        m_r[hb] = -INFINITY;
+        l_r[hb] = 0.0f;
+#pragma unroll
+        for (int m = 0; m < DM; m++) o[hb][m] = 0.0f;
+    }
+
+    /* two rows per step (i and i + 8), loaded together so their latencies overlap */
+    for (int i = i0 + warp; i < i1; i += 2 * ATT_WARPS) {
+        const float *ra = att_row(a, pos0, ids_s, n_win, p_first, i);
+        const float *rb = i + ATT_WARPS < i1 ? att_row(a, pos0, ids_s, n_win, p_first, i + ATT_WARPS) : NULL;
+        float va[DM], vb[DM];
+#pragma unroll
+        for (int m = 0; m < DM; m++) {
+            const int e = lane + 32 * m;
+            va[m] = ra && e < a.d ? ra[e] : 0.0f;
+            vb[m] = rb && e < a.d ? rb[e] : 0.0f;
+        }
+#pragma unroll
+        for (int hb = 0; hb < ATT_HB; hb++) {
+            float sa = 0.0f, sb = 0.0f;
+#pragma unroll
+            for (int m = 0; m < DM; m++) {
+                const float qv = q_s[hb][lane + 32 * m];
+                sa = fmaf(qv, va[m], sa);
+                sb = fmaf(qv, vb[m], sb);
+            }
+            sa = ra ? warp_sum(sa) * a.scale : -INFINITY;
+            sb = rb ? warp_sum(sb) * a.scale : -INFINITY;
+            att_online2(sa, sb, va, vb, m_r[hb], l_r[hb], o[hb]);
+        }
+    }
+
+    /* merge the 8 warp states: 4+4, then 2+2, then 1+1 (fixed order) */
+    for (int half = ATT_WARPS / 2; half >= 1; half >>= 1) {
+        if (warp >= half && warp < 2 * half) {
+            const int sl = warp - half;
+#pragma unroll
+            for (int hb = 0; hb < ATT_HB; hb++) {
+                if (lane == 0) { red_m[sl][hb] = m_r[hb]; red_l[sl][hb] = l_r[hb]; }
+#pragma unroll
+                for (int m = 0; m < DM; m++) red_o[sl][hb][lane + 32 * m] = o[hb][m];
+            }
+        }
+        __syncthreads();
+        if (warp < half) {
+#pragma unroll
+            for (int hb = 0; hb < ATT_HB; hb++) {
+                const float mb = red_m[warp][hb], lb = red_l[warp][hb];
+                const float M = fmaxf(m_r[hb], mb);
+                const float fa = m_r[hb] == -INFINITY ? 0.0f : expf(m_r[hb] - M);
+                const float fb = mb == -INFINITY ? 0.0f : expf(mb - M);
+                m_r[hb] = M;
+                l_r[hb] = l_r[hb] * fa + lb * fb;
+#pragma unroll
+                for (int m = 0; m < DM; m++)
+                    o[hb][m] = o[hb][m] * fa + red_o[warp][hb][lane + 32 * m] * fb;
+            }
+        }
+        __syncthreads();
+    }
+
+    if (warp != 0) return;
+#pragma unroll
+    for (int hb = 0; hb < ATT_HB; hb++) {
+        const int h = h0 + hb;
+        if (h >= a.H) break;
+        const int64_t oh = (int64_t)t * a.H + h;
+        if (chunks == 1) {
+            const float sink = a.sinks[h];
+            const float M = fmaxf(m_r[hb], sink);
+            const float f = m_r[hb] == -INFINITY ? 0.0f : expf(m_r[hb] - M);
+            const float denom = l_r[hb] * f + expf(sink - M);
+#pragma unroll
+            for (int m = 0; m < DM; m++) {
+                const int e = lane + 32 * m;
+                const float v = att_derot(a, o[hb][m] * f / denom, e, P);
+                if (e < a.d) a.out[oh * a.d + e] = v;
+            }
+        } else {
+            const int64_t pidx = oh * a.want + c;   /* partials of a (query, head): want slots */
+            if (lane == 0) { a.part_ml[2 * pidx] = m_r[hb]; a.part_ml[2 * pidx + 1] = l_r[hb]; }
+#pragma unroll
+            for (int m = 0; m < DM; m++) {
+                const int e = lane + 32 * m;
+                if (e < a.d) a.part_o[pidx * a.d + e] = o[hb][m];
+            }
+        }
+    }
+}
+
+template <int DM>
+static void launch_attention_t(const attn_args &a, dim3 grid) {
+    DS4_LAUNCH(k_attention<DM>, grid, ATT_THREADS, 0, a);
+}
+
+/* One block per (head, query), one thread per dim: merge the chunk partials
+ * in chunk order.  Warp 0 turns the chunk maxima and sums into weights with
+ * fixed butterflies; every thread then issues all its chunk loads at once.
+ * For attention_step the output is de-rotated as it is written, and the
+ * head-0 blocks store the batch's kv rows into the window ring: every
+ * k_attention block has finished reading the ring by then.  It is launched
+ * whenever the rows may be split (want > 1); on a step whose rows fit one
+ * chunk k_attention has written the output, and only the ring store is left. */
+__global__ void k_attention_combine(const attn_args a) {
+    ds4_grid_dep();
+    __shared__ float f_s[ATT_MAX_CHUNKS];
+    __shared__ float denom_s;
+    const int h = blockIdx.x, t = blockIdx.y;
+    const int pos0 = a.step->pos0;
+    const int H = a.H, d = a.d;
+    const int64_t base = ((int64_t)t * H + h) * a.want;   /* this (query, head)'s want partial slots */
+    /* the chunk maxima and sums, loaded with the position (slots past this step's chunks are dropped) */
+    float mc = -INFINITY, lc = 0.0f;
+    if (threadIdx.x < a.want) {
+        mc = a.part_ml[2 * (base + threadIdx.x)];
+        lc = a.part_ml[2 * (base + threadIdx.x) + 1];
+    }
+    const int e = threadIdx.x;                  /* blockDim.x = d rounded up to a warp */
+    float v[ATT_MAX_CHUNKS];                    /* every slot's partial row, in flight at once */
+#pragma unroll
+    for (int c = 0; c < ATT_MAX_CHUNKS; c++) v[c] = c < a.want && e < d ? a.part_o[(base + c) * d + e] : 0.0f;
+    int chunks, chunk_rows;
+    att_chunks(pos0, a.nt, a.W, a.ratio, a.k, a.want, &chunks, &chunk_rows);
+    if (chunks == 1) {
+        if (a.ring_out && h == 0 && e < d && t >= a.nt - a.W)
+            a.ring_out[(int64_t)((pos0 + t) % a.W) * d + e] = a.kv[(int64_t)t * d + e];
+        return;
+    }
+    if (threadIdx.x < 32) {
+        const int c = threadIdx.x;
+        if (c >= chunks) { mc = -INFINITY; lc = 0.0f; }
+        const float sink = a.sinks[h];
+        float M = mc;
+        for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(FULL_MASK, M, o));
+        M = fmaxf(M, sink);
+        const float f = mc == -INFINITY ? 0.0f : expf(mc - M);
+        const float denom = warp_sum(lc * f);
+        if (c < chunks) f_s[c] = f;
+        if (c == 0) denom_s = denom + expf(sink - M);
+    }
+    __syncthreads();
+    const float denom = denom_s;
+    float acc = 0.0f;
+#pragma unroll
+    for (int c = 0; c < ATT_MAX_CHUNKS; c++) acc = fmaf(c < chunks ? v[c] : 0.0f, c < chunks ? f_s[c] : 0.0f, acc);
+    const float o = att_derot(a, acc / denom, e, pos0 + t);
+    if (e < d) a.out[((int64_t)t * H + h) * d + e] = o;
+    if (a.ring_out && h == 0 && e < d && t >= a.nt - a.W)
+        a.ring_out[(int64_t)((pos0 + t) % a.W) * d + e] = a.kv[(int64_t)t * d + e];
+}
+
+static void launch_attention_combine(const attn_args &a) {
+    const unsigned threads = (unsigned)((a.d + 31) / 32 * 32);
+    DS4_LAUNCH(k_attention_combine, dim3((unsigned)a.H, (unsigned)a.nt), threads, 0, a);
+}
+
+/* Resident k_attention blocks per SM (registers and shared memory decide): asked at init. */
+void attention_setup(void) {
+    int n = 0;
+    DS4_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k_attention<2>, ATT_THREADS, 0));
+    g_cuda.att_bps[2] = n > 0 ? n : 1;
+    DS4_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k_attention<4>, ATT_THREADS, 0));
+    g_cuda.att_bps[4] = n > 0 ? n : 1;
+    DS4_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k_attention<8>, ATT_THREADS, 0));
+    g_cuda.att_bps[8] = n > 0 ? n : 1;
+    DS4_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k_attention<16>, ATT_THREADS, 0));
+    g_cuda.att_bps[16] = n > 0 ? n : 1;
+}
+
+static int attention_dm(int d) { return d <= 64 ? 2 : d <= 128 ? 4 : d <= 256 ? 8 : 16; }
+
+/* Row chunks a launch of nt queries of H heads asks for: decode has few
+ * (query, head group) blocks, so its rows are split until the launch fills
+ * one wave of resident blocks (at most ATT_MAX_CHUNKS); 1 when the blocks
+ * fill the device already.  A shape, not a position. */
+static int attention_want(int nt, int H, int d) {
+    const int64_t hgroups = (H + ATT_HB - 1) / ATT_HB;
+    const int64_t base_blocks = hgroups * nt;
+    const int64_t wave = (int64_t)g_cuda.att_bps[attention_dm(d)] * g_cuda.n_sm;
+    if (base_blocks >= wave) return 1;
+    int64_t want = wave / base_blocks;
+    if (want > ATT_MAX_CHUNKS) want = ATT_MAX_CHUNKS;
+    return (int)want;
+}
+
+/* Partial rows (one per query, head and chunk) of the largest split: nt*H*want
+ * <= H*wave/hgroups <= ATT_HB*wave, whatever nt and H. */
+size_t attention_part_floats(int d) {
+    int64_t wave = 0;
+    for (int dm = 2; dm <= 16; dm *= 2)
+        if ((int64_t)g_cuda.att_bps[dm] * g_cuda.n_sm > wave) wave = (int64_t)g_cuda.att_bps[dm] * g_cuda.n_sm;
+    return (size_t)(ATT_HB * wave) * (size_t)(d + 2);
+}
+
+/* attention, and for attention_step (ring_out != NULL) the ring update and
+ * the de-rotation by rp, fused into the output writes where the shapes allow. */
+static void attention_run(const float *q, const float *kv, const float *ring, int W,
+                          const ds4_step *step, int nt, int H, int d,
+                          const float *comp, int ratio, const int32_t *topk, int k,
+                          const float *sinks, float scale, float *out, float *ring_out, const ds4_rope *rp) {
+    if (nt <= 0 || H <= 0) return;
+    if (d < 1 || d > ATT_MAX_D) {
+        fprintf(stderr, "ds4: attention: head dim %d outside 1..%d\n", d, ATT_MAX_D);
+        exit(1);
+    }
+    if (ratio == 4 && k > ATT_MAX_TOPK) {
+        fprintf(stderr, "ds4: attention: %d top-k rows above %d\n", k, ATT_MAX_TOPK);
+        exit(1);
+    }
+    attn_args a;
+    memset(&a, 0, sizeof a);
+    a.q = q; a.kv = kv; a.ring = ring; a.comp = comp; a.sinks = sinks; a.topk = topk; a.out = out;
+    a.W = W; a.step = step; a.H = H; a.d = d; a.ratio = ratio; a.k = k; a.scale = scale; a.nt = nt;
+    /* fused de-rotation needs the rotated dims to start at an even offset (pairs in lanes 2i, 2i+1) */
+    const bool derot_fused = rp && rp->n_rot > 0 && rp->n_rot <= d && (d - rp->n_rot) % 2 == 0;
+    if (derot_fused) { a.derot = 1; a.rope = rope_args_of(rp); }
+    const int hgroups = (H + ATT_HB - 1) / ATT_HB;
+    const int DM = attention_dm(d);
+    /* The launches depend on the shape only: k_attention over `want` row
+     * chunks (the blocks of chunks a step does not use return at once), and
+     * the combine whenever a step may split its rows. */
+    a.want = attention_want(nt, H, d);
+    if (a.want > 1) {
+        const int64_t np = (int64_t)nt * H * a.want;
+        float *p = (float *)scratch_get(&sess()->att_part, (size_t)np * (d + 2) * sizeof(float));
+        a.part_o = p;
+        a.part_ml = p + np * d;
+    }
+    dim3 grid((unsigned)hgroups, (unsigned)a.want, (unsigned)nt);
+    switch (DM) {
+    case 2:  launch_attention_t<2>(a, grid); break;
+    case 4:  launch_attention_t<4>(a, grid); break;
+    case 8:  launch_attention_t<8>(a, grid); break;
+    default: launch_attention_t<16>(a, grid); break;
+    }
+    if (a.want > 1) {
+        a.ring_out = ring_out;
+        launch_attention_combine(a);
+    } else if (ring_out) {
+        launch_ring_store(ring_out, kv, W, d, step, nt);
+    }
+    if (rp && !derot_fused) launch_rope(out, nt, H, d, step, 1, rp, 1);
+}
+
+static void cuda_attention(const float *q, const float *kv, const float *ring, int W,
+                           const ds4_step *step, int nt, int H, int d,
+                           const float *comp, int ratio, const int32_t *topk, int k,
+                           const float *sinks, float scale, float *out) {
+    attention_run(q, kv, ring, W, step, nt, H, d, comp, ratio, topk, k, sinks, scale, out, NULL, NULL);
+}
+
+#include "ds4_cuda_probs.cuh"
+
+static void cuda_attention_step(const float *q, const float *kv, float *ring, int W,
+                                const ds4_step *step, int nt, int H, int d,
+                                const float *comp, int ratio, const int32_t *topk, int k,
+                                const float *sinks, float scale, const ds4_rope *rp, float *out) {
+    attention_run(q, kv, ring, W, step, nt, H, d, comp, ratio, topk, k, sinks, scale, out, ring, rp);
+}
+
+/* Window ring update: the last min(nt, slots) rows of the batch. */
+__global__ void k_ring_store(float *ring, const float *rows, int slots, int64_t width, const ds4_step *step,
+                             int t_first, int n_rows) {
+    ds4_grid_dep();
+    const int pos0 = step->pos0;
+    const int64_t n = (int64_t)n_rows * width;
+    for (int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; idx < n;
+         idx += (int64_t)gridDim.x * blockDim.x) {
+        const int t = t_first + (int)(idx / width);
+        const int64_t col = idx % width;
+        ring[(int64_t)((pos0 + t) % slots) * width + col] = rows[(int64_t)t * width + col];
+    }
+}
+
+void launch_ring_store(float *ring, const float *rows, int slots, int width, const ds4_step *step, int nt) {
+    const int t_first = nt - slots > 0 ? nt - slots : 0;
+    const int n_rows = nt - t_first;
+    if (n_rows <= 0 || width <= 0) return;
+    DS4_LAUNCH(k_ring_store, grid_for((int64_t)n_rows * width), 256, 0, ring, rows, slots, width, step,
+               t_first, n_rows);
+}
+
+static void cuda_ring_store(float *ring, const float *rows, int slots, int width, const ds4_step *step, int nt) {
+    launch_ring_store(ring, rows, slots, width, step, nt);
+}
+
+/* Column chunks of attn_probs's scoring grid (its grid.y) for the longest row list of a
+ * context of lim: the window, then the larger of the ratio-128 rows and the top-k picks. */
+int64_t attention_probs_chunks(const ds4_limits *lim) {
+    const int64_t n128 = (int64_t)lim->n_ctx / 128 + 1, k = lim->idx_topk > 0 ? lim->idx_topk : 0;
+    return ((int64_t)lim->n_swa + (k > n128 ? k : n128) + PROBS_ROWS - 1) / PROBS_ROWS;
+}
+
+/* Its entries in the backend table (ds4_cuda.cu). */
+void ds4_cuda_ops_attn(ds4_backend *b) {
+    b->attention = cuda_attention;
+    b->attention_probs = cuda_attention_probs;
+    b->ring_store = cuda_ring_store;
+    b->attention_step = cuda_attention_step;
+}

@@ -1,0 +1,352 @@
+/* ds4_cuda_indexer.cu -- the CUDA backend's lightning indexer: the scores of the compressed
+ * rows and their exact top-k, and the fused indexer_step.
+ */
+
+#include "ds4_cuda_common.cuh"
+
+/* ---------------------------------------------------------------------------
+ * Indexer
+ *
+ * k_indexer_scores: one block per (tile of IX_RT visible rows, query).  The
+ * query's Hi x di heads sit in shared memory (rows padded by one float, so
+ * lanes on consecutive heads hit distinct banks) next to the row tile stored
+ * transposed; a thread computes one head's dots with 4 rows, then the
+ * weighted ReLU terms are summed over heads in head order, as the CPU does.
+ * k_indexer_select: one block per query.  A radix select over the scores'
+ * order-preserving bit patterns (four 8-bit histogram passes) finds the k-th
+ * largest score T; the rows above T and the lowest-numbered rows equal to T
+ * (an ordered ballot scan) are collected, and only those k keys are sorted by
+ * a bitonic network.  The key is the score's bits above the complement of the
+ * row id, so descending keys = higher score first, lower row on ties.  Any
+ * number of visible rows works; the first 4096 keys stay in registers across
+ * the passes, the rest are reread from L2.
+ * ------------------------------------------------------------------------- */
+
+#define IX_RT        16
+#define IX_THREADS   256
+#define IX_QREGS     32                     /* q floats per thread loaded in one batch */
+#define IX_SEL       1024                   /* max k; also the select block size */
+#define IX_CACHE     4                      /* keys per select thread held in registers */
+
+static size_t ix_smem_bytes(int Hi, int di) {
+    size_t f = (size_t)Hi * (di + 1) + Hi;
+    f = (f + 3) & ~(size_t)3;                      /* 16-byte align the row tile */
+    f += (size_t)di * (IX_RT + 4) + (size_t)IX_RT * (Hi + 1);
+    return f * sizeof(float);
+}
+
+__global__ void __launch_bounds__(IX_THREADS) k_indexer_scores(const float *q, const float *w, float w_scale,
+                                                               const float *rows,
+                                                               const ds4_step *step, int t0, int Hi, int di, int ratio,
+                                                               float *scores, int64_t ld, int do_rope, rope_args rr) {
+    ds4_grid_dep();
+    extern __shared__ __align__(16) float ix_s[];
+    const int t = t0 + blockIdx.y;
+    const int n_vis = ds4_comp_rows(step->pos0 + t, ratio);
+    if ((int)blockIdx.x * IX_RT >= n_vis) return;    /* the grid is sized for the context, not the step */
+    const int qld = di + 1, rld = IX_RT + 4, vld = Hi + 1;
+    float *q_s = ix_s;
+    float *w_s = q_s + (size_t)Hi * qld;
+    float *r_s = ix_s + (((size_t)Hi * qld + Hi + 3) & ~(size_t)3);
+    float *v_s = r_s + (size_t)di * rld;
+
+    /* every load of the prologue in flight at once */
+    const float *qt = q + (int64_t)t * Hi * di;
+    const int nq = Hi * di;
+    /* element idx = h*di + c; step IX_THREADS = hs*di + cs, carried by hand */
+    const int hs = IX_THREADS / di, cs = IX_THREADS % di;
+    int qh = threadIdx.x / di, qc = threadIdx.x % di;
+#pragma unroll
+    for (int j = 0; j < IX_QREGS; j++) {
+        const int idx = threadIdx.x + j * IX_THREADS;
+        if (idx < nq) q_s[qh * qld + qc] = qt[idx];
+        qh += hs; qc += cs;
+        if (qc >= di) { qc -= di; qh++; }
+    }
+    for (int idx = threadIdx.x + IX_QREGS * IX_THREADS; idx < nq; idx += IX_THREADS) {
+        q_s[qh * qld + qc] = qt[idx];
+        qh += hs; qc += cs;
+        if (qc >= di) { qc -= di; qh++; }
+    }
+    for (int h = threadIdx.x; h < Hi; h += IX_THREADS) w_s[h] = __fmul_rn(w[(int64_t)t * Hi + h], w_scale);
+    if (do_rope) {
+        /* indexer_step: the query's rotation (the rope op's rope_pair, on the staged copy) */
+        __syncthreads();
+        const int half = rr.n_rot / 2;
+        for (int task = threadIdx.x; task < Hi * half; task += IX_THREADS) {
+            const int h = task / half, i = task % half;
+            rope_pair(q_s + (size_t)h * qld + (di - rr.n_rot) + 2 * i, rr, step->pos0 + t, i, 0);
+        }
+    }
+    /* the block's tiles of IX_RT rows: blockIdx.x, then every gridDim.x-th */
+    for (int r0 = blockIdx.x * IX_RT; r0 < n_vis; r0 += gridDim.x * IX_RT) {
+        if (r0 != (int)blockIdx.x * IX_RT) __syncthreads();   /* the previous tile's readers are done */
+        int rr = threadIdx.x / di, rc = threadIdx.x % di;
+#pragma unroll 16
+        for (int idx = threadIdx.x; idx < IX_RT * di; idx += IX_THREADS) {
+            r_s[rc * rld + rr] = r0 + rr < n_vis ? rows[(int64_t)(r0 + rr) * di + rc] : 0.0f;
+            rr += hs; rc += cs;
+            if (rc >= di) { rc -= di; rr++; }
+        }
+        __syncthreads();
+
+        for (int task = threadIdx.x; task < Hi * (IX_RT / 4); task += IX_THREADS) {
+            const int h = task % Hi, rq = task / Hi;
+            float acc[4] = { 0, 0, 0, 0 };
+            const float *qh = q_s + (size_t)h * qld;
+            for (int cc = 0; cc < di; cc++) {
+                const float qv = qh[cc];
+                const float4 rv = *(const float4 *)(r_s + (size_t)cc * rld + 4 * rq);
+                acc[0] = fmaf(qv, rv.x, acc[0]); acc[1] = fmaf(qv, rv.y, acc[1]);
+                acc[2] = fmaf(qv, rv.z, acc[2]); acc[3] = fmaf(qv, rv.w, acc[3]);
+            }
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+                v_s[(4 * rq + j) * vld + h] = __fmul_rn(w_s[h], acc[j] > 0.0f ? acc[j] : 0.0f);
+        }
+        __syncthreads();
+        for (int r = threadIdx.x; r < IX_RT; r += IX_THREADS) {
+            if (r0 + r >= n_vis) continue;
+            float sacc = 0.0f;
+            for (int h = 0; h < Hi; h++) sacc += v_s[r * vld + h];
+            scores[(int64_t)blockIdx.y * ld + r0 + r] = sacc;
+        }
+    }
+}
+
+/* The grid covers the most rows a context can have visible (ld), at most two
+ * blocks per SM; each block takes every gridDim.x-th tile of the rows its
+ * query sees on this step, and the rest return at once. */
+static void launch_indexer_scores(const float *q, const float *w, float w_scale, const float *rows,
+                                  const ds4_step *step, int t0, int n_q, int Hi, int di, int ratio, int64_t ld,
+                                  float *scores, const ds4_rope *rp) {
+    const size_t smem = ix_smem_bytes(Hi, di);
+    if (smem > g_cuda.smem_optin) {
+        fprintf(stderr, "ds4: indexer: %d heads x %d dims need %zu bytes of shared memory (device max %zu)\n",
+                Hi, di, smem, g_cuda.smem_optin);
+        exit(1);
+    }
+    int64_t tiles = (ld + IX_RT - 1) / IX_RT;
+    if (tiles > 2 * (int64_t)g_cuda.n_sm) tiles = 2 * (int64_t)g_cuda.n_sm;
+    dim3 grid((unsigned)(tiles > 0 ? tiles : 1), (unsigned)n_q);
+    rope_args r;
+    memset(&r, 0, sizeof r);
+    if (rp) r = rope_args_of(rp);
+    DS4_LAUNCH(k_indexer_scores, grid, IX_THREADS, smem, q, w, w_scale, rows, step, t0, Hi, di, ratio,
+               scores, ld, rp ? 1 : 0, r);
+}
+
+/* Order-preserving bits of a score (-0 counts as +0, so equal scores tie). */
+__device__ __forceinline__ uint32_t ix_ukey(float s) {
+    const uint32_t u = __float_as_uint(s + 0.0f);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+/* Compare-exchange of bitonic stage (size, i <-> j): the value position i keeps. */
+__device__ __forceinline__ uint64_t ix_cmpx(uint64_t mine, uint64_t other, int i, int j, int size) {
+    const bool desc = (i & size) == 0;       /* this run sorts descending */
+    const bool keep_max = desc == (i < j);
+    return keep_max ? (mine > other ? mine : other) : (mine < other ? mine : other);
+}
+
+/* Sort keys[0, sz) descending, sz a power of two <= IX_SEL, one position per
+ * thread.  Strides below 32 pair lanes of one warp (shuffles); the others go
+ * through shared memory (write, barrier, read partner, barrier). */
+__device__ void ix_bitonic(uint64_t *keys, int sz) {
+    const int i = threadIdx.x;
+    uint64_t kr = i < sz ? keys[i] : 0ull;
+    for (int size = 2; size <= sz; size <<= 1) {
+        for (int stride = size >> 1; stride > 0; stride >>= 1) {
+            if (stride >= 32) {
+                __syncthreads();                  /* previous readers of keys are done */
+                if (i < sz) keys[i] = kr;
+                __syncthreads();
+                if (i < sz) kr = ix_cmpx(kr, keys[i ^ stride], i, i ^ stride, size);
+            } else if (i - (i & 31) < sz) {       /* warps wholly past sz sit out */
+                const uint64_t other = __shfl_xor_sync(FULL_MASK, kr, stride);
+                if (i < sz) kr = ix_cmpx(kr, other, i, i ^ stride, size);
+            }
+        }
+    }
+    __syncthreads();
+    if (i < sz) keys[i] = kr;
+    __syncthreads();
+}
+
+__global__ void __launch_bounds__(IX_SEL) k_indexer_select(const float *scores, int64_t ld, const ds4_step *step,
+                                                           int t0, int ratio, int k, int32_t *out) {
+    ds4_grid_dep();
+    __shared__ uint32_t hist[256];
+    __shared__ uint64_t sel[IX_SEL];
+    __shared__ uint32_t wsum[IX_SEL / 32];
+    __shared__ uint32_t s_prefix, s_remaining, n_sel;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int t = t0 + blockIdx.x;
+    const float *sc = scores + (int64_t)blockIdx.x * ld;
+    /* the first IX_CACHE*IX_SEL scores of the row, in flight with the position
+     * (entries past this step's visible rows are dropped below) */
+    float sv[IX_CACHE];
+#pragma unroll
+    for (int c = 0; c < IX_CACHE; c++) {
+        const int i = c * IX_SEL + tid;
+        sv[c] = i < ld ? sc[i] : 0.0f;
+    }
+    const int n = ds4_comp_rows(step->pos0 + t, ratio);
+    const int kk = k < n ? k : n;
+    if (kk > 0) {
+        /* radix select: T = the kk-th largest key; `remaining` of the keys
+         * equal to T belong to the top kk */
+        uint32_t uk[IX_CACHE];                      /* the first IX_CACHE*IX_SEL keys, read once */
+#pragma unroll
+        for (int c = 0; c < IX_CACHE; c++) {
+            const int i = c * IX_SEL + tid;
+            uk[c] = i < n ? ix_ukey(sv[c]) : 0u;
+        }
+        uint32_t prefix = 0, mask = 0, remaining = (uint32_t)kk;
+        for (int shift = 24; shift >= 0; shift -= 8) {
+            for (int b = tid; b < 256; b += IX_SEL) hist[b] = 0;
+            __syncthreads();
+            /* scores share their top bits, so many lanes hit one bin: one
+             * atomic per distinct bin per warp */
+#define IX_COUNT(valid_, u_) do {                                                          \
+                const uint32_t uu_ = (u_);                                                 \
+                const uint32_t bin_ = (valid_) && (uu_ & mask) == prefix ? (uu_ >> shift) & 255u : 256u; \
+                const uint32_t same_ = __match_any_sync(FULL_MASK, bin_);                  \
+                if (bin_ < 256u && lane == __ffs(same_) - 1) atomicAdd(&hist[bin_], (uint32_t)__popc(same_)); \
+            } while (0)
+#pragma unroll
+            for (int c = 0; c < IX_CACHE; c++)
+                if (c * IX_SEL < n) IX_COUNT(c * IX_SEL + tid < n, uk[c]);
+            for (int base = IX_CACHE * IX_SEL; base < n; base += IX_SEL)
+                IX_COUNT(base + tid < n, base + tid < n ? ix_ukey(sc[base + tid]) : 0u);
+#undef IX_COUNT
+            __syncthreads();
+            if (warp == 0) {
+                /* lane l owns bins 255-8l .. 248-8l, scanned from the top */
+                uint32_t c[8], tot = 0;
+#pragma unroll
+                for (int j = 0; j < 8; j++) { c[j] = hist[255 - 8 * lane - j]; tot += c[j]; }
+                uint32_t incl = tot;
+                for (int o = 1; o < 32; o <<= 1) {
+                    const uint32_t v = __shfl_up_sync(FULL_MASK, incl, o);
+                    if (lane >= o) incl += v;
+                }
+                uint32_t above = incl - tot;
+                if (above < remaining && remaining <= incl) {
+#pragma unroll
+                    for (int j = 0; j < 8; j++) {
+                        if (above + c[j] >= remaining) {
+                            s_prefix = prefix | ((uint32_t)(255 - 8 * lane - j) << shift);
+                            s_remaining = remaining - above;
+                            break;
+                        }
+                        above += c[j];
+                    }
+                }
+            }
+            __syncthreads();
+            prefix = s_prefix;
+            remaining = s_remaining;
+            mask |= 255u << shift;
+        }
+        /* collect: every key above T, and the first `remaining` keys equal to
+         * T in row order (ballot ranks + per-warp counts, chunk by chunk) */
+        if (tid == 0) n_sel = 0;
+        uint32_t eq_before = 0;
+        for (int base = 0, c = 0; base < n; base += IX_SEL, c++) {
+            const int i = base + tid;
+            uint32_t u = 0u;
+#pragma unroll
+            for (int cc = 0; cc < IX_CACHE; cc++) if (cc == c) u = uk[cc];
+            if (c >= IX_CACHE && i < n) u = ix_ukey(sc[i]);
+            const bool gt = i < n && u > prefix, eq = i < n && u == prefix;
+            const uint32_t bal = __ballot_sync(FULL_MASK, eq);
+            if (lane == 0) wsum[warp] = __popc(bal);
+            __syncthreads();
+            uint32_t rank = eq_before + __popc(bal & ((1u << lane) - 1u)), chunk_eq = 0;
+            for (int wv = 0; wv < IX_SEL / 32; wv++) {
+                if (wv < warp) rank += wsum[wv];
+                chunk_eq += wsum[wv];
+            }
+            const bool take = gt || (eq && rank < remaining);
+            const uint32_t tb = __ballot_sync(FULL_MASK, take);
+            uint32_t at = 0;
+            if (lane == 0 && tb) at = atomicAdd(&n_sel, (uint32_t)__popc(tb));
+            at = __shfl_sync(FULL_MASK, at, 0) + __popc(tb & ((1u << lane) - 1u));
+            if (take) sel[at] = ((uint64_t)u << 32) | (uint64_t)(0xffffffffu - (uint32_t)i);
+            eq_before += chunk_eq;
+            __syncthreads();
+        }
+        /* n_sel == kk; the insertion order above does not matter: keys are unique */
+        int sz = 1;
+        while (sz < kk) sz <<= 1;
+        if (tid >= kk && tid < sz) sel[tid] = 0ull;
+        __syncthreads();
+        ix_bitonic(sel, sz);
+    }
+    for (int j = tid; j < k; j += IX_SEL)
+        out[(int64_t)t * k + j] = j < kk ? (int32_t)(0xffffffffu - (uint32_t)sel[j]) : -1;
+}
+
+static void launch_indexer_select(const float *scores, int64_t ld, const ds4_step *step, int t0, int n_q, int ratio,
+                                  int k, int32_t *out) {
+    DS4_LAUNCH(k_indexer_select, n_q, IX_SEL, 0, scores, ld, step, t0, ratio, k, out);
+}
+
+/* Scores go to the session's buffer: rows of ld = the most rows the context
+ * can have visible, for ix_chunk queries at a time (both fixed when the
+ * session was made, so the launches do not depend on the position). */
+static void indexer_run(const float *q, const float *w, float w_scale, const float *rows,
+                        const ds4_step *step, int nt, int Hi, int di, int ratio, int k, const ds4_rope *rp,
+                        int32_t *out) {
+    if (nt <= 0 || k <= 0) return;
+    if (rp && (rp->n_rot < 0 || rp->n_rot > di || rp->n_rot % 2)) {
+        fprintf(stderr, "ds4: indexer: rope of %d dims on heads of %d\n", rp->n_rot, di);
+        exit(1);
+    }
+    if (k > IX_SEL) {
+        fprintf(stderr, "ds4: indexer: top-k %d above %d\n", k, IX_SEL);
+        exit(1);
+    }
+    ds4_session *S = sess();
+    if (ratio < IX_MIN_RATIO) {
+        fprintf(stderr, "ds4: indexer: ratio %d below %d (the score rows are sized for it)\n", ratio, IX_MIN_RATIO);
+        exit(1);
+    }
+    if (nt > S->lim.max_batch) {
+        fprintf(stderr, "ds4: indexer: %d queries above the context's batch %d\n", nt, S->lim.max_batch);
+        exit(1);
+    }
+    const int64_t chunk = S->ix_chunk;
+    float *scores = (float *)scratch_get(&S->ix_scores, (size_t)(chunk * S->ix_ld) * sizeof(float));
+    for (int t0 = 0; t0 < nt; t0 += (int)chunk) {
+        const int n_q = nt - t0 < chunk ? nt - t0 : (int)chunk;
+        launch_indexer_scores(q, w, w_scale, rows, step, t0, n_q, Hi, di, ratio, S->ix_ld, scores, rp);
+        launch_indexer_select(scores, S->ix_ld, step, t0, n_q, ratio, k, out);
+    }
+}
+
+static void cuda_indexer_topk(const float *q, const float *w, float w_scale, const float *rows,
+                              const ds4_step *step, int nt, int Hi, int di, int ratio, int k, int32_t *out) {
+    indexer_run(q, w, w_scale, rows, step, nt, Hi, di, ratio, k, NULL, out);
+}
+
+/* indexer_step: the rope op is folded into the scores kernel, which rotates
+ * its staged copy of the query (q itself is left as it was) -- one launch
+ * less per ratio-4 layer. */
+static void cuda_indexer_step(float *q, const float *w, float w_scale, const float *rows, const ds4_step *step,
+                              int nt, int Hi, int di, int ratio, int k, const ds4_rope *rp, int32_t *out) {
+    indexer_run(q, w, w_scale, rows, step, nt, Hi, di, ratio, k, rp && rp->n_rot > 0 ? rp : NULL, out);
+}
+
+/* k_indexer_scores has only dynamic shared memory: allow all of it (once, at init). */
+void indexer_setup(void) {
+    DS4_CUDA_CHECK(cudaFuncSetAttribute(k_indexer_scores, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        (int)g_cuda.smem_optin));
+}
+
+/* Its entries in the backend table (ds4_cuda.cu). */
+void ds4_cuda_ops_indexer(ds4_backend *b) {
+    b->indexer_topk = cuda_indexer_topk;
+    b->indexer_step = cuda_indexer_step;
+}

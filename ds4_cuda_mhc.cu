@@ -1,0 +1,463 @@
+/* ds4_cuda_mhc.cu -- the CUDA backend's mHC ops: hc_mix (with Sinkhorn), hc_post, and hc_pre
+ * (split-K at decode, one launch).
+ */
+
+#include "ds4_cuda_common.cuh"
+
+/* ---------------------------------------------------------------------------
+ * mHC: mixing (with Sinkhorn) and the residual update
+ *
+ * hc_mix: one block per (1024 channels, token).  Every block turns the
+ * token's logits into the n_hc pre weights and forms the weighted sum of the
+ * streams over its channels; warp 0 of the token's first block also builds
+ * post and the Sinkhorn-normalised comb matrix (hc_sinkhorn_lanes, one lane
+ * per matrix entry, shared with hc_pre).  The arithmetic follows the CPU op
+ * step for step, but for the sums' order and the reciprocals (a few ulp).
+ * hc_post: one thread per (token, channel) computes all n_hc outputs from
+ * values it has already read, so the op is safe even in place.
+ * ------------------------------------------------------------------------- */
+
+#define HC_MAX 4   /* = DS4_HC_MAX: the Sinkhorn warp holds one C entry per lane */
+
+__device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+#define HC_TILE 1024   /* channels per hc_mix block (4 per thread) */
+#define HC_NMIX_MAX ((2 + HC_MAX) * HC_MAX)   /* mix logits per token: 24 */
+
+/* The hardware reciprocal (MUFU.RCP, ~1 ulp, flushes denormals), with no
+ * range fix-up: the Sinkhorn sums it inverts lie in [eps, h + eps]. */
+__device__ __forceinline__ float rcp_approx(float v) {
+    float r;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(v));
+    return r;
+}
+
+/* Sum of H register values as a tree, (v0 + v1) + (v2 + v3): half the
+ * dependent adds of the CPU's left-to-right chain. */
+template <int H>
+__device__ __forceinline__ float sum_tree(const float *v) {
+    if (H == 1) return v[0];
+    if (H == 2) return v[0] + v[1];
+    if (H == 3) return (v[0] + v[1]) + v[2];
+    return (v[0] + v[1]) + (v[2] + v[3]);
+}
+
+/* post and the Sinkhorn-normalised comb of one token by one warp (every
+ * lane calls it): lane l < h*h holds C[a][b], l = a + H*b (the comb
+ * layout).  A normalisation gathers its group's H entries with H
+ * independent shuffles, sums them as a tree, and multiplies by one hardware
+ * reciprocal issued once for all sixteen entries: the chain of forty steps
+ * is shuffle latency + two adds + one MUFU, where one thread walking the
+ * matrix issued sixteen multiplies, twelve adds and four reciprocals per
+ * step.  m: the token's mix logits (shared memory), already scaled by rms. */
+template <int H>
+__device__ void hc_sinkhorn_lanes(const float *m, const float *base, float sc1, float sc2, float eps, int iters,
+                                  float *post, float *comb) {
+    const int l = threadIdx.x & 31, a = l % H, b = (l / H) % H;
+    if (l < H) post[l] = 2.0f * sigmoid_f(m[H + l] * sc1 + base[H + l]);
+    const int li = a + H * b;                       /* lanes >= H*H mirror an entry; they write nothing */
+    float c = m[2 * H + li] * sc2 + base[2 * H + li];
+    float g[H];
+#pragma unroll
+    for (int q = 0; q < H; q++) g[q] = __shfl_sync(FULL_MASK, c, H * b + q);   /* over destinations a */
+    float mx = g[0];
+#pragma unroll
+    for (int q = 1; q < H; q++) mx = fmaxf(mx, g[q]);
+    c = expf(c - mx);
+#pragma unroll
+    for (int q = 0; q < H; q++) g[q] = __shfl_sync(FULL_MASK, c, H * b + q);
+    c = c * rcp_approx(sum_tree<H>(g)) + eps;
+    for (int it = 0; it < iters; it++) {
+        if (it > 0) {                               /* "row": over destinations, for each source */
+#pragma unroll
+            for (int q = 0; q < H; q++) g[q] = __shfl_sync(FULL_MASK, c, H * b + q);
+            c *= rcp_approx(sum_tree<H>(g) + eps);
+        }
+#pragma unroll
+        for (int q = 0; q < H; q++) g[q] = __shfl_sync(FULL_MASK, c, a + H * q);   /* "col": over sources */
+        c *= rcp_approx(sum_tree<H>(g) + eps);
+    }
+    if (l < H * H) comb[l] = c;
+}
+
+/* The standalone hc_mix op.  scale has 3 entries, or 1 in head mode (only
+ * scale[0] is read then). */
+__global__ void k_hc_mix(const float *mix, const float *scale, const float *base, const float *x,
+                         int64_t D, int h, int head, float eps, int iters,
+                         float *y, float *post, float *comb) {
+    ds4_grid_dep();
+    __shared__ float m_s[HC_NMIX_MAX], base_s[HC_NMIX_MAX];
+    __shared__ float pre_s[HC_MAX];
+    const int t = blockIdx.y;
+    const int n_mix = head ? h : (2 + h) * h;
+    const float *m = mix + (int64_t)t * n_mix;
+    for (int i = threadIdx.x; i < n_mix; i += blockDim.x) { m_s[i] = m[i]; base_s[i] = base[i]; }
+    __syncthreads();
+    if (threadIdx.x < h) pre_s[threadIdx.x] = sigmoid_f(m_s[threadIdx.x] * scale[0] + base_s[threadIdx.x]) + eps;
+    if (!head && blockIdx.x == 0 && threadIdx.x < 32) {
+        float *pt = post + (int64_t)t * h, *ct = comb + (int64_t)t * h * h;
+        const float sc1 = scale[1], sc2 = scale[2];
+        switch (h) {                            /* warp-uniform */
+        case 1: hc_sinkhorn_lanes<1>(m_s, base_s, sc1, sc2, eps, iters, pt, ct); break;
+        case 2: hc_sinkhorn_lanes<2>(m_s, base_s, sc1, sc2, eps, iters, pt, ct); break;
+        case 3: hc_sinkhorn_lanes<3>(m_s, base_s, sc1, sc2, eps, iters, pt, ct); break;
+        default: hc_sinkhorn_lanes<4>(m_s, base_s, sc1, sc2, eps, iters, pt, ct); break;
+        }
+    }
+    __syncthreads();
+    const float *xt = x + (int64_t)t * h * D;
+    float *yt = y + (int64_t)t * D;
+#pragma unroll
+    for (int j = 0; j < HC_TILE / 256; j++) {
+        const int64_t i = (int64_t)blockIdx.x * HC_TILE + j * 256 + threadIdx.x;
+        if (i < D) {
+            float acc = 0.0f;
+            for (int s = 0; s < h; s++) acc += pre_s[s] * xt[s * D + i];
+            yt[i] = acc;
+        }
+    }
+}
+
+static void launch_hc_mix(const float *mix, const float *scale, const float *base, const float *x,
+                          int nt, int D, int h, int head, float eps, int iters,
+                          float *y, float *post, float *comb) {
+    if (nt <= 0) return;
+    if (h < 1 || h > HC_MAX) {
+        fprintf(stderr, "ds4: hc_mix: n_hc = %d outside 1..%d\n", h, HC_MAX);
+        exit(1);
+    }
+    dim3 grid((unsigned)((D + HC_TILE - 1) / HC_TILE > 0 ? (D + HC_TILE - 1) / HC_TILE : 1), (unsigned)nt);
+    DS4_LAUNCH(k_hc_mix, grid, 256, 0, mix, scale, base, x, D, h, head, eps, iters, y, post, comb);
+}
+
+static void cuda_hc_mix(const float *mix, const float *scale, const float *base, const float *x,
+                        int nt, int D, int n_hc, int head, float hc_eps, int sinkhorn_iters,
+                        float *y, float *post, float *comb) {
+    launch_hc_mix(mix, scale, base, x, nt, D, n_hc, head, hc_eps, sinkhorn_iters, y, post, comb);
+}
+
+__global__ void k_hc_post(const float *f, const float *x_res, const float *post, const float *comb,
+                          int nt, int64_t D, int h, float *x_out) {
+    ds4_grid_dep();
+    const int64_t n = (int64_t)nt * D;
+    for (int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; idx < n;
+         idx += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t t = idx / D, i = idx % D;
+        float xr[HC_MAX];
+        for (int b = 0; b < h; b++) xr[b] = x_res[(t * h + b) * D + i];
+        const float fv = f[t * D + i];
+        for (int a = 0; a < h; a++) {
+            float acc = post[t * h + a] * fv;
+            for (int b = 0; b < h; b++) acc += comb[t * h * h + a + h * b] * xr[b];
+            x_out[(t * h + a) * D + i] = acc;
+        }
+    }
+}
+
+static void launch_hc_post(const float *f, const float *x_res, const float *post, const float *comb,
+                           int nt, int D, int h, float *x_out) {
+    if (nt <= 0 || D <= 0) return;
+    if (h < 1 || h > HC_MAX) {
+        fprintf(stderr, "ds4: hc_post: n_hc = %d outside 1..%d\n", h, HC_MAX);
+        exit(1);
+    }
+    DS4_LAUNCH(k_hc_post, grid_for((int64_t)nt * D), 256, 0, f, x_res, post, comb, nt, D, h, x_out);
+}
+
+static void cuda_hc_post(const float *f, const float *x_res, const float *post, const float *comb,
+                         int nt, int D, int n_hc, float *x_out) {
+    launch_hc_post(f, x_res, post, comb, nt, D, n_hc, x_out);
+}
+
+/* hc_pre: the whole mHC pre step of a sublayer (decode: up to
+ * HC_SPLIT_MAX_NT tokens) in one launch.
+ *
+ * The projection it contains (mix = fn . rmsnorm(x), fn {n_hc*D, n_mix}, 24
+ * rows of 16384 for Flash) is the shape that starved the matvec kernels: few
+ * rows, long K.  So K is spread over blocks instead of rows, and the blocks'
+ * partials are reduced by the last block to finish:
+ *
+ *  Every block: one per (32 channels, token), 32 warps; warp (s, g) holds
+ *    element (stream s, channel b*32 + lane).  It applies the previous
+ *    sublayer's residual update to its elements (as k_hc_post computes it)
+ *    and writes them to x, then forms the block's partial dot with each of
+ *    the n_mix rows of fn (group g dots HCP_RPG of them) and its partial sum
+ *    of squares (double, as the norm sums).  Warp butterflies, then the
+ *    warps in stream order: a fixed shape.  The partials go to the op's flat
+ *    scratch; then the block makes them visible (__threadfence) and counts
+ *    itself done on the token's counter.
+ *  The block that counts last (the counter reaches nb) resets the counter
+ *    and finishes the token: warp r adds row r's partials in block order
+ *    (lane-strided, then a butterfly), one more warp the squares; mix = rms
+ *    * dot (the norm's scale applied after the dot: the same value up to
+ *    rounding, ~1e-7 relative, well inside the tested bound); then pre,
+ *    post and the Sinkhorn comb (warp 0, hc_sinkhorn_lanes), y = sum_s
+ *    pre[s] x[s] and the sublayer's RMSNorm of y, by the other 31 warps.
+ * Which block comes last depends on scheduling, but what it computes does
+ * not: it reads every block's partials in block order, so the result is the
+ * same bits on every run.  The counter is an integer (no float atomics).
+ * A second launch for the finish cost its launch and ramp (~3 us on an
+ * H200) 87 times per Flash token.  The partials live in the op's flat
+ * scratch (nt * n_hc * D floats; this needs 26 per 32 channels), the
+ * counters (one per token) are allocated once at init.
+ * ------------------------------------------------------------------------- */
+
+#define HCP_CH      32                  /* channels per block */
+#define HCP_GROUPS  8                   /* row groups: warp (stream s, group g) dots rows of group g */
+#define HCP_THREADS (HC_MAX * HCP_GROUPS * 32)
+#define HCP_RPG     ((HC_NMIX_MAX + HCP_GROUPS - 1) / HCP_GROUPS)
+#define HCF_CACHE   8                   /* y values per thread kept between the finish's passes */
+
+/* fn is F32 (what ds4 synth writes) or F16 (the published Flash files). */
+template <int WT>
+__device__ __forceinline__ float hc_fn_elem(const void *fn, int64_t idx) {
+    return WT == DS4_TYPE_F16 ? f16_bits_to_f32(((const uint16_t *)fn)[idx]) : ((const float *)fn)[idx];
+}
+
+/* The one hc_pre kernel (see the banner).  H is the stream count as a
+ * template argument, so every input of the residual update (post, f, the H
+ * comb entries and the H residual streams) is loaded in one round, before
+ * any arithmetic: a runtime loop over the streams issued its loads one FMA
+ * at a time, a memory latency each (6.1 us per call on an H200).  In the
+ * finish, warp 0 runs post and Sinkhorn (a serial chain of ~40
+ * normalisations) while warps 1..31 form y and its norm, so the block takes
+ * the longer of the two, not their sum; the scales are read before the
+ * first barrier and the norm weights with the y pass's loads, so no global
+ * load waits behind a barrier.  What other blocks wrote (x, the partials)
+ * is read through L2 (__ldcg). */
+template <int H, int WT>
+__global__ void __launch_bounds__(HCP_THREADS) k_hc_pre(const float *f, const float *x_res, float *x, const void *fn,
+                                                       const float *scale, const float *base, const float *norm_w,
+                                                       int64_t D, int head, float rms_eps, float hc_eps, int iters,
+                                                       double *ss_part, float *dot_part, unsigned *count,
+                                                       float *y, float *post, float *comb) {
+    ds4_grid_dep();
+    __shared__ float red[H][HC_NMIX_MAX];
+    __shared__ double red_ss[H];
+    __shared__ int last_s;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int sw = warp % HC_MAX, g = warp / HC_MAX;
+    const int b = blockIdx.x, t = blockIdx.y, nb = gridDim.x;
+    const int n_mix = head ? H : (2 + H) * H;
+    const int64_t i = (int64_t)b * HCP_CH + lane;
+    const bool act = sw < H && i < D;
+    const int64_t K = (int64_t)H * D;
+    const int r0 = g * HCP_RPG;
+
+    /* ---- every block: residual update, partial dots and squares ---- */
+    float w[HCP_RPG];
+#pragma unroll
+    for (int j = 0; j < HCP_RPG; j++)             /* every load in flight before the math */
+        w[j] = act && r0 + j < n_mix ? hc_fn_elem<WT>(fn, (int64_t)(r0 + j) * K + (int64_t)sw * D + i) : 0.0f;
+    float v = 0.0f;
+    if (act) {
+        float *xe = x + ((int64_t)t * H + sw) * D + i;
+        if (f) {
+            const float *xr = x_res + (int64_t)t * H * D;
+            const float pv = post[(int64_t)t * H + sw], fv = f[(int64_t)t * D + i];
+            float cb[H], xv[H];
+#pragma unroll
+            for (int bb = 0; bb < H; bb++) {
+                cb[bb] = comb[(int64_t)t * H * H + sw + H * bb];
+                xv[bb] = xr[bb * D + i];
+            }
+            float acc = pv * fv;                  /* k_hc_post's order */
+#pragma unroll
+            for (int bb = 0; bb < H; bb++) acc += cb[bb] * xv[bb];
+            if (g == 0) *xe = acc;
+            v = acc;
+        } else {
+            v = *xe;
+        }
+    }
+    if (sw < H) {
+#pragma unroll
+        for (int j = 0; j < HCP_RPG; j++) {
+            if (r0 + j < n_mix) {                 /* warp-uniform: the butterflies interleave */
+                const float p = warp_sum(w[j] * v);
+                if (lane == 0) red[sw][r0 + j] = p;
+            }
+        }
+        if (g == 0) {
+            double ss = (double)(v * v);
+            for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(FULL_MASK, ss, o);
+            if (lane == 0) red_ss[sw] = ss;
+        }
+    }
+    __syncthreads();
+    const int64_t p0 = (int64_t)t * nb;
+    if (threadIdx.x < n_mix) {
+        float acc = 0.0f;
+#pragma unroll
+        for (int s = 0; s < H; s++) acc += red[s][threadIdx.x];
+        dot_part[(p0 + b) * n_mix + threadIdx.x] = acc;
+    } else if (threadIdx.x == HC_NMIX_MAX) {
+        double acc = 0.0;
+#pragma unroll
+        for (int s = 0; s < H; s++) acc += red_ss[s];
+        ss_part[p0 + b] = acc;
+    }
+    /* every read of post and comb above is done before this block counts
+     * itself, so the last block may overwrite them.  Only the warps that
+     * wrote global memory (x by group 0, the partials by warp 0) fence: a
+     * fence in all 32 warps was 15% of the kernel's stall samples. */
+    if (g == 0) __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last_s = atomicAdd(&count[t], 1u) == (unsigned)nb - 1u;
+    __syncthreads();
+    if (!last_s) return;
+    __threadfence();
+
+    /* ---- the last block: reduce, mix, Sinkhorn, y and its norm ---- */
+    __shared__ float m_s[HC_NMIX_MAX], base_s[HC_NMIX_MAX];
+    __shared__ double ss_s, red2[HCP_THREADS / 32];
+    const float sc0 = scale[0];
+    float sc1 = 0.0f, sc2 = 0.0f;
+    if (threadIdx.x == 0) {
+        count[t] = 0;                             /* ready for the next launch */
+        if (!head) { sc1 = scale[1]; sc2 = scale[2]; }
+    }
+    if (warp < n_mix) {
+        float acc = 0.0f;
+        for (int bb = lane; bb < nb; bb += 32) acc += __ldcg(&dot_part[(p0 + bb) * n_mix + warp]);
+        acc = warp_sum(acc);
+        if (lane == 0) m_s[warp] = acc;
+    } else if (warp == HC_NMIX_MAX) {
+        double acc = 0.0;
+        for (int bb = lane; bb < nb; bb += 32) acc += __ldcg(&ss_part[p0 + bb]);
+        for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(FULL_MASK, acc, o);
+        if (lane == 0) ss_s = acc;
+    } else if (warp == HC_NMIX_MAX + 1) {
+        for (int r = lane; r < n_mix; r += 32) base_s[r] = base[r];
+    }
+    __syncthreads();
+    /* mix = rms * dot, and pre, computed the same way by every thread */
+    const float rs = 1.0f / sqrtf((float)(ss_s / (double)(H * D)) + rms_eps);
+    float pre[H];
+#pragma unroll
+    for (int s = 0; s < H; s++) pre[s] = sigmoid_f((m_s[s] * rs) * sc0 + base_s[s]) + hc_eps;
+
+    const float *xt = x + (int64_t)t * H * D;
+    float *yt = y + (int64_t)t * D;
+    constexpr int YT = HCP_THREADS - 32;          /* the threads of warps 1..31 */
+    const int yi = threadIdx.x - 32;
+    float yc[HCF_CACHE], nw[HCF_CACHE];
+    double ss = 0.0;
+    if (warp == 0) {
+        if (!head) {
+            /* mix = rms * dot for the post and comb logits (entries >= H: the
+             * other warps read only the pre logits, entries < H) */
+            for (int r = H + lane; r < (2 + H) * H; r += 32) m_s[r] *= rs;
+            __syncwarp();
+            hc_sinkhorn_lanes<H>(m_s, base_s, __shfl_sync(FULL_MASK, sc1, 0), __shfl_sync(FULL_MASK, sc2, 0),
+                                 hc_eps, iters, post + (int64_t)t * H, comb + (int64_t)t * H * H);
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < HCF_CACHE; j++) {
+            const int64_t e = (int64_t)j * YT + yi;
+            float acc = 0.0f;
+            nw[j] = 1.0f;
+            if (e < D) {
+                if (norm_w) nw[j] = norm_w[e];
+#pragma unroll
+                for (int s = 0; s < H; s++) acc += pre[s] * __ldcg(&xt[s * D + e]);
+            }
+            yc[j] = acc;
+            ss += (double)(acc * acc);
+        }
+        for (int64_t e = (int64_t)HCF_CACHE * YT + yi; e < D; e += YT) {
+            float acc = 0.0f;
+#pragma unroll
+            for (int s = 0; s < H; s++) acc += pre[s] * __ldcg(&xt[s * D + e]);
+            ss += (double)(acc * acc);
+        }
+    }
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(FULL_MASK, ss, o);
+    if (lane == 0) red2[warp] = ss;
+    __syncthreads();
+    if (warp == 0) return;
+    double tot = 0.0;
+    for (int wv = 0; wv < HCP_THREADS / 32; wv++) tot += red2[wv];
+    const float sc = 1.0f / sqrtf((float)(tot / (double)D) + rms_eps);
+#pragma unroll
+    for (int j = 0; j < HCF_CACHE; j++) {
+        const int64_t e = (int64_t)j * YT + yi;
+        if (e < D) yt[e] = norm_w ? yc[j] * sc * nw[j] : yc[j] * sc;
+    }
+    for (int64_t e = (int64_t)HCF_CACHE * YT + yi; e < D; e += YT) {
+        float acc = 0.0f;
+#pragma unroll
+        for (int s = 0; s < H; s++) acc += pre[s] * __ldcg(&xt[s * D + e]);
+        yt[e] = norm_w ? acc * sc * norm_w[e] : acc * sc;
+    }
+}
+
+template <int H>
+static void launch_hc_pre_t(const float *f, const float *x_res, float *x, const void *fn, int wt,
+                            const float *scale, const float *base, const float *norm_w, int nt, int64_t D,
+                            int head, float rms_eps, float hc_eps, int iters, int nb,
+                            double *ss_part, float *dot_part, float *y, float *post, float *comb) {
+    const dim3 grid((unsigned)nb, (unsigned)nt);
+    if (wt == DS4_TYPE_F16)
+        DS4_LAUNCH(k_hc_pre<H, DS4_TYPE_F16>, grid, HCP_THREADS, 0, f, x_res, x, fn, scale, base, norm_w, D, head,
+                   rms_eps, hc_eps, iters, ss_part, dot_part,
+                   sess()->hc_count, y, post, comb);
+    else
+        DS4_LAUNCH(k_hc_pre<H, DS4_TYPE_F32>, grid, HCP_THREADS, 0, f, x_res, x, fn, scale, base, norm_w, D, head,
+                   rms_eps, hc_eps, iters, ss_part, dot_part,
+                   sess()->hc_count, y, post, comb);
+}
+
+/* The one launcher of k_hc_pre (a template over H and the fn type). */
+static void launch_hc_pre(const float *f, const float *x_res, float *x, const void *fn, int wt,
+                          const float *scale, const float *base, const float *norm_w, int nt, int64_t D, int h,
+                          int head, float rms_eps, float hc_eps, int iters, int nb,
+                          double *ss_part, float *dot_part, float *y, float *post, float *comb) {
+    switch (h) {
+    case 1: launch_hc_pre_t<1>(f, x_res, x, fn, wt, scale, base, norm_w, nt, D, head, rms_eps, hc_eps, iters, nb, ss_part, dot_part, y, post, comb); break;
+    case 2: launch_hc_pre_t<2>(f, x_res, x, fn, wt, scale, base, norm_w, nt, D, head, rms_eps, hc_eps, iters, nb, ss_part, dot_part, y, post, comb); break;
+    case 3: launch_hc_pre_t<3>(f, x_res, x, fn, wt, scale, base, norm_w, nt, D, head, rms_eps, hc_eps, iters, nb, ss_part, dot_part, y, post, comb); break;
+    default: launch_hc_pre_t<4>(f, x_res, x, fn, wt, scale, base, norm_w, nt, D, head, rms_eps, hc_eps, iters, nb, ss_part, dot_part, y, post, comb); break;
+    }
+}
+
+static void cuda_hc_pre(const float *f, const float *x_res, float *x,
+                        const ds4_weight *fn, const float *scale, const float *base, const float *norm_w,
+                        int nt, int D, int n_hc, int head, float rms_eps, float hc_eps, int iters,
+                        float *flat, float *mix, float *y, float *post, float *comb) {
+    if (nt <= 0 || D <= 0) return;
+    const int h = n_hc, n_mix = head ? h : (2 + h) * h;
+    if (h < 1 || h > HC_MAX) {
+        fprintf(stderr, "ds4: hc_pre: n_hc = %d outside 1..%d\n", h, HC_MAX);
+        exit(1);
+    }
+    if (fn->ne[0] != (int64_t)h * D || fn->ne[1] != n_mix) {
+        fprintf(stderr, "ds4: hc_pre: %s must be {%d, %d}\n", fn->name ? fn->name : "fn", h * D, n_mix);
+        exit(1);
+    }
+    const int nb = (int)((D + HCP_CH - 1) / HCP_CH);
+    if (nt > HC_SPLIT_MAX_NT || (fn->type != DS4_TYPE_F32 && fn->type != DS4_TYPE_F16) ||
+        (int64_t)nb * (n_mix + 2) > (int64_t)h * D) {
+        /* the CPU op's composition: the projection through the matmul op
+         * (cuBLAS for a prompt, any weight type) */
+        if (f) launch_hc_post(f, x_res, post, comb, nt, D, h, x);
+        cuda_rmsnorm(x, NULL, flat, nt, h * D, rms_eps);
+        cuda_matmul(fn, 0, flat, mix, nt);
+        launch_hc_mix(mix, scale, base, x, nt, D, h, head, hc_eps, iters, y, post, comb);
+        cuda_rmsnorm(y, norm_w, y, nt, D, rms_eps);
+        return;
+    }
+    /* flat holds nt*h*D floats: the squares (doubles) first, then the dots */
+    double *ss_part = (double *)flat;
+    float *dot_part = flat + 2 * (int64_t)nt * nb;
+    launch_hc_pre(f, x_res, x, fn->dev, fn->type, scale, base, norm_w, nt, D, h, head, rms_eps, hc_eps, iters, nb,
+                  ss_part, dot_part, y, post, comb);
+}
+
+/* Its entries in the backend table (ds4_cuda.cu). */
+void ds4_cuda_ops_mhc(ds4_backend *b) {
+    b->hc_mix = cuda_hc_mix;
+    b->hc_post = cuda_hc_post;
+    b->hc_pre = cuda_hc_pre;
+}
