@@ -149,6 +149,18 @@ int ds4_gguf_parse(ds4_model *m, const uint8_t *buf, size_t size, char *err, siz
  * Number conversions (exact; subnormals, infinities and NaN handled).
  * ====================================================================== */
 
+/* The float whose IEEE-754 bits are b, and back. */
+static float f32_from_bits(uint32_t b) {
+    float f;
+    memcpy(&f, &b, 4);
+    return f;
+}
+static uint32_t f32_bits(float f) {
+    uint32_t b;
+    memcpy(&b, &f, 4);
+    return b;
+}
+
 float ds4_f16_to_f32(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
     uint32_t exp = (h >> 10) & 0x1fu;
@@ -169,14 +181,11 @@ float ds4_f16_to_f32(uint16_t h) {
         }
         bits = sign | (e << 23) | ((man & 0x3ffu) << 13);
     }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
+    return f32_from_bits(bits);
 }
 
 uint16_t ds4_f32_to_f16(float f) {
-    uint32_t x;
-    memcpy(&x, &f, 4);
+    uint32_t x = f32_bits(f);
     uint32_t sign = (x >> 16) & 0x8000u;
     uint32_t ax = x & 0x7fffffffu;
     if (ax > 0x7f800000u)                      /* NaN: keep the top payload bits, force quiet */
@@ -202,15 +211,11 @@ uint16_t ds4_f32_to_f16(float f) {
 }
 
 float ds4_bf16_to_f32(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
+    return f32_from_bits((uint32_t)h << 16);
 }
 
 uint16_t ds4_f32_to_bf16(float f) {
-    uint32_t x;
-    memcpy(&x, &f, 4);
+    uint32_t x = f32_bits(f);
     if ((x & 0x7fffffffu) > 0x7f800000u)       /* NaN: truncate, force quiet */
         return (uint16_t)((x >> 16) | 0x40u);
     x += 0x7fffu + ((x >> 16) & 1u);
@@ -277,15 +282,10 @@ static uint64_t gguf_le64(const uint8_t *p) {
 }
 /* Finiteness from the bits, so the checks survive -ffinite-math-only. */
 static int gguf_f32_finite(float f) {
-    uint32_t b;
-    memcpy(&b, &f, 4);
-    return (b & 0x7f800000u) != 0x7f800000u;
+    return (f32_bits(f) & 0x7f800000u) != 0x7f800000u;
 }
 static float gguf_lef32(const uint8_t *p) {
-    uint32_t b = gguf_le32(p);
-    float f;
-    memcpy(&f, &b, 4);
-    return f;
+    return f32_from_bits(gguf_le32(p));
 }
 
 /* ======================================================================
@@ -540,6 +540,26 @@ static int64_t gguf_set_add(gguf_set *S, gguf_str s, int64_t idx) {
     return -1;
 }
 
+/* Room for entry n of an array of cap entries that doubles from `first`: the array (maybe moved,
+ * *cap updated), NULL when out of memory (the old array and *cap kept). */
+static void *gguf_room(void *arr, size_t *cap, size_t n, size_t elem, size_t first) {
+    if (n < *cap) return arr;
+    size_t nc = *cap ? *cap * 2 : first;
+    void *na = realloc(arr, nc * elem);
+    if (na) *cap = nc;
+    return na;
+}
+
+/* Files the name of entry idx of a table (`table` in the out-of-memory line, `kind` in the
+ * duplicate one, nm its printable form); 0 with the failure said. */
+static int gguf_file_name(gguf_ctx *g, gguf_set *S, gguf_str name, size_t idx, const char *table,
+                          const char *kind, const char *nm) {
+    int64_t dup = gguf_set_add(S, name, (int64_t)idx);
+    if (dup == -2) return gguf_fail(g, "out of memory reading %s", table);
+    if (dup >= 0) return gguf_fail(g, "duplicate %s '%s'", kind, nm);
+    return 1;
+}
+
 static int gguf_need(gguf_ctx *g, uint64_t n, const char *what) {
     if (n <= g->size - g->pos) return 1;
     return gguf_fail(g, "truncated file: %s at offset %zu runs past end of file (size %zu)",
@@ -679,16 +699,10 @@ static int gguf_read(gguf_ctx *g) {
             kv.arr_data = g->pos + 12;
         }
         if (!gguf_skip_value(g, kv.type, 0, what)) return 0;
-        if (g->n_kv == g->cap_kv) {
-            size_t nc = g->cap_kv ? g->cap_kv * 2 : 64;
-            gguf_kv *nk = realloc(g->kv, nc * sizeof *nk);
-            if (!nk) return gguf_fail(g, "out of memory reading metadata");
-            g->kv = nk;
-            g->cap_kv = nc;
-        }
-        int64_t dup = gguf_set_add(&g->kset, kv.key, (int64_t)g->n_kv);
-        if (dup == -2) return gguf_fail(g, "out of memory reading metadata");
-        if (dup >= 0) return gguf_fail(g, "duplicate key '%s'", nm);
+        gguf_kv *nk = gguf_room(g->kv, &g->cap_kv, g->n_kv, sizeof *nk, 64);
+        if (!nk) return gguf_fail(g, "out of memory reading metadata");
+        g->kv = nk;
+        if (!gguf_file_name(g, &g->kset, kv.key, g->n_kv, "metadata", "key", nm)) return 0;
         g->kv[g->n_kv++] = kv;
     }
 
@@ -745,16 +759,10 @@ static int gguf_read(gguf_ctx *g) {
         if (t.nbytes == 0 || t.nbytes > (uint64_t)SIZE_MAX)
             return gguf_fail(g, "tensor '%s' byte size overflows", nm);
         if (!gguf_rd64(g, what, &t.offset)) return 0;
-        if (g->n_t == g->cap_t) {
-            size_t nc = g->cap_t ? g->cap_t * 2 : 256;
-            gguf_tinfo *nt = realloc(g->t, nc * sizeof *nt);
-            if (!nt) return gguf_fail(g, "out of memory reading tensor infos");
-            g->t = nt;
-            g->cap_t = nc;
-        }
-        int64_t dup = gguf_set_add(&g->tset, t.name, (int64_t)g->n_t);
-        if (dup == -2) return gguf_fail(g, "out of memory reading tensor infos");
-        if (dup >= 0) return gguf_fail(g, "duplicate tensor '%s'", nm);
+        gguf_tinfo *nt = gguf_room(g->t, &g->cap_t, g->n_t, sizeof *nt, 256);
+        if (!nt) return gguf_fail(g, "out of memory reading tensor infos");
+        g->t = nt;
+        if (!gguf_file_name(g, &g->tset, t.name, g->n_t, "tensor infos", "tensor", nm)) return 0;
         g->t[g->n_t++] = t;
     }
 
@@ -811,6 +819,17 @@ static int gguf_range_fail(gguf_ctx *g, const char *key, int64_t v, int64_t lo, 
         gguf_fail(g, "key '%s' = %lld is out of range (expected %lld..%lld)", key,
                   (long long)v, (long long)lo, (long long)hi);
     return -1;
+}
+
+/* The required key `key`, an array of strings: NULL with the failure said when missing or not one. */
+static const gguf_kv *gguf_key_strings(gguf_ctx *g, const char *key) {
+    const gguf_kv *kv = gguf_find_kv(g, key);
+    if (!kv) { gguf_key_missing(g, key, KEY_REQUIRED, "array of strings"); return NULL; }
+    if (kv->type != GGUF_T_ARRAY || kv->arr_type != GGUF_T_STRING) {
+        gguf_key_wrong_type(g, key, kv, "array of strings");
+        return NULL;
+    }
+    return kv;
 }
 
 static int gguf_key_int(gguf_ctx *g, const char *key, int req, int64_t lo, int64_t hi, int64_t *out) {
@@ -1082,21 +1101,14 @@ static int gguf_hparams(gguf_ctx *g, ds4_hparams *hp) {
         if (!gguf_streq(s, "gpt2"))
             return gguf_fail(g, "key '%s' = '%s' is not supported (ds4 reads 'gpt2' byte-level BPE or 'no_vocab')",
                              K_TOK_MODEL, gguf_show(shown, sizeof shown, s));
-        const gguf_kv *kt = gguf_find_kv(g, K_TOK_TOKENS), *km = gguf_find_kv(g, K_TOK_MERGES);
         const gguf_kv *ky = gguf_find_kv(g, K_TOK_TYPES);
-        if (!kt) { gguf_key_missing(g, K_TOK_TOKENS, KEY_REQUIRED, "array of strings"); return 0; }
-        if (kt->type != GGUF_T_ARRAY || kt->arr_type != GGUF_T_STRING) {
-            gguf_key_wrong_type(g, K_TOK_TOKENS, kt, "array of strings");
-            return 0;
-        }
+        const gguf_kv *kt = gguf_key_strings(g, K_TOK_TOKENS);
+        if (!kt) return 0;
         if (kt->arr_n != (uint64_t)hp->n_vocab)
             return gguf_fail(g, "key '%s' has %llu tokens, expected %d (the vocabulary size)", K_TOK_TOKENS,
                              (unsigned long long)kt->arr_n, hp->n_vocab);
-        if (!km) { gguf_key_missing(g, K_TOK_MERGES, KEY_REQUIRED, "array of strings"); return 0; }
-        if (km->type != GGUF_T_ARRAY || km->arr_type != GGUF_T_STRING) {
-            gguf_key_wrong_type(g, K_TOK_MERGES, km, "array of strings");
-            return 0;
-        }
+        const gguf_kv *km = gguf_key_strings(g, K_TOK_MERGES);
+        if (!km) return 0;
         if (km->arr_n > (uint64_t)INT32_MAX)
             return gguf_fail(g, "key '%s' has %llu merges", K_TOK_MERGES, (unsigned long long)km->arr_n);
         if (ky) {
@@ -2497,23 +2509,32 @@ int ds4_parse_wtype(const char *s) {
     return -1;
 }
 
-int ds4_synth_write(const char *config, uint64_t seed, int wtype, const char *path,
-                    int n_threads, char *err, size_t errlen) {
+/* The image of a synthetic model (config checked, *size bytes allocated and filled): NULL with err set. */
+static uint8_t *synth_image(const char *config, uint64_t seed, int wtype, int n_threads, size_t *size,
+                            char *err, size_t errlen) {
     if (!ds4_synth_config_ok(config)) {
         if (config && strchr(config, '@'))
             errf(err, errlen, "synthetic config '%s': unknown name or an expert count outside [top-k, 1024], or a "
                  "context length (/N) outside [1, %d]", shown(config), DS4_SYNTH_MAX_CTX);
         else
             errf(err, errlen, "unknown synthetic config '%s' (known: tiny, small, slim, flash16, small-q2, small-q4, flash-q2, flash-q4; NAME@E sets the expert count, NAME/N the context length)", shown(config));
-        return -1;
+        return NULL;
     }
-    size_t size = ds4_synth_size(config, wtype);
-    uint8_t *buf = ds4_alloc_huge(size);
-    if (!buf) { errf(err, errlen, "cannot allocate %zu bytes for the model image", size); return -1; }
-    if (ds4_synth_fill(config, seed, wtype, buf, size, n_threads, err, errlen) != 0) {
-        ds4_free_huge(buf, size);
-        return -1;
+    *size = ds4_synth_size(config, wtype);
+    uint8_t *buf = ds4_alloc_huge(*size);
+    if (!buf) { errf(err, errlen, "cannot allocate %zu bytes for the model image", *size); return NULL; }
+    if (ds4_synth_fill(config, seed, wtype, buf, *size, n_threads, err, errlen) != 0) {
+        ds4_free_huge(buf, *size);
+        return NULL;
     }
+    return buf;
+}
+
+int ds4_synth_write(const char *config, uint64_t seed, int wtype, const char *path,
+                    int n_threads, char *err, size_t errlen) {
+    size_t size;
+    uint8_t *buf = synth_image(config, seed, wtype, n_threads, &size, err, errlen);
+    if (!buf) return -1;
     char tmp[4096];
     snprintf(tmp, sizeof(tmp), "%s.tmp", path);
     FILE *f = fopen(tmp, "wb");
@@ -2537,21 +2558,9 @@ int ds4_synth_write(const char *config, uint64_t seed, int wtype, const char *pa
 
 ds4_model *ds4_synth_open(const char *config, uint64_t seed, int wtype, int n_threads,
                           char *err, size_t errlen) {
-    if (!ds4_synth_config_ok(config)) {
-        if (config && strchr(config, '@'))
-            errf(err, errlen, "synthetic config '%s': unknown name or an expert count outside [top-k, 1024], or a "
-                 "context length (/N) outside [1, %d]", shown(config), DS4_SYNTH_MAX_CTX);
-        else
-            errf(err, errlen, "unknown synthetic config '%s' (known: tiny, small, slim, flash16, small-q2, small-q4, flash-q2, flash-q4; NAME@E sets the expert count, NAME/N the context length)", shown(config));
-        return NULL;
-    }
-    size_t size = ds4_synth_size(config, wtype);
-    uint8_t *buf = ds4_alloc_huge(size);
-    if (!buf) { errf(err, errlen, "cannot allocate %zu bytes for the model image", size); return NULL; }
-    if (ds4_synth_fill(config, seed, wtype, buf, size, n_threads, err, errlen) != 0) {
-        ds4_free_huge(buf, size);
-        return NULL;
-    }
+    size_t size;
+    uint8_t *buf = synth_image(config, seed, wtype, n_threads, &size, err, errlen);
+    if (!buf) return NULL;
     ds4_model *m = ds4_model_open_memory(buf, size, 1, err, errlen);
     if (!m) ds4_free_huge(buf, size);
     return m;
@@ -3189,6 +3198,29 @@ int ds4_sample(ds4_sampler *s, const float *l, int n, void *scratch) {
 
 extern char **environ;
 
+/* A DS4_* variable that is one of two words: 1 for a, 2 for b, 0 unset, -1 (err set) otherwise. */
+static int env_choice(const char *name, const char *a, const char *b, char *err, size_t errlen) {
+    const char *v = getenv(name);
+    if (!v) return 0;
+    if (!strcmp(v, a)) return 1;
+    if (!strcmp(v, b)) return 2;
+    char shown[256];
+    errf(err, errlen, "%s='%s' is not %s or %s", name, ds4_show(shown, sizeof shown, v, strlen(v), 48), a, b);
+    return -1;
+}
+
+/* A DS4_* variable naming a file to write `what` to: *out when set, -1 (err set) when empty. */
+static int env_file(const char *name, const char *what, const char **out, char *err, size_t errlen) {
+    const char *v = getenv(name);
+    if (!v) return 0;
+    if (!*v) {
+        errf(err, errlen, "%s is empty (give the file to write %s to)", name, what);
+        return -1;
+    }
+    *out = v;
+    return 0;
+}
+
 /* Up to 48 bytes of s (n bytes) for an error line: control and non-ASCII bytes
  * as \xNN, so the message stays one line whatever the environment holds. */
 int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
@@ -3224,15 +3256,9 @@ int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
         }
         env->threads = (int)v;
     }
-    const char *g = getenv("DS4_CUDA_GRAPHS");
-    if (g) {
-        if (strcmp(g, "0") != 0 && strcmp(g, "1") != 0) {
-            errf(err, errlen, "DS4_CUDA_GRAPHS='%s' is not 0 or 1",
-                 ds4_show(shown, sizeof shown, g, strlen(g), 48));
-            return -1;
-        }
-        env->cuda_graphs = g[0] == '1';
-    }
+    const int cg = env_choice("DS4_CUDA_GRAPHS", "0", "1", err, errlen);
+    if (cg < 0) return -1;
+    if (cg) env->cuda_graphs = cg == 2;
     env->graph_cache = 64;
     env->graph_pdl = 1;
     env->ubatch = DS4_UBATCH_DEFAULT;
@@ -3275,30 +3301,9 @@ int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
         env->hooks = hk;
     }
     env->hooks_out = "ds4-hooks.ds4h";
-    const char *ho = getenv("DS4_HOOKS_OUT");
-    if (ho) {
-        if (!*ho) {
-            errf(err, errlen, "DS4_HOOKS_OUT is empty (give the file to write the hook records to)");
-            return -1;
-        }
-        env->hooks_out = ho;
-    }
-    const char *hp_ = getenv("DS4_HOOKS_POLICY");
-    if (hp_) {
-        if (strcmp(hp_, "wait") != 0 && strcmp(hp_, "drop") != 0) {
-            errf(err, errlen, "DS4_HOOKS_POLICY='%s' is not wait or drop",
-                 ds4_show(shown, sizeof shown, hp_, strlen(hp_), 48));
-            return -1;
-        }
-        env->hooks_drop = hp_[0] == 'd';
-    }
-    const char *lt = getenv("DS4_LAUNCH_TRACE");
-    if (lt) {
-        if (!*lt) {
-            errf(err, errlen, "DS4_LAUNCH_TRACE is empty (give the file to write the launch trace to)");
-            return -1;
-        }
-        env->launch_trace = lt;
-    }
-    return 0;
+    if (env_file("DS4_HOOKS_OUT", "the hook records", &env->hooks_out, err, errlen) != 0) return -1;
+    const int hp_ = env_choice("DS4_HOOKS_POLICY", "wait", "drop", err, errlen);
+    if (hp_ < 0) return -1;
+    if (hp_) env->hooks_drop = hp_ == 2;
+    return env_file("DS4_LAUNCH_TRACE", "the launch trace", &env->launch_trace, err, errlen);
 }
