@@ -79,18 +79,7 @@ struct ds4_tok {
 /* ---------------------------------------------------------------------------------------- */
 /* small helpers                                                                             */
 
-static uint64_t hash_bytes(const char *s, size_t n) {
-    uint64_t h = 1469598103934665603ull;           /* FNV-1a, then a final mix */
-    for (size_t i = 0; i < n; i++) {
-        h ^= (unsigned char) s[i];
-        h *= 1099511628211ull;
-    }
-    h ^= h >> 29;
-    h *= 0xbf58476d1ce4e5b9ull;
-    h ^= h >> 32;
-    return h;
-}
-
+/* The splitmix64 finalizer: the merge table's hash, and the final mix of hash_bytes. */
 static uint64_t hash_u64(uint64_t x) {
     x ^= x >> 30;
     x *= 0xbf58476d1ce4e5b9ull;
@@ -98,6 +87,15 @@ static uint64_t hash_u64(uint64_t x) {
     x *= 0x94d049bb133111ebull;
     x ^= x >> 31;
     return x;
+}
+
+static uint64_t hash_bytes(const char *s, size_t n) {
+    uint64_t h = 1469598103934665603ull;           /* FNV-1a, then a final mix */
+    for (size_t i = 0; i < n; i++) {
+        h ^= (unsigned char) s[i];
+        h *= 1099511628211ull;
+    }
+    return hash_u64(h);
 }
 
 static uint32_t pow2_at_least(uint64_t n) {
