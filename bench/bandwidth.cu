@@ -16,14 +16,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-#define CHECK(stmt) do {                                                            \
-        cudaError_t e_ = (stmt);                                                    \
-        if (e_ != cudaSuccess) {                                                    \
-            fprintf(stderr, "bandwidth: %s in `%s` at %s:%d\n", cudaGetErrorString(e_), \
-                    #stmt, __FILE__, __LINE__);                                     \
-            exit(1);                                                                \
-        }                                                                           \
-    } while (0)
+#define BENCH_NAME "bandwidth"
+#include "bench_util.h"
 
 #define WARMUP 3
 #define RUNS   10

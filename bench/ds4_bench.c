@@ -42,26 +42,12 @@
 
 #include "../ds4.h"
 #include "../ds4_gpu.h"
+#include "bench_util.h"
 
 #ifdef DS4_CUDA
 #include <cuda_profiler_api.h>
 #include <cuda_runtime_api.h>
 #endif
-
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
-static int cmp_d(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
-static double median(double *v, int n) {
-    qsort(v, (size_t)n, sizeof(double), cmp_d);
-    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
 
 static void fail(const char *what, const char *err) {
     fprintf(stderr, "ds4_bench: %s: %s\n", what, err);

@@ -21,16 +21,9 @@
 
 #include <stdio.h>
 #include <stdlib.h>
-#include <time.h>
 
-#define CHECK(stmt) do {                                                            \
-        cudaError_t e_ = (stmt);                                                    \
-        if (e_ != cudaSuccess) {                                                    \
-            fprintf(stderr, "launch_floor: %s in `%s` at %s:%d\n", cudaGetErrorString(e_), \
-                    #stmt, __FILE__, __LINE__);                                     \
-            exit(1);                                                                \
-        }                                                                           \
-    } while (0)
+#define BENCH_NAME "launch_floor"
+#include "bench_util.h"
 
 #define WARMUP 20
 #define RUNS   101
@@ -42,17 +35,6 @@ __global__ void k_link(const float *in, float *out) {
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
     if (threadIdx.x == 0) out[0] = in[0] + 1.0f;
-}
-
-static double now_us(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec * 1e6 + ts.tv_nsec * 1e-3;
-}
-
-static int cmp_d(const void *a, const void *b) {
-    const double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
 }
 
 /* The chain: kernel i reads buf[i % 2] and writes buf[(i + 1) % 2]. */
@@ -91,15 +73,14 @@ static double measure(cudaStream_t s, float *buf, int n, int mode) {
     }
     double t[RUNS];
     for (int r = 0; r < WARMUP + RUNS; r++) {
-        const double t0 = now_us();
+        const double t0 = now_s();
         if (exec) CHECK(cudaGraphLaunch(exec, s));
         else chain(s, buf, n, false);
         CHECK(cudaStreamSynchronize(s));
-        if (r >= WARMUP) t[r - WARMUP] = (now_us() - t0) / n;
+        if (r >= WARMUP) t[r - WARMUP] = (now_s() - t0) * 1e6 / n;
     }
     if (exec) CHECK(cudaGraphExecDestroy(exec));
-    qsort(t, RUNS, sizeof t[0], cmp_d);
-    return t[RUNS / 2];
+    return median(t, RUNS);
 }
 
 int main(int argc, char **argv) {

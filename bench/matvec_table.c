@@ -67,6 +67,7 @@
 #include "../ds4_gpu.h"
 #include "../ds4_quant.h"
 #include "../ds4_stream.h"
+#include "bench_util.h"
 
 #ifndef DS4_CUDA
 #error "matvec_table measures the CUDA backend: build it with -DDS4_CUDA (make build/cuda-ARCH/matvec_table)"
@@ -82,12 +83,6 @@ static int f_ratio(int il) { return il < 2 ? 0 : (il % 2 == 0 ? 4 : 128); }
 
 #define MB (1024.0 * 1024.0)
 #define GATE_TIMEOUT_S 2.0
-
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec + ts.tv_nsec * 1e-9;
-}
 
 #define CK(stmt) do {                                                                          \
         cudaError_t e_ = (stmt);                                                               \
@@ -402,15 +397,6 @@ static void CUDART_CB hold_stream(void *arg) {
     const double t0 = now_s();
     while (!atomic_load_explicit(&g_open, memory_order_acquire))
         if (now_s() - t0 > GATE_TIMEOUT_S) { atomic_store(&g_timed_out, 1); return; }
-}
-
-static int cmp_d(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
-static double median(double *v, int n) {
-    qsort(v, (size_t)n, sizeof(double), cmp_d);
-    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
 static cudaEvent_t ev0, ev1;
