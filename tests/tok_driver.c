@@ -138,6 +138,16 @@ static double now_ms(void) {
     return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
 }
 
+/* ds4_tok as tok_escape.h's tokenizer; g_encode_ms sums the time spent encoding. */
+static double g_encode_ms;
+static int timed_encode(const void *t, const char *s, size_t n, int special, int32_t *ids, int cap) {
+    double t0 = now_ms();
+    int r = ds4_tok_encode(t, s, n, special, ids, cap);
+    g_encode_ms += now_ms() - t0;
+    return r;
+}
+static int piece_of(const void *t, int id, char *buf, int cap) { return ds4_tok_piece(t, id, buf, cap); }
+
 static ds4_tok *build(const vocab *v, double *ms) {
     char err[256];
     double t0 = now_ms();
@@ -208,47 +218,17 @@ int main(int argc, char **argv) {
     } else if (!strcmp(cmd, "pieces") && argc >= 4) {
         FILE *o = fopen(argv[3], "w");
         if (!o) die("cannot write output");
-        char buf[4096];
-        for (int id = 0; id < ds4_tok_n_tokens(t); id++) {
-            int n = ds4_tok_piece(t, id, buf, sizeof buf);
-            if (n < 0) die("piece too long");
-            for (int k = 0; k < n; k++) fprintf(o, "%02x", (unsigned char) buf[k]);
-            fputc('\n', o);
-        }
+        if (tok_write_pieces(o, t, ds4_tok_n_tokens(t), piece_of) != 0) die("piece too long");
         fclose(o);
     } else if (!strcmp(cmd, "encode") && argc >= 5) {
         int special = !(argc > 5 && !strcmp(argv[5], "--no-special"));
         FILE *in = fopen(argv[3], "rb"), *o = fopen(argv[4], "w");
         if (!in || !o) die("cannot open corpus/output");
-        char *line = NULL;
-        size_t lcap = 0;
-        ssize_t got;
-        int cap = 1024;
-        int32_t *ids = malloc(sizeof(int32_t) * (size_t) cap);
-        long lines = 0;
-        double ms = 0;
-        while ((got = getline(&line, &lcap, in)) >= 0) {
-            size_t n = (size_t) got;
-            if (n && line[n - 1] == '\n') n--;
-            n = tok_unescape(line, n);
-            double t0 = now_ms();
-            int r = ds4_tok_encode(t, line, n, special, ids, cap);
-            if (r > cap) {
-                cap = r;
-                ids = realloc(ids, sizeof(int32_t) * (size_t) cap);
-                r = ds4_tok_encode(t, line, n, special, ids, cap);
-            }
-            ms += now_ms() - t0;
-            if (r < 0) die("encode failed");
-            for (int k = 0; k < r; k++) fprintf(o, k ? " %d" : "%d", ids[k]);
-            fputc('\n', o);
-            lines++;
-        }
+        long lines = tok_encode_corpus(in, o, t, special, timed_encode);
+        if (lines < 0) die("encode failed");
         fclose(o);
         fclose(in);
-        free(line);
-        free(ids);
-        fprintf(stderr, "tok_driver: %ld lines, encode %.1f ms\n", lines, ms);
+        fprintf(stderr, "tok_driver: %ld lines, encode %.1f ms\n", lines, g_encode_ms);
     } else {
         die("bad command");
     }

@@ -30,7 +30,6 @@
  * i.e. build/oracle/lib when linked as in the README).
  */
 #define _GNU_SOURCE
-#include <dlfcn.h>
 #include <errno.h>
 #include <limits.h>
 #include <math.h>
@@ -45,6 +44,7 @@
 
 #include "ggml-backend.h"
 #include "llama.h"
+#include "libllama_dir.h"
 
 #define PROG "llama_oracle"
 
@@ -184,18 +184,6 @@ static long parse_long(const char *s, const char *what, long lo, long hi) {
 static int is_dir(const char *p) {
     struct stat st;
     return stat(p, &st) == 0 && S_ISDIR(st.st_mode);
-}
-
-/* Directory of the shared object that defines llama_backend_init. */
-static char *libllama_dir(void) {
-    Dl_info info;
-    if (!dladdr((void *) &llama_backend_init, &info) || !info.dli_fname) return NULL;
-    char *path = realpath(info.dli_fname, NULL);
-    if (!path) return NULL;
-    char *slash = strrchr(path, '/');
-    if (!slash) { free(path); return NULL; }
-    *slash = '\0';
-    return path;
 }
 
 static int32_t argmax_row(const float *row, int n) {

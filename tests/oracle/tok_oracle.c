@@ -10,7 +10,6 @@
  * one case per line, "\\" "\n" "\r" "\t" "\xNN" escapes; ids space separated, pieces in hex.
  */
 #define _GNU_SOURCE
-#include <dlfcn.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -18,6 +17,7 @@
 
 #include "ggml-backend.h"
 #include "llama.h"
+#include "libllama_dir.h"
 #include "tok_escape.h"
 
 static void die(const char *m) { fprintf(stderr, "tok_oracle: error: %s\n", m); exit(1); }
@@ -27,15 +27,13 @@ static void log_cb(enum ggml_log_level level, const char *text, void *ud) {
     if (level == GGML_LOG_LEVEL_ERROR || getenv("TOK_ORACLE_VERBOSE")) fputs(text, stderr);
 }
 
-
-static char *libllama_dir(void) {
-    Dl_info info;
-    if (!dladdr((void *) &llama_backend_init, &info) || !info.dli_fname) return NULL;
-    char *path = realpath(info.dli_fname, NULL);
-    if (!path) return NULL;
-    char *slash = strrchr(path, '/');
-    if (slash) *slash = '\0';
-    return path;
+/* llama.cpp as tok_escape.h's tokenizer: its "-(ids needed)" becomes the count to make room for. */
+static int encode(const void *vocab, const char *s, size_t n, int special, int32_t *ids, int cap) {
+    int r = llama_tokenize(vocab, s, (int32_t) n, ids, cap, false, special);
+    return r < 0 && r != INT32_MIN ? -r : r;
+}
+static int piece_of(const void *vocab, int id, char *buf, int cap) {
+    return llama_token_to_piece(vocab, id, buf, cap, 0, true);
 }
 
 int main(int argc, char **argv) {
@@ -53,38 +51,13 @@ int main(int argc, char **argv) {
     if (!strcmp(cmd, "pieces")) {
         FILE *o = fopen(argv[3], "w");
         if (!o) die("cannot write output");
-        int n = llama_vocab_n_tokens(vocab);
-        char buf[4096];
-        for (int id = 0; id < n; id++) {
-            int k = llama_token_to_piece(vocab, id, buf, sizeof buf, 0, true);
-            if (k < 0) die("piece too long");
-            for (int j = 0; j < k; j++) fprintf(o, "%02x", (unsigned char) buf[j]);
-            fputc('\n', o);
-        }
+        if (tok_write_pieces(o, vocab, llama_vocab_n_tokens(vocab), piece_of) != 0) die("piece too long");
         fclose(o);
     } else if (!strcmp(cmd, "encode") && argc >= 5) {
-        bool special = !(argc > 5 && !strcmp(argv[5], "--no-special"));
+        int special = !(argc > 5 && !strcmp(argv[5], "--no-special"));
         FILE *in = fopen(argv[3], "rb"), *o = fopen(argv[4], "w");
         if (!in || !o) die("cannot open corpus/output");
-        char *line = NULL;
-        size_t lcap = 0;
-        ssize_t got;
-        int cap = 1024;
-        llama_token *ids = malloc(sizeof(llama_token) * (size_t) cap);
-        while ((got = getline(&line, &lcap, in)) >= 0) {
-            size_t n = (size_t) got;
-            if (n && line[n - 1] == '\n') n--;
-            n = tok_unescape(line, n);
-            int r = llama_tokenize(vocab, line, (int32_t) n, ids, cap, false, special);
-            if (r < 0) {
-                cap = -r;
-                ids = realloc(ids, sizeof(llama_token) * (size_t) cap);
-                r = llama_tokenize(vocab, line, (int32_t) n, ids, cap, false, special);
-            }
-            if (r < 0) die("llama_tokenize failed");
-            for (int k = 0; k < r; k++) fprintf(o, k ? " %d" : "%d", ids[k]);
-            fputc('\n', o);
-        }
+        if (tok_encode_corpus(in, o, vocab, special, encode) < 0) die("llama_tokenize failed");
         fclose(o);
         fclose(in);
     } else {
