@@ -83,6 +83,19 @@ def llama_dump(name, prompt=PROMPT, n_gen=N_GEN):
     return out
 
 
+def logit_diff(a, b):
+    """Two DS4LOGIT dumps fed the same tokens, all logits finite: (da, db, |dlogit| in f64, its
+    max, the row of the max)."""
+    import numpy as np
+    da, db = ds4logit.read(a), ds4logit.read(b)
+    assert da.n_vocab == db.n_vocab and da.n_rows == db.n_rows
+    assert np.array_equal(da.tokens, db.tokens), \
+        f"fed tokens differ first at row {int(np.argmax(da.tokens != db.tokens))}"
+    assert np.all(np.isfinite(da.logits)) and np.all(np.isfinite(db.logits))
+    diff = np.abs(da.logits.astype(np.float64) - db.logits.astype(np.float64))
+    return da, db, diff, float(diff.max()), int(np.unravel_index(np.argmax(diff), diff.shape)[0])
+
+
 def ds4_dump(name, tag="cpu", binary=None, extra=(), prompt=PROMPT, n_gen=N_GEN):
     out = os.path.join(OUT, f"{name}.ds4-{tag}.ds4logit")
     ds4_run(["-m", make_model(name), "--tokens", ",".join(map(str, prompt)), "-n", str(n_gen),

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import (N_GEN, OUT, PROMPT, REPO, ds4_dump, ds4_run, ds4logit, llama_dump,
-                      make_model)
+                      logit_diff, make_model)
 
 # Bound on max |dlogit| between ds4's CPU path and llama.cpp, for f32-weight models.
 # The two reference implementations agree with each other to ~1e-5 on logits of std ~1
@@ -26,14 +26,7 @@ MODELS = ["tiny", "small", "other"]
 
 
 def compare(a, b, tol):
-    da, db = ds4logit.read(a), ds4logit.read(b)
-    assert da.n_vocab == db.n_vocab and da.n_rows == db.n_rows
-    assert np.array_equal(da.tokens, db.tokens), \
-        f"fed tokens differ first at row {int(np.argmax(da.tokens != db.tokens))}"
-    assert np.all(np.isfinite(da.logits)) and np.all(np.isfinite(db.logits))
-    diff = np.abs(da.logits.astype(np.float64) - db.logits.astype(np.float64))
-    worst = float(diff.max())
-    row = int(np.unravel_index(np.argmax(diff), diff.shape)[0])
+    da, db, _, worst, row = logit_diff(a, b)
     assert worst <= tol, f"max |dlogit| {worst:.3g} at row {row} exceeds {tol:g}"
     bad = np.nonzero(da.argmax != db.argmax)[0]
     assert bad.size == 0, f"argmax differs first at row {int(bad[0])}"

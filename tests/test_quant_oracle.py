@@ -41,7 +41,8 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import (N_GEN, ORACLE_BIN, ORACLE_DIR, OUT, PROMPT, REPO, ds4_run, ds4logit, run)
+from conftest import (N_GEN, ORACLE_BIN, ORACLE_DIR, OUT, PROMPT, REPO, ds4_run, ds4logit, logit_diff,
+                      run)
 from test_oracle import LLAMA_TOL
 
 TOOLS = os.path.join(REPO, "tests", "oracle")
@@ -152,14 +153,8 @@ def ds4_forced(lay, src):
 
 
 def measure(a, b):
-    da, db = ds4logit.read(a), ds4logit.read(b)
-    assert da.n_vocab == db.n_vocab and da.n_rows == db.n_rows == len(PROMPT) + N_GEN
-    assert np.array_equal(da.tokens, db.tokens), \
-        f"fed tokens differ first at row {int(np.argmax(da.tokens != db.tokens))}"
-    assert np.all(np.isfinite(da.logits)) and np.all(np.isfinite(db.logits))
-    diff = np.abs(da.logits.astype(np.float64) - db.logits.astype(np.float64))
-    worst = float(diff.max())
-    row = int(np.unravel_index(np.argmax(diff), diff.shape)[0])
+    da, db, diff, worst, row = logit_diff(a, b)
+    assert da.n_rows == len(PROMPT) + N_GEN
     same = int(np.sum(da.argmax == db.argmax))
     return worst, row, float(diff.mean()), same, da, db
 
