@@ -32,16 +32,10 @@ import struct
 import sys
 import types
 
-try:
-    import numpy as np
-except ImportError:  # Debian's python3-numpy under another python3 of the same version
-    sys.path.append("/usr/lib/python3/dist-packages")
-    try:
-        import numpy as np
-    except ImportError:
-        sys.exit("dequant_twin.py: error: numpy not found (apt-get install -y python3-numpy)")
-
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from ds4logit import np  # noqa: E402  (numpy, with ds4logit's fallback to Debian's python3-numpy)
+
 DEFAULT_DIR = os.path.join(os.path.dirname(os.path.dirname(HERE)), "build", "oracle")
 
 GGML_TYPE_F32 = 0

@@ -51,17 +51,10 @@ import struct
 import sys
 import time
 
-try:
-    import numpy as np
-except ImportError:  # Debian's python3-numpy under another python3 of the same version
-    sys.path.append("/usr/lib/python3/dist-packages")
-    try:
-        import numpy as np
-    except ImportError:
-        sys.exit("hf_oracle.py: error: numpy not found")
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import ds4logit  # noqa: E402
 import gguf_np  # noqa: E402
+from ds4logit import np  # noqa: E402  (numpy, with ds4logit's fallback to Debian's python3-numpy)
 
 PROG = "hf_oracle.py"
 
@@ -84,62 +77,27 @@ def fail_listing(title: str, lines: list[str], limit: int = 60) -> None:
 
 
 # =================================================================================================
-# DS4LOGIT files
+# DS4LOGIT files (ds4logit.py), their failures as OracleError
 # =================================================================================================
-DS4_MAGIC = b"DS4LOGIT"
-DS4_HEADER = struct.Struct("<8s6i")
-
-
-class Ds4Logits:
-    def __init__(self, n_vocab, n_prompt, n_gen, tokens, argmax, logits):
-        self.n_vocab, self.n_prompt, self.n_gen = int(n_vocab), int(n_prompt), int(n_gen)
-        self.tokens, self.argmax, self.logits = tokens, argmax, logits
-
-    @property
-    def n_rows(self):
-        return self.n_prompt + self.n_gen
-
-
-def read_ds4logit(path: str) -> Ds4Logits:
+def read_ds4logit(path: str) -> ds4logit.Dump:
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        return ds4logit.read(path)
     except OSError as e:
         raise OracleError(f"cannot read {path}: {e.strerror}") from None
-    if len(data) < DS4_HEADER.size:
-        raise OracleError(f"{path}: too short for a DS4LOGIT header")
-    magic, ver, n_vocab, n_prompt, n_gen, n_rows, zero = DS4_HEADER.unpack_from(data, 0)
-    if magic != DS4_MAGIC:
-        raise OracleError(f"{path}: not a DS4LOGIT file (magic {magic!r})")
-    if ver != 1:
-        raise OracleError(f"{path}: DS4LOGIT version {ver}, expected 1")
-    if n_vocab <= 0 or n_prompt < 0 or n_gen < 0 or n_rows != n_prompt + n_gen or zero != 0:
-        raise OracleError(f"{path}: bad header (n_vocab {n_vocab}, P {n_prompt}, G {n_gen}, rows {n_rows}, "
-                          f"reserved {zero})")
-    need = DS4_HEADER.size + 8 * n_rows + 4 * n_rows * n_vocab
-    if len(data) != need:
-        raise OracleError(f"{path}: size {len(data)}, expected {need} for {n_rows} rows x {n_vocab}")
-    off = DS4_HEADER.size
-    tokens = np.frombuffer(data, "<i4", n_rows, off).astype(np.int32)
-    argmax = np.frombuffer(data, "<i4", n_rows, off + 4 * n_rows).astype(np.int32)
-    logits = np.frombuffer(data, "<f4", n_rows * n_vocab, off + 8 * n_rows).reshape(n_rows, n_vocab)
-    return Ds4Logits(n_vocab, n_prompt, n_gen, tokens, argmax, logits.astype(np.float32))
+    except ds4logit.FormatError as e:
+        raise OracleError(str(e)) from None
 
 
 def write_ds4logit(path: str, n_prompt: int, tokens, logits32: np.ndarray) -> np.ndarray:
-    """Write logits (float32 [n_rows, n_vocab]); returns the argmax written (of the f32 values)."""
+    """Write logits (float32 [n_rows, n_vocab]) by way of PATH.tmp; returns the argmax written (of
+    the f32 values)."""
     logits32 = np.ascontiguousarray(logits32, dtype="<f4")
-    tokens = np.ascontiguousarray(tokens, dtype="<i4")
-    n_rows, n_vocab = logits32.shape
-    if tokens.shape != (n_rows,) or not 0 <= n_prompt <= n_rows:
-        raise OracleError("write_ds4logit: tokens/rows/prompt length mismatch")
-    argmax = np.argmax(logits32, axis=1).astype("<i4") if n_rows else np.zeros(0, "<i4")
+    argmax = np.argmax(logits32, axis=1).astype("<i4") if logits32.shape[0] else np.zeros(0, "<i4")
     tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(DS4_HEADER.pack(DS4_MAGIC, 1, n_vocab, n_prompt, n_rows - n_prompt, n_rows, 0))
-        f.write(tokens.tobytes())
-        f.write(argmax.tobytes())
-        f.write(logits32.tobytes())
+    try:
+        ds4logit.write(tmp, n_prompt, tokens, logits32, argmax)
+    except ValueError:
+        raise OracleError("write_ds4logit: tokens/rows/prompt length mismatch") from None
     os.replace(tmp, path)
     return argmax
 
@@ -1158,7 +1116,7 @@ def report_leaks(mode, allow: bool):
         note("forward: no float32/16/bf16 tensor produced anywhere (float64 throughout)")
 
 
-def compare_report(ref: Ds4Logits, logits64: np.ndarray, argmax: np.ndarray, label="vs REF"):
+def compare_report(ref: ds4logit.Dump, logits64: np.ndarray, argmax: np.ndarray, label="vs REF"):
     d = np.abs(logits64 - ref.logits.astype(np.float64))
     P = ref.n_prompt
     r, v = np.unravel_index(int(np.argmax(d)), d.shape) if d.size else (0, 0)
