@@ -1879,7 +1879,7 @@ static void ix_task(void *a_, int64_t i0, int64_t i1) {
     const float ws = a->ws;
     scored *best = malloc(((size_t)nq * (size_t)(k > 0 ? k : 1)) * sizeof(scored));
     int *kept = calloc((size_t)nq, sizeof(int));
-    if (!best || !kept) { fprintf(stderr, "ds4: out of memory (indexer)\n"); exit(1); }
+    if (!best || !kept) ds4_fatal("out of memory (indexer)");
     const int n_max = ds4_comp_rows(a->pos0 + (int)i1 - 1, a->ratio);   /* the last query sees the most */
     for (int r0 = 0; r0 < n_max && k > 0; r0 += IX_CPU_TILE) {
         for (int64_t t = i0; t < i1; t++) {

@@ -155,9 +155,8 @@ static void sess_trace_line(const char *what, size_t bytes) {
 /* Size check only: every scratch was allocated when the session was made. */
 void *scratch_get(scratch_t *s, size_t bytes) {
     if (bytes > s->cap) {
-        fprintf(stderr, "ds4: %s need %zu bytes, the context was sized for %zu (ds4_limits too small)\n",
-                s->what, bytes, s->cap);
-        exit(1);
+        ds4_fatal("%s need %zu bytes, the context was sized for %zu (ds4_limits too small)",
+                  s->what, bytes, s->cap);
     }
     return s->p;
 }
@@ -424,9 +423,8 @@ static int cuda_region_begin(uint64_t key) {
     ds4_session *S = g_sess;
     if (!S || !S->lim.graphs) return DS4_REGION_ISSUE;
     if (S->capturing) {
-        fprintf(stderr, "ds4: region_begin(%llx) inside the recording of %llx\n", (unsigned long long)key,
-                (unsigned long long)S->cap_key);
-        exit(1);
+        ds4_fatal("region_begin(%llx) inside the recording of %llx", (unsigned long long)key,
+                  (unsigned long long)S->cap_key);
     }
     struct region *r = region_find(S, key);
     if (r) {
@@ -719,8 +717,7 @@ void *cuda_session_bind(void *s) {
     if (prev) ds4_stream_pop();
     g_sess = (ds4_session *)s;
     if (g_sess && ds4_stream_push(g_sess->stream) != 0) {
-        fprintf(stderr, "ds4: session_bind: the thread's stream overrides are %d deep already\n", DS4_STREAM_DEPTH);
-        exit(1);
+        ds4_fatal("session_bind: the thread's stream overrides are %d deep already", DS4_STREAM_DEPTH);
     }
     return prev;
 }

@@ -353,12 +353,10 @@ static void attention_run(const float *q, const float *kv, const float *ring, in
                           const float *sinks, float scale, float *out, float *ring_out, const ds4_rope *rp) {
     if (nt <= 0 || H <= 0) return;
     if (d < 1 || d > ATT_MAX_D) {
-        fprintf(stderr, "ds4: attention: head dim %d outside 1..%d\n", d, ATT_MAX_D);
-        exit(1);
+        ds4_fatal("attention: head dim %d outside 1..%d", d, ATT_MAX_D);
     }
     if (ratio == 4 && k > ATT_MAX_TOPK) {
-        fprintf(stderr, "ds4: attention: %d top-k rows above %d\n", k, ATT_MAX_TOPK);
-        exit(1);
+        ds4_fatal("attention: %d top-k rows above %d", k, ATT_MAX_TOPK);
     }
     attn_args a;
     memset(&a, 0, sizeof a);

@@ -28,6 +28,7 @@
 
 #include "ds4_gpu.h"
 #include "ds4_hooks.h"
+#include "ds4_msg.h"
 #include "ds4_stream.h"
 #include "ds4_cuda_quant.cuh"   /* the super-block types' element decoders (weight_elem) */
 
@@ -113,15 +114,13 @@ static inline void launch_check(cudaError_t e, const char *file, int line) {
         if (g_sess->cap_err == cudaSuccess) g_sess->cap_err = e;
         return;
     }
-    fprintf(stderr, "ds4: CUDA error %s (%s) in a kernel launch at %s:%d\n", cudaGetErrorName(e),
-            cudaGetErrorString(e), file, line);
-    exit(1);
+    ds4_fatal("CUDA error %s (%s) in a kernel launch at %s:%d", cudaGetErrorName(e),
+              cudaGetErrorString(e), file, line);
 }
 
 static inline ds4_session *sess(void) {
     if (!g_sess) {
-        fprintf(stderr, "ds4: a CUDA op was called with no session bound (ds4_gpu.h: session_new, session_bind)\n");
-        exit(1);
+        ds4_fatal("a CUDA op was called with no session bound (ds4_gpu.h: session_new, session_bind)");
     }
     return g_sess;
 }
@@ -154,23 +153,15 @@ static inline bool sess_pdl(void) { return g_sess && g_sess->capturing && g_sess
  * ------------------------------------------------------------------------- */
 
 #define DS4_CUDA_CHECK(stmt) do {                                                   \
-        cudaError_t e_ = (stmt);                                                    \
-        if (e_ != cudaSuccess) {                                                    \
-            fprintf(stderr, "ds4: CUDA error %s (%s) in `%s` at %s:%d\n",           \
-                    cudaGetErrorName(e_), cudaGetErrorString(e_), #stmt,            \
-                    __FILE__, __LINE__);                                            \
-            exit(1);                                                                \
-        }                                                                           \
+        const cudaError_t e_ = (stmt);                                              \
+        if (e_ != cudaSuccess) ds4_fatal("CUDA error %s (%s) in `%s` at %s:%d",     \
+            cudaGetErrorName(e_), cudaGetErrorString(e_), #stmt, __FILE__, __LINE__); \
     } while (0)
 
 #define DS4_CUBLAS_CHECK(stmt) do {                                                 \
-        cublasStatus_t s_ = (stmt);                                                 \
-        if (s_ != CUBLAS_STATUS_SUCCESS) {                                          \
-            fprintf(stderr, "ds4: cuBLAS error %s (%s) in `%s` at %s:%d\n",         \
-                    cublasGetStatusName(s_), cublasGetStatusString(s_), #stmt,      \
-                    __FILE__, __LINE__);                                            \
-            exit(1);                                                                \
-        }                                                                           \
+        const cublasStatus_t s_ = (stmt);                                           \
+        if (s_ != CUBLAS_STATUS_SUCCESS) ds4_fatal("cuBLAS error %s (%s) in `%s` at %s:%d", \
+            cublasGetStatusName(s_), cublasGetStatusString(s_), #stmt, __FILE__, __LINE__); \
     } while (0)
 
 /* Device memory and waits, process-wide (ds4_backend_stats): every

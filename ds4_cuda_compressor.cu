@@ -207,8 +207,7 @@ static void cuda_compressor_steps(int n, const ds4_compressor *cs, const ds4_ste
                                   const ds4_rope *rp) {
     if (n <= 0 || nt <= 0) return;
     if (n > DS4_MULTI_MAX) {
-        fprintf(stderr, "ds4: compressor_steps: %d compressors above %d\n", n, DS4_MULTI_MAX);
-        exit(1);
+        ds4_fatal("compressor_steps: %d compressors above %d", n, DS4_MULTI_MAX);
     }
     bool one_launch = nt == 1;
     int max_dc = 0;

@@ -122,9 +122,8 @@ static void launch_indexer_scores(const float *q, const float *w, float w_scale,
                                   float *scores, const ds4_rope *rp) {
     const size_t smem = ix_smem_bytes(Hi, di);
     if (smem > g_cuda.smem_optin) {
-        fprintf(stderr, "ds4: indexer: %d heads x %d dims need %zu bytes of shared memory (device max %zu)\n",
-                Hi, di, smem, g_cuda.smem_optin);
-        exit(1);
+        ds4_fatal("indexer: %d heads x %d dims need %zu bytes of shared memory (device max %zu)",
+                  Hi, di, smem, g_cuda.smem_optin);
     }
     int64_t tiles = (ld + IX_RT - 1) / IX_RT;
     if (tiles > 2 * (int64_t)g_cuda.n_sm) tiles = 2 * (int64_t)g_cuda.n_sm;
@@ -301,21 +300,17 @@ static void indexer_run(const float *q, const float *w, float w_scale, const flo
                         int32_t *out) {
     if (nt <= 0 || k <= 0) return;
     if (rp && (rp->n_rot < 0 || rp->n_rot > di || rp->n_rot % 2)) {
-        fprintf(stderr, "ds4: indexer: rope of %d dims on heads of %d\n", rp->n_rot, di);
-        exit(1);
+        ds4_fatal("indexer: rope of %d dims on heads of %d", rp->n_rot, di);
     }
     if (k > IX_SEL) {
-        fprintf(stderr, "ds4: indexer: top-k %d above %d\n", k, IX_SEL);
-        exit(1);
+        ds4_fatal("indexer: top-k %d above %d", k, IX_SEL);
     }
     ds4_session *S = sess();
     if (ratio < IX_MIN_RATIO) {
-        fprintf(stderr, "ds4: indexer: ratio %d below %d (the score rows are sized for it)\n", ratio, IX_MIN_RATIO);
-        exit(1);
+        ds4_fatal("indexer: ratio %d below %d (the score rows are sized for it)", ratio, IX_MIN_RATIO);
     }
     if (nt > S->lim.max_batch) {
-        fprintf(stderr, "ds4: indexer: %d queries above the context's batch %d\n", nt, S->lim.max_batch);
-        exit(1);
+        ds4_fatal("indexer: %d queries above the context's batch %d", nt, S->lim.max_batch);
     }
     const int64_t chunk = S->ix_chunk;
     float *scores = (float *)scratch_get(&S->ix_scores, (size_t)(chunk * S->ix_ld) * sizeof(float));

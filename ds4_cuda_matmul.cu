@@ -423,8 +423,7 @@ static void launch_matvec_fast_t(mv_args a, int n_prob, int n_tok_grid) {
     const size_t smem = mv_smem_bytes<TYPE, MODE>(a.S, norm);
     const int bps = mv_occ<TYPE, NT, MODE>::bps[a.S][norm];
     if (bps < 1) {
-        fprintf(stderr, "ds4: matvec: no occupancy for S = %d (ops_setup did not run)\n", a.S);
-        exit(1);
+        ds4_fatal("matvec: no occupancy for S = %d (ops_setup did not run)", a.S);
     }
     const dim3 grid = mv_plan(a, n_prob, n_tok_grid, bps);
     DS4_LAUNCH(k_matvec<TYPE, NT, MODE>, grid, MV_THREADS, smem, a);
@@ -520,8 +519,7 @@ int type_supported(int type) {
 
 void check_matrix_type(int type, const char *what) {
     if (!type_supported(type)) {
-        fprintf(stderr, "ds4: %s: unsupported weight type %d\n", what, type);
-        exit(1);
+        ds4_fatal("%s: unsupported weight type %d", what, type);
     }
 }
 
@@ -543,8 +541,7 @@ void matvec_run(int type, int mode, mv_args a, int n_prob, int n_tok_grid, int n
     }
     const bool fast = !dsq_is_type(type) && mv_fast_ok(a.K, a.row_bytes, a.mat_bytes, a.w, a.w2);
     if (a.n_seg > 0 && !fast) {
-        fprintf(stderr, "ds4: matvec: a multi-matrix launch needs the fast kernel's shapes\n");
-        exit(1);
+        ds4_fatal("matvec: a multi-matrix launch needs the fast kernel's shapes");
     }
     const int S = fast ? a.K / MV_SLICE : 0;
     if (!fast) {
@@ -680,22 +677,19 @@ static void cuda_matmul_multi(int n, const ds4_weight *const *w, float *const *y
                               int period) {
     if (n <= 0 || nt <= 0) return;
     if (n > DS4_MULTI_MAX) {
-        fprintf(stderr, "ds4: matmul_multi: %d matrices above %d\n", n, DS4_MULTI_MAX);
-        exit(1);
+        ds4_fatal("matmul_multi: %d matrices above %d", n, DS4_MULTI_MAX);
     }
     const int64_t K = w[0]->ne[0];
     bool done[DS4_MULTI_MAX] = { false };
     for (int i = 0; i < n; i++) {
         check_matrix_type(w[i]->type, "matmul_multi");
         if (w[i]->ne[0] != K) {
-            fprintf(stderr, "ds4: matmul_multi: %s has K = %lld, not %lld\n", w[i]->name ? w[i]->name : "?",
-                    (long long)w[i]->ne[0], (long long)K);
-            exit(1);
+            ds4_fatal("matmul_multi: %s has K = %lld, not %lld", w[i]->name ? w[i]->name : "?",
+                      (long long)w[i]->ne[0], (long long)K);
         }
     }
     if (add_tab && period <= 0) {
-        fprintf(stderr, "ds4: matmul_multi: table period %d\n", period);
-        exit(1);
+        ds4_fatal("matmul_multi: table period %d", period);
     }
     if (nt <= MV_MAX_NT) {
         for (int i = 0; i < n; i++) {
@@ -745,8 +739,7 @@ static void cuda_matmul_swiglu(const ds4_weight *gate, const ds4_weight *up, con
     if (nt <= 0) return;
     check_matrix_type(gate->type, "matmul_swiglu");
     if (up->type != gate->type || up->ne[0] != gate->ne[0] || up->ne[1] != gate->ne[1]) {
-        fprintf(stderr, "ds4: matmul_swiglu: gate and up weights differ in type or shape\n");
-        exit(1);
+        ds4_fatal("matmul_swiglu: gate and up weights differ in type or shape");
     }
     const int64_t K = gate->ne[0], F = gate->ne[1];
     if (nt <= MV_MAX_NT) {

@@ -740,8 +740,7 @@ static void mvq_launch_t(mv_args a, int n_prob, int n_tok_grid) {
     const size_t smem = mvq_smem_bytes<TYPE, MODE, NT>(nsb);
     const int bps = nsb <= MVQ_MAX_NSB ? mvq_occ<TYPE, MODE, NT>::bps[nsb] : 0;
     if (bps < 1) {
-        fprintf(stderr, "ds4: matvec_q: no occupancy for %d super-blocks per row\n", nsb);
-        exit(1);
+        ds4_fatal("matvec_q: no occupancy for %d super-blocks per row", nsb);
     }
     const dim3 grid = mvq_plan(a, n_prob, n_tok_grid, bps);
     DS4_LAUNCH(k_matvec_q<TYPE, MODE, NT>, grid, MV_THREADS, smem, a);

@@ -123,8 +123,7 @@ static void launch_hc_mix(const float *mix, const float *scale, const float *bas
                           float *y, float *post, float *comb) {
     if (nt <= 0) return;
     if (h < 1 || h > HC_MAX) {
-        fprintf(stderr, "ds4: hc_mix: n_hc = %d outside 1..%d\n", h, HC_MAX);
-        exit(1);
+        ds4_fatal("hc_mix: n_hc = %d outside 1..%d", h, HC_MAX);
     }
     dim3 grid((unsigned)((D + HC_TILE - 1) / HC_TILE > 0 ? (D + HC_TILE - 1) / HC_TILE : 1), (unsigned)nt);
     DS4_LAUNCH(k_hc_mix, grid, 256, 0, mix, scale, base, x, D, h, head, eps, iters, y, post, comb);
@@ -158,8 +157,7 @@ static void launch_hc_post(const float *f, const float *x_res, const float *post
                            int nt, int D, int h, float *x_out) {
     if (nt <= 0 || D <= 0) return;
     if (h < 1 || h > HC_MAX) {
-        fprintf(stderr, "ds4: hc_post: n_hc = %d outside 1..%d\n", h, HC_MAX);
-        exit(1);
+        ds4_fatal("hc_post: n_hc = %d outside 1..%d", h, HC_MAX);
     }
     DS4_LAUNCH(k_hc_post, grid_for((int64_t)nt * D), 256, 0, f, x_res, post, comb, nt, D, h, x_out);
 }
@@ -429,12 +427,10 @@ static void cuda_hc_pre(const float *f, const float *x_res, float *x,
     if (nt <= 0 || D <= 0) return;
     const int h = n_hc, n_mix = head ? h : (2 + h) * h;
     if (h < 1 || h > HC_MAX) {
-        fprintf(stderr, "ds4: hc_pre: n_hc = %d outside 1..%d\n", h, HC_MAX);
-        exit(1);
+        ds4_fatal("hc_pre: n_hc = %d outside 1..%d", h, HC_MAX);
     }
     if (fn->ne[0] != (int64_t)h * D || fn->ne[1] != n_mix) {
-        fprintf(stderr, "ds4: hc_pre: %s must be {%d, %d}\n", fn->name ? fn->name : "fn", h * D, n_mix);
-        exit(1);
+        ds4_fatal("hc_pre: %s must be {%d, %d}", fn->name ? fn->name : "fn", h * D, n_mix);
     }
     const int nb = (int)((D + HCP_CH - 1) / HCP_CH);
     if (nt > HC_SPLIT_MAX_NT || (fn->type != DS4_TYPE_F32 && fn->type != DS4_TYPE_F16) ||

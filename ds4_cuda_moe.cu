@@ -208,9 +208,8 @@ static void cuda_moe_route(const float *logits, const float *bias, const ds4_wei
                            int32_t *sel, float *wts) {
     if (nt <= 0) return;
     if (E < 1 || E > ROUTE_MAX_E || k < 1 || k > ROUTE_MAX_K || k > E) {
-        fprintf(stderr, "ds4: moe_route: E = %d, k = %d outside the supported 1..%d, 1..%d\n",
-                E, k, ROUTE_MAX_E, ROUTE_MAX_K);
-        exit(1);
+        ds4_fatal("moe_route: E = %d, k = %d outside the supported 1..%d, 1..%d",
+                  E, k, ROUTE_MAX_E, ROUTE_MAX_K);
     }
     launch_moe_route(logits, bias, tid2eid ? (const int32_t *)tid2eid->dev : NULL,
                      tid2eid ? tid2eid->ne[0] : 0, tokens, nt, E, k, norm, wscale, sel, wts);
@@ -340,8 +339,7 @@ static void cuda_moe_experts(const float *x, const int32_t *sel, const float *wt
     check_matrix_type(gate->type, "moe_experts gate");
     check_matrix_type(down->type, "moe_experts down");
     if (up->type != gate->type) {
-        fprintf(stderr, "ds4: moe_experts: gate and up weights must share a type\n");
-        exit(1);
+        ds4_fatal("moe_experts: gate and up weights must share a type");
     }
     if (nt <= MOE_DECODE_MAX_NT) {
         moe_decode(x, sel, wts, gate, up, down, nt, k, clamp, add, out);
@@ -354,9 +352,8 @@ static void cuda_moe_experts(const float *x, const int32_t *sel, const float *wt
      * expert) | pos (pair -> row) | expert offsets */
     ds4_session *S = sess();
     if ((size_t)(3 * pairs + E + 1) > S->host_idx_cap) {
-        fprintf(stderr, "ds4: moe_experts: %lld (token, expert) pairs of %lld experts above the context's %zu entries\n",
-                (long long)pairs, (long long)E, S->host_idx_cap);
-        exit(1);
+        ds4_fatal("moe_experts: %lld (token, expert) pairs of %lld experts above the context's %zu entries",
+                  (long long)pairs, (long long)E, S->host_idx_cap);
     }
     int32_t *hs = S->host_idx;
     int32_t *hperm = hs + pairs, *hpos = hs + 2 * pairs, *off = hs + 3 * pairs;
@@ -369,8 +366,7 @@ static void cuda_moe_experts(const float *x, const int32_t *sel, const float *wt
     for (int64_t e = 0; e <= E; e++) off[e] = 0;
     for (int64_t i = 0; i < pairs; i++) {
         if (hs[i] < 0 || hs[i] >= E) {
-            fprintf(stderr, "ds4: moe_experts: expert id %d outside 0..%lld\n", hs[i], (long long)E - 1);
-            exit(1);
+            ds4_fatal("moe_experts: expert id %d outside 0..%lld", hs[i], (long long)E - 1);
         }
         off[hs[i] + 1]++;
     }

@@ -236,8 +236,7 @@ static void launch_head_norm_rope(float *x, const float *w, int nt, int nh, floa
     if (nh2 < 0 || !x2) nh2 = 0;
     if (nt <= 0 || nh < 0 || nh + nh2 <= 0 || dh <= 0) return;
     if (dh > HNR_MAX_DH || rp->n_rot > dh) {
-        fprintf(stderr, "ds4: head_norm_rope: head width %d (rope %d) outside 1..%d\n", dh, rp->n_rot, HNR_MAX_DH);
-        exit(1);
+        ds4_fatal("head_norm_rope: head width %d (rope %d) outside 1..%d", dh, rp->n_rot, HNR_MAX_DH);
     }
     DS4_LAUNCH(k_head_norm_rope, (unsigned)((int64_t)nt * (nh + nh2)), HNR_THREADS, (size_t)dh * sizeof(float),
                x, w, nh, x2, w2, nh2, nt, dh, eps, step, rope_args_of(rp));

@@ -186,8 +186,7 @@ static void cuda_attention_probs(const float *q, const float *kv, const float *r
                                  const float *sinks, float scale, float *probs, int ld) {
     if (nt <= 0 || H <= 0) return;
     if (d < 1 || d > ATT_MAX_D) {
-        fprintf(stderr, "ds4: attention_probs: head dim %d outside 1..%d\n", d, ATT_MAX_D);
-        exit(1);
+        ds4_fatal("attention_probs: head dim %d outside 1..%d", d, ATT_MAX_D);
     }
     /* the pitch must hold the longest row list any position of the context reaches (the
      * position itself is known only on the device) */
@@ -195,9 +194,8 @@ static void cuda_attention_probs(const float *q, const float *kv, const float *r
     const int P_max = lim->n_ctx > 0 ? lim->n_ctx - 1 : 0;
     const int need = ds4_att_rows(P_max, W, ratio, ratio == 4 ? k : 0) + 1;
     if (W < 1 || ld < need) {
-        fprintf(stderr, "ds4: attention_probs: row pitch %d below the %d columns a context of %d positions "
-                "needs (window %d, ratio %d, k %d)\n", ld, need, lim->n_ctx, W, ratio, k);
-        exit(1);
+        ds4_fatal("attention_probs: row pitch %d below the %d columns a context of %d positions "
+                  "needs (window %d, ratio %d, k %d)", ld, need, lim->n_ctx, W, ratio, k);
     }
     probs_args a;
     memset(&a, 0, sizeof a);   /* every byte the launch trace records is defined */

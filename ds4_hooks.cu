@@ -434,9 +434,8 @@ static void *hk_drain_main(void *arg) {
  * capture (launch_check); outside one it is fatal, with one line. */
 static void hk_event_op(cudaError_t e, const char *what, int line) {
     if (e != cudaSuccess && !(g_sess && g_sess->capturing)) {
-        fprintf(stderr, "ds4: CUDA error %s (%s) in the hook emitter's %s at %s:%d\n", cudaGetErrorName(e),
-                cudaGetErrorString(e), what, __FILE__, line);
-        exit(1);
+        ds4_fatal("CUDA error %s (%s) in the hook emitter's %s at %s:%d", cudaGetErrorName(e),
+                  cudaGetErrorString(e), what, __FILE__, line);
     }
     launch_check(e, __FILE__, line);
 }
@@ -444,9 +443,8 @@ static void hk_event_op(cudaError_t e, const char *what, int line) {
 static void hk_fork(hk_emitter *E) {
     hk_event_op(cudaEventRecord(E->ev_fork, ds4_current_stream()), "fork", __LINE__);
     if (ds4_stream_push(E->side) != 0) {
-        fprintf(stderr, "ds4: the hook emitter cannot push its stream (ds4_stream.h: %d overrides deep)\n",
-                DS4_STREAM_DEPTH);
-        exit(1);
+        ds4_fatal("the hook emitter cannot push its stream (ds4_stream.h: %d overrides deep)",
+                  DS4_STREAM_DEPTH);
     }
     hk_event_op(cudaStreamWaitEvent(ds4_current_stream(), E->ev_fork, 0), "fork", __LINE__);
 }
@@ -611,8 +609,7 @@ static void cuda_hook_put(const ds4_hook_put *p, int n) {
     ds4_session *S = sess();
     hk_emitter *E = S->hk;
     if (!E) {
-        fprintf(stderr, "ds4: hook_put with no emitter open (ds4_gpu.h hooks_open)\n");
-        exit(1);
+        ds4_fatal("hook_put with no emitter open (ds4_gpu.h hooks_open)");
     }
     unsigned long long total = 0;
     bool small = n >= 1 && n <= HK_MANY;
