@@ -88,7 +88,7 @@
  *                           and prefill)
  *   ds4_hooks.cu            the hook emitter: device rings, producers, drain thread
  * Each family file ends with its entries in the backend table (ds4_cuda_ops_*), which
- * make_cuda_backend at the end of this file gathers.
+ * make_cuda_backend at the end of this file gathers with its own and the hook emitter's.
  */
 #include "ds4_cuda_common.cuh"
 
@@ -795,7 +795,11 @@ static ds4_backend make_cuda_backend(void) {
     ds4_cuda_ops_compressor(&b);
     ds4_cuda_ops_indexer(&b);
     ds4_cuda_ops_moe(&b);
-    ds4_cuda_ops_hooks(&b);
+    b.hooks_open = cuda_hooks_open;
+    b.hook_put = cuda_hook_put;
+    b.hooks_publish = cuda_hooks_publish;
+    b.hooks_join = cuda_hooks_join;
+    b.hooks_stats = cuda_hooks_stats;
     return b;
 }
 

@@ -406,6 +406,25 @@ __device__ __forceinline__ void rope_pair(float *v, const rope_args &r, int p, i
     v[1] = rope_rot1(x0, x1, c, s);
 }
 
+/* A row in shared memory normed, then its last n_rot elements rotated to position p: the
+ * block's THREADS threads each bring ss, their partial sum of squares (double, as the CPU op);
+ * a fixed-shape reduction through red[THREADS / 32]; every element times 1/sqrt(mean + eps)
+ * (and w[i] unless w is NULL); then one thread per rotated pair.  Ends with the row complete. */
+template <int THREADS>
+__device__ __forceinline__ void block_norm_rope(float *row, int n, const float *w, float eps, double ss,
+                                                double *red, const rope_args &r, int p) {
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(FULL_MASK, ss, o);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
+    __syncthreads();
+    double tot = 0.0;
+    for (int i = 0; i < THREADS / 32; i++) tot += red[i];
+    const float scale = 1.0f / sqrtf((float)(tot / (double)n) + eps);
+    for (int i = threadIdx.x; i < n; i += THREADS) row[i] = w ? row[i] * scale * w[i] : row[i] * scale;
+    __syncthreads();
+    for (int i = threadIdx.x; i < r.n_rot / 2; i += THREADS) rope_pair(row + (n - r.n_rot) + 2 * i, r, p, i, 0);
+    __syncthreads();
+}
+
 static inline rope_args rope_args_of(const ds4_rope *rp) {
     rope_args r;
     r.n_rot = rp->n_rot;
@@ -465,6 +484,64 @@ typedef struct {
     float    in_eps;
 } mv_args;
 
+/* A matvec block's problem (blockIdx.y) and token (blockIdx.z): its NMAT matrices (the expert
+ * sel names in the MoE modes; gate and up in gate|up mode), input and output; for
+ * matmul_multi the segment that owns blockIdx.x (bx: the block within it), its rows, matrix,
+ * output and table, whose position is read now so its latency hides behind the main loop. */
+template <int MODE, int NMAT>
+__device__ __forceinline__ void mv_problem(const mv_args &a, int prob, int tok, const uint8_t *(&W)[NMAT],
+                                           const float *&x, float *&y, int &rows, int &bx, int64_t &y_tok,
+                                           const float *&tab, int &tab_pos0) {
+    const size_t mat = (MODE == MV_DENSE || !a.sel) ? (size_t)prob
+                                                    : (size_t)a.sel[(int64_t)tok * a.k + prob];
+    W[0] = a.w + mat * a.mat_bytes;
+    if (NMAT == 2) W[NMAT - 1] = a.w2 + mat * a.mat_bytes;
+    x = a.x + (int64_t)tok * a.x_tok + (int64_t)prob * a.x_prob;
+    y = a.y + (int64_t)tok * a.y_tok + (int64_t)prob * a.y_prob;
+    rows = a.rows;
+    bx = blockIdx.x;
+    y_tok = a.y_tok;
+    tab = NULL;
+    tab_pos0 = 0;
+    if (MODE == MV_DENSE && a.n_seg > 0) {
+        int sg = 0;
+        while (sg + 1 < a.n_seg && bx >= a.seg_tile0[sg + 1]) sg++;
+        bx -= a.seg_tile0[sg];
+        rows = a.seg_rows[sg];
+        W[0] = a.seg_w[sg];
+        y = a.seg_y[sg];
+        y_tok = rows;
+        tab = a.seg_tab[sg];
+        if (tab) tab_pos0 = a.tab_step->pos0;
+    }
+}
+
+/* A matvec block's outputs, after its warps left their partials in part[plane][local row * S +
+ * slice]: the n_rows rows from row0 (those below rows), each row's S partials summed in slice
+ * order, then written as swiglu(gate, up) in gate|up mode, or per token u with the table row
+ * of position tab_pos0 + tok0 + u added (matmul_multi). */
+template <bool DUAL, int NT, int NPLANE, int PART>
+__device__ __forceinline__ void mv_write_rows(const float (&part)[NPLANE][PART], int n_rows, int row0, int rows, int S,
+                                              const mv_args &a, float *y, int64_t y_tok, const float *tab,
+                                              int tab_pos0) {
+    constexpr int NOUT = DUAL ? 1 : NT;
+    for (int idx = threadIdx.x; idx < n_rows * NOUT; idx += MV_THREADS) {
+        const int lr = idx % n_rows, u = idx / n_rows;
+        const int row = row0 + lr;
+        if (row >= rows) continue;
+        float v0 = 0.0f;
+        for (int q = 0; q < S; q++) v0 += part[DUAL ? 0 : u][lr * S + q];
+        if (DUAL) {
+            float v1 = 0.0f;
+            for (int q = 0; q < S; q++) v1 += part[NPLANE - 1][lr * S + q];
+            y[row] = silu_mul(v0, v1, a.clamp);
+        } else {
+            if (tab) v0 = __fadd_rn(v0, tab[(int64_t)((tab_pos0 + a.tok0 + u) % a.tab_period) * rows + row]);
+            y[(int64_t)u * y_tok + row] = v0;
+        }
+    }
+}
+
 /* ---------------------------------------------------------------------------
  * Between files
  *
@@ -518,8 +595,12 @@ void ds4_cuda_ops_indexer(ds4_backend *b);
 void launch_swiglu(const float *g, const float *u, float *y, int64_t rows, int64_t cols, int64_t ld_in,
                    int64_t ld_out, float limit);
 void ds4_cuda_ops_moe(ds4_backend *b);
-/* ds4_hooks.cu */
+/* ds4_hooks.cu: the emitter's close (session_free) and its entries in the backend table */
 void hk_close(ds4_session *S);
-void ds4_cuda_ops_hooks(ds4_backend *b);
+int cuda_hooks_open(const ds4_hooks_cfg *cfg, char *err, size_t errlen);
+void cuda_hook_put(const ds4_hook_put *p, int n);
+void cuda_hooks_publish(void);
+void cuda_hooks_join(void);
+void cuda_hooks_stats(ds4_hooks_stats *st, int flush);
 
 #endif /* DS4_CUDA_COMMON_CUH */

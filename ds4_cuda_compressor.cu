@@ -143,18 +143,7 @@ __global__ void __launch_bounds__(CST_THREADS) k_compressor_step(const cst_set s
             cst_row[ch] = v;
             ss += (double)(v * v);
         }
-        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(FULL_MASK, ss, o);
-        if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
-        __syncthreads();
-        double tot = 0.0;
-        for (int i = 0; i < CST_THREADS / 32; i++) tot += red[i];
-        const float scale = 1.0f / sqrtf((float)(tot / (double)dc) + eps);
-        for (int ch = threadIdx.x; ch < dc; ch += CST_THREADS)
-            cst_row[ch] = norm_w ? cst_row[ch] * scale * norm_w[ch] : cst_row[ch] * scale;
-        __syncthreads();
-        for (int i = threadIdx.x; i < r.n_rot / 2; i += CST_THREADS)
-            rope_pair(cst_row + (dc - r.n_rot) + 2 * i, r, w0 * ratio, i, 0);
-        __syncthreads();
+        block_norm_rope<CST_THREADS>(cst_row, dc, norm_w, eps, ss, red, r, w0 * ratio);
         for (int ch = threadIdx.x; ch < dc; ch += CST_THREADS) rows[(int64_t)w0 * dc + ch] = cst_row[ch];
     }
     __syncthreads();

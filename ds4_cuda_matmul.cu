@@ -184,28 +184,9 @@ __global__ void __launch_bounds__(MV_THREADS, NT >= 4 ? 1 : NT >= 2 ? 2 : MV_MIN
     uint8_t *stage = mv_smem + (size_t)S * MV_XS_FLOATS * sizeof(float);
     float *ws = (float *)(stage + mv_ring_bytes<TYPE, MODE>());      /* in_norm: [S][MV_XS_FLOATS] */
 
-    const size_t mat = (MODE == MV_DENSE || !a.sel) ? (size_t)prob
-                                                    : (size_t)a.sel[(int64_t)tok * a.k + prob];
-    const uint8_t *W[NMAT];
-    W[0] = a.w + mat * a.mat_bytes;
-    if (DUAL) W[NMAT - 1] = a.w2 + mat * a.mat_bytes;
-    const float *x = a.x + (int64_t)tok * a.x_tok + (int64_t)prob * a.x_prob;
-    float *y = a.y + (int64_t)tok * a.y_tok + (int64_t)prob * a.y_prob;
-    int rows = a.rows, bx = blockIdx.x;
-    int64_t y_tok = a.y_tok;
-    const float *tab = NULL;
-    int tab_pos0 = 0;                           /* read now: its latency hides behind the main loop */
-    if (MODE == MV_DENSE && a.n_seg > 0) {      /* matmul_multi: find this block's matrix */
-        int sg = 0;
-        while (sg + 1 < a.n_seg && bx >= a.seg_tile0[sg + 1]) sg++;
-        bx -= a.seg_tile0[sg];
-        rows = a.seg_rows[sg];
-        W[0] = a.seg_w[sg];
-        y = a.seg_y[sg];
-        y_tok = rows;
-        tab = a.seg_tab[sg];
-        if (tab) tab_pos0 = a.tab_step->pos0;
-    }
+    const uint8_t *W[NMAT];            /* the block's problem (mv_problem) */
+    const float *x, *tab; float *y; int rows, bx, tab_pos0; int64_t y_tok;
+    mv_problem<MODE, NMAT>(a, prob, tok, W, x, y, rows, bx, y_tok, tab, tab_pos0);
 
     /* my rows: first + G*i, i < n_mine */
     const int first = bx * tile + g;
@@ -334,24 +315,18 @@ __global__ void __launch_bounds__(MV_THREADS, NT >= 4 ? 1 : NT >= 2 ? 2 : MV_MIN
     }
     __syncthreads();
 
-    /* sum each row's S slice partials in slice order */
-    constexpr int NOUT = DUAL ? 1 : NT;
-    for (int idx = threadIdx.x; idx < tile * NOUT; idx += MV_THREADS) {
-        const int lr = idx % tile, u = idx / tile;
-        const int row = bx * tile + lr;
-        if (row >= rows) continue;
-        float v0 = 0.0f;
-        for (int q = 0; q < S; q++) v0 += part[DUAL ? 0 : u][lr * S + q];
-        if (DUAL) {
-            float v1 = 0.0f;
-            for (int q = 0; q < S; q++) v1 += part[NPLANE - 1][lr * S + q];
-            y[row] = silu_mul(v0, v1, a.clamp);
-        } else {
-            if (tab) v0 = __fadd_rn(v0, tab[(int64_t)((tab_pos0 + a.tok0 + u) % a.tab_period) * rows + row]);
-            y[(int64_t)u * y_tok + row] = v0;
-        }
-    }
+    mv_write_rows<DUAL, NT>(part, tile, bx * tile, rows, S, a, y, y_tok, tab, tab_pos0);
+}
 
+/* Units (rows, or 16-row tiles) per warp: enough blocks per problem for one wave of want_blocks
+ * over probs problems, G warps a block; at least 1, at most max. */
+static int mv_rpg(int64_t units, int G, int64_t want_blocks, int64_t probs, int max) {
+    int64_t per_prob = (want_blocks + probs - 1) / probs;
+    if (per_prob < 1) per_prob = 1;
+    int64_t rpg = (units + G * per_prob - 1) / (G * per_prob);
+    if (rpg < 1) rpg = 1;
+    if (rpg > max) rpg = max;
+    return (int)rpg;
 }
 
 /* Rows per warp and the grid of a fast launch.  One wave: aim for as many
@@ -368,12 +343,7 @@ static dim3 mv_plan(mv_args &a, int n_prob, int n_tok_grid, int blocks_per_sm) {
         all_rows = 0;
         for (int i = 0; i < a.n_seg; i++) all_rows += a.seg_rows[i];
     }
-    int64_t per_prob = (want_blocks + probs - 1) / probs;
-    if (per_prob < 1) per_prob = 1;
-    int64_t rpg = (all_rows + G * per_prob - 1) / (G * per_prob);
-    if (rpg < 1) rpg = 1;
-    if (rpg > MV_RPG_MAX) rpg = MV_RPG_MAX;
-    a.rpg = (int)rpg;
+    a.rpg = mv_rpg(all_rows, G, want_blocks, probs, MV_RPG_MAX);
     const int tile = G * a.rpg;
     int64_t tiles = (a.rows + tile - 1) / tile;
     if (a.n_seg > 0) {
@@ -535,15 +505,11 @@ static bool mv_fast_ok(int64_t K, size_t row_bytes, size_t mat_bytes, const void
  * (blockIdx.z, MoE modes) x nt_dense tokens inside (dense mode). */
 void matvec_run(int type, int mode, mv_args a, int n_prob, int n_tok_grid, int nt_dense) {
     if ((a.n_seg == 0 && a.rows <= 0) || n_prob <= 0 || n_tok_grid <= 0 || nt_dense <= 0) return;
-    if (dsq_is_type(type) && mvq_fast_ok(type, mode, a.K, a.row_bytes, a.mat_bytes, a.w, a.w2)) {
-        matvec_q_run(type, mode, a, n_prob, n_tok_grid, nt_dense);
-        return;
-    }
-    const bool fast = !dsq_is_type(type) && mv_fast_ok(a.K, a.row_bytes, a.mat_bytes, a.w, a.w2);
+    const bool quant = dsq_is_type(type) && mvq_fast_ok(type, mode, a.K, a.row_bytes, a.mat_bytes, a.w, a.w2);
+    const bool fast = quant || (!dsq_is_type(type) && mv_fast_ok(a.K, a.row_bytes, a.mat_bytes, a.w, a.w2));
     if (a.n_seg > 0 && !fast) {
         ds4_fatal("matvec: a multi-matrix launch needs the fast kernel's shapes");
     }
-    const int S = fast ? a.K / MV_SLICE : 0;
     if (!fast) {
         dim3 grid((unsigned)((a.rows + MV_WARPS - 1) / MV_WARPS), (unsigned)n_prob, (unsigned)n_tok_grid);
         switch (type) {
@@ -557,14 +523,25 @@ void matvec_run(int type, int mode, mv_args a, int n_prob, int n_tok_grid, int n
         }
         return;
     }
-    a.S = S;
-    /* dense tokens in chunks of 4, 2, 1 (the activations of a chunk live in registers) */
-    mv_token_chunks(a, nt_dense, 4, [&](const mv_args &c, int chunk) {
+    /* dense tokens in chunks of 4, 2, 1 (the activations of a chunk live in registers); the
+     * super-block types' kernel takes two at most (three f16 parts per token fill 6 of the
+     * MMA's 8 columns) and sets the slices itself (mvq_plan) */
+    int max_chunk = 4;
+    if (quant) {
+        if (mode != MV_DENSE) nt_dense = 1;
+        max_chunk = mode == MV_DENSE && mvq_shape_ok(type, mode, 2, a.K, a.row_bytes, a.mat_bytes, a.w, a.w2) ? 2 : 1;
+    } else {
+        a.S = a.K / MV_SLICE;
+    }
+    mv_token_chunks(a, nt_dense, max_chunk, [&](const mv_args &c, int chunk) {
         switch (type) {
-        case DS4_TYPE_F32:  matvec_fast_type<DS4_TYPE_F32>(c, n_prob, n_tok_grid, mode, chunk); break;
-        case DS4_TYPE_F16:  matvec_fast_type<DS4_TYPE_F16>(c, n_prob, n_tok_grid, mode, chunk); break;
-        case DS4_TYPE_BF16: matvec_fast_type<DS4_TYPE_BF16>(c, n_prob, n_tok_grid, mode, chunk); break;
-        default:            matvec_fast_type<DS4_TYPE_Q8_0>(c, n_prob, n_tok_grid, mode, chunk); break;
+        case DS4_TYPE_F32:     matvec_fast_type<DS4_TYPE_F32>(c, n_prob, n_tok_grid, mode, chunk); break;
+        case DS4_TYPE_F16:     matvec_fast_type<DS4_TYPE_F16>(c, n_prob, n_tok_grid, mode, chunk); break;
+        case DS4_TYPE_BF16:    matvec_fast_type<DS4_TYPE_BF16>(c, n_prob, n_tok_grid, mode, chunk); break;
+        case DS4_TYPE_Q2_K:    mvq_type<DS4_TYPE_Q2_K>(c, n_prob, n_tok_grid, mode, chunk); break;
+        case DS4_TYPE_Q4_K:    mvq_type<DS4_TYPE_Q4_K>(c, n_prob, n_tok_grid, mode, chunk); break;
+        case DS4_TYPE_IQ2_XXS: mvq_type<DS4_TYPE_IQ2_XXS>(c, n_prob, n_tok_grid, mode, chunk); break;
+        default:               matvec_fast_type<DS4_TYPE_Q8_0>(c, n_prob, n_tok_grid, mode, chunk); break;
         }
     });
 }

@@ -4,7 +4,7 @@
  * What it is.  The decode matvec for the three types, with exactly the interface and modes
  * of k_matvec in ds4_cuda_matmul.cu (dense with 1..2 tokens, matmul_multi segments, the input
  * RMSNorm, the ape table; MoE gate|up with SwiGLU; MoE down with per-slot activations).
- * matvec_q_run is its entry (the counterpart of matvec_run), mvq_launch_t its one launcher.
+ * matvec_run (ds4_cuda_matmul.cu) enters it through mvq_type, mvq_launch_t is its one launcher.
  * The element decoders it builds on (dsq_*) are ds4_cuda_quant.cuh.
  *
  * Why tensor cores, in a memory-bound kernel.  Decode streams each expert weight once, so
@@ -182,6 +182,23 @@ __device__ __forceinline__ void mvq_mma_i8(int (&d)[4], uint32_t a0, uint32_t a1
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b.x), "r"(b.y));
 }
 
+/* Zeroed MMA accumulators of NMAT matrices. */
+template <typename T, int NMAT>
+__device__ __forceinline__ void mvq_zero(T (&D)[NMAT][4]) {
+#pragma unroll
+    for (int m = 0; m < NMAT; m++)
+#pragma unroll
+        for (int c = 0; c < 4; c++) D[m][c] = (T)0;
+}
+
+/* The staged rows a lane reads of a 16-row tile of NMAT matrices: [matrix][g, g+8], from r0 =
+ * row g of matrix 0 (row g+8 is 8 RS later, matrix m 16 RS m later). */
+template <int TYPE, int NMAT>
+__device__ __forceinline__ void mvq_rows(const uint8_t *r0, const uint8_t *(&rp)[2 * NMAT]) {
+#pragma unroll
+    for (int k = 0; k < 2 * NMAT; k++) rp[k] = r0 + (size_t)((k >> 1) * 16 + 8 * (k & 1)) * mvq_traits<TYPE>::RS;
+}
+
 /* The integer path's SB of a 16-row tile (Q2_K, Q4_K), for each of the NMAT matrices: Dm = the
  * integer sums of (scale x quant) x digit (Q4_K: 16 sc q), Dn = those of min x digit, both
  * exact in s32 (|Dm| <= 8 x 32 x 45 x 64 for Q2_K, 8 x 32 x 16 x 15 x 63 x 64 for Q4_K; |Dn|
@@ -195,12 +212,9 @@ __device__ __forceinline__ void mvq_sb_i8(const uint8_t *r0, const uint2 *xb, in
     typedef mvq_traits<TYPE> TR;
     constexpr int NR = 2 * NMAT;       /* staged rows this lane reads: [matrix][g, g+8] */
     const uint8_t *rp[NR];
-#pragma unroll
-    for (int k = 0; k < NR; k++) rp[k] = r0 + (size_t)((k >> 1) * 16 + 8 * (k & 1)) * TR::RS;
-#pragma unroll
-    for (int m = 0; m < NMAT; m++)
-#pragma unroll
-        for (int c = 0; c < 4; c++) Dm[m][c] = Dn[m][c] = 0;
+    mvq_rows<TYPE, NMAT>(r0, rp);
+    mvq_zero(Dm);
+    mvq_zero(Dn);
     if (TYPE == DS4_TYPE_Q2_K) {
         uint32_t S[NR][4];
 #pragma unroll
@@ -285,12 +299,8 @@ __device__ __forceinline__ void mvq_sb(const uint8_t *r0, uint32_t odd, const ui
     constexpr int XS = 4 * 3 * NT;     /* uint2 stride between MMAs */
     constexpr int NR = 2 * NMAT;       /* staged rows this lane reads: [matrix][g, g+8] */
     const uint8_t *rp[NR];
-#pragma unroll
-    for (int k = 0; k < NR; k++) rp[k] = r0 + (size_t)((k >> 1) * 16 + 8 * (k & 1)) * TR::RS;
-#pragma unroll
-    for (int m = 0; m < NMAT; m++)
-#pragma unroll
-        for (int c = 0; c < 4; c++) D[m][c] = 0.0f;
+    mvq_rows<TYPE, NMAT>(r0, rp);
+    mvq_zero(D);
     if (TYPE == DS4_TYPE_IQ2_XXS) {
 #pragma unroll
         for (int k = 0; k < NR; k++) dr[k >> 1][k & 1] = dsq_f16(*(const uint16_t *)rp[k]);
@@ -347,28 +357,9 @@ __global__ void __launch_bounds__(MV_THREADS, MVQ_MIN_BLOCKS) k_matvec_q(const m
     uint8_t *ring = mvq_smem + L.ring + (size_t)warp * ST * NMAT * 16 * TR::RS;
 
     const int prob = blockIdx.y, tok = blockIdx.z;
-    const size_t mat = (MODE == MV_DENSE || !a.sel) ? (size_t)prob
-                                                    : (size_t)a.sel[(int64_t)tok * a.k + prob];
-    const uint8_t *W[NMAT];
-    W[0] = a.w + mat * a.mat_bytes;
-    if (DUAL) W[NMAT - 1] = a.w2 + mat * a.mat_bytes;
-    const float *x = a.x + (int64_t)tok * a.x_tok + (int64_t)prob * a.x_prob;
-    float *y = a.y + (int64_t)tok * a.y_tok + (int64_t)prob * a.y_prob;
-    int rows = a.rows, bx = blockIdx.x;
-    int64_t y_tok = a.y_tok;
-    const float *tab = NULL;
-    int tab_pos0 = 0;                           /* read now: its latency hides behind the main loop */
-    if (MODE == MV_DENSE && a.n_seg > 0) {      /* matmul_multi: find this block's matrix */
-        int sg = 0;
-        while (sg + 1 < a.n_seg && bx >= a.seg_tile0[sg + 1]) sg++;
-        bx -= a.seg_tile0[sg];
-        rows = a.seg_rows[sg];
-        W[0] = a.seg_w[sg];
-        y = a.seg_y[sg];
-        y_tok = rows;
-        tab = a.seg_tab[sg];
-        if (tab) tab_pos0 = a.tab_step->pos0;
-    }
+    const uint8_t *W[NMAT];            /* the block's problem (mv_problem) */
+    const float *x, *tab; float *y; int rows, bx, tab_pos0; int64_t y_tok;
+    mv_problem<MODE, NMAT>(a, prob, tok, W, x, y, rows, bx, y_tok, tab, tab_pos0);
     const size_t rbytes = a.row_bytes;
     const bool cg16 = ((((uintptr_t)W[0]) | ((uintptr_t)W[NMAT - 1]) | (uintptr_t)rbytes) & 15u) == 0;
 
@@ -618,24 +609,7 @@ __global__ void __launch_bounds__(MV_THREADS, MVQ_MIN_BLOCKS) k_matvec_q(const m
     cp_async_wait<0>();
     __syncthreads();
 
-    /* sum each row's S slice partials in slice order */
-    constexpr int NOUT = DUAL ? 1 : NT;
-    const int tile_rows = G * a.rpg * 16;
-    for (int idx = threadIdx.x; idx < tile_rows * NOUT; idx += MV_THREADS) {
-        const int lr = idx % tile_rows, u = idx / tile_rows;
-        const int row = T0 * 16 + lr;
-        if (row >= rows) continue;
-        float v0 = 0.0f;
-        for (int qq = 0; qq < S; qq++) v0 += part[DUAL ? 0 : u][lr * S + qq];
-        if (DUAL) {
-            float v1 = 0.0f;
-            for (int qq = 0; qq < S; qq++) v1 += part[NPLANE - 1][lr * S + qq];
-            y[row] = silu_mul(v0, v1, a.clamp);
-        } else {
-            if (tab) v0 = __fadd_rn(v0, tab[(int64_t)((tab_pos0 + a.tok0 + u) % a.tab_period) * rows + row]);
-            y[(int64_t)u * y_tok + row] = v0;
-        }
-    }
+    mv_write_rows<DUAL, NT>(part, G * a.rpg * 16, T0 * 16, rows, S, a, y, y_tok, tab, tab_pos0);
 }
 
 /* Slices, rows per warp and the grid of a launch (as mv_plan: aim for one wave of
@@ -654,12 +628,7 @@ static dim3 mvq_plan(mv_args &a, int n_prob, int n_tok_grid, int blocks_per_sm) 
         all_tiles = 0;
         for (int i = 0; i < a.n_seg; i++) all_tiles += (a.seg_rows[i] + 15) / 16;
     }
-    int64_t per_prob = (want_blocks + probs - 1) / probs;
-    if (per_prob < 1) per_prob = 1;
-    int64_t rpg = (all_tiles + G * per_prob - 1) / (G * per_prob);
-    if (rpg < 1) rpg = 1;
-    if (rpg > MVQ_RPG_MAX) rpg = MVQ_RPG_MAX;
-    a.rpg = (int)rpg;
+    a.rpg = mv_rpg(all_tiles, G, want_blocks, probs, MVQ_RPG_MAX);
     const int64_t blk_tiles = (int64_t)G * a.rpg;
     int64_t blocks = ((a.rows + 15) / 16 + blk_tiles - 1) / blk_tiles;
     if (a.n_seg > 0) {
@@ -752,24 +721,6 @@ static void mvq_type(const mv_args &a, int n_prob, int n_tok_grid, int mode, int
     else if (mode == MV_DOWN) mvq_launch_t<TYPE, MV_DOWN, 1>(a, n_prob, n_tok_grid);
     else if (nt == 2) mvq_launch_t<TYPE, MV_DENSE, 2>(a, n_prob, n_tok_grid);
     else mvq_launch_t<TYPE, MV_DENSE, 1>(a, n_prob, n_tok_grid);
-}
-
-/* Run a matvec problem set of a Q2_K / Q4_K / IQ2_XXS matrix: the semantics of matvec_run
- * (n_prob problems on blockIdx.y, n_tok_grid tokens on blockIdx.z in the MoE modes, nt_dense
- * tokens inside a dense launch), for shapes mvq_fast_ok accepts.  Dense tokens go two per
- * launch (three f16 parts per token fill 6 of the MMA's 8 columns). */
-static void matvec_q_run(int type, int mode, const mv_args &a0, int n_prob, int n_tok_grid, int nt_dense) {
-    if ((a0.n_seg == 0 && a0.rows <= 0) || n_prob <= 0 || n_tok_grid <= 0 || nt_dense <= 0) return;
-    if (mode != MV_DENSE) nt_dense = 1;
-    const bool two = mode == MV_DENSE &&
-                     mvq_shape_ok(type, mode, 2, a0.K, a0.row_bytes, a0.mat_bytes, a0.w, a0.w2);
-    mv_token_chunks(a0, nt_dense, two ? 2 : 1, [&](const mv_args &c, int chunk) {
-        switch (type) {
-        case DS4_TYPE_Q2_K: mvq_type<DS4_TYPE_Q2_K>(c, n_prob, n_tok_grid, mode, chunk); break;
-        case DS4_TYPE_Q4_K: mvq_type<DS4_TYPE_Q4_K>(c, n_prob, n_tok_grid, mode, chunk); break;
-        default:            mvq_type<DS4_TYPE_IQ2_XXS>(c, n_prob, n_tok_grid, mode, chunk); break;
-        }
-    });
 }
 
 /* ---------------------------------------------------------------------------

@@ -216,18 +216,7 @@ __global__ void __launch_bounds__(HNR_THREADS) k_head_norm_rope(float *x, const 
         row_s[i] = v;
         ss += (double)(v * v);
     }
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(FULL_MASK, ss, o);
-    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
-    __syncthreads();
-    double tot = 0.0;
-    for (int i = 0; i < HNR_THREADS / 32; i++) tot += red[i];
-    const float scale = 1.0f / sqrtf((float)(tot / (double)dh) + eps);
-    for (int i = threadIdx.x; i < dh; i += HNR_THREADS)
-        row_s[i] = w ? row_s[i] * scale * w[i] : row_s[i] * scale;
-    __syncthreads();
-    for (int i = threadIdx.x; i < r.n_rot / 2; i += HNR_THREADS)
-        rope_pair(row_s + (dh - r.n_rot) + 2 * i, r, pos0 + t, i, 0);
-    __syncthreads();
+    block_norm_rope<HNR_THREADS>(row_s, dh, w, eps, ss, red, r, pos0 + t);
     for (int i = threadIdx.x; i < dh; i += HNR_THREADS) xr[i] = row_s[i];
 }
 

@@ -45,21 +45,14 @@ static __constant__ uint8_t dsq_mag_dev[4] = DS4_IQ2XXS_MAG_INIT;
 static const uint16_t dsq_grid_host[256] = DS4_IQ2XXS_GRID_CODES_INIT;
 static const uint8_t dsq_mag_host[4] = DS4_IQ2XXS_MAG_INIT;
 
-__host__ __device__ __forceinline__ uint32_t dsq_grid(int i) {
+/* The table's device copy on the device, its host copy on the host. */
 #ifdef __CUDA_ARCH__
-    return dsq_grid_dev[i];
+#define DSQ_TABLE(name) name##_dev
 #else
-    return dsq_grid_host[i];
+#define DSQ_TABLE(name) name##_host
 #endif
-}
-
-__host__ __device__ __forceinline__ uint32_t dsq_mag(int code) {
-#ifdef __CUDA_ARCH__
-    return dsq_mag_dev[code];
-#else
-    return dsq_mag_host[code];
-#endif
-}
+__host__ __device__ __forceinline__ uint32_t dsq_grid(int i) { return DSQ_TABLE(dsq_grid)[i]; }
+__host__ __device__ __forceinline__ uint32_t dsq_mag(int code) { return DSQ_TABLE(dsq_mag)[code]; }
 
 /* IEEE binary16 -> binary32, exact.  The host path is ds4_quant.c's (NaN payloads kept,
  * quieted); the device uses the conversion instruction (valid blocks have finite scales,

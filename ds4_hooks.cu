@@ -496,7 +496,7 @@ static void hk_free(hk_emitter *E) {
     free(E);
 }
 
-static int cuda_hooks_open(const ds4_hooks_cfg *cfg, char *err, size_t errlen) {
+int cuda_hooks_open(const ds4_hooks_cfg *cfg, char *err, size_t errlen) {
     ds4_session *S = sess();
     if (S->hk) { snprintf(err, errlen, "DS4_HOOKS: the context's emitter is open already"); return -1; }
     if (cfg->ring_bytes < 64 || cfg->ring_bytes % 8 || cfg->ring_slots < 2) {
@@ -605,7 +605,7 @@ static void hk_put_one(const hk_emitter *E, const ds4_hook_put *p) {
 
 /* n records made at the same point of the step: one launch when they are small together (a
  * decode step's), so a step pays one node for them; otherwise one at a time. */
-static void cuda_hook_put(const ds4_hook_put *p, int n) {
+void cuda_hook_put(const ds4_hook_put *p, int n) {
     ds4_session *S = sess();
     hk_emitter *E = S->hk;
     if (!E) {
@@ -634,17 +634,17 @@ static void cuda_hook_put(const ds4_hook_put *p, int n) {
     hk_unfork(E);
 }
 
-static void cuda_hooks_join(void) {
+void cuda_hooks_join(void) {
     ds4_session *S = sess();
     if (S->hk) hk_join(S->hk);
 }
 
-static void cuda_hooks_publish(void) {
+void cuda_hooks_publish(void) {
     ds4_session *S = sess();
     if (S->hk) hk_launch_publish(S->hk);
 }
 
-static void cuda_hooks_stats(ds4_hooks_stats *st, int flush) {
+void cuda_hooks_stats(ds4_hooks_stats *st, int flush) {
     ds4_session *S = sess();
     memset(st, 0, sizeof *st);
     hk_emitter *E = S->hk;
@@ -696,13 +696,4 @@ void hk_close(ds4_session *S) {
     S->hk = NULL;
     hk_free(E);
     cuda_session_bind(prev);
-}
-
-/* Its entries in the backend table (ds4_cuda.cu). */
-void ds4_cuda_ops_hooks(ds4_backend *b) {
-    b->hooks_open = cuda_hooks_open;
-    b->hook_put = cuda_hook_put;
-    b->hooks_publish = cuda_hooks_publish;
-    b->hooks_join = cuda_hooks_join;
-    b->hooks_stats = cuda_hooks_stats;
 }
