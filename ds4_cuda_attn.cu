@@ -283,8 +283,7 @@ __global__ void k_attention_combine(const attn_args a) {
         const int c = threadIdx.x;
         if (c >= chunks) { mc = -INFINITY; lc = 0.0f; }
         const float sink = a.sinks[h];
-        float M = mc;
-        for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(FULL_MASK, M, o));
+        float M = warp_max(mc);
         M = fmaxf(M, sink);
         const float f = mc == -INFINITY ? 0.0f : expf(mc - M);
         const float denom = warp_sum(lc * f);

@@ -267,10 +267,7 @@ __device__ __forceinline__ void ds4_grid_dep(void) {
 #endif
 }
 
-__device__ __forceinline__ float f16_bits_to_f32(uint16_t h) {
-    return __half2float(__ushort_as_half(h));
-}
-
+/* f16: dsq_f16 (ds4_cuda_quant.cuh), host and device. */
 __device__ __forceinline__ float bf16_bits_to_f32(uint16_t h) {
     return __uint_as_float((uint32_t)h << 16);
 }
@@ -279,11 +276,11 @@ __device__ __forceinline__ float bf16_bits_to_f32(uint16_t h) {
 __device__ __forceinline__ float weight_elem(int type, const uint8_t *row, int64_t k) {
     switch (type) {
     case DS4_TYPE_F32:  return ((const float *)row)[k];
-    case DS4_TYPE_F16:  return f16_bits_to_f32(((const uint16_t *)row)[k]);
+    case DS4_TYPE_F16:  return dsq_f16(((const uint16_t *)row)[k]);
     case DS4_TYPE_BF16: return bf16_bits_to_f32(((const uint16_t *)row)[k]);
     case DS4_TYPE_Q8_0: {
         const uint8_t *blk = row + (k / DS4_QK8_0) * DS4_Q8_0_BLOCK_BYTES;
-        const float d = f16_bits_to_f32(*(const uint16_t *)blk);
+        const float d = dsq_f16(*(const uint16_t *)blk);
         return d * (float)(int8_t)blk[2 + k % DS4_QK8_0];
     }
     case DS4_TYPE_Q2_K: case DS4_TYPE_Q4_K: case DS4_TYPE_IQ2_XXS: return dsq_elem(type, row, k);
@@ -291,9 +288,15 @@ __device__ __forceinline__ float weight_elem(int type, const uint8_t *row, int64
     }
 }
 
-/* Butterfly sum: every lane ends with the same value (a+b == b+a exactly). */
-__device__ __forceinline__ float warp_sum(float v) {
+/* Butterfly sum and maximum over a warp (float or double): every lane ends with the same
+ * value (a+b == b+a exactly), in the same order on every lane and every run. */
+template <typename T>
+__device__ __forceinline__ T warp_sum(T v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+    return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, o));
     return v;
 }
 
@@ -413,7 +416,7 @@ __device__ __forceinline__ void rope_pair(float *v, const rope_args &r, int p, i
 template <int THREADS>
 __device__ __forceinline__ void block_norm_rope(float *row, int n, const float *w, float eps, double ss,
                                                 double *red, const rope_args &r, int p) {
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(FULL_MASK, ss, o);
+    ss = warp_sum(ss);
     if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
     __syncthreads();
     double tot = 0.0;

@@ -107,7 +107,7 @@ __device__ __forceinline__ void mv_dot_q8(const uint8_t *slot, int lane, const f
     uint32_t wd[9];
 #pragma unroll
     for (int i = 0; i < 9; i++) wd[i] = wp[i];
-    const float d = f16_bits_to_f32((uint16_t)(odd ? (wd[0] >> 16) : (wd[0] & 0xffffu)));
+    const float d = dsq_f16((uint16_t)(odd ? (wd[0] >> 16) : (wd[0] & 0xffffu)));
     const unsigned sh = odd ? 32u : 16u;
     float s[NT];
 #pragma unroll
@@ -146,8 +146,8 @@ __device__ __forceinline__ void mv_dot_vec(const uint4 *v, const float (&xr)[NT]
             } else {
                 float f0, f1;
                 if (TYPE == DS4_TYPE_F16) {
-                    f0 = f16_bits_to_f32((uint16_t)(wd[j] & 0xffffu));
-                    f1 = f16_bits_to_f32((uint16_t)(wd[j] >> 16));
+                    f0 = dsq_f16((uint16_t)(wd[j] & 0xffffu));
+                    f1 = dsq_f16((uint16_t)(wd[j] >> 16));
                 } else {
                     f0 = __uint_as_float(wd[j] << 16);
                     f1 = __uint_as_float(wd[j] & 0xffff0000u);
@@ -231,7 +231,7 @@ __global__ void __launch_bounds__(MV_THREADS, NT >= 4 ? 1 : NT >= 2 ? 2 : MV_MIN
         }
         float nsc = 1.0f;
         if (a.in_norm) {            /* the input's RMSNorm, as k_rmsnorm computes it */
-            for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(FULL_MASK, ss, o);
+            ss = warp_sum(ss);
             if (lane == 0) nred[warp] = ss;
         }
         __syncthreads();
@@ -436,7 +436,7 @@ __device__ __forceinline__ float mv_row_dot_generic(const uint8_t *row, const fl
     if (TYPE == DS4_TYPE_Q8_0) {
         for (int b = 0; b < K / DS4_QK8_0; b++) {
             const uint8_t *blk = row + (size_t)b * DS4_Q8_0_BLOCK_BYTES;
-            const float d = f16_bits_to_f32(*(const uint16_t *)blk);
+            const float d = dsq_f16(*(const uint16_t *)blk);
             acc = fmaf(d * (float)(int8_t)blk[2 + lane], x[b * DS4_QK8_0 + lane], acc);
         }
     } else {

@@ -429,7 +429,7 @@ __global__ void __launch_bounds__(MV_THREADS, MVQ_MIN_BLOCKS) k_matvec_q(const m
                 const float v = xu[e];
                 ss += (double)(v * v);
             }
-            for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(FULL_MASK, ss, o);
+            ss = warp_sum(ss);
             if (lane == 0) nred[warp] = ss;
             __syncthreads();
             double tot = 0.0;
@@ -456,7 +456,7 @@ __global__ void __launch_bounds__(MV_THREADS, MVQ_MIN_BLOCKS) k_matvec_q(const m
             float mx = 0.0f;
 #pragma unroll
             for (int k = 0; k < 8; k++) mx = fmaxf(mx, fabsf(v[k]));
-            for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, o));
+            mx = warp_max(mx);
             if constexpr (I8) {
                 /* four digits per value; the lane's 8 values are the B fragment of MMA lane/4,
                  * quarter lane%4: transpose the digit bytes into one word per digit and half */

@@ -209,7 +209,7 @@ static void cuda_hc_post(const float *f, const float *x_res, const float *post, 
 /* fn is F32 (what ds4 synth writes) or F16 (the published Flash files). */
 template <int WT>
 __device__ __forceinline__ float hc_fn_elem(const void *fn, int64_t idx) {
-    return WT == DS4_TYPE_F16 ? f16_bits_to_f32(((const uint16_t *)fn)[idx]) : ((const float *)fn)[idx];
+    return WT == DS4_TYPE_F16 ? dsq_f16(((const uint16_t *)fn)[idx]) : ((const float *)fn)[idx];
 }
 
 /* The one hc_pre kernel (see the banner).  H is the stream count as a
@@ -278,7 +278,7 @@ __global__ void __launch_bounds__(HCP_THREADS) k_hc_pre(const float *f, const fl
         }
         if (g == 0) {
             double ss = (double)(v * v);
-            for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(FULL_MASK, ss, o);
+            ss = warp_sum(ss);
             if (lane == 0) red_ss[sw] = ss;
         }
     }
@@ -323,7 +323,7 @@ __global__ void __launch_bounds__(HCP_THREADS) k_hc_pre(const float *f, const fl
     } else if (warp == HC_NMIX_MAX) {
         double acc = 0.0;
         for (int bb = lane; bb < nb; bb += 32) acc += __ldcg(&ss_part[p0 + bb]);
-        for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(FULL_MASK, acc, o);
+        acc = warp_sum(acc);
         if (lane == 0) ss_s = acc;
     } else if (warp == HC_NMIX_MAX + 1) {
         for (int r = lane; r < n_mix; r += 32) base_s[r] = base[r];
@@ -371,7 +371,7 @@ __global__ void __launch_bounds__(HCP_THREADS) k_hc_pre(const float *f, const fl
             ss += (double)(acc * acc);
         }
     }
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(FULL_MASK, ss, o);
+    ss = warp_sum(ss);
     if (lane == 0) red2[warp] = ss;
     __syncthreads();
     if (warp == 0) return;

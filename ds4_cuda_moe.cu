@@ -155,8 +155,8 @@ __global__ void __launch_bounds__(MG_THREADS) k_moe_gate(const void *gw, const f
             float w0, w1, w2, w3;
             if (WT == DS4_TYPE_F16) {
                 const uint2 h = ld_stream8((const uint8_t *)gw + ((int64_t)row * K + e) * 2);
-                w0 = f16_bits_to_f32((uint16_t)(h.x & 0xffffu)); w1 = f16_bits_to_f32((uint16_t)(h.x >> 16));
-                w2 = f16_bits_to_f32((uint16_t)(h.y & 0xffffu)); w3 = f16_bits_to_f32((uint16_t)(h.y >> 16));
+                w0 = dsq_f16((uint16_t)(h.x & 0xffffu)); w1 = dsq_f16((uint16_t)(h.x >> 16));
+                w2 = dsq_f16((uint16_t)(h.y & 0xffffu)); w3 = dsq_f16((uint16_t)(h.y >> 16));
             } else {
                 const uint4 v = ld_stream16((const uint8_t *)gw + ((int64_t)row * K + e) * 4);
                 w0 = __uint_as_float(v.x); w1 = __uint_as_float(v.y);

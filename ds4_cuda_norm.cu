@@ -84,7 +84,7 @@ __global__ void __launch_bounds__(THREADS) k_rmsnorm(const float *x, const float
         const float u = xr[i];
         ss += (double)(u * u);
     }
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(FULL_MASK, ss, o);
+    ss = warp_sum(ss);
     if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
     __syncthreads();                            /* every read of x is done: y == x is safe */
     double tot = 0.0;

@@ -149,7 +149,7 @@ __global__ void __launch_bounds__(PROBS_NORM_THREADS) k_attention_probs_norm(con
     /* m = max(max_i s_i, sink) */
     float m = -INFINITY;
     for (int i = threadIdx.x; i < L; i += PROBS_NORM_THREADS) m = fmaxf(m, pr[i]);
-    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, o));
+    m = warp_max(m);
     if (lane == 0) red_m[warp] = m;
     __syncthreads();
     m = sink;
@@ -163,7 +163,7 @@ __global__ void __launch_bounds__(PROBS_NORM_THREADS) k_attention_probs_norm(con
         pr[i] = e;
         sum += (double)e;
     }
-    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(FULL_MASK, sum, o);
+    sum = warp_sum(sum);
     if (lane == 0) red_s[warp] = sum;
     __syncthreads();
     const double sink_e = exp((double)(sink - m));

@@ -54,9 +54,10 @@ static const uint8_t dsq_mag_host[4] = DS4_IQ2XXS_MAG_INIT;
 __host__ __device__ __forceinline__ uint32_t dsq_grid(int i) { return DSQ_TABLE(dsq_grid)[i]; }
 __host__ __device__ __forceinline__ uint32_t dsq_mag(int code) { return DSQ_TABLE(dsq_mag)[code]; }
 
-/* IEEE binary16 -> binary32, exact.  The host path is ds4_quant.c's (NaN payloads kept,
- * quieted); the device uses the conversion instruction (valid blocks have finite scales,
- * where the two agree). */
+/* IEEE binary16 -> binary32, exact: the CUDA backend's one f16 converter (F16 weights, Q8_0
+ * and super-block scales).  The host path is ds4_quant.c's (NaN payloads kept, quieted); the
+ * device uses the conversion instruction.  The two agree on every finite value, and the
+ * weights are checked finite when the model loads. */
 __host__ __device__ __forceinline__ float dsq_f16(uint32_t h) {
 #ifdef __CUDA_ARCH__
     return __half2float(__ushort_as_half((unsigned short)h));
