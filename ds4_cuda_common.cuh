@@ -1,4 +1,5 @@
 /* ds4_cuda_common.cuh -- what every translation unit of the CUDA backend shares.
+ *
  * The backend is one entry point (ds4_cuda.cu: the device, sessions, recorded regions, the
  * backend table) and one file per op family (ds4_cuda_norm.cu, ds4_cuda_mhc.cu,
  * ds4_cuda_matmul.cu, ds4_cuda_attn.cu, ds4_cuda_compressor.cu, ds4_cuda_indexer.cu,
@@ -93,7 +94,7 @@ struct ds4_session {
     double         launch_seconds;    /* host time inside them */
     FILE          *trace;             /* DS4_LAUNCH_TRACE */
     uint64_t       trace_launches;
-    /* recorded regions (CUDA graphs, region_begin/end; the Sessions banner) */
+    /* recorded regions (CUDA graphs, region_begin/end; ds4_cuda.cu's Sessions banner) */
     struct region *reg;               /* [graph_cache] */
     int            n_reg;
     uint64_t       reg_clock;         /* use counter for the least recently used eviction */
@@ -108,6 +109,10 @@ struct ds4_session {
 };
 
 extern thread_local ds4_session *g_sess;
+
+/* A launch's error: fatal, except while a region is being recorded, where it fails the
+ * recording (region_end then has the region issued again, eagerly, and an error that is the
+ * kernel's own shows there). */
 static inline void launch_check(cudaError_t e, const char *file, int line) {
     if (e == cudaSuccess) return;
     if (g_sess && g_sess->capturing) {
