@@ -20,7 +20,8 @@
  * of synthetic models, ds4_synth.c, which is tooling and not the engine.
  * Activation hooks are a module (ds4_hooks.h, ds4_hooks.c): the forward pass
  * emits a record after the op that made it, and holds one pointer to the rest.
- * The CUDA backend is ds4_cuda.cu; the program is ds4_cli.c; the block
+ * The CUDA backend is ds4_cuda.cu (its entry point) and one ds4_cuda_*.cu per
+ * op family; the program is ds4_cli.c; the block
  * layouts of the super-block quantisations (Q2_K, Q4_K, IQ2_XXS) live in
  * ds4_quant.c.  Fused ops of the contract (hc_pre, matmul_multi, ...) are
  * defined, and computed here, as compositions of the plain ops.
