@@ -28,7 +28,7 @@
 #             graphs on, a failed CUDA run leaves an earlier hook stream and dump byte for byte, ds4
 #             info's backends column, and the load-time NaN/Inf scan's cost on flash16 (ds4 info,
 #             which parses and scans, against a CUDA run's load, weights uploaded)
-#   long      chunked prefill (patch 0006): flash16 declared with a 262144-token context, prefill of
+#   long      chunked prefill (patch 0007): flash16 declared with a 262144-token context, prefill of
 #             512..65536 tokens (LONG_PREFILL) in DS4_UBATCH chunks and 64 decode steps with graphs at
 #             that depth, device memory; the prefill of 16384 tokens in chunks of 1024..8192
 #             (LONG_UBATCH, empty: none); llama.cpp at LONG_PEER_LEN (LONG_PEER=1, .peer carried);
