@@ -1,4 +1,4 @@
-"""Chunked prefill (DS4_UBATCH, stage 4: patches/0006-chunked-prefill.patch): a prompt runs in chunks of at most DS4_UBATCH
+"""Chunked prefill (DS4_UBATCH, stage 4: the chunked-prefill patch): a prompt runs in chunks of at most DS4_UBATCH
 tokens, every state carried across, and on the CPU -- the specification -- the logits do not
 depend on the chunk size at all: byte-identical dumps for chunks of 1, 7, 512 and the whole
 prompt.  Also the context's limits: context_length, synth --ctx, ds4 info --ctx."""
