@@ -138,6 +138,48 @@ cmd_export() {
 }
 
 # build and test one stage in a copy of its tree; the tiny model's CPU dump goes to $3
+# obj_cache get|put, in a stage's build directory: the CUDA objects (build/cuda-ARCH/ds4_cuda.o,
+# build/cuda-ARCH/cu/X.o) keyed by the bytes that make them: the unit X.cu, every top-level file
+# it includes (transitively, by #include "..."), the Makefile's NVCCFLAGS line and ARCH.  get
+# copies each cached object whose key matches into place (newer than its sources, so make keeps
+# it) and prints how many; put stores this stage's.  Equal inputs, equal object.
+obj_cache() {
+  local mode=$1 cache=$WORK/objcache
+  mkdir -p "$cache"
+  python3 - "$mode" "$cache" "$ARCH" <<'PYEOF'
+import hashlib, os, re, shutil, sys
+mode, cache, arch = sys.argv[1:4]
+flags = [l for l in open("Makefile", errors="replace") if l.startswith("NVCCFLAGS")]
+def key(unit):
+    h, seen, todo = hashlib.sha256(), set(), [unit]
+    h.update(("".join(flags) + arch).encode())
+    while todo:
+        f = todo.pop()
+        if f in seen or not os.path.isfile(f):
+            continue
+        seen.add(f)
+        data = open(f, "rb").read()
+        h.update(f.encode() + b"\0" + data)
+        todo += [m.decode() for m in re.findall(rb'^\s*#\s*include\s+"([^"/]+)"', data, re.M)]
+    return h.hexdigest()
+objs = {f"build/cuda-{arch}/ds4_cuda.o": "ds4_cuda.cu"}
+objs.update({f"build/cuda-{arch}/cu/{u[:-3]}.o": u for u in os.listdir(".") if u.endswith(".cu")})
+hits = 0
+for obj, unit in objs.items():
+    if not os.path.isfile(unit):
+        continue
+    c = os.path.join(cache, key(unit) + "-" + obj.replace("/", "_"))
+    if mode == "get" and os.path.isfile(c):
+        os.makedirs(os.path.dirname(obj), exist_ok=True)
+        shutil.copyfile(c, obj)
+        hits += 1
+    elif mode == "put" and os.path.isfile(obj) and not os.path.isfile(c):
+        shutil.copyfile(obj, c)
+if mode == "get" and hits:
+    print(hits)
+PYEOF
+}
+
 check_stage() {
   local tree=$1 label=$2 dump=$3 w
   w=$(mktemp -d "$WORK/build-XXXX")
@@ -150,10 +192,14 @@ check_stage() {
     tail -1 test-c.log
     if command -v "${NVCC:-nvcc}" > /dev/null 2>&1; then
       # the engine and the backend-ops test, compiled and linked for CHECK_ARCH (the bench and
-      # tool programs are HEAD's make cuda-check's: building them at every stage doubled its time)
+      # tool programs are HEAD's make cuda-check's); a CUDA unit whose inputs an earlier stage
+      # compiled already is taken from that stage (obj_cache), and the link runs regardless
+      local hits
+      hits=$(obj_cache get)
       make --no-print-directory -j"$JOBS" "build/cuda-$ARCH/ds4" "build/cuda-$ARCH/test_backend_ops" \
           CUDA_ARCH="$ARCH" > cuda-check.log 2>&1 || { tail -30 cuda-check.log; exit 1; }
-      echo "cuda: ds4 and test_backend_ops compiled and linked ($ARCH)"
+      obj_cache put
+      echo "cuda: ds4 and test_backend_ops compiled and linked ($ARCH${hits:+; $hits unit(s) as compiled by an earlier stage})"
     else
       echo "cuda-check: skipped (nvcc not found)"
     fi
