@@ -84,7 +84,7 @@ CUDA_CFLAGS = $(CFLAGS) -DDS4_CUDA
 # Their objects go to cu/, apart from the C objects (ds4_hooks.c and ds4_hooks.cu both exist).
 CUDA_UNITS := ds4_cuda ds4_cuda_norm ds4_cuda_mhc ds4_cuda_matmul ds4_cuda_attn ds4_cuda_compressor \
               ds4_cuda_indexer ds4_cuda_moe ds4_hooks
-CUDA_HDRS := ds4_cuda_common.cuh ds4_cuda_quant.cuh ds4_quant_tables.h ds4_gpu.h ds4_hooks.h ds4_stream.h
+CUDA_HDRS := ds4_cuda_common.cuh ds4_cuda_quant.cuh ds4_quant.h ds4_quant_tables.h ds4_gpu.h ds4_hooks.h ds4_msg.h ds4_stream.h
 define CUDA_UNIT
 $(B)/cuda-%/cu/$(1).o: $(1).cu $(CUDA_HDRS) $(2)
 	@mkdir -p $$(dir $$@)
