@@ -24,6 +24,7 @@
 #             memcheck with every hook on (eager, graphs), the pinned copy bandwidth, flash16 decode
 #             with graphs and hooks off / attn / all but attn_probs side by side (2 rounds), and the
 #             drain on a 4096-token prefill with resid against the same prefill without hooks
+#             (HOOKS_BENCH=0: the pytest and the memcheck runs only)
 #   cli       the program on a GPU: the CUDA dump equals the CPU's greedy tokens path with hooks and
 #             graphs on, a failed CUDA run leaves an earlier hook stream and dump byte for byte, ds4
 #             info's backends column, and the load-time NaN/Inf scan's cost on flash16 (ds4 info,
@@ -269,6 +270,7 @@ if want hooks; then
     row "hooks memcheck (graphs=$g): rc $? $(grep -h 'ERROR SUMMARY' "$OUT/san-hooks-$g.log" | tail -1)"
     rm -f "$OUT/san-hooks-$g.ds4h"
   done
+  if [ "${HOOKS_BENCH:-1}" != 0 ]; then
   measure_bw
   build/cuda-"$ARCH"/bandwidth 512 2>/dev/null | grep d2h_pinned | sed 's/^/hooks: /' >> "$OUT/table.txt"
   for r in 1 2; do
@@ -286,6 +288,7 @@ if want hooks; then
         > "$OUT/hooks-prefill-$h.log" 2>&1
     row "hooks prefill 4096 $h: $(grep -E '^prefill' "$OUT/hooks-prefill-$h.log" | tail -1) | $(grep -E '^hooks:' "$OUT/hooks-prefill-$h.log")"
   done
+  fi
 fi
 
 if want bench; then
