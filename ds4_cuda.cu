@@ -529,7 +529,7 @@ static void cuda_session_reset(void *s) {
 
 static void session_release(ds4_session *S) {
     if (!S) return;
-    hk_close(S);            /* the hook emitter drains first: its producers ran on the stream */
+    ds4h_emitter_close(S);  /* the hook emitter drains first: its producers ran on the stream */
     while (S->n_reg > 0) region_drop(S, S->n_reg - 1);
     free(S->reg);
     if (S->stream) {

@@ -102,7 +102,7 @@ struct ds4_session {
     bool           pdl;               /* DS4_CUDA_GRAPH_PDL on a device that has it (cc >= 9.0) */
     uint64_t       cap_key, cap_launches0;
     cudaError_t    cap_err;           /* the first launch error while capturing */
-    struct hk_emitter *hk;            /* DS4_HOOKS: the hook emitter (ds4_hooks.cu), NULL = hooks off */
+    struct ds4h_emitter *hk;          /* DS4_HOOKS: the hook emitter (ds4_hooks.cu), NULL = hooks off */
     double         cap_t0;
     int            n_captures_tried;  /* for DS4_CUDA_GRAPH_FAIL */
     ds4_backend_stats gs;             /* the graph counters (captures ... instantiate_ms) */
@@ -604,9 +604,9 @@ void launch_swiglu(const float *g, const float *u, float *y, int64_t rows, int64
                    int64_t ld_out, float limit);
 void ds4_cuda_ops_moe(ds4_backend *b);
 /* ds4_hooks.cu: the emitter's close (session_free) and its entries in the backend table */
-void hk_close(ds4_session *S);
-int cuda_hooks_open(const ds4_hooks_cfg *cfg, char *err, size_t errlen);
-void cuda_hook_put(const ds4_hook_put *p, int n);
+void ds4h_emitter_close(ds4_session *S);
+int cuda_hooks_open(const ds4h_emitter_cfg *cfg, char *err, size_t errlen);
+void cuda_hook_put(const ds4h_put *p, int n);
 void cuda_hooks_publish(void);
 void cuda_hooks_join(void);
 void cuda_hooks_stats(ds4_hooks_stats *st, int flush);

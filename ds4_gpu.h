@@ -200,21 +200,21 @@ typedef struct ds4_backend_stats {
 
 /* A device hook emitter (ds4_hooks.h; CUDA: ds4_hooks.cu), opened on a session.  Records go
  * to f, after the header the core wrote. */
-typedef struct ds4_hooks_cfg {
+typedef struct ds4h_emitter_cfg {
     FILE       *f;
     const char *path;           /* for messages */
     int         drop;           /* DS4_HOOKS_POLICY=drop: never wait, count and mark what is dropped */
     uint64_t    ring_bytes;     /* the payload ring (a multiple of 8) */
     uint64_t    ring_slots;     /* the control ring, in 64-byte descriptors */
     uint32_t    throttle_us;    /* debug: the drain pauses this long after each batch (DS4_HOOKS_THROTTLE_US) */
-} ds4_hooks_cfg;
+} ds4h_emitter_cfg;
 
 /* One record to produce (hook_put).  Its payload is d0 x d1 x d2 four-byte elements,
  * element (i0, i1, i2) read from src[i0 * s0 + i1 * s1 + i2] (strides in elements).  Its
  * position is step->pos0 + pos_add and its step field step->call, both read on the device
  * when the producer runs.  dyn: d1 is the row count an attention query at that position saw
  * plus the sink, ds4_att_rows(pos, W, ratio, k) + 1 (attn_probs). */
-typedef struct ds4_hook_put {
+typedef struct ds4h_put {
     int             hook, layer, dtype, ndim;
     uint32_t        d0, d1, d2;
     const void     *src;
@@ -222,8 +222,8 @@ typedef struct ds4_hook_put {
     int             pos_add;
     int             dyn, W, ratio, k;
     const ds4_step *step;
-} ds4_hook_put;
-#define DS4_HOOK_PUT_MAX 4
+} ds4h_put;
+#define DS4H_PUT_MAX 4
 
 /* What an emitter has done since it was opened. */
 typedef struct ds4_hooks_stats {
@@ -304,7 +304,7 @@ typedef struct ds4_backend {
     /* ---- hooks (stage 3; NULL in a backend that writes records itself: the CPU) ----
      * hooks_open starts the bound session's emitter: device rings, pinned staging and a
      * drain thread that writes published records to cfg->f; 0, or -1 with one line in err.
-     * hook_put enqueues the producer of n records (1..DS4_HOOK_PUT_MAX, made at the same
+     * hook_put enqueues the producer of n records (1..DS4H_PUT_MAX, made at the same
      * point of the step), ordered after the work issued so far on the current stream
      * (captured into a recording like any op) but possibly running beside the work issued
      * after it; hooks_join orders the work issued after it on the current stream after every
@@ -316,8 +316,8 @@ typedef struct ds4_backend {
      * host wait: never inside a step).  session_free drains and closes the emitter, writes a
      * last gap record for drops at the end and says in one line how many records were
      * dropped. */
-    int   (*hooks_open)(const ds4_hooks_cfg *cfg, char *err, size_t errlen);
-    void  (*hook_put)(const ds4_hook_put *p, int n);
+    int   (*hooks_open)(const ds4h_emitter_cfg *cfg, char *err, size_t errlen);
+    void  (*hook_put)(const ds4h_put *p, int n);
     void  (*hooks_publish)(void);
     void  (*hooks_join)(void);
     void  (*hooks_stats)(ds4_hooks_stats *st, int flush);

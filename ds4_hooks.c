@@ -40,13 +40,13 @@
  * Selection
  * ------------------------------------------------------------------------- */
 
-static const char *const g_hook_names[DS4H_N_HOOKS] = { "attn", "resid", "moe_sel", "moe_w", "moe", "logits",
-                                                         "attn_probs" };
+static const char *const ds4h_names[DS4H_N_HOOKS] = { "attn", "resid", "moe_sel", "moe_w", "moe", "logits",
+                                                       "attn_probs" };
 
-const char *ds4h_name(int hook) { return hook >= 0 && hook < DS4H_N_HOOKS ? g_hook_names[hook] : NULL; }
+const char *ds4h_name(int hook) { return hook >= 0 && hook < DS4H_N_HOOKS ? ds4h_names[hook] : NULL; }
 
 /* "a" or "a-b" (decimal digits only) into [lo, hi]. */
-static int hooks_range(const char *s, size_t n, int *lo, int *hi) {
+static int ds4h_parse_range(const char *s, size_t n, int *lo, int *hi) {
     if (n == 0) return -1;            /* "attn:" (fuzz_env found it: an empty range read as -1) */
     long v[2] = { -1, -1 };
     int k = 0;
@@ -89,7 +89,7 @@ int ds4h_parse(const char *spec, ds4h_selection *sel, char *err, size_t errlen) 
             hooks[0] = DS4H_MOE_SEL; hooks[1] = DS4H_MOE_W; hooks[2] = DS4H_MOE; nh = 3;
         } else {
             for (int h = 0; h < DS4H_N_HOOKS; h++)
-                if (strlen(g_hook_names[h]) == nl && !strncmp(p, g_hook_names[h], nl)) hooks[nh++] = h;
+                if (strlen(ds4h_names[h]) == nl && !strncmp(p, ds4h_names[h], nl)) hooks[nh++] = h;
         }
         if (!nh)
             return (errf(err, errlen, "unknown hook '%s' (attn, resid, moe, moe_sel, moe_w, logits, attn_probs)",
@@ -97,7 +97,7 @@ int ds4h_parse(const char *spec, ds4h_selection *sel, char *err, size_t errlen) 
         int lo = 0, hi = DS4H_MAX_LAYERS - 1;
         if (colon) {
             if (hooks[0] == DS4H_LOGITS) return (errf(err, errlen, "logits has no layers: give it without a range"), -1);
-            if (hooks_range(colon + 1, n - nl - 1, &lo, &hi) != 0)
+            if (ds4h_parse_range(colon + 1, n - nl - 1, &lo, &hi) != 0)
                 return (errf(err, errlen, "bad layer range '%s' for %s (A or A-B, A <= B < %d)",
                                   ds4_show(sh, sizeof sh, colon + 1, n - nl - 1, 32),
                                   ds4_show(sh2, sizeof sh2, p, nl, 16), DS4H_MAX_LAYERS), -1);
@@ -122,7 +122,7 @@ int ds4h_selected(const ds4h_selection *sel, int hook, int layer) {
 }
 
 /* DS4_HOOKS parsed into sel and checked against the model's n_layer layers. */
-static int hooks_selection(int n_layer, const ds4_env *env, ds4h_selection *sel, char *err, size_t errlen) {
+static int ds4h_env_selection(int n_layer, const ds4_env *env, ds4h_selection *sel, char *err, size_t errlen) {
     char e2[256];
     if (ds4h_parse(env->hooks, sel, e2, sizeof e2) != 0) { errf(err, errlen, "DS4_HOOKS: %s", e2); return -1; }
     if (sel->max_layer >= n_layer) {
@@ -152,7 +152,7 @@ struct ds4h_ctx {
     uint64_t           seq;           /* records written (the CPU's writer) */
     uint64_t           bytes;         /* their payload bytes */
     int                dev;           /* the backend's emitter writes the records */
-    ds4_hook_put       q[DS4_HOOK_PUT_MAX];  /* records made at one point of the step, not yet put */
+    ds4h_put           q[DS4H_PUT_MAX];      /* records made at one point of the step, not yet put */
     int                nq;
     int                err;           /* errno of a failed write (0: none) */
     int                pos;           /* the forward call in flight: its first position, */
@@ -167,7 +167,7 @@ struct ds4h_ctx {
 int ds4h_check(int n_layer, const ds4_env *env, char *err, size_t errlen) {
     if (!env->hooks) return 0;
     ds4h_selection sel;
-    if (hooks_selection(n_layer, env, &sel, err, errlen) != 0) return -1;
+    if (ds4h_env_selection(n_layer, env, &sel, err, errlen) != 0) return -1;
     struct stat st;
     if (stat(env->hooks_out, &st) == 0 && S_ISDIR(st.st_mode)) {
         errf(err, errlen, "DS4_HOOKS_OUT: cannot write %s: it is a directory", shown(env->hooks_out));
@@ -190,7 +190,7 @@ int ds4h_check(int n_layer, const ds4_env *env, char *err, size_t errlen) {
 }
 
 /* The header: what a reader needs to name and shape the records. */
-static int write_header(ds4h_ctx *h, const ds4h_host *host, const ds4_env *env, char *err, size_t errlen) {
+static int ds4h_write_header(ds4h_ctx *h, const ds4h_host *host, const ds4_env *env, char *err, size_t errlen) {
     const ds4_hparams *hp = host->hp;
     char js[4096];
     int n = snprintf(js, sizeof js,
@@ -236,7 +236,7 @@ static int write_header(ds4h_ctx *h, const ds4h_host *host, const ds4_env *env, 
  * ------------------------------------------------------------------------- */
 
 int ds4h_ring_plan(const ds4h_selection *sel, const struct ds4_hparams *hp, int probs_ld, const struct ds4_env *env,
-                   struct ds4_hooks_cfg *cfg, char *err, size_t errlen) {
+                   struct ds4h_emitter_cfg *cfg, char *err, size_t errlen) {
     uint64_t step_bytes = 0, step_recs = 0, big = 0;
     const uint64_t D = (uint64_t)hp->n_embd, k = (uint64_t)hp->n_expert_used;
     for (int hk = 0; hk < DS4H_N_HOOKS; hk++) {
@@ -294,7 +294,7 @@ int ds4h_open(ds4h_ctx **out, const ds4h_host *host, const ds4_env *env, char *e
     h->sess = host->sess;
     h->n_swa = hp->n_swa;
     h->n_head = hp->n_head;
-    if (hooks_selection(hp->n_layer, env, &h->sel, err, errlen) != 0) return -1;
+    if (ds4h_env_selection(hp->n_layer, env, &h->sel, err, errlen) != 0) return -1;
     int probs = 0;
     for (int l = 0; l < hp->n_layer; l++) probs |= ds4h_selected(&h->sel, DS4H_ATTN_PROBS, l);
     if (probs) {
@@ -317,10 +317,10 @@ int ds4h_open(ds4h_ctx **out, const ds4h_host *host, const ds4_env *env, char *e
         return -1;
     }
     setvbuf(h->f, NULL, _IOFBF, (size_t)1 << 22);   /* records arrive in many small writes */
-    if (write_header(h, host, env, err, errlen) != 0) return -1;
+    if (ds4h_write_header(h, host, env, err, errlen) != 0) return -1;
     if (!be->hooks_open) return 0;           /* the CPU: ds4h_emit writes each record itself */
 
-    ds4_hooks_cfg cfg;
+    ds4h_emitter_cfg cfg;
     if (ds4h_ring_plan(&h->sel, hp, h->probs_ld, env, &cfg, err, errlen) != 0) return -1;
     cfg.f = h->f;
     cfg.path = h->path;
@@ -385,9 +385,9 @@ void ds4h_emit(ds4h_ctx *h, int hook, int layer, const void *data, int dtype, in
                uint32_t d2, int pos_add) {
     if (!h || !h->f || h->err || !ds4h_selected(&h->sel, hook, layer)) return;
     if (h->dev) {              /* queued: ds4h_flush puts the point's records in one producer */
-        if (h->nq == DS4_HOOK_PUT_MAX) ds4h_flush(h);
-        const ds4_hook_put p = { hook, layer, dtype, ndim, d0, d1, d2, data, (int64_t)d1 * d2, (int64_t)d2,
-                                 pos_add, 0, 0, 0, 0, h->step };
+        if (h->nq == DS4H_PUT_MAX) ds4h_flush(h);
+        const ds4h_put p = { hook, layer, dtype, ndim, d0, d1, d2, data, (int64_t)d1 * d2, (int64_t)d2,
+                             pos_add, 0, 0, 0, 0, h->step };
         h->q[h->nq++] = p;
         return;
     }
@@ -425,9 +425,9 @@ void ds4h_emit_probs(ds4h_ctx *h, int layer, int nt, int ratio, int k) {
     const int H = h->n_head;
     for (int t = 0; t < nt; t++) {
         if (h->dev) {              /* the producer packs [H][cols], cols read from the step block */
-            const ds4_hook_put p = { DS4H_ATTN_PROBS, layer, DS4H_F32, 2, (uint32_t)H, 0, 1,
-                                     h->probs + (size_t)t * H * h->probs_ld, h->probs_ld, 1, t,
-                                     1, h->n_swa, ratio, k, h->step };
+            const ds4h_put p = { DS4H_ATTN_PROBS, layer, DS4H_F32, 2, (uint32_t)H, 0, 1,
+                                 h->probs + (size_t)t * H * h->probs_ld, h->probs_ld, 1, t,
+                                 1, h->n_swa, ratio, k, h->step };
             h->be->hook_put(&p, 1);
             continue;
         }

@@ -10,12 +10,12 @@
  *   - the drain thread: it copies published spans of both rings, in large device-to-host
  *     copies on its own stream, into pinned staging and writes them to the file.
  * A producer (hook_put) is a kernel issued right after the op that made the tensor, on the
- * emitter's side stream forked from the compute stream (hk_fork), so a capture records it
- * like any op -- as a branch beside the step's kernels, joined back before the tensor is
+ * emitter's side stream forked from the compute stream (ds4h_side_fork), so a capture records
+ * it like any op -- as a branch beside the step's kernels, joined back before the tensor is
  * overwritten (hooks_join).  It computes every address from the
- * device-resident 64-bit heads (struct hk_dev) when it runs, and reads the position and the
- * step from the step block, so one recording serves every position; attn_probs, whose size
- * grows with the position, takes its size from the step block too.  The device assigns
+ * device-resident 64-bit heads (struct ds4h_heads) when it runs, and reads the position and
+ * the step from the step block, so one recording serves every position; attn_probs, whose
+ * size grows with the position, takes its size from the step block too.  The device assigns
  * identity (sequence numbers count every record produced, dropped or not); the host never
  * infers it from order.
  *
@@ -36,9 +36,9 @@
  * gap record (DS4H_FLAG_GAP) naming the first dropped record and how many were dropped;
  * drops at the very end get their gap record when the emitter closes.
  *
- * Sizes.  Records whose payloads fit HK_ONE_BLOCK together are reserved and copied by one
+ * Sizes.  Records whose payloads fit DS4H_ONE_BLOCK together are reserved and copied by one
  * block (one launch: every decode record but Flash's logits; the core hands over the records
- * made at one point of the step together, up to DS4_HOOK_PUT_MAX); larger ones (a prompt's
+ * made at one point of the step together, up to DS4H_PUT_MAX); larger ones (a prompt's
  * rows, a vocabulary's logits) are reserved by one block and copied by a grid (two
  * launches), and the core's rows are split into records of at most a quarter of the
  * payload ring so that a prompt of any length streams through a ring of any size.  Hooks off: no kernel, no allocation, no thread (the core never calls in).
@@ -52,15 +52,14 @@
 
 #include "ds4_cuda_common.cuh"
 
-#define HK_ONE_BLOCK     (128u << 10)  /* payload bytes one block reserves and copies */
-#define HK_PUT_THREADS   1024
-#define HK_COPY_THREADS  256
-#define HK_POLL_NS       1000          /* a waiting producer's pause between polls */
-#define HK_MANY          DS4_HOOK_PUT_MAX   /* records one producer launch may carry (ds4_gpu.h hook_put) */
+#define DS4H_ONE_BLOCK    (128u << 10)   /* payload bytes one block reserves and copies */
+#define DS4H_PUT_THREADS  1024
+#define DS4H_COPY_THREADS 256
+#define DS4H_POLL_NS      1000           /* a waiting producer's pause between polls */
 
 /* Device memory, written by the producers only (one thread of one block at a time: the
  * producers are ordered by the stream). */
-struct hk_dev {
+struct ds4h_heads {
     unsigned long long seq;        /* records produced: the next sequence number */
     unsigned long long fill;       /* control slots written (records and gap records) */
     unsigned long long pay;        /* payload bytes reserved */
@@ -76,7 +75,7 @@ struct hk_dev {
 
 /* Pinned mapped memory: the publication (device -> host) and the drained counters (host ->
  * device), on separate 64-byte lines. */
-struct hk_host {
+struct ds4h_mapped {
     unsigned long long pub;            /* control slots published */
     unsigned long long pad0[7];
     unsigned long long drained_fill;   /* slots the drain has taken */
@@ -86,9 +85,9 @@ struct hk_host {
 
 /* A producer's arguments (by value: a recording bakes them in; nothing in them varies
  * between steps). */
-struct hk_put_args {
-    hk_dev             *D;
-    hk_host            *H;             /* device view of the mapped block */
+struct ds4h_put_args {
+    ds4h_heads         *D;
+    ds4h_mapped        *H;             /* device view of the mapped block */
     ds4h_record        *ring;
     unsigned int       *pay;           /* the payload ring, as 4-byte words */
     unsigned long long  cap_slots, cap_words;
@@ -100,26 +99,26 @@ struct hk_put_args {
     int                 layer, pos_add, dyn, W, ratio, k;
 };
 
-__device__ __forceinline__ unsigned long long hk_load_acquire(const unsigned long long *p) {
+__device__ __forceinline__ unsigned long long ds4h_load_acquire(const unsigned long long *p) {
     unsigned long long v;
     asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
     return v;
 }
 
-__device__ __forceinline__ void hk_store_release(unsigned long long *p, unsigned long long v) {
+__device__ __forceinline__ void ds4h_store_release(unsigned long long *p, unsigned long long v) {
     asm volatile("st.release.sys.global.u64 [%0], %1;" : : "l"(p), "l"(v) : "memory");
 }
 
 /* Rows of record a (attn_probs: the rows its query saw at this step's position + the sink). */
-__device__ __forceinline__ unsigned int hk_rows(const hk_put_args &a) {
+__device__ __forceinline__ unsigned int ds4h_rows(const ds4h_put_args &a) {
     return a.dyn ? (unsigned int)ds4_att_rows(a.step->pos0 + a.pos_add, a.W, a.ratio, a.k) + 1u : a.d1;
 }
 
 /* Publish every slot written so far (their data was written by kernels that completed before
  * this one, or by this thread before this call). */
-__device__ __forceinline__ void hk_publish_now(const hk_put_args &a) {
+__device__ __forceinline__ void ds4h_publish_now(const ds4h_put_args &a) {
     __threadfence_system();
-    hk_store_release(&a.H->pub, a.D->fill);
+    ds4h_store_release(&a.H->pub, a.D->fill);
 }
 
 /* The reservation of n records (one launch's), by one thread: their descriptors (and a
@@ -127,13 +126,13 @@ __device__ __forceinline__ void hk_publish_now(const hk_put_args &a) {
  * or none, so a launch never publishes a record of its own whose payload it has not yet
  * copied.  Space is checked against the device's copy of the drained counters first; the
  * host's (across PCIe) are read only when that copy shows too little.  false: dropped. */
-__device__ bool hk_reserve(const hk_put_args *a, int n, unsigned long long *off_words, unsigned int *d1_out) {
-    hk_dev *D = a[0].D;
-    ds4h_record r[HK_MANY];
-    unsigned long long need[HK_MANY], total = 0;
+__device__ bool ds4h_reserve(const ds4h_put_args *a, int n, unsigned long long *off_words, unsigned int *d1_out) {
+    ds4h_heads *D = a[0].D;
+    ds4h_record r[DS4H_PUT_MAX];
+    unsigned long long need[DS4H_PUT_MAX], total = 0;
     for (int i = 0; i < n; i++) {
         const int pos = a[i].step->pos0 + a[i].pos_add;
-        const unsigned int d1 = hk_rows(a[i]);
+        const unsigned int d1 = ds4h_rows(a[i]);
         const unsigned long long words = (unsigned long long)a[i].d0 * d1 * a[i].d2;
         need[i] = (words + 1ull) & ~1ull;                               /* padded to 8 bytes */
         total += need[i];
@@ -154,8 +153,8 @@ __device__ bool hk_reserve(const hk_put_args *a, int n, unsigned long long *off_
     unsigned long long dfill = D->dfill_c, dpay = D->dpay_c;
     bool waited = false;
     while (!(D->fill + slots - dfill <= a[0].cap_slots && D->pay + total - dpay <= a[0].cap_words)) {
-        dfill = hk_load_acquire(&a[0].H->drained_fill);
-        dpay = hk_load_acquire(&a[0].H->drained_pay) / 4ull;           /* bytes -> words */
+        dfill = ds4h_load_acquire(&a[0].H->drained_fill);
+        dpay = ds4h_load_acquire(&a[0].H->drained_pay) / 4ull;         /* bytes -> words */
         D->dfill_c = dfill;
         D->dpay_c = dpay;
         if (D->fill + slots - dfill <= a[0].cap_slots && D->pay + total - dpay <= a[0].cap_words) break;
@@ -170,9 +169,9 @@ __device__ bool hk_reserve(const hk_put_args *a, int n, unsigned long long *off_
         if (!waited) {
             waited = true;
             D->waits++;
-            hk_publish_now(a[0]);
+            ds4h_publish_now(a[0]);
         }
-        __nanosleep(HK_POLL_NS);
+        __nanosleep(DS4H_POLL_NS);
     }
     if (D->gap_n) {
         ds4h_record g = D->gap;
@@ -196,36 +195,37 @@ __device__ bool hk_reserve(const hk_put_args *a, int n, unsigned long long *off_
 }
 
 /* The copy.  A producer's records are small next to the step's weights, so its copy is
- * latency-bound rather than bandwidth-bound: each thread issues HK_U loads before it stores
- * any of them (HK_U x threads elements in flight per round, one memory latency each), the
- * ring position wraps by one comparison (a record is never larger than the ring), and
- * k_hook_put's threads load their first round of the largest record while thread 0
+ * latency-bound rather than bandwidth-bound: each thread issues DS4H_UNROLL loads before it
+ * stores any of them (DS4H_UNROLL x threads elements in flight per round, one memory latency
+ * each), the ring position wraps by one comparison (a record is never larger than the ring),
+ * and k_hook_put's threads load their first round of the largest record while thread 0
  * reserves.  (What a producer costs the step: bench/RESULTS.md.) */
-#define HK_U 8
+#define DS4H_UNROLL 8
 
 /* Where element e of the record is in its source (rows d0 of d1 x d2, strides s0, s1). */
-__device__ __forceinline__ unsigned long long hk_src_index(const hk_put_args &a, unsigned int d1, unsigned long long e) {
+__device__ __forceinline__ unsigned long long ds4h_src_index(const ds4h_put_args &a, unsigned int d1,
+                                                             unsigned long long e) {
     const unsigned long long inner = (unsigned long long)d1 * a.d2;
     if (a.s0 == (long long)inner && a.s1 == (long long)a.d2) return e;
     const unsigned long long i0 = e / inner, rem = e % inner;
     return i0 * (unsigned long long)a.s0 + (rem / a.d2) * (unsigned long long)a.s1 + rem % a.d2;
 }
 
-/* One round: elements e, e + es, ... (HK_U of them, those below n) into v. */
-__device__ __forceinline__ void hk_load_round(const hk_put_args &a, unsigned int d1, unsigned long long n,
-                                              unsigned long long e, unsigned long long es, unsigned int *v) {
+/* One round: elements e, e + es, ... (DS4H_UNROLL of them, those below n) into v. */
+__device__ __forceinline__ void ds4h_load_round(const ds4h_put_args &a, unsigned int d1, unsigned long long n,
+                                                unsigned long long e, unsigned long long es, unsigned int *v) {
 #pragma unroll
-    for (int j = 0; j < HK_U; j++) {
+    for (int j = 0; j < DS4H_UNROLL; j++) {
         const unsigned long long ej = e + (unsigned long long)j * es;
-        v[j] = ej < n ? __ldcg(a.src + hk_src_index(a, d1, ej)) : 0u;
+        v[j] = ej < n ? __ldcg(a.src + ds4h_src_index(a, d1, ej)) : 0u;
     }
 }
 
 /* ... and into the payload ring, the record starting at ring word o (< cap_words). */
-__device__ __forceinline__ void hk_store_round(const hk_put_args &a, unsigned long long o, unsigned long long n,
-                                               unsigned long long e, unsigned long long es, const unsigned int *v) {
+__device__ __forceinline__ void ds4h_store_round(const ds4h_put_args &a, unsigned long long o, unsigned long long n,
+                                                 unsigned long long e, unsigned long long es, const unsigned int *v) {
 #pragma unroll
-    for (int j = 0; j < HK_U; j++) {
+    for (int j = 0; j < DS4H_UNROLL; j++) {
         const unsigned long long ej = e + (unsigned long long)j * es;
         if (ej < n) {
             unsigned long long w = o + ej;
@@ -237,75 +237,76 @@ __device__ __forceinline__ void hk_store_round(const hk_put_args &a, unsigned lo
 
 /* Elements [e0, n) step es of the record into the payload ring at word offset off; the first
  * round already loaded into pre when pre is not NULL. */
-__device__ __forceinline__ void hk_copy(const hk_put_args &a, unsigned long long off, unsigned int d1,
-                                        unsigned long long e0, unsigned long long es, const unsigned int *pre) {
+__device__ __forceinline__ void ds4h_copy(const ds4h_put_args &a, unsigned long long off, unsigned int d1,
+                                          unsigned long long e0, unsigned long long es, const unsigned int *pre) {
     const unsigned long long n = (unsigned long long)a.d0 * d1 * a.d2;
-    const unsigned long long o = off % a.cap_words, round = (unsigned long long)HK_U * es;
-    unsigned int v[HK_U];
+    const unsigned long long o = off % a.cap_words, round = (unsigned long long)DS4H_UNROLL * es;
+    unsigned int v[DS4H_UNROLL];
     unsigned long long e = e0;
     if (pre) {
-        hk_store_round(a, o, n, e, es, pre);
+        ds4h_store_round(a, o, n, e, es, pre);
         e += round;
     }
     for (; e < n; e += round) {
-        hk_load_round(a, d1, n, e, es, v);
-        hk_store_round(a, o, n, e, es, v);
+        ds4h_load_round(a, d1, n, e, es, v);
+        ds4h_store_round(a, o, n, e, es, v);
     }
 }
 
-/* A launch's records (ds4_gpu.h hook_put: up to HK_MANY, made at the same point of the step);
+/* A launch's records (ds4_gpu.h hook_put: up to DS4H_PUT_MAX, made at the same point of the step);
  * big: the largest, whose first round is loaded during the reservation. */
-struct hk_put_batch {
+struct ds4h_put_batch {
     int         n, big;
-    hk_put_args a[HK_MANY];
+    ds4h_put_args a[DS4H_PUT_MAX];
 };
 
-/* One block: reserve them all, then copy each (together at most HK_ONE_BLOCK bytes). */
-__global__ void __launch_bounds__(HK_PUT_THREADS) k_hook_put(hk_put_batch b) {
+/* One block: reserve them all, then copy each (together at most DS4H_ONE_BLOCK bytes). */
+__global__ void __launch_bounds__(DS4H_PUT_THREADS) k_hook_put(ds4h_put_batch b) {
     ds4_grid_dep();
-    __shared__ unsigned long long off_s[HK_MANY];
-    __shared__ unsigned int d1_s[HK_MANY], ok_s;
-    unsigned int pre[HK_U];
-    const unsigned int d1b = hk_rows(b.a[b.big]);
-    hk_load_round(b.a[b.big], d1b, (unsigned long long)b.a[b.big].d0 * d1b * b.a[b.big].d2, threadIdx.x, blockDim.x, pre);
-    if (threadIdx.x == 0) ok_s = hk_reserve(b.a, b.n, off_s, d1_s) ? 1u : 0u;
+    __shared__ unsigned long long off_s[DS4H_PUT_MAX];
+    __shared__ unsigned int d1_s[DS4H_PUT_MAX], ok_s;
+    unsigned int pre[DS4H_UNROLL];
+    const unsigned int d1b = ds4h_rows(b.a[b.big]);
+    ds4h_load_round(b.a[b.big], d1b, (unsigned long long)b.a[b.big].d0 * d1b * b.a[b.big].d2, threadIdx.x,
+                    blockDim.x, pre);
+    if (threadIdx.x == 0) ok_s = ds4h_reserve(b.a, b.n, off_s, d1_s) ? 1u : 0u;
     __syncthreads();
     if (!ok_s) return;
     for (int i = 0; i < b.n; i++)
-        hk_copy(b.a[i], off_s[i], d1_s[i], threadIdx.x, blockDim.x, i == b.big ? pre : NULL);
+        ds4h_copy(b.a[i], off_s[i], d1_s[i], threadIdx.x, blockDim.x, i == b.big ? pre : NULL);
 }
 
 /* The two-launch path: one thread reserves ... */
-__global__ void k_hook_reserve(hk_put_args a) {
+__global__ void k_hook_reserve(ds4h_put_args a) {
     ds4_grid_dep();
     if (threadIdx.x != 0) return;
     unsigned long long off = 0;
     unsigned int d1 = 0;
-    a.D->cur_ok = hk_reserve(&a, 1, &off, &d1) ? 1u : 0u;
+    a.D->cur_ok = ds4h_reserve(&a, 1, &off, &d1) ? 1u : 0u;
     a.D->cur_off = off;
     a.D->cur_d1 = d1;
 }
 
 /* ... and a grid copies. */
-__global__ void __launch_bounds__(HK_COPY_THREADS) k_hook_copy(hk_put_args a) {
+__global__ void __launch_bounds__(DS4H_COPY_THREADS) k_hook_copy(ds4h_put_args a) {
     ds4_grid_dep();
     if (!a.D->cur_ok) return;
-    hk_copy(a, a.D->cur_off, a.D->cur_d1, (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x,
-            (unsigned long long)gridDim.x * blockDim.x, NULL);
+    ds4h_copy(a, a.D->cur_off, a.D->cur_d1, (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x,
+              (unsigned long long)gridDim.x * blockDim.x, NULL);
 }
 
-__global__ void k_hook_publish(hk_dev *D, hk_host *H) {
+__global__ void k_hook_publish(ds4h_heads *D, ds4h_mapped *H) {
     ds4_grid_dep();
     if (threadIdx.x != 0) return;
     __threadfence_system();
-    hk_store_release(&H->pub, D->fill);
+    ds4h_store_release(&H->pub, D->fill);
 }
 
 /* ---- the host side ---- */
 
-struct hk_emitter {
-    hk_dev             *D;
-    hk_host            *Hh, *Hd;       /* the mapped block: host and device views */
+struct ds4h_emitter {
+    ds4h_heads         *D;
+    ds4h_mapped        *Hh, *Hd;       /* the mapped block: host and device views */
     ds4h_record        *ring;
     unsigned char      *pay;
     unsigned long long  cap_slots, cap_bytes;
@@ -328,15 +329,15 @@ struct hk_emitter {
     int                 err;
 };
 
-static unsigned long long hk_now_ns(void) {
+static unsigned long long ds4h_now_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (unsigned long long)ts.tv_sec * 1000000000ull + (unsigned long long)ts.tv_nsec;
 }
 
 /* Copy n bytes of a device ring (cap bytes) from ring offset off into dst, wrapping. */
-static void hk_ring_copy(hk_emitter *E, void *dst, const unsigned char *ring, unsigned long long cap,
-                         unsigned long long off, unsigned long long n) {
+static void ds4h_ring_copy(ds4h_emitter *E, void *dst, const unsigned char *ring, unsigned long long cap,
+                           unsigned long long off, unsigned long long n) {
     const unsigned long long o = off % cap, first = n < cap - o ? n : cap - o;
     if (first)   /* NOTE(hook drain) */
         DS4_CUDA_CHECK(cudaMemcpyAsync(dst, ring + o, first, cudaMemcpyDeviceToHost, E->drain));
@@ -344,13 +345,13 @@ static void hk_ring_copy(hk_emitter *E, void *dst, const unsigned char *ring, un
         DS4_CUDA_CHECK(cudaMemcpyAsync((unsigned char *)dst + first, ring, n - first, cudaMemcpyDeviceToHost, E->drain));
 }
 
-static void hk_drain_wait(hk_emitter *E) {
+static void ds4h_drain_wait(ds4h_emitter *E) {
     g_n_hook_sync++;
     DS4_CUDA_CHECK(cudaStreamSynchronize(E->drain));   /* NOTE(hook drain): the drain thread's own copies */
 }
 
 /* Write one descriptor (its ring offset zeroed: the file holds no ring state) and payload. */
-static void hk_write_record(hk_emitter *E, const ds4h_record *r, const unsigned char *payload) {
+static void ds4h_write_record(ds4h_emitter *E, const ds4h_record *r, const unsigned char *payload) {
     if (E->err) {
         E->lost_io++;
         return;
@@ -375,8 +376,8 @@ static void hk_write_record(hk_emitter *E, const ds4h_record *r, const unsigned 
 }
 
 /* The drain thread: take each published span, copy it down, write it, hand the space back. */
-static void *hk_drain_main(void *arg) {
-    hk_emitter *E = (hk_emitter *)arg;
+static void *ds4h_drain_main(void *arg) {
+    ds4h_emitter *E = (ds4h_emitter *)arg;
     DS4_CUDA_CHECK(cudaSetDevice(E->device));
     unsigned long long fill = 0, payd = 0;
     for (;;) {
@@ -389,9 +390,9 @@ static void *hk_drain_main(void *arg) {
             continue;
         }
         const unsigned long long n = pub - fill;
-        hk_ring_copy(E, E->st_desc, (const unsigned char *)E->ring, E->cap_slots * sizeof(ds4h_record),
-                     fill * sizeof(ds4h_record), n * sizeof(ds4h_record));
-        hk_drain_wait(E);
+        ds4h_ring_copy(E, E->st_desc, (const unsigned char *)E->ring, E->cap_slots * sizeof(ds4h_record),
+                       fill * sizeof(ds4h_record), n * sizeof(ds4h_record));
+        ds4h_drain_wait(E);
         unsigned long long end = payd;
         for (unsigned long long i = 0; i < n; i++) {
             const ds4h_record *r = &E->st_desc[i];
@@ -399,14 +400,14 @@ static void *hk_drain_main(void *arg) {
             if (e > end) end = e;
         }
         if (end > payd) {
-            const unsigned long long t0 = hk_now_ns();
-            hk_ring_copy(E, E->st_pay, E->pay, E->cap_bytes, payd, end - payd);
-            hk_drain_wait(E);
-            __atomic_fetch_add(&E->copy_ns, hk_now_ns() - t0, __ATOMIC_RELAXED);
+            const unsigned long long t0 = ds4h_now_ns();
+            ds4h_ring_copy(E, E->st_pay, E->pay, E->cap_bytes, payd, end - payd);
+            ds4h_drain_wait(E);
+            __atomic_fetch_add(&E->copy_ns, ds4h_now_ns() - t0, __ATOMIC_RELAXED);
         }
         for (unsigned long long i = 0; i < n; i++) {
             const ds4h_record *r = &E->st_desc[i];
-            hk_write_record(E, r, E->st_pay + (r->reserved - payd));
+            ds4h_write_record(E, r, E->st_pay + (r->reserved - payd));
         }
         __atomic_fetch_add(&E->batches, 1ull, __ATOMIC_RELAXED);
         if (E->throttle_us) {
@@ -422,17 +423,17 @@ static void *hk_drain_main(void *arg) {
 }
 
 /* The side stream.  A producer only reads tensors the step has made; nothing in the step
- * reads what it writes.  So it need not sit on the step's critical path: hk_fork makes the
- * side stream wait for the work issued so far on the compute stream, the producers are issued
- * there (ds4_stream_push: every op still goes to ds4_current_stream()), and hk_join -- which
- * the core calls (hooks_join) before an op overwrites a tensor a pending record was made
- * from, and which publication and the end of every recorded region imply -- makes the compute
- * stream wait for them.  Under a capture the events become graph edges, not nodes: a
- * producer is a branch beside the kernels that run while it copies.  The producers stay
- * ordered among themselves (one stream), so sequence numbers and the stream's bytes are what
- * they were on the compute stream.  An event call that fails during a capture fails the
- * capture (launch_check); outside one it is fatal, with one line. */
-static void hk_event_op(cudaError_t e, const char *what, int line) {
+ * reads what it writes.  So it need not sit on the step's critical path: ds4h_side_fork
+ * makes the side stream wait for the work issued so far on the compute stream, the producers
+ * are issued there (ds4_stream_push: every op still goes to ds4_current_stream()), and
+ * ds4h_side_join -- which the core calls (hooks_join) before an op overwrites a tensor a
+ * pending record was made from, and which publication and the end of every recorded region
+ * imply -- makes the compute stream wait for them.  Under a capture the events become graph
+ * edges, not nodes: a producer is a branch beside the kernels that run while it copies.  The
+ * producers stay ordered among themselves (one stream), so sequence numbers and the stream's
+ * bytes are what they were on the compute stream.  An event call that fails during a capture
+ * fails the capture (launch_check); outside one it is fatal, with one line. */
+static void ds4h_event_op(cudaError_t e, const char *what, int line) {
     if (e != cudaSuccess && !(g_sess && g_sess->capturing)) {
         ds4_fatal("CUDA error %s (%s) in the hook emitter's %s at %s:%d", cudaGetErrorName(e),
                   cudaGetErrorString(e), what, __FILE__, line);
@@ -440,37 +441,37 @@ static void hk_event_op(cudaError_t e, const char *what, int line) {
     launch_check(e, __FILE__, line);
 }
 
-static void hk_fork(hk_emitter *E) {
-    hk_event_op(cudaEventRecord(E->ev_fork, ds4_current_stream()), "fork", __LINE__);
+static void ds4h_side_fork(ds4h_emitter *E) {
+    ds4h_event_op(cudaEventRecord(E->ev_fork, ds4_current_stream()), "fork", __LINE__);
     if (ds4_stream_push(E->side) != 0) {
         ds4_fatal("the hook emitter cannot push its stream (ds4_stream.h: %d overrides deep)",
                   DS4_STREAM_DEPTH);
     }
-    hk_event_op(cudaStreamWaitEvent(ds4_current_stream(), E->ev_fork, 0), "fork", __LINE__);
+    ds4h_event_op(cudaStreamWaitEvent(ds4_current_stream(), E->ev_fork, 0), "fork", __LINE__);
 }
 
-static void hk_unfork(hk_emitter *E) {
-    hk_event_op(cudaEventRecord(E->ev_join, ds4_current_stream()), "join", __LINE__);
+static void ds4h_side_unfork(ds4h_emitter *E) {
+    ds4h_event_op(cudaEventRecord(E->ev_join, ds4_current_stream()), "join", __LINE__);
     ds4_stream_pop();
     E->pending = true;
 }
 
-static void hk_join(hk_emitter *E) {
+static void ds4h_side_join(ds4h_emitter *E) {
     if (!E->pending) return;
-    hk_event_op(cudaStreamWaitEvent(ds4_current_stream(), E->ev_join, 0), "join", __LINE__);
+    ds4h_event_op(cudaStreamWaitEvent(ds4_current_stream(), E->ev_join, 0), "join", __LINE__);
     E->pending = false;
 }
 
-static void hk_launch_publish(hk_emitter *E) {
-    hk_join(E);                 /* every producer before the publication */
+static void ds4h_launch_publish(ds4h_emitter *E) {
+    ds4h_side_join(E);          /* every producer before the publication */
     DS4_LAUNCH(k_hook_publish, 1, 32, 0, E->D, E->Hd);
 }
 
 /* Wait (host) until every record produced so far is written: publish, let the stream finish,
  * then watch the drained counter reach the publication. */
-static void hk_flush(ds4_session *S) {
-    hk_emitter *E = S->hk;
-    hk_launch_publish(E);
+static void ds4h_emitter_flush(ds4_session *S) {
+    ds4h_emitter *E = S->hk;
+    ds4h_launch_publish(E);
     g_n_stream_sync++;
     DS4_CUDA_CHECK(cudaStreamSynchronize(ds4_current_stream()));   /* NOTE(step result): a flush, between steps */
     const unsigned long long pub = __atomic_load_n(&E->Hh->pub, __ATOMIC_ACQUIRE);
@@ -480,7 +481,7 @@ static void hk_flush(ds4_session *S) {
     }
 }
 
-static void hk_free(hk_emitter *E) {
+static void ds4h_emitter_free(ds4h_emitter *E) {
     if (!E) return;
     dev_free(E->D);
     dev_free(E->ring);
@@ -496,7 +497,7 @@ static void hk_free(hk_emitter *E) {
     free(E);
 }
 
-int cuda_hooks_open(const ds4_hooks_cfg *cfg, char *err, size_t errlen) {
+int cuda_hooks_open(const ds4h_emitter_cfg *cfg, char *err, size_t errlen) {
     ds4_session *S = sess();
     if (S->hk) { snprintf(err, errlen, "DS4_HOOKS: the context's emitter is open already"); return -1; }
     if (cfg->ring_bytes < 64 || cfg->ring_bytes % 8 || cfg->ring_slots < 2) {
@@ -504,7 +505,7 @@ int cuda_hooks_open(const ds4_hooks_cfg *cfg, char *err, size_t errlen) {
                  (unsigned long long)cfg->ring_bytes, (unsigned long long)cfg->ring_slots);
         return -1;
     }
-    hk_emitter *E = (hk_emitter *)calloc(1, sizeof *E);
+    ds4h_emitter *E = (ds4h_emitter *)calloc(1, sizeof *E);
     if (!E) { snprintf(err, errlen, "DS4_HOOKS: out of host memory"); return -1; }
     E->cap_slots = cfg->ring_slots;
     E->cap_bytes = cfg->ring_bytes;
@@ -514,12 +515,12 @@ int cuda_hooks_open(const ds4_hooks_cfg *cfg, char *err, size_t errlen) {
     E->path = strdup(cfg->path ? cfg->path : "");
     DS4_CUDA_CHECK(cudaGetDevice(&E->device));
     bool ok = E->path != NULL;
-    ok = ok && dev_malloc((void **)&E->D, sizeof(hk_dev)) == cudaSuccess;
+    ok = ok && dev_malloc((void **)&E->D, sizeof(ds4h_heads)) == cudaSuccess;
     ok = ok && dev_malloc((void **)&E->ring, E->cap_slots * sizeof(ds4h_record)) == cudaSuccess;
     ok = ok && dev_malloc((void **)&E->pay, E->cap_bytes) == cudaSuccess;
     if (ok) {
         g_n_malloc++;
-        ok = cudaHostAlloc((void **)&E->Hh, sizeof(hk_host), cudaHostAllocMapped) == cudaSuccess;
+        ok = cudaHostAlloc((void **)&E->Hh, sizeof(ds4h_mapped), cudaHostAllocMapped) == cudaSuccess;
         if (!ok) E->Hh = NULL;
     }
     ok = ok && cudaHostGetDevicePointer((void **)&E->Hd, E->Hh, 0) == cudaSuccess;
@@ -533,16 +534,16 @@ int cuda_hooks_open(const ds4_hooks_cfg *cfg, char *err, size_t errlen) {
         snprintf(err, errlen, "DS4_HOOKS: cannot allocate the hook rings (%llu + %llu bytes of device memory, "
                  "as much pinned): %s", (unsigned long long)E->cap_bytes,
                  (unsigned long long)(E->cap_slots * sizeof(ds4h_record)), cudaGetErrorString(cudaGetLastError()));
-        hk_free(E);
+        ds4h_emitter_free(E);
         return -1;
     }
-    memset(E->Hh, 0, sizeof(hk_host));
-    DS4_CUDA_CHECK(cudaMemsetAsync(E->D, 0, sizeof(hk_dev), ds4_current_stream()));
+    memset(E->Hh, 0, sizeof(ds4h_mapped));
+    DS4_CUDA_CHECK(cudaMemsetAsync(E->D, 0, sizeof(ds4h_heads), ds4_current_stream()));
     g_n_stream_sync++;
     DS4_CUDA_CHECK(cudaStreamSynchronize(ds4_current_stream()));   /* NOTE(load time): the heads are zero */
-    if (pthread_create(&E->thr, NULL, hk_drain_main, E) != 0) {
+    if (pthread_create(&E->thr, NULL, ds4h_drain_main, E) != 0) {
         snprintf(err, errlen, "DS4_HOOKS: cannot start the drain thread: %s", strerror(errno));
-        hk_free(E);
+        ds4h_emitter_free(E);
         return -1;
     }
     E->thr_started = true;
@@ -550,8 +551,8 @@ int cuda_hooks_open(const ds4_hooks_cfg *cfg, char *err, size_t errlen) {
     return 0;
 }
 
-static hk_put_args hk_args(const hk_emitter *E, const ds4_hook_put *p) {
-    hk_put_args a;
+static ds4h_put_args ds4h_args(const ds4h_emitter *E, const ds4h_put *p) {
+    ds4h_put_args a;
     memset(&a, 0, sizeof a);
     a.D = E->D; a.H = E->Hd; a.ring = E->ring; a.pay = (unsigned int *)E->pay;
     a.cap_slots = E->cap_slots; a.cap_words = E->cap_bytes / 4; a.drop = E->drop;
@@ -566,22 +567,22 @@ static hk_put_args hk_args(const hk_emitter *E, const ds4_hook_put *p) {
     return a;
 }
 
-static void hk_launch_put(hk_put_batch *b) {
-    DS4_LAUNCH(k_hook_put, 1, HK_PUT_THREADS, 0, *b);
+static void ds4h_launch_put(ds4h_put_batch *b) {
+    DS4_LAUNCH(k_hook_put, 1, DS4H_PUT_THREADS, 0, *b);
 }
 
 /* One record: rows of at most a quarter of the ring per record, so any prompt streams
- * through; one block up to HK_ONE_BLOCK bytes, a reservation and a grid above. */
-static void hk_put_one(const hk_emitter *E, const ds4_hook_put *p) {
-    hk_put_batch b;
+ * through; one block up to DS4H_ONE_BLOCK bytes, a reservation and a grid above. */
+static void ds4h_put_one(const ds4h_emitter *E, const ds4h_put *p) {
+    ds4h_put_batch b;
     memset(&b, 0, sizeof b);
     b.n = 1;
-    b.a[0] = hk_args(E, p);
+    b.a[0] = ds4h_args(E, p);
     if (p->dyn) {               /* attn_probs: one token's [H][rows + 1]; hooks_open sized the ring for it */
-        hk_launch_put(&b);
+        ds4h_launch_put(&b);
         return;
     }
-    hk_put_args &a = b.a[0];
+    ds4h_put_args &a = b.a[0];
     const unsigned long long row = (unsigned long long)p->d1 * p->d2 * 4ull;
     unsigned long long per = row ? (E->cap_bytes / 4) / row : p->d0;
     if (per < 1) per = 1;
@@ -591,66 +592,66 @@ static void hk_put_one(const hk_emitter *E, const ds4_hook_put *p) {
         a.d0 = (unsigned int)rows;
         a.pos_add = p->pos_add + (int)r0;
         const unsigned long long bytes = rows * row;
-        if (bytes <= HK_ONE_BLOCK) {
-            hk_launch_put(&b);
+        if (bytes <= DS4H_ONE_BLOCK) {
+            ds4h_launch_put(&b);
         } else {
             const unsigned long long words = bytes / 4;
-            unsigned long long blocks = (words + HK_COPY_THREADS * 4 - 1) / (HK_COPY_THREADS * 4);
+            unsigned long long blocks = (words + DS4H_COPY_THREADS * 4 - 1) / (DS4H_COPY_THREADS * 4);
             if (blocks > 4u * (unsigned)g_cuda.n_sm) blocks = 4u * (unsigned)g_cuda.n_sm;
             DS4_LAUNCH(k_hook_reserve, 1, 32, 0, a);
-            DS4_LAUNCH(k_hook_copy, (unsigned)blocks, HK_COPY_THREADS, 0, a);
+            DS4_LAUNCH(k_hook_copy, (unsigned)blocks, DS4H_COPY_THREADS, 0, a);
         }
     }
 }
 
 /* n records made at the same point of the step: one launch when they are small together (a
  * decode step's), so a step pays one node for them; otherwise one at a time. */
-void cuda_hook_put(const ds4_hook_put *p, int n) {
+void cuda_hook_put(const ds4h_put *p, int n) {
     ds4_session *S = sess();
-    hk_emitter *E = S->hk;
+    ds4h_emitter *E = S->hk;
     if (!E) {
         ds4_fatal("hook_put with no emitter open (ds4_gpu.h hooks_open)");
     }
     unsigned long long total = 0;
-    bool small = n >= 1 && n <= HK_MANY;
+    bool small = n >= 1 && n <= DS4H_PUT_MAX;
     for (int i = 0; i < n && small; i++) {
         const unsigned long long b = (unsigned long long)p[i].d0 * p[i].d1 * p[i].d2 * 4ull;
         total += (b + 7ull) & ~7ull;
         small = !p[i].dyn;
     }
-    hk_fork(E);
-    if (n == 1 || !small || total > HK_ONE_BLOCK || total > E->cap_bytes / 4) {
-        for (int i = 0; i < n; i++) hk_put_one(E, &p[i]);
+    ds4h_side_fork(E);
+    if (n == 1 || !small || total > DS4H_ONE_BLOCK || total > E->cap_bytes / 4) {
+        for (int i = 0; i < n; i++) ds4h_put_one(E, &p[i]);
     } else {
-        hk_put_batch b;
+        ds4h_put_batch b;
         memset(&b, 0, sizeof b);
         b.n = n;
         for (int i = 0; i < n; i++) {
-            b.a[i] = hk_args(E, &p[i]);
+            b.a[i] = ds4h_args(E, &p[i]);
             if ((uint64_t)p[i].d0 * p[i].d1 * p[i].d2 > (uint64_t)p[b.big].d0 * p[b.big].d1 * p[b.big].d2) b.big = i;
         }
-        hk_launch_put(&b);
+        ds4h_launch_put(&b);
     }
-    hk_unfork(E);
+    ds4h_side_unfork(E);
 }
 
 void cuda_hooks_join(void) {
     ds4_session *S = sess();
-    if (S->hk) hk_join(S->hk);
+    if (S->hk) ds4h_side_join(S->hk);
 }
 
 void cuda_hooks_publish(void) {
     ds4_session *S = sess();
-    if (S->hk) hk_launch_publish(S->hk);
+    if (S->hk) ds4h_launch_publish(S->hk);
 }
 
 void cuda_hooks_stats(ds4_hooks_stats *st, int flush) {
     ds4_session *S = sess();
     memset(st, 0, sizeof *st);
-    hk_emitter *E = S->hk;
+    ds4h_emitter *E = S->hk;
     if (!E) return;
-    if (flush) hk_flush(S);
-    hk_dev d;
+    if (flush) ds4h_emitter_flush(S);
+    ds4h_heads d;
     g_n_stream_sync++;
     DS4_CUDA_CHECK(cudaStreamSynchronize(ds4_current_stream()));   /* NOTE(step result): counters, between steps */
     DS4_CUDA_CHECK(cudaMemcpy(&d, E->D, sizeof d, cudaMemcpyDeviceToHost));   /* NOTE(step result): the same */
@@ -668,16 +669,16 @@ void cuda_hooks_stats(ds4_hooks_stats *st, int flush) {
 
 /* The emitter's end (session_free): the last publication, the drain to its end, a gap record
  * for drops after the last record written, one line about drops or a failed write. */
-void hk_close(ds4_session *S) {
-    hk_emitter *E = S->hk;
+void ds4h_emitter_close(ds4_session *S) {
+    ds4h_emitter *E = S->hk;
     if (!E) return;
     void *prev = cuda_session_bind(S);
-    hk_launch_publish(E);
+    ds4h_launch_publish(E);
     g_n_stream_sync++;
     DS4_CUDA_CHECK(cudaStreamSynchronize(ds4_current_stream()));   /* NOTE(load time): a context ends */
     __atomic_store_n(&E->stop, 1, __ATOMIC_RELEASE);
     if (E->thr_started) pthread_join(E->thr, NULL);
-    hk_dev d;
+    ds4h_heads d;
     DS4_CUDA_CHECK(cudaMemcpy(&d, E->D, sizeof d, cudaMemcpyDeviceToHost));   /* NOTE(load time): the same */
     if (d.gap_n) {
         ds4h_record g = d.gap;
@@ -685,7 +686,7 @@ void hk_close(ds4_session *S) {
         g.ndim = 1;
         g.shape[0] = (uint32_t)d.gap_n; g.shape[1] = g.shape[2] = g.shape[3] = 1;
         g.nbytes = 0;
-        hk_write_record(E, &g, NULL);
+        ds4h_write_record(E, &g, NULL);
     }
     if (d.dropped)
         fprintf(stderr, "ds4: DS4_HOOKS_POLICY=drop: %llu of %llu records dropped; %s marks each run of them with a "
@@ -694,6 +695,6 @@ void hk_close(ds4_session *S) {
         fprintf(stderr, "ds4: DS4_HOOKS_OUT: writing %s failed: %s (%llu records not written)\n", E->path,
                 strerror(E->err), E->lost_io);
     S->hk = NULL;
-    hk_free(E);
+    ds4h_emitter_free(E);
     cuda_session_bind(prev);
 }

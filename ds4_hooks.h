@@ -16,6 +16,12 @@
  * or dropping what does not fit (drop).  A prompt's rows may come in several records
  * (pos tells where each starts); a reader joins them by (hook, layer, position).
  *
+ * Names.  The module's names are ds4h_ (functions, types, variables; the CUDA emitter's
+ * internals too) and DS4H_ (macros, constants).  What the library exports through ds4.h keeps
+ * its ds4_ (ds4_hooks_check, ds4_ctx_hooks_stats, struct ds4_hooks_stats), the emitter's
+ * kernels and backend-table entries the CUDA backend's k_ and cuda_, and the environment
+ * variables their DS4_HOOKS names.
+ *
  * The file (little-endian throughout):
  *   "DS4HOOKS" | u32 version (1) | u32 n = bytes of the JSON header | n bytes of JSON, padded
  *   with spaces to a multiple of 8 (model shape, the catalog, the selection, the backend)
@@ -164,9 +170,9 @@ void   ds4h_close(ds4h_ctx *h);
  * control ring at least 1024 slots, one per KiB of payload ring, and four steps' records.
  * probs_ld: attn_probs's row (ds4h_open's), 0 without it.  Fills cfg's sizes, drop and
  * throttle (not f or path). */
-struct ds4_hooks_cfg;
+struct ds4h_emitter_cfg;
 int    ds4h_ring_plan(const ds4h_selection *sel, const struct ds4_hparams *hp, int probs_ld,
-                      const struct ds4_env *env, struct ds4_hooks_cfg *cfg, char *err, size_t errlen);
+                      const struct ds4_env *env, struct ds4h_emitter_cfg *cfg, char *err, size_t errlen);
 
 #ifdef __cplusplus
 }

@@ -52,7 +52,7 @@ static void check(const char *name, const ds4_hparams *hp, const char *spec, int
     ds4_env env;
     memset(&env, 0, sizeof env);
     env.hooks_ring_mb = ring_mb;
-    ds4_hooks_cfg cfg;
+    ds4h_emitter_cfg cfg;
     const int rc = ds4h_ring_plan(&sel, hp, probs_ld, &env, &cfg, err, sizeof err);
     char why[200] = "";
     if (want_err) {
