@@ -233,8 +233,9 @@ for m in $MODELS; do
       name=$tool-$m-p${P}n$N
       ORDER+=("$name")
       throttle
+      # -v: the CLI prints the generated ids (the line that says the run finished) only then
       run_one "$name" "$tool" "$m" "p$P+n$N" "$TMO" '^generated ids:' \
-        "$BIN" -m "${MODEL_PATH[$m]}" --backend cuda --tokens "$(ids "$P" "$seed")" -n "$N" &
+        "$BIN" -m "${MODEL_PATH[$m]}" --backend cuda --tokens "$(ids "$P" "$seed")" -n "$N" -v &
       seed=$((seed + 1))
     done
   done
