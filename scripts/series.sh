@@ -15,11 +15,14 @@
 #   scripts/series.sh export DIR        DIR/base (the baseline) and DIR/patches (the numbered
 #                                       patches and series): for a reviewer to `git apply` one at
 #                                       a time
-#   scripts/series.sh check             make series-check: the baseline, then each stage in turn,
-#                                       built (CPU engine, CUDA compile and link when nvcc is
-#                                       there) and tested (the C tests, and a CPU logit dump of the
-#                                       tiny model that must be byte-identical across stages); the
-#                                       last stage must equal HEAD
+#   scripts/series.sh check             make series-check: the baseline and each stage, each in a
+#                                       tree of its own, built (CPU engine, CUDA compile and link
+#                                       when nvcc is there) and tested (the C tests, and a CPU logit
+#                                       dump of the tiny model that must be byte-identical across
+#                                       stages); the last stage must equal HEAD.  The stages' jobs
+#                                       run SERIES_JOBS at a time, reported in stage order; what an
+#                                       earlier stage made from identical inputs (a compiler run,
+#                                       the C tests' result, the dump) is reused, in a line saying so
 #   scripts/series.sh add NAME REV      append patch NNNN-NAME.patch: HEAD's tracked files against
 #                                       commit REV's (the last commit of the previous stage),
 #                                       outside patches/, with a header to fill in
@@ -38,10 +41,12 @@
 #
 # Patches are `git format-patch`-style files: the header (everything before the first
 # "diff --git") is the pull request's description and is kept when a patch is regenerated.
-# Environment: SERIES_JOBS (make -j for check, default 2), CHECK_ARCH (the architecture check
-# compiles each stage's CUDA engine for, sm_90), KEEP=1 (check keeps its work directory and says where).
+# Environment: SERIES_JOBS (check: the jobs run at once, and make -j inside each; default 2),
+# CHECK_ARCH (the architecture check compiles each stage's CUDA engine for, sm_90), KEEP=1 (check
+# keeps its work directory and says where).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
+SELF=$ROOT/scripts/$(basename "$0")
 PATCHES=$ROOT/patches
 JOBS=${SERIES_JOBS:-2}
 ARCH=${CHECK_ARCH:-sm_90}
@@ -137,102 +142,322 @@ cmd_export() {
   echo "  cd $dir/base && git apply ../patches/0001-*.patch   # then the next, one at a time"
 }
 
-# build and test one stage in a copy of its tree; the tiny model's CPU dump goes to $3
-# obj_cache get|put, in a stage's build directory: the CUDA objects (build/cuda-ARCH/ds4_cuda.o,
-# build/cuda-ARCH/cu/X.o) keyed by the bytes that make them: the unit X.cu, every top-level file
-# it includes (transitively, by #include "..."), the Makefile's NVCCFLAGS line and ARCH.  get
-# copies each cached object whose key matches into place (newer than its sources, so make keeps
-# it) and prints how many; put stores this stage's.  Equal inputs, equal object.
-obj_cache() {
-  local mode=$1 cache=$WORK/objcache
-  mkdir -p "$cache"
-  python3 - "$mode" "$cache" "$ARCH" <<'PYEOF'
-import hashlib, os, re, shutil, sys
-mode, cache, arch = sys.argv[1:4]
-flags = [l for l in open("Makefile", errors="replace") if l.startswith("NVCCFLAGS")]
-def key(unit):
-    h, seen, todo = hashlib.sha256(), set(), [unit]
-    h.update(("".join(flags) + arch).encode())
+# ---- check ----
+# Every stage is built and tested in a tree of its own ($WORK/stage-K, and a copy for the CUDA
+# build), as two jobs: cpu (make cpu, the C tests, the tiny model's CPU dump) and cuda (the engine
+# and test_backend_ops compiled and linked for CHECK_ARCH).  The jobs of all stages are scheduled
+# SERIES_JOBS at a time, so one stage's nvcc runs beside another's; a stage is reported, in
+# order, when both its jobs are done.
+#
+# What an earlier stage already made from the same inputs is reused, never weaker than making
+# it again: every compiler run (cc and nvcc, compile or link) goes through a cache keyed by the
+# compiler (its path and --version), the exact arguments and the bytes of every input (a source
+# with every file it includes by #include "...", transitively; an object or a library given by
+# path); a run whose key an earlier stage ran gets that stage's output, byte for byte.  The C
+# tests' result is keyed by their programs' bytes and test-c's recipe (the tests read no file
+# of the tree: they build what they read), the dump by ./ds4's bytes and the dump's command.
+# Each reuse is said in the stage's lines.  Equal inputs, equal result: the invariant proven is
+# the same (every stage builds, its tests pass, its dump is byte-identical to the baseline's).
+
+# the cache's compiler wrapper and key helper (python), written into $WORK/bin at check time
+write_cache_tools() {
+  mkdir -p "$WORK/bin" "$WORK/cache" "$WORK/wait"
+  cat > "$WORK/bin/cache.py" <<'PYEOF'
+import fcntl, hashlib, os, re, shutil, subprocess, sys
+
+INC = re.compile(rb'^[ \t]*#[ \t]*include[ \t]*([<"])([^">]+)[">]', re.M)
+SRC = (".c", ".h", ".cu", ".cuh", ".cc", ".cpp", ".hpp", ".inc")
+
+def hash_inputs(h, paths, incdirs):
+    """content of each path; for a source, of every file it includes by "..." (its directory,
+    then the -I directories) or <...> (the -I directories), transitively"""
+    seen, todo = set(), list(paths)
     while todo:
-        f = todo.pop()
+        f = os.path.normpath(todo.pop(0))
         if f in seen or not os.path.isfile(f):
             continue
         seen.add(f)
         data = open(f, "rb").read()
-        h.update(f.encode() + b"\0" + data)
-        todo += [m.decode() for m in re.findall(rb'^\s*#\s*include\s+"([^"/]+)"', data, re.M)]
+        h.update(b"file\0" + f.encode() + b"\0" + hashlib.sha256(data).digest())
+        if f.endswith(SRC):
+            for kind, name in INC.findall(data):
+                name = name.decode(errors="replace")
+                dirs = ([os.path.dirname(f)] if kind == b'"' else []) + incdirs
+                for d in dirs:
+                    c = os.path.join(d, name)
+                    if os.path.isfile(c):
+                        todo.append(c)
+                        break
+
+def compiler(real, args):
+    out = args[args.index("-o") + 1] if "-o" in args[:-1] else None
+    cache, log = os.environ["SERIES_CACHE"], os.environ.get("SERIES_LOG")
+    if not out or not cache:
+        os.execvp(real, [real] + args)
+    incdirs, i = [], 0
+    while i < len(args):
+        if args[i] == "-I" and i + 1 < len(args):
+            incdirs.append(args[i + 1]); i += 1
+        elif args[i].startswith("-I"):
+            incdirs.append(args[i][2:])
+        i += 1
+    h = hashlib.sha256()
+    h.update(os.environ.get("SERIES_TOOLS", "").encode() + b"\0" + real.encode() + b"\0")
+    for i, a in enumerate(args):
+        h.update(b"arg\0" + a.encode() + b"\0")
+    hash_inputs(h, [a for i, a in enumerate(args) if not a.startswith("-") and (i == 0 or args[i - 1] != "-o")
+                    and os.path.isfile(a)], incdirs)
+    entry = os.path.join(cache, h.hexdigest())
+    lock = open(entry + ".lock", "w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:                      # the same run is under way in another stage: wait for it
+        waiting = os.path.join(os.environ["SERIES_WAIT"], str(os.getpid()))
+        open(waiting, "w").close()
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        os.unlink(waiting)
+    if os.path.isfile(entry + ".out"):
+        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+        shutil.copyfile(entry + ".out", out + ".tmp")
+        shutil.copymode(entry + ".out", out + ".tmp")
+        os.replace(out + ".tmp", out)
+        who = open(entry + ".who").read().strip()
+        if log:
+            open(log, "a").write(f"reused {out} {who}\n")
+        return 0
+    rc = subprocess.call([real] + args)
+    if rc == 0 and os.path.isfile(out):
+        shutil.copy2(out, entry + ".tmp")
+        open(entry + ".who", "w").write(os.environ.get("SERIES_STAGE", "?") + "\n")
+        os.replace(entry + ".tmp", entry + ".out")
+    if log:
+        open(log, "a").write(f"ran {out}\n")
+    return rc
+
+def key(kind):
+    """stdin's text and the bytes of every word of it that names a file"""
+    text = sys.stdin.buffer.read()
+    h = hashlib.sha256(kind.encode() + b"\0" + os.environ.get("SERIES_TOOLS", "").encode() + b"\0" + text)
+    hash_inputs(h, [w for w in text.decode(errors="replace").split() if os.path.isfile(w)], [])
     return h.hexdigest()
-objs = {f"build/cuda-{arch}/ds4_cuda.o": "ds4_cuda.cu"}
-objs.update({f"build/cuda-{arch}/cu/{u[:-3]}.o": u for u in os.listdir(".") if u.endswith(".cu")})
-hits = 0
-for obj, unit in objs.items():
-    if not os.path.isfile(unit):
-        continue
-    c = os.path.join(cache, key(unit) + "-" + obj.replace("/", "_"))
-    if mode == "get" and os.path.isfile(c):
-        os.makedirs(os.path.dirname(obj), exist_ok=True)
-        shutil.copyfile(c, obj)
-        hits += 1
-    elif mode == "put" and os.path.isfile(obj) and not os.path.isfile(c):
-        shutil.copyfile(obj, c)
-if mode == "get" and hits:
-    print(hits)
+
+def units(arch, dirs):
+    """per stage tree, the keys of its CUDA units (the unit, what it includes, NVCCFLAGS): which
+    stage's cuda job to wait for instead of compiling a unit twice at once"""
+    for d in dirs:
+        mk = open(os.path.join(d, "Makefile"), "rb").read()
+        flags = b"".join(l for l in mk.splitlines(True) if l.startswith(b"NVCCFLAGS"))
+        ks = []
+        for u in sorted(os.listdir(d)):
+            if u.endswith(".cu"):
+                h = hashlib.sha256(flags + arch.encode())
+                cwd = os.getcwd(); os.chdir(d)
+                hash_inputs(h, [u], ["."])
+                os.chdir(cwd)
+                ks.append(h.hexdigest()[:16])
+        print(" ".join(ks) if ks else "-")
+
+if __name__ == "__main__":
+    mode = sys.argv[1]
+    if mode == "cc":
+        sys.exit(compiler(sys.argv[2], sys.argv[3:]))
+    elif mode == "key":
+        print(key(sys.argv[2]))
+    elif mode == "units":
+        units(sys.argv[2], sys.argv[3:])
 PYEOF
+  local cc nvcc
+  cc=$(command -v "${CC:-cc}") || die "no C compiler (${CC:-cc})"
+  printf '#!/bin/sh\nexec python3 %q cc %q "$@"\n' "$WORK/bin/cache.py" "$cc" > "$WORK/bin/cc"
+  chmod +x "$WORK/bin/cc"
+  SERIES_TOOLS="$("$cc" --version 2>&1 | head -1); $(g++ --version 2>&1 | head -1)"
+  if nvcc=$(command -v "${NVCC:-nvcc}"); then
+    printf '#!/bin/sh\nexec python3 %q cc %q "$@"\n' "$WORK/bin/cache.py" "$nvcc" > "$WORK/bin/nvcc"
+    chmod +x "$WORK/bin/nvcc"
+    SERIES_TOOLS="$SERIES_TOOLS; $("$nvcc" --version 2>&1 | tail -1)"
+  fi
+  export SERIES_TOOLS SERIES_CACHE=$WORK/cache SERIES_WAIT=$WORK/wait
 }
 
-check_stage() {
-  local tree=$1 label=$2 dump=$3 w
-  w=$(mktemp -d "$WORK/build-XXXX")
-  cp -a "$tree/." "$w/"
-  echo "== $label: build and test ($w)"
-  (
-    cd "$w"
-    make --no-print-directory -j"$JOBS" cpu > build.log 2>&1 || { tail -30 build.log; exit 1; }
-    make --no-print-directory test-c > test-c.log 2>&1 || { tail -30 test-c.log; exit 1; }
-    tail -1 test-c.log
-    if command -v "${NVCC:-nvcc}" > /dev/null 2>&1; then
-      # the engine and the backend-ops test, compiled and linked for CHECK_ARCH (the bench and
-      # tool programs are HEAD's make cuda-check's); a CUDA unit whose inputs an earlier stage
-      # compiled already is taken from that stage (obj_cache), and the link runs regardless
-      local hits
-      hits=$(obj_cache get)
-      make --no-print-directory -j"$JOBS" "build/cuda-$ARCH/ds4" "build/cuda-$ARCH/test_backend_ops" \
-          CUDA_ARCH="$ARCH" > cuda-check.log 2>&1 || { tail -30 cuda-check.log; exit 1; }
-      obj_cache put
-      echo "cuda: ds4 and test_backend_ops compiled and linked ($ARCH${hits:+; $hits unit(s) as compiled by an earlier stage})"
-    else
-      echo "cuda-check: skipped (nvcc not found)"
-    fi
-    { ./ds4 synth --config tiny --seed 1 --type f32 -o tiny.gguf \
-        && ./ds4 -m tiny.gguf --backend cpu --tokens 1,5,9,14,2,7,3,30,11,4,8,6 -n 64 --dump-logits "$dump"; } \
-        > dump.log 2>&1 || { tail -5 dump.log; exit 1; }
-  ) || die "$label failed (its logs: $w)"
-  [ "${KEEP:-0}" = 1 ] || rm -rf "$w"
+# "N of M compiler runs as STAGES made them" from a job's cache log
+cache_summary() {
+  local log=$1 n m who
+  m=$(wc -l < "$log"); n=$(grep -c '^reused ' "$log" || true)
+  who=$(awk '$1 == "reused" { $1 = $2 = ""; sub(/^  /, ""); print }' "$log" | sort -u | paste -sd, - | sed 's/,/, /g')
+  if [ "$m" = 0 ]; then echo "nothing to run"
+  elif [ "$n" = 0 ]; then echo "$m compiler runs"
+  else echo "$m compiler runs, $n of them as ${who} made them"; fi
 }
+
+# a result (test-c's log, a dump) keyed by the text on stdin and the files it names: run CMD...
+# (which writes FILE) unless an earlier stage had the key, whose FILE is then copied; says which
+cached_result() {
+  local kind=$1 file=$2; shift 2
+  local k fd
+  k=$(python3 "$WORK/bin/cache.py" key "$kind")
+  exec {fd}> "$WORK/cache/$k.lock"
+  flock "$fd"
+  if [ -f "$WORK/cache/$k.out" ]; then
+    cp "$WORK/cache/$k.out" "$file"
+    REUSED_FROM=$(cat "$WORK/cache/$k.who")
+  else
+    REUSED_FROM=
+    "$@" || { exec {fd}>&-; return 1; }
+    cp "$file" "$WORK/cache/$k.tmp"
+    echo "$SERIES_STAGE" > "$WORK/cache/$k.who"
+    mv "$WORK/cache/$k.tmp" "$WORK/cache/$k.out"
+  fi
+  exec {fd}>&-
+}
+
+# series.sh __job cpu|cuda K DIR LABEL: one job of check, in DIR (its stage's tree)
+job_cpu() {
+  local k=$1 label=$2 t
+  export SERIES_LOG=$PWD/cache-cpu.log SERIES_STAGE=$label
+  : > "$SERIES_LOG"
+  make --no-print-directory -j"$JOBS" cpu CC="$WORK/bin/cc" > build.log 2>&1 || { tail -30 build.log; return 1; }
+  echo "cpu: built ($(cache_summary "$SERIES_LOG"))"
+  # the C tests: their programs, then test-c's recipe unless it and the programs are an earlier stage's
+  : > "$SERIES_LOG"
+  t=$(make -pq test-c 2>/dev/null | sed -n 's/^test-c: *//p' | head -1)
+  make --no-print-directory -j"$JOBS" $t CC="$WORK/bin/cc" > test-build.log 2>&1 || { tail -30 test-build.log; return 1; }
+  run_tests() { make --no-print-directory test-c CC="$WORK/bin/cc" > test-c.log 2>&1 || { tail -30 test-c.log; return 1; }; }
+  make --no-print-directory -n test-c CC="$WORK/bin/cc" > test-c.recipe 2>&1
+  cached_result test-c test-c.log run_tests < test-c.recipe || return 1
+  if [ -n "$REUSED_FROM" ]; then
+    echo "test-c: its programs and recipe are ${REUSED_FROM}'s, the result reused: $(tail -1 test-c.log)"
+  else
+    echo "test-c: $(tail -1 test-c.log) (programs: $(cache_summary "$SERIES_LOG"))"
+  fi
+  local dump=$WORK/dump-$k.ds4logit
+  local cmd="./ds4 synth --config tiny --seed 1 --type f32 -o tiny.gguf && ./ds4 -m tiny.gguf --backend cpu --tokens 1,5,9,14,2,7,3,30,11,4,8,6 -n 64 --dump-logits $dump"
+  run_dump() { sh -c "$cmd" > dump.log 2>&1 || { tail -5 dump.log; return 1; }; }
+  printf '%s\n' "${cmd% --dump-logits*}" > dump.recipe
+  cached_result dump "$dump" run_dump < dump.recipe || return 1
+  [ -z "$REUSED_FROM" ] || echo "dump: ./ds4 is ${REUSED_FROM}'s binary, its dump reused"
+}
+
+job_cuda() {
+  local k=$1 label=$2
+  export SERIES_LOG=$PWD/cache-cuda.log SERIES_STAGE=$label
+  : > "$SERIES_LOG"
+  # the engine and the backend-ops test (the bench and tool programs are HEAD's make cuda-check's)
+  make --no-print-directory -j"$JOBS" "build/cuda-$ARCH/ds4" "build/cuda-$ARCH/test_backend_ops" \
+      CUDA_ARCH="$ARCH" CC="$WORK/bin/cc" NVCC="$WORK/bin/nvcc" > cuda-check.log 2>&1 \
+    || { tail -30 cuda-check.log; return 1; }
+  echo "cuda: ds4 and test_backend_ops compiled and linked for $ARCH ($(cache_summary "$SERIES_LOG"))"
+}
+
+cmd_job() {
+  local kind=$1 k=$2 dir=$3 label=$4 t0=$SECONDS rc=0
+  cd "$dir"
+  "job_$kind" "$k" "$label" > "$WORK/out/$kind-$k" 2>&1 || rc=$?
+  echo "$kind job: $((SECONDS - t0)) s" >> "$WORK/out/$kind-$k"
+  echo "$rc" > "$WORK/out/$kind-$k.rc"
+}
+
+stage_name() { if [ "$1" = 0 ]; then echo "the baseline"; else echo "stage $1 ($(series | sed -n "$1p"))"; fi; }
 
 cmd_check() {
   WORK=$(mktemp -d "${TMPDIR:-/tmp}/ds4-series-XXXX")
+  export WORK JOBS ARCH
   [ "${KEEP:-0}" = 1 ] || trap 'rm -rf "$WORK"' EXIT
   local -a ps
   mapfile -t ps < <(series)
+  local n=${#ps[@]} k t0=$SECONDS
   echo "series-check: ${#ps[@]} patches, work in $WORK"
+  # the trees: the baseline (HEAD with the series reverse-applied), then each patch on the one before
   head_tree "$WORK/head"
-  cp -a "$WORK/head" "$WORK/src"
-  unapply_all "$WORK/src"
-  echo "== baseline: reconstructed by reverse-applying the series to HEAD's tree"
-  check_stage "$WORK/src" "baseline" "$WORK/dump-0.ds4logit"
-  local k=0 p
-  for p in "${ps[@]}"; do
-    k=$((k + 1))
-    gapply "$WORK/src" --binary --whitespace=nowarn "$PATCHES/$p" || die "$p does not apply on stage $((k - 1))"
-    check_stage "$WORK/src" "stage $k ($p)" "$WORK/dump-$k.ds4logit"
-    cmp -s "$WORK/dump-0.ds4logit" "$WORK/dump-$k.ds4logit" \
-      || die "stage $k: the tiny model's CPU logits differ from the baseline's"
-    echo "logits: byte-identical to the baseline's ($(wc -c < "$WORK/dump-$k.ds4logit") bytes)"
+  cp -a "$WORK/head" "$WORK/stage-0"
+  unapply_all "$WORK/stage-0"
+  for ((k = 1; k <= n; k++)); do
+    cp -a "$WORK/stage-$((k - 1))" "$WORK/stage-$k"
+    gapply "$WORK/stage-$k" --binary --whitespace=nowarn "$PATCHES/${ps[$((k - 1))]}" \
+      || die "${ps[$((k - 1))]} does not apply on stage $((k - 1))"
   done
-  diff -r "$WORK/src" "$WORK/head" > "$WORK/final.diff" 2>&1 \
+  diff -r "$WORK/stage-$n" "$WORK/head" > "$WORK/final.diff" 2>&1 \
     || { head -40 "$WORK/final.diff"; die "baseline + series != HEAD (above)"; }
-  echo "series-check: baseline + ${#ps[@]} patches == HEAD, every stage built and tested"
+  echo "the trees: the baseline (reverse-applied from HEAD's) and $n stages; the last == HEAD"
+  write_cache_tools
+  mkdir -p "$WORK/out"
+  local -a labels queue
+  labels[0]="the baseline"
+  for ((k = 1; k <= n; k++)); do labels[$k]="stage $k"; done
+  # the jobs, in stage order; a cuda job whose unit an earlier stage compiles waits for that stage's
+  declare -A dep=()
+  local nv=0
+  if [ -x "$WORK/bin/nvcc" ]; then
+    nv=1
+    local -a ukeys
+    mapfile -t ukeys < <(python3 "$WORK/bin/cache.py" units "$ARCH" $(for ((k = 0; k <= n; k++)); do echo "$WORK/stage-$k"; done))
+    declare -A first=()
+    local u
+    for ((k = 0; k <= n; k++)); do
+      for u in ${ukeys[$k]}; do
+        [ "$u" = - ] && continue
+        if [ -z "${first[$u]:-}" ]; then first[$u]=$k
+        elif [ "${first[$u]}" != "$k" ]; then dep[cuda-$k]="${dep[cuda-$k]:-} cuda-${first[$u]}"; fi
+      done
+    done
+  fi
+  for ((k = 0; k <= n; k++)); do
+    [ "$nv" = 1 ] && queue+=("cuda-$k")
+    queue+=("cpu-$k")
+    [ "$nv" = 1 ] && cp -a "$WORK/stage-$k" "$WORK/stage-$k-cuda"
+  done
+  # the scheduler: SERIES_JOBS jobs at once, not counting one that waits for another's compiler run
+  set -m
+  declare -A state=() pid=()
+  local running=0 next_print=0 j d ok failed=
+  while :; do
+    for j in "${!pid[@]}"; do
+      [ -f "$WORK/out/$j.rc" ] || continue
+      wait "${pid[$j]}" 2>/dev/null || true
+      unset "pid[$j]"; running=$((running - 1))
+      if [ "$(cat "$WORK/out/$j.rc")" != 0 ]; then state[$j]=failed; failed=$j; else state[$j]=done; fi
+    done
+    if [ -n "$failed" ]; then
+      for j in "${!pid[@]}"; do kill -TERM -- "-${pid[$j]}" 2>/dev/null || true; done
+      wait 2>/dev/null || true
+      k=${failed#*-}
+      echo "== $(stage_name "$k"): the ${failed%-*} job failed"
+      cat "$WORK/out/$failed"
+      die "$(stage_name "$k") failed (its tree: $WORK/stage-$k$( [ "${failed%-*}" = cpu ] || echo -cuda); KEEP=1 keeps it)"
+    fi
+    # report the stages whose jobs are done, in order
+    while [ "$next_print" -le "$n" ] && [ "${state[cpu-$next_print]:-}" = done ] \
+          && { [ "$nv" = 0 ] || [ "${state[cuda-$next_print]:-}" = done ]; }; do
+      k=$next_print
+      echo "== $(stage_name "$k")"
+      cat "$WORK/out/cpu-$k"
+      if [ "$nv" = 1 ]; then cat "$WORK/out/cuda-$k"; else echo "cuda-check: skipped (nvcc not found)"; fi
+      if [ "$k" -gt 0 ]; then
+        cmp -s "$WORK/dump-0.ds4logit" "$WORK/dump-$k.ds4logit" \
+          || die "stage $k: the tiny model's CPU logits differ from the baseline's"
+        echo "logits: byte-identical to the baseline's ($(wc -c < "$WORK/dump-$k.ds4logit") bytes)"
+      fi
+      [ "${KEEP:-0}" = 1 ] || rm -rf "$WORK/stage-$k" "$WORK/stage-$k-cuda"
+      next_print=$((k + 1))
+    done
+    [ "$next_print" -gt "$n" ] && break
+    # start what is ready
+    local waiting
+    waiting=$(find "$WORK/wait" -type f | wc -l)
+    for j in "${queue[@]}"; do
+      [ $((running - waiting)) -lt "$JOBS" ] || break
+      [ -z "${state[$j]:-}" ] || continue
+      ok=1
+      for d in ${dep[$j]:-}; do [ "${state[$d]:-}" = done ] || ok=0; done
+      [ "$ok" = 1 ] || continue
+      k=${j#*-}
+      d=$WORK/stage-$k; [ "${j%-*}" = cuda ] && d=$d-cuda
+      bash "$SELF" __job "${j%-*}" "$k" "$d" "${labels[$k]}" &
+      pid[$j]=$!; state[$j]=running; running=$((running + 1))
+    done
+    sleep 0.2
+  done
+  set +m
+  echo "series-check: baseline + $n patches == HEAD, every stage built and tested ($((SECONDS - t0)) s)"
   [ "${KEEP:-0}" = 1 ] && echo "series-check: kept $WORK" || true
 }
 
@@ -352,6 +577,7 @@ case "$verb" in
   tree) cmd_tree "$@" ;;
   export) cmd_export "$@" ;;
   check) cmd_check "$@" ;;
+  __job) cmd_job "$@" ;;
   add) cmd_add "$@" ;;
   regen) cmd_regen "$@" ;;
   edit) cmd_edit "$@" ;;
