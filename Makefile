@@ -82,7 +82,7 @@ CUDA_CFLAGS = $(CFLAGS) -DDS4_CUDA
 # The CUDA backend: its entry point, one translation unit per op family and the hook emitter
 # (ds4_cuda_common.cuh is what they share), compiled apart so that an edit rebuilds one unit.
 # Their objects go to cu/, apart from the C objects (ds4_hooks.c and ds4_hooks.cu both exist).
-CUDA_UNITS := ds4_cuda ds4_cuda_norm ds4_cuda_mhc ds4_cuda_matmul ds4_cuda_attn ds4_cuda_compressor \
+CUDA_UNITS := ds4_cuda ds4_cuda_norm ds4_cuda_mhc ds4_cuda_matmul ds4_cuda_gemm ds4_cuda_attn ds4_cuda_compressor \
               ds4_cuda_indexer ds4_cuda_moe ds4_hooks
 CUDA_HDRS := ds4_cuda_common.cuh ds4_cuda_quant.cuh ds4_quant.h ds4_quant_tables.h ds4_gpu.h ds4_hooks.h ds4_msg.h ds4_stream.h
 define CUDA_UNIT

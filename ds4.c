@@ -2824,6 +2824,7 @@ ds4_ctx *ds4_ctx_new(ds4_model *m, const ds4_backend *be, int n_ctx, int max_bat
     lim.graph_cache = env.graph_cache;
     lim.graph_fail = env.graph_fail;
     lim.graph_pdl = env.graph_pdl;
+    lim.prefill_tc = env.prefill_tc;
     ds4_weight **ws = malloc(sizeof(*ws) * DS4_MAX_WEIGHTS);
     if (!ws) { errf(err, errlen, "out of memory"); ds4_ctx_free(c); return NULL; }
     const int nw = model_weights(m, ws, DS4_MAX_WEIGHTS);
@@ -3262,6 +3263,7 @@ int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
     if (cg) env->cuda_graphs = cg == 2;
     env->graph_cache = 64;
     env->graph_pdl = 1;
+    env->prefill_tc = 1;
     env->ubatch = DS4_UBATCH_DEFAULT;
     static const struct { const char *name; long lo, hi; const char *what; } ints[] = {
         { "DS4_CUDA_GRAPH_LAYERS", 0, 1024, "layers per recorded region, 0 = the whole step" },
@@ -3271,6 +3273,7 @@ int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
         { "DS4_HOOKS_RING_MB", 0, 65536, "MiB of the hook payload ring, 0 = sized from the model and the selection" },
         { "DS4_HOOKS_THROTTLE_US", 0, 1000000, "debug: microseconds the hook drain pauses after each batch" },
         { "DS4_UBATCH", 1, DS4_UBATCH_MAX, "the most tokens of one prefill chunk" },
+        { "DS4_CUDA_PREFILL_TC", 0, 1, "1 = prefill products of Q8_0 and F16 weights on tensor cores" },
     };
     for (size_t i = 0; i < sizeof ints / sizeof ints[0]; i++) {
         const char *v = getenv(ints[i].name);
@@ -3289,7 +3292,8 @@ int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
         else if (i == 3) env->graph_pdl = (int)x;
         else if (i == 4) env->hooks_ring_mb = (int)x;
         else if (i == 5) env->hooks_throttle_us = (int)x;
-        else env->ubatch = (int)x;
+        else if (i == 6) env->ubatch = (int)x;
+        else env->prefill_tc = (int)x;
     }
     const char *hk = getenv("DS4_HOOKS");
     if (hk) {

@@ -166,6 +166,8 @@ typedef struct ds4_env {
                                    model and the selection */
     int hooks_throttle_us;      /* DS4_HOOKS_THROTTLE_US: debug, the drain pauses after each batch */
     int ubatch;                 /* DS4_UBATCH: the most tokens of one prefill chunk (DS4_UBATCH_DEFAULT) */
+    int prefill_tc;             /* DS4_CUDA_PREFILL_TC: 1 = prefill products of Q8_0/F16 weights on tensor
+                                   cores (default), 0 = dequantise + cuBLAS */
 } ds4_env;
 int ds4_env_read(ds4_env *env, char *err, size_t errlen);
 /* DS4_HOOKS against a model, before a context is made: its layer ranges fit the model and

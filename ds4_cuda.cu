@@ -536,7 +536,7 @@ static void session_release(ds4_session *S) {
         g_n_stream_sync++;
         DS4_CUDA_CHECK(cudaStreamSynchronize(S->stream));   /* NOTE(load time): a context ends */
     }
-    scratch_t *all[] = { &S->deq, &S->moe_h, &S->moe_tmp, &S->moe_xg, &S->moe_gu, &S->moe_idx, &S->att_part,
+    scratch_t *all[] = { &S->deq, &S->tc_x, &S->moe_h, &S->moe_tmp, &S->moe_xg, &S->moe_gu, &S->moe_idx, &S->att_part,
                          &S->ix_scores };
     for (scratch_t *x : all) dev_free(x->p);
     dev_free(S->hc_count);
@@ -692,6 +692,8 @@ static void *cuda_session_new(const ds4_limits *lim) {
         int64_t deq = lim->max_matrix < DEQ_CAP_FLOATS ? lim->max_matrix : DEQ_CAP_FLOATS;
         if (deq < lim->max_k) deq = lim->max_k;
         ok = ok && session_scratch(&S->deq, "dequantised weight rows", (size_t)deq * sizeof(float));
+        if (lim->prefill_tc)
+            ok = ok && session_scratch(&S->tc_x, "split activations", gemm_tc_scratch_bytes(B, lim->max_k));
     }
     /* staging: the step block and tokens up, small results down */
     S->up_cap = 64 * 1024 + (size_t)B * sizeof(int32_t);

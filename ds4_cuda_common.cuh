@@ -75,6 +75,7 @@ struct ds4_session {
     void          *blas_ws;           /* cuBLAS workspace (cublasSetWorkspace): no allocation inside a call */
     ds4_limits     lim;
     scratch_t      deq;               /* dequantized weight rows for cuBLAS, f32 */
+    scratch_t      tc_x;              /* prefill on tensor cores: split activations (ds4_cuda_gemm.cu) */
     scratch_t      moe_h, moe_tmp;    /* MoE: swiglu activations, per-(token,expert) outputs */
     scratch_t      moe_xg, moe_gu;    /* MoE prefill: gathered inputs, gate|up products */
     scratch_t      moe_idx;           /* MoE prefill: perm and pos tables, int32 */
@@ -323,6 +324,16 @@ __device__ __forceinline__ void cp_async_commit(void) {
 template <int N>
 __device__ __forceinline__ void cp_async_wait(void) {
     asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory");
+}
+
+/* d += A B on the tensor cores: mma.m16n8k16 with f16 operands and f32 accumulation (PTX ISA,
+ * "matrix fragments for mma.m16n8k16"; sm_80+).  a0..a3: A's four f16x2 registers, b: B's two. */
+__device__ __forceinline__ void mma_f16_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                              uint2 b) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b.x), "r"(b.y));
 }
 
 /* Streaming 16-byte load of weights: read once per token, keep out of L1. */
@@ -587,6 +598,11 @@ void gemm_rows(const ds4_weight *w, size_t mat_off, int64_t row0, int64_t nrows,
 void cuda_matmul(const ds4_weight *w, int expert, const float *x, float *y, int nt);
 void matmul_setup(void);
 void ds4_cuda_ops_matmul(ds4_backend *b);
+/* ds4_cuda_gemm.cu */
+bool gemm_tc_type(int type);
+size_t gemm_tc_scratch_bytes(int64_t nt, int64_t K);
+bool gemm_tc_rows(int type, const uint8_t *w, size_t row_bytes, int64_t K, int64_t nrows, const float *x,
+                  int64_t ldx, float *y, int64_t ldy, int nt);
 /* ds4_cuda_attn.cu */
 void attention_setup(void);
 size_t attention_part_floats(int d);

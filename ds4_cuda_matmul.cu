@@ -578,6 +578,7 @@ void gemm_rows(const ds4_weight *w, size_t mat_off, int64_t row0, int64_t nrows,
     const int64_t K = w->ne[0];
     const size_t rb = ds4_row_bytes(w->type, K);
     const uint8_t *base = (const uint8_t *)w->dev + mat_off + (size_t)row0 * rb;
+    if (gemm_tc_rows(w->type, base, rb, K, nrows, x, ldx, y, ldy, nt)) return;   /* ds4_cuda_gemm.cu */
     const float one = 1.0f, zero = 0.0f;
     int64_t tile = w->type == DS4_TYPE_F32 ? nrows : DEQ_CAP_FLOATS / K;
     if (tile < 1) tile = 1;

@@ -162,14 +162,6 @@ __host__ __device__ __forceinline__ mvq_layout mvq_layout_of(int nsb) {
     return L;
 }
 
-__device__ __forceinline__ void mvq_mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                        uint2 b) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b.x), "r"(b.y));
-}
-
 __device__ __forceinline__ void mvq_cp_async4(void *smem, const void *gmem) {
     const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" :: "r"(s), "l"(gmem) : "memory");
@@ -321,8 +313,8 @@ __device__ __forceinline__ void mvq_sb(const uint8_t *r0, uint32_t odd, const ui
                 const uint2 b0 = xb[i * XS], b1 = xb[(i + 1) * XS];
 #pragma unroll
                 for (int m = 0; m < NMAT; m++) {
-                    mvq_mma(D[m], X[2 * m][0], X[2 * m + 1][0], X[2 * m][1], X[2 * m + 1][1], b0);
-                    mvq_mma(D[m], X[2 * m][2], X[2 * m + 1][2], X[2 * m][3], X[2 * m + 1][3], b1);
+                    mma_f16_16816(D[m], X[2 * m][0], X[2 * m + 1][0], X[2 * m][1], X[2 * m + 1][1], b0);
+                    mma_f16_16816(D[m], X[2 * m][2], X[2 * m + 1][2], X[2 * m][3], X[2 * m + 1][3], b1);
                 }
             }
         }

@@ -177,6 +177,8 @@ typedef struct ds4_limits {
     int     graph_fail;       /* debug: the Nth recording fails (DS4_CUDA_GRAPH_FAIL; 0 = none) */
     int     graph_pdl;        /* recorded kernels launch as programmatic dependents (DS4_CUDA_GRAPH_PDL;
                                * the backend uses it only where the device supports it) */
+    int     prefill_tc;       /* batches of the types it takes on tensor cores, not through cuBLAS
+                               * (DS4_CUDA_PREFILL_TC; CUDA) */
 } ds4_limits;
 
 /* What a session has done: kernel launches and cuBLAS calls (and the host

@@ -4,7 +4,7 @@
  *   ds4_bench --model tiny|small|flash16|flash-q2|...[@EXPERTS][/CTX]|FILE [--type q8_0] [--backend cuda|cpu]
  *             [--reps 5] [--decode 32] [--decode-after 512] [--prefill 512,4096] [--no-warmup] [--ubatch U1,... [--ubatch-prompt N]]
  *             [--copy-bw GBps] [--threads N]
- *             [--profile-step [--profile-warmup 8] [--profile-timed 16]]      (CUDA builds)
+ *             [--profile-step [--profile-prefill] [--profile-warmup 8] [--profile-timed 16]]      (CUDA builds)
  *
  * Synthetic configs are built in memory from the seed (no file), through the
  * same GGUF parser and weight upload as a file would take.  For each prefill
@@ -32,6 +32,10 @@
  * the kernel times into a table.  Quick profiled run:
  *
  *   ds4_bench --model flash16 --reps 0 --prefill 512 --profile-step
+ *
+ * --profile-prefill makes the profiled unit a prefill instead: one untimed prefill of the
+ * first --prefill length, --profile-timed more timed (median -> step_wall_ms), then one
+ * bracketed (context reset before each, so every one starts at position 0).
  */
 #define _GNU_SOURCE
 #include <stdio.h>
@@ -57,7 +61,7 @@ static void fail(const char *what, const char *err) {
 static void usage(FILE *f) {
     fprintf(f, "usage: ds4_bench --model tiny|small|flash16|FILE [--type T] [--backend cuda|cpu] [--reps N]\n"
                "                 [--decode N] [--decode-after P] [--prefill L1,L2,...] [--no-warmup] [--ubatch U1,... [--ubatch-prompt N]] [--copy-bw GBps] [--threads N]\n"
-               "                 [--profile-step [--profile-warmup N] [--profile-timed N]]\n");
+               "                 [--profile-step [--profile-prefill] [--profile-warmup N] [--profile-timed N]]\n");
 }
 
 int main(int argc, char **argv) {
@@ -65,11 +69,12 @@ int main(int argc, char **argv) {
     int reps = 5, n_decode = 32, threads = 0, decode_after = 512, warmup = 1;
     const char *ubatch_list = NULL;
     int ubatch_prompt = 16384;
-    int profile_step = 0, prof_warmup = 8, prof_timed = 16;
+    int profile_step = 0, profile_prefill = 0, prof_warmup = 8, prof_timed = 16;
     double copy_bw = 0.0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--profile-step")) { profile_step = 1; continue; }   /* the flags without a value */
+        if (!strcmp(a, "--profile-prefill")) { profile_prefill = 1; continue; }
         if (!strcmp(a, "--no-warmup")) { warmup = 0; continue; }
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(stdout); return 0; }
         if (!v) { fprintf(stderr, "ds4_bench: %s needs a value\n", a); return 2; }
@@ -94,6 +99,7 @@ int main(int argc, char **argv) {
         fprintf(stderr, "ds4_bench: --profile-warmup must be >= 0 and --profile-timed >= 1\n");
         return 2;
     }
+    if (profile_prefill && !profile_step) { fprintf(stderr, "ds4_bench: --profile-prefill goes with --profile-step\n"); return 2; }
 #ifndef DS4_CUDA
     if (profile_step) { fprintf(stderr, "ds4_bench: --profile-step needs a CUDA build (make cuda)\n"); return 2; }
 #endif
@@ -245,7 +251,38 @@ int main(int argc, char **argv) {
     }
 
 #ifdef DS4_CUDA
-    if (profile_step) {
+    if (profile_step && profile_prefill) {
+        /* a warm-up prefill, host-timed prefills, then one prefill under the profiler */
+        for (int j = -1; j < prof_timed; j++) {
+            ds4_ctx_reset(c);
+            const double s = now_s();
+            if (ds4_eval(c, tok, prof_p, logits, 0, err, sizeof(err)) != 0) fail("prefill", err);
+            if (j >= 0) v[j] = (now_s() - s) * 1e3;
+        }
+        double lo = v[0], hi = v[0];
+        for (int j = 1; j < prof_timed; j++) { if (v[j] < lo) lo = v[j]; if (v[j] > hi) hi = v[j]; }
+        const double pf_ms = median(v, prof_timed);
+        printf("profile: prefill of %d tokens: median %.3f ms = %.1f tok/s (min %.3f, max %.3f, %d prefills, "
+               "host clock)\n", prof_p, pf_ms, prof_p / (pf_ms * 1e-3), lo, hi, prof_timed);
+        printf("RESULT model=%s backend=%s metric=step_wall_ms value=%.3f prefill=%d warmup=0 steps=%d "
+               "min=%.3f max=%.3f unit=prefill\n", model, be->name, pf_ms, prof_p, prof_timed, lo, hi);
+        ds4_backend_stats ps;
+        ds4_ctx_reset(c);
+        ds4_ctx_stats(c, &ps, 1);
+        cudaError_t pe = cudaProfilerStart();
+        if (pe != cudaSuccess) fprintf(stderr, "ds4_bench: cudaProfilerStart: %s\n", cudaGetErrorString(pe));
+        const double s = now_s();
+        if (ds4_eval(c, tok, prof_p, logits, 0, err, sizeof(err)) != 0) fail("prefill", err);   /* synchronizes */
+        const double prof_ms = (now_s() - s) * 1e3;
+        pe = cudaProfilerStop();
+        if (pe != cudaSuccess) fprintf(stderr, "ds4_bench: cudaProfilerStop: %s\n", cudaGetErrorString(pe));
+        ds4_ctx_stats(c, &ps, 0);
+        printf("profile: the bracketed prefill made %llu kernel launches (incl. cuBLAS calls), %.1f us of host "
+               "time launching them; it took %.3f ms (much longer under a profiler)\n",
+               (unsigned long long)ps.launches, ps.launch_seconds * 1e6, prof_ms);
+        printf("RESULT model=%s backend=%s metric=profiled_step_launches value=%llu host_launch_us=%.1f pos=0 "
+               "step_ms=%.3f\n", model, be->name, (unsigned long long)ps.launches, ps.launch_seconds * 1e6, prof_ms);
+    } else if (profile_step) {
         /* prefill, warm-up steps, host-timed steps, then one step under the profiler */
         ds4_ctx_reset(c);
         if (ds4_eval(c, tok, prof_p, logits, 0, err, sizeof(err)) != 0) fail("prefill", err);

@@ -28,7 +28,9 @@
 #     bench-TAG-plain.log    ds4_bench without the profiler
 #     bench-TAG-ncu.log      ds4_bench's own output under ncu
 #   ds4_bench gets: --model MODEL --backend cuda --reps 0 --prefill 512 --profile-step,
-#   then EXTRA (later flags win: e.g. -- --prefill 4096 --profile-warmup 16).
+#   then EXTRA (later flags win: e.g. -- --prefill 4096 --profile-warmup 16).  With
+#   -- --prefill N --profile-prefill the profiled unit is a prefill of N tokens instead of a
+#   decode step (set OUTDIR or TAG apart from a decode report of the same model).
 #   Environment: CUDA_ARCH (sm_90), NCU (ncu on PATH, else /usr/local/cuda/bin/ncu),
 #   BENCH (a ds4_bench binary; default build/cuda-$CUDA_ARCH/ds4_bench, built by make),
 #   PLAIN=0 skips the run without the profiler (the wall clock then comes from the ncu run).
@@ -68,8 +70,14 @@ if [ -z "${BENCH:-}" ]; then
 fi
 [ -x "$BENCH" ] || { echo "kernel_report: $BENCH is not an executable"; exit 2; }
 BARGS=(--model "$MODEL" --backend cuda --reps 0 --prefill 512 --profile-step ${EXTRA[@]+"${EXTRA[@]}"})
+UNIT="one decode step"
+if [[ " ${EXTRA[*]-} " == *" --profile-prefill "* ]]; then
+  # the profiled unit is a prefill of the last --prefill given (ds4_bench takes the first of its list)
+  PL=512; for ((i = 0; i < ${#BARGS[@]} - 1; i++)); do [ "${BARGS[$i]}" = --prefill ] && PL=${BARGS[$((i + 1))]%%,*}; done
+  UNIT="one prefill of $PL tokens"
+fi
 
-echo "kernel_report: $MODEL, one decode step; $("$NCU" --version 2>/dev/null | tail -1)"
+echo "kernel_report: $MODEL, $UNIT; $("$NCU" --version 2>/dev/null | tail -1)"
 echo "kernel_report: ds4_bench ${BARGS[*]}"
 if [ "${PLAIN:-1}" != 0 ]; then
   echo "kernel_report: run 1/2, no profiler (wall-clock step) -> $PLAIN_LOG"
@@ -108,5 +116,5 @@ fi
 grep -E '^(profile|RESULT)' "$NCU_LOG"
 
 "$PY" scripts/kernel_table.py "$CSV" --bench-log "$PLAIN_LOG" --ncu-bench-log "$NCU_LOG" \
-    --title "Kernel time of one decode step: $TAG ($(date -u +%F), $(git rev-parse --short HEAD 2>/dev/null || echo nogit))" \
+    --title "Kernel time of $UNIT: $TAG ($(date -u +%F), $(git rev-parse --short HEAD 2>/dev/null || echo nogit))" \
     --out "$MD"

@@ -302,6 +302,40 @@ static void test_matmul(int type, int64_t K, int64_t N, int64_t E, int expert, i
     free(out[0]); free(out[1]); free(x); free_weight(&w);
 }
 
+/* A prefill product on activations of a wide dynamic range: each token row scaled by its own
+ * power of two (2^-60 .. 2^60), elements within a row spread over 2^-30 .. 1, and one row of
+ * zeros: the tensor-core engine's per-token scaling and three-part split (ds4_cuda_gemm.cu)
+ * must stay within TOL_DOT of the CPU's f32 sums on all of them. */
+static void test_matmul_range(int type, int64_t K, int64_t N, int nt) {
+    ds4_weight w = make_weight(type, K, N, 1, 1.0f / sqrtf((float)K));
+    float *x = rnd_vec((size_t)nt * K, 1.0f);
+    for (int t = 0; t < nt; t++) {
+        const float row = ldexpf(1.0f, rnd_int(121) - 60);
+        for (int64_t k = 0; k < K; k++)
+            x[(size_t)t * K + k] = t == nt / 2 ? 0.0f : x[(size_t)t * K + k] * row * ldexpf(1.0f, -rnd_int(31));
+    }
+    const size_t ny = (size_t)nt * N;
+    float *out[2];
+    for (int bi = 0; bi < 2; bi++) {
+        ds4_weight wb = weight_on(bi, &w);
+        float *dx = dev_put(bi, x, (size_t)nt * K * 4);
+        float *dy = dev_poison(bi, ny);
+        B[bi]->matmul(&wb, 0, dx, dy, nt);
+        out[bi] = dev_get(bi, dy, ny * 4);
+        B[bi]->release_weight(&wb);
+        dev_free_all(bi);
+    }
+    /* rows of different scales: compare each token row on its own */
+    char shape[96];
+    for (int t = 0; t < nt; t++) {
+        snprintf(shape, sizeof shape, "%s K=%lld N=%lld nt=%d token %d (wide range)", type_name(type), (long long)K,
+                 (long long)N, nt, t);
+        if (t == nt / 2 || t == 0 || t == nt - 1 || t % 97 == 1)
+            check_f32("matmul", shape, out[0] + (size_t)t * N, out[1] + (size_t)t * N, (size_t)N, TOL_DOT);
+    }
+    free(out[0]); free(out[1]); free(x); free_weight(&w);
+}
+
 static void test_matmul_grouped(int type, int64_t K, int G, int64_t R, int nt) {
     ds4_weight w = make_weight(type, K, (int64_t)G * R, 1, 1.0f / sqrtf((float)K));
     float *x = rnd_vec((size_t)nt * G * K, 1.0f);
@@ -1109,10 +1143,13 @@ static void test_moe_experts_t(int type, int tdown, int64_t D, int64_t F, int E,
     float *x = rnd_vec((size_t)nt * D, 2.0f);
     int32_t *sel = malloc((size_t)nt * k * sizeof(int32_t));
     float *wts = malloc((size_t)nt * k * sizeof(float));
+    /* skew 1: every token picks experts 0..k-1; skew 2: the tokens pick among 0..E-3, then
+     * token 0's first pick becomes E-1, so expert E-2 gets no token and E-1 exactly one */
+    const int Er = skew == 2 ? E - 2 : E;
     for (int t = 0; t < nt; t++) {
-        const int start = skew ? 0 : rnd_int(E);
+        const int start = skew == 1 ? 0 : rnd_int(Er);
         for (int j = 0; j < k; j++) {
-            sel[(size_t)t * k + j] = (start + j * (skew ? 1 : 3)) % E;
+            sel[(size_t)t * k + j] = (start + j * (skew == 1 ? 1 : 3)) % Er;
             wts[(size_t)t * k + j] = 0.1f + 0.9f * (rnd_f() + 1.0f) * 0.5f;
         }
     }
@@ -1121,9 +1158,10 @@ static void test_moe_experts_t(int type, int tdown, int64_t D, int64_t F, int E,
         for (int j = 0; j < k; j++)
             for (int jj = 0; jj < j; jj++)
                 if (sel[(size_t)t * k + jj] == sel[(size_t)t * k + j]) {
-                    sel[(size_t)t * k + j] = (sel[(size_t)t * k + j] + 1) % E;
+                    sel[(size_t)t * k + j] = (sel[(size_t)t * k + j] + 1) % Er;
                     jj = -1;
                 }
+    if (skew == 2) sel[0] = E - 1;
     const size_t n = (size_t)nt * D;
     float *add = rnd_vec(n, 1.0f);
     float *out[2];
@@ -1139,12 +1177,13 @@ static void test_moe_experts_t(int type, int tdown, int64_t D, int64_t F, int E,
         B[bi]->release_weight(&gb); B[bi]->release_weight(&ub); B[bi]->release_weight(&db);
         dev_free_all(bi);
     }
-    char shape[96];
+    char shape[128];
     char tn[32];
     if (tdown == type) snprintf(tn, sizeof tn, "%s", type_name(type));
     else snprintf(tn, sizeof tn, "%s/%s", type_name(type), type_name(tdown));
     snprintf(shape, sizeof shape, "%s D=%lld F=%lld E=%d k=%d nt=%d L=%g%s%s", tn, (long long)D,
-             (long long)F, E, k, nt, clamp, skew ? " skew" : "", with_add ? " +add" : "");
+             (long long)F, E, k, nt, clamp, skew == 1 ? " skew" : skew == 2 ? " 0/1-token experts" : "",
+             with_add ? " +add" : "");
     check_f32("moe_experts", shape, out[0], out[1], n, TOL_CHAIN);
     free(out[0]); free(out[1]); free(x); free(sel); free(wts); free(add);
     free_weight(&g); free_weight(&u); free_weight(&dn);
@@ -1417,6 +1456,7 @@ int main(void) {
     ds4_limits lim;
     memset(&lim, 0, sizeof lim);
     lim.max_batch = 256;                 /* test_compress_pool(0, 256, ...) */
+    lim.prefill_tc = 1;                  /* the default (DS4_CUDA_PREFILL_TC) */
     lim.n_ctx = 32768;                   /* attention and indexer at position 20000 */
     lim.n_embd = 8192;
     lim.n_head = 64;
@@ -1687,6 +1727,45 @@ int main(void) {
     test_moe_experts_add(DS4_TYPE_Q8_0, 1024, 1024, 8, 4, 64, 10.0f, 1, 1);
 
     test_quant_types();
+
+    /* prefill on tensor cores (ds4_cuda_gemm.cu, Q8_0 and F16): the batch sizes 1, 2, 7, 64, 512
+     * and 4096, rows that do not fill a tile, the grouped and expert paths with experts that get
+     * 0 or 1 token, wide-range activations; in a session sized for 4096-token batches */
+    {
+        ds4_limits pl = lim;
+        pl.max_batch = 4096;
+        pl.n_ctx = 8192;
+        pl.n_embd = 4096;
+        pl.n_head = 8;
+        pl.head_dim = 128;
+        pl.idx_topk = 0;
+        pl.n_expert = 64;
+        pl.n_expert_used = 6;
+        pl.n_ff_exp = 1024;
+        pl.max_k = 4096;
+        pl.max_matrix = (int64_t)4096 * 4096;
+        void *ps[2], *prev[2];
+        for (int bi = 0; bi < 2; bi++) {
+            ps[bi] = B[bi]->session_new(&pl);
+            if (!ps[bi]) { fprintf(stderr, "test: a 4096-token session of backend %s failed\n", B[bi]->name); return 2; }
+            prev[bi] = B[bi]->session_bind(ps[bi]);
+        }
+        const int tcn[6] = { 1, 2, 7, 64, 512, 4096 };
+        const int tct[2] = { DS4_TYPE_Q8_0, DS4_TYPE_F16 };
+        for (int ti = 0; ti < 2; ti++) {
+            for (int ni = 0; ni < 6; ni++) test_matmul(tct[ti], 4096, 1000, 1, 0, tcn[ni]);
+            test_matmul(tct[ti], 1024, 129, 3, 2, 77);      /* an expert's slice, rows not a tile multiple */
+            test_matmul(tct[ti], 2048, 4096, 1, 0, 512);
+            test_matmul_grouped(tct[ti], 1024, 8, 128, 512);
+            test_matmul_range(tct[ti], 4096, 256, 200);
+            test_moe_experts(tct[ti], 4096, 1024, 64, 6, 512, 10.0f, 2);
+        }
+        test_moe_experts(DS4_TYPE_Q8_0, 2048, 512, 16, 6, 4096, 10.0f, 0);
+        for (int bi = 0; bi < 2; bi++) {
+            B[bi]->session_bind(prev[bi]);
+            B[bi]->session_free(ps[bi]);
+        }
+    }
 
     test_determinism();
 

@@ -1,0 +1,273 @@
+/* ds4_cuda_gemm.cu -- prefill's matrix products on tensor cores: y = x W^T for a batch of
+ * tokens, with exact products, f32 sums and no dequantised copy of the weights.
+ *
+ * What it is.  gemm_tc_rows, the engine behind gemm_rows (ds4_cuda_matmul.cu) for the weight
+ * types whose elements are exact f16 operands: Q8_0 (d * q, q an int8) and F16.  Every
+ * prefill product of those types goes through it: the dense projections, the grouped
+ * output projection, the shared expert and each routed expert's slice (ds4_cuda_moe.cu).
+ * Other types (F32, BF16, the super-block types) keep the dequantise + cuBLAS path, and
+ * DS4_CUDA_PREFILL_TC=0 sends every type there (to compare the two in one run).
+ *
+ * Numerics.  The same scheme as the decode matvec's f16 path (ds4_cuda_matvec_q.cuh), with
+ * the tokens as the MMA's columns:
+ *   - A (the weights): the exact integer q of a Q8_0 element, or an F16 element as it is.
+ *   - B (the activations): each token's row x scaled by a power of two 2^a so that
+ *     2^14 <= max|x 2^a| < 2^15, then split into three f16 parts hi + mid + lo that add up to
+ *     it (k_tc_split): hi = f16(v), mid = f16(v - hi), lo = f16(v - hi - mid), 33 significant
+ *     bits in all, so the split is exact for every element within 2^-18 of the row's largest
+ *     and within 2^-39 of that largest below it (f16's subnormal step), far under f32's own
+ *     rounding of the dot product.
+ *   - Every product in the MMA (11 x 11 bits) is exact; the sums are the tensor core's f32
+ *     accumulation.  Q8_0: per block of 32 the MMAs start from zero and the block's sum is
+ *     scaled by d in f32 and added to the running sum, blocks in order; F16: one running
+ *     sum.  Then y = sum * 2^-a.
+ * The result is an f32-accurate dot product in an order of its own, like every other matmul
+ * of this backend: test_backend_ops holds it to TOL_DOT against the CPU.  A row's arithmetic
+ * depends on K alone (not on the grid, the tile or the token count): the sum of a (row,
+ * token) is the same whatever batch the token is in.
+ *
+ * How a block works (256 threads, 8 warps, TC_BM = 128 rows x TC_BN = 64 tokens).  Warp w
+ * computes 32 rows (two m16 tiles) x 32 tokens (four n8 tiles): rows 32 (w % 4), tokens
+ * 32 (w / 4).  For each block of 32 k it loads its B fragments straight from the split
+ * activations in global memory (one 16-byte load per n tile and part: the 8 halves a lane
+ * needs are contiguous because the k order inside the block is permuted, see below) and its
+ * A fragments from the weight rows (Q8_0: the 8 quants a lane needs are contiguous too),
+ * converts int8 to f16 exactly (a byte permute into 1024 + (q + 128), then one f16x2
+ * subtraction), and issues 2 MMAs x 3 parts per tile pair.  Weights and activations are
+ * read through L1/L2: the four warps that share a token tile and the two that share a row
+ * tile hit in L1, and consecutive blocks share the token tile in L2.
+ *   The k permutation: in m16n8k16 a lane (g = lane / 4, t = lane % 4) holds the k slots
+ *   2t, 2t+1, 2t+8, 2t+9 of A's rows g and g+8 and of B's column g.  A sum over k does not
+ *   care which element sits in which slot, as long as A and B agree, so for MMA j (0, 1) of a
+ *   block the slots of lane t hold the elements 8t + 4j .. 8t + 4j + 3: a lane's 8 elements
+ *   of the block are adjacent in memory in both operands.
+ *
+ * Shapes.  K a multiple of 256 (Q8_0 rows then start 16-byte aligned, F16 rows too), any
+ * number of rows and tokens (rows past the end are not stored; the split activations are
+ * zero-padded to a multiple of TC_BN tokens).  Anything else returns false to gemm_rows.
+ */
+
+#include "ds4_cuda_common.cuh"
+
+#include <cuda_fp16.h>
+
+#define TC_BM      128
+#define TC_BN      64
+#define TC_THREADS 256
+
+/* DS4_CUDA_PREFILL_TC (ds4_limits.prefill_tc): 0 = every prefill product through cuBLAS */
+static bool tc_enabled(void) { return sess()->lim.prefill_tc != 0; }
+
+bool gemm_tc_type(int type) { return type == DS4_TYPE_Q8_0 || type == DS4_TYPE_F16; }
+
+/* Bytes of split activations for nt tokens of K elements: three f16 planes of [ntp][K] and the
+ * per-token factors [ntp] (session_new sizes the scratch by it). */
+size_t gemm_tc_scratch_bytes(int64_t nt, int64_t K) {
+    const int64_t ntp = (nt + TC_BN - 1) / TC_BN * TC_BN;
+    return (size_t)(3 * ntp * K) * sizeof(__half) + (size_t)ntp * sizeof(float);
+}
+
+/* ---------------------------------------------------------------------------
+ * The split: x [nt][ldx] -> hi, mid, lo [3][ntp][K] (f16) and inv [ntp] = 2^-a
+ * ------------------------------------------------------------------------- */
+
+__global__ void k_tc_split(const float *x, int64_t ldx, int K, int nt, int ntp, __half *xs, float *inv) {
+    ds4_grid_dep();
+    const int t = blockIdx.x;
+    const size_t plane = (size_t)ntp * K;
+    __half *h0 = xs + (size_t)t * K, *h1 = h0 + plane, *h2 = h1 + plane;
+    if (t >= nt) {                                  /* padding tokens: zero, never stored */
+        for (int k = threadIdx.x; k < K; k += blockDim.x) h0[k] = h1[k] = h2[k] = __float2half_rn(0.0f);
+        if (threadIdx.x == 0) inv[t] = 0.0f;
+        return;
+    }
+    const float *xr = x + (int64_t)t * ldx;
+    float m = 0.0f;
+    for (int k = threadIdx.x; k < K; k += blockDim.x) m = fmaxf(m, fabsf(xr[k]));
+    __shared__ float red[TC_THREADS / 32];
+    m = warp_max(m);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = m;
+    __syncthreads();
+    m = red[0];
+    for (int i = 1; i < (int)(blockDim.x >> 5); i++) m = fmaxf(m, red[i]);
+    /* m in [2^(e-1), 2^e): a = 15 - e puts it in [2^14, 2^15); a zero or non-finite row keeps
+     * a = 0 (NaN and Inf then reach the sums as they are) */
+    int a = 0;
+    if (m > 0.0f && isfinite(m)) {
+        int e;
+        frexpf(m, &e);
+        a = 15 - e;
+        a = a < -126 ? -126 : a > 126 ? 126 : a;
+    }
+    const float s = __int_as_float((127 + a) << 23);
+    for (int k = threadIdx.x; k < K; k += blockDim.x) {
+        const float v = xr[k] * s;                  /* exact: a power of two */
+        const __half hi = __float2half_rn(v);
+        const float r = v - __half2float(hi);       /* exact */
+        const __half mid = __float2half_rn(r);
+        h0[k] = hi;
+        h1[k] = mid;
+        h2[k] = __float2half_rn(r - __half2float(mid));
+    }
+    if (threadIdx.x == 0) inv[t] = __int_as_float((127 - a) << 23);
+}
+
+/* ---------------------------------------------------------------------------
+ * The product
+ * ------------------------------------------------------------------------- */
+
+/* Four int8 (one word) -> two f16x2 pairs holding exactly those integers: each byte biased to
+ * 0..255 becomes the low mantissa byte of 1024 (f16 0x6400), then 1024 + 128 comes off. */
+__device__ __forceinline__ void tc_i8x4_f16(uint32_t q, uint32_t &p01, uint32_t &p23) {
+    const uint32_t u = q ^ 0x80808080u;
+    const __half2 bias = __halves2half2(__ushort_as_half(0x6480), __ushort_as_half(0x6480));   /* 1152 */
+    uint32_t v01 = __byte_perm(u, 0x64646464u, 0x4140), v23 = __byte_perm(u, 0x64646464u, 0x4342);
+    __half2 h01 = __hsub2(*(__half2 *)&v01, bias), h23 = __hsub2(*(__half2 *)&v23, bias);
+    p01 = *(uint32_t *)&h01;
+    p23 = *(uint32_t *)&h23;
+}
+
+/* A lane's 8 elements k = 32 b + 8 t .. + 7 of a weight row, as four f16x2 registers
+ * (element pairs 0-1, 2-3, 4-5, 6-7), and (Q8_0) the block's scale. */
+template <int TYPE>
+__device__ __forceinline__ void tc_load_a(const uint8_t *row, int b, int t, bool valid, uint32_t (&r)[4],
+                                          float &d) {
+    if (!valid) {
+        r[0] = r[1] = r[2] = r[3] = 0u;
+        d = 0.0f;
+        return;
+    }
+    if (TYPE == DS4_TYPE_F16) {
+        const uint4 v = __ldg((const uint4 *)(row + (size_t)b * 64 + 16 * t));
+        r[0] = v.x; r[1] = v.y; r[2] = v.z; r[3] = v.w;
+        d = 1.0f;
+    } else {
+        /* block b starts at 34 b (rows are 16-byte aligned): its quants at 34 b + 2, the
+         * lane's 8 at 34 b + 2 + 8 t, 4-byte aligned for odd b, 2 past it for even b */
+        const uint8_t *blk = row + (size_t)b * 34;
+        d = dsq_f16(__ldg((const unsigned short *)blk));
+        const uint8_t *q = blk + 2 + 8 * t;
+        uint32_t lo, hi;
+        if (b & 1) {
+            lo = __ldg((const unsigned int *)q);
+            hi = __ldg((const unsigned int *)(q + 4));
+        } else {
+            const uint32_t a0 = __ldg((const unsigned short *)q), a1 = __ldg((const unsigned int *)(q + 2)),
+                           a2 = __ldg((const unsigned short *)(q + 6));
+            lo = a0 | (a1 << 16);
+            hi = (a1 >> 16) | (a2 << 16);
+        }
+        tc_i8x4_f16(lo, r[0], r[1]);
+        tc_i8x4_f16(hi, r[2], r[3]);
+    }
+}
+
+template <int TYPE>
+__global__ void __launch_bounds__(TC_THREADS, 2)
+k_tc_gemm(const uint8_t *w, size_t row_bytes, int K, int nrows, const __half *xs, int ntp, const float *inv,
+          int nt, float *y, int64_t ldy) {
+    ds4_grid_dep();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int row0 = blockIdx.x * TC_BM + (warp & 3) * 32;
+    const int tok0 = blockIdx.y * TC_BN + (warp >> 2) * 32;
+    const uint8_t *wr[2][2];
+    bool rv[2][2];
+#pragma unroll
+    for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int r = row0 + 16 * mi + 8 * h + g;
+            rv[mi][h] = r < nrows;
+            wr[mi][h] = w + (size_t)(rv[mi][h] ? r : 0) * row_bytes;
+        }
+    const size_t plane = (size_t)ntp * K;
+    const __half *xb = xs + (size_t)(tok0 + g) * K + 8 * t;
+    float acc[2][4][4];
+#pragma unroll
+    for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+        for (int ni = 0; ni < 4; ni++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) acc[mi][ni][c] = 0.0f;
+
+    const int nb = K / 32;
+    for (int b = 0; b < nb; b++) {
+        uint4 bf[4][3];
+#pragma unroll
+        for (int ni = 0; ni < 4; ni++)
+#pragma unroll
+            for (int p = 0; p < 3; p++)
+                bf[ni][p] = __ldg((const uint4 *)(xb + (size_t)8 * ni * K + p * plane + 32 * b));
+#pragma unroll
+        for (int mi = 0; mi < 2; mi++) {
+            uint32_t a[2][4];
+            float d[2];
+            tc_load_a<TYPE>(wr[mi][0], b, t, rv[mi][0], a[0], d[0]);
+            tc_load_a<TYPE>(wr[mi][1], b, t, rv[mi][1], a[1], d[1]);
+#pragma unroll
+            for (int ni = 0; ni < 4; ni++) {
+                if (TYPE == DS4_TYPE_F16) {
+#pragma unroll
+                    for (int p = 0; p < 3; p++) {
+                        mma_f16_16816(acc[mi][ni], a[0][0], a[1][0], a[0][1], a[1][1],
+                                      make_uint2(bf[ni][p].x, bf[ni][p].y));
+                        mma_f16_16816(acc[mi][ni], a[0][2], a[1][2], a[0][3], a[1][3],
+                                      make_uint2(bf[ni][p].z, bf[ni][p].w));
+                    }
+                } else {
+                    float c[4] = { 0.0f, 0.0f, 0.0f, 0.0f };
+#pragma unroll
+                    for (int p = 0; p < 3; p++) {
+                        mma_f16_16816(c, a[0][0], a[1][0], a[0][1], a[1][1], make_uint2(bf[ni][p].x, bf[ni][p].y));
+                        mma_f16_16816(c, a[0][2], a[1][2], a[0][3], a[1][3], make_uint2(bf[ni][p].z, bf[ni][p].w));
+                    }
+                    acc[mi][ni][0] = fmaf(d[0], c[0], acc[mi][ni][0]);
+                    acc[mi][ni][1] = fmaf(d[0], c[1], acc[mi][ni][1]);
+                    acc[mi][ni][2] = fmaf(d[1], c[2], acc[mi][ni][2]);
+                    acc[mi][ni][3] = fmaf(d[1], c[3], acc[mi][ni][3]);
+                }
+            }
+        }
+    }
+    /* c0, c1: row g, tokens 2t, 2t+1; c2, c3: row g + 8 */
+#pragma unroll
+    for (int ni = 0; ni < 4; ni++) {
+        const int n0 = tok0 + 8 * ni + 2 * t;
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            const int n = n0 + e;
+            if (n >= nt) continue;
+            const float f = inv[n];
+#pragma unroll
+            for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const int r = row0 + 16 * mi + 8 * h + g;
+                    if (r < nrows) y[(int64_t)n * ldy + r] = acc[mi][ni][2 * h + e] * f;
+                }
+        }
+    }
+}
+
+/* y[t][r] (row stride ldy) = sum_k W[r][k] x[t][k] for r < nrows, t < nt, W's rows starting
+ * at w (row_bytes apart); false when the type or shape is not one this engine takes (the
+ * caller then uses cuBLAS). */
+bool gemm_tc_rows(int type, const uint8_t *w, size_t row_bytes, int64_t K, int64_t nrows, const float *x,
+                  int64_t ldx, float *y, int64_t ldy, int nt) {
+    if (!tc_enabled() || !gemm_tc_type(type) || K % 256 != 0 || K > INT32_MAX / 2 || nrows > INT32_MAX / 2 ||
+        ((uintptr_t)w & 15) != 0 || (row_bytes & 15) != 0)
+        return false;
+    if (nrows <= 0 || nt <= 0) return true;
+    const int ntp = (nt + TC_BN - 1) / TC_BN * TC_BN;
+    __half *xs = (__half *)scratch_get(&sess()->tc_x, gemm_tc_scratch_bytes(nt, K));
+    float *inv = (float *)(xs + (size_t)3 * ntp * K);
+    DS4_LAUNCH(k_tc_split, dim3((unsigned)ntp), TC_THREADS, 0, x, ldx, (int)K, nt, ntp, xs, inv);
+    const dim3 grid((unsigned)((nrows + TC_BM - 1) / TC_BM), (unsigned)(ntp / TC_BN));
+    if (type == DS4_TYPE_Q8_0)
+        DS4_LAUNCH(k_tc_gemm<DS4_TYPE_Q8_0>, grid, TC_THREADS, 0, w, row_bytes, (int)K, (int)nrows, xs, ntp, inv, nt,
+                   y, ldy);
+    else
+        DS4_LAUNCH(k_tc_gemm<DS4_TYPE_F16>, grid, TC_THREADS, 0, w, row_bytes, (int)K, (int)nrows, xs, ntp, inv, nt,
+                   y, ldy);
+    return true;
+}

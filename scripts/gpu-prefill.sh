@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# gpu-prefill.sh -- one GPU run for the prefill work (patch "prefill on tensor cores"): build,
+# the tensor-core GEMM's backend-op tests, then flash16 (and flash-q2@64) prefill with
+# DS4_CUDA_PREFILL_TC=0 (dequantise + cuBLAS) and 1 side by side, logs under $OUT.
+#   scripts/gpu-prefill.sh [test] [bench] [q2] [report] [peer]
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
+OUT=${OUT:-build/gpu-out}; mkdir -p "$OUT"
+ARCH=${CUDA_ARCH:-sm_90}
+WHAT=" ${*:-test bench} "
+want() { [[ "$WHAT" == *" $1 "* ]]; }
+step() { echo; echo "=== $* ($(date -u +%H:%M:%S))"; }
+step build
+make cuda CUDA_ARCH="$ARCH" > "$OUT/build.log" 2>&1 &&
+  make --no-print-directory build/cuda-"$ARCH"/test_backend_ops build/cuda-"$ARCH"/ds4_bench CUDA_ARCH="$ARCH" \
+    >> "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
+if want test; then
+  step "test_backend_ops"
+  timeout "${OPS_LIMIT:-240}" build/cuda-"$ARCH"/test_backend_ops > "$OUT/ops.log" 2>&1
+  echo "rc $?"; grep -E 'FAIL' "$OUT/ops.log" | head -20
+  grep -E 'tensor|K=4096 N=1000|0/1-token|wide range' "$OUT/ops.log" | head -40; tail -1 "$OUT/ops.log"
+fi
+bench() {   # MODEL TC PREFILLS REPS
+  DS4_CUDA_PREFILL_TC=$2 timeout 300 build/cuda-"$ARCH"/ds4_bench --model "$1" --backend cuda --reps "$4" \
+     --decode 8 --prefill "$3" > "$OUT/bench-$1-tc$2.log" 2>&1
+  echo "$1 TC=$2: $(grep -E '^model|^prefill' "$OUT/bench-$1-tc$2.log" | tr '\n' ' ')"
+}
+if want bench; then
+  step "flash16 prefill, TC 0 vs 1"
+  bench flash16 0 512,4096 3
+  bench flash16 1 512,4096 3
+fi
+if want q2; then
+  step "flash-q2@64 prefill, TC 0 vs 1"
+  bench flash-q2@64 0 512,4096 3
+  bench flash-q2@64 1 512,4096 3
+fi
+if want report; then
+  step "kernel report: flash16 prefill 4096"
+  for tc in ${REPORT_TC:-1}; do
+    DS4_CUDA_PREFILL_TC=$tc PLAIN=0 timeout 400 bash scripts/kernel_report.sh flash16 "$OUT/kr-tc$tc" -- \
+      --prefill 4096 --profile-prefill --profile-timed 2 > "$OUT/kr-tc$tc.log" 2>&1
+    tail -12 "$OUT/kr-tc$tc/kernels-flash16.md"
+  done
+fi
+if want peer; then
+  step "llama.cpp"
+  bash .peer/run.sh flash16 2>&1 | tail -5
+fi
