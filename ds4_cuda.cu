@@ -191,6 +191,7 @@ void stream_wait(void) {
 /* Every kernel attribute and occupancy, settled once at init. */
 static void ops_setup(void) {
     matmul_setup();
+    gemm_tc_setup();
     attention_setup();
     indexer_setup();
 }
@@ -682,8 +683,10 @@ static void *cuda_session_new(const ds4_limits *lim) {
         if (B > MOE_DECODE_MAX_NT) {
             ok = ok && session_scratch(&S->moe_xg, "MoE gathered inputs", (size_t)(pairs * D) * sizeof(float));
             ok = ok && session_scratch(&S->moe_gu, "MoE gate|up products", (size_t)(pairs * 2 * F) * sizeof(float));
-            ok = ok && session_scratch(&S->moe_idx, "MoE pair tables", (size_t)(2 * pairs) * sizeof(int32_t));
-            S->host_idx_cap = (size_t)(3 * pairs + E + 1);
+            /* and the tensor-core engine's tiles (int4, 16-byte aligned after them) */
+            const size_t tiles = 4 * (size_t)gemm_tc_max_tiles(pairs, E) + 4;
+            ok = ok && session_scratch(&S->moe_idx, "MoE pair tables", (2 * pairs + E + 1 + tiles) * sizeof(int32_t));
+            S->host_idx_cap = (size_t)(3 * pairs + E + 1) + tiles;
             ok = ok && session_pinned((void **)&S->host_idx, "MoE host tables", S->host_idx_cap * sizeof(int32_t));
         }
     }
@@ -692,8 +695,13 @@ static void *cuda_session_new(const ds4_limits *lim) {
         int64_t deq = lim->max_matrix < DEQ_CAP_FLOATS ? lim->max_matrix : DEQ_CAP_FLOATS;
         if (deq < lim->max_k) deq = lim->max_k;
         ok = ok && session_scratch(&S->deq, "dequantised weight rows", (size_t)deq * sizeof(float));
-        if (lim->prefill_tc)
-            ok = ok && session_scratch(&S->tc_x, "split activations", gemm_tc_scratch_bytes(B, lim->max_k));
+        /* the split activations: a batch of any product, or every (token, expert) pair of the MoE */
+        size_t tcb = gemm_tc_scratch_bytes(B, lim->max_k);
+        if (k > 0 && D > 0 && F > 0) {
+            const size_t m = gemm_tc_scratch_bytes(B * k, D > F ? D : F);
+            if (m > tcb) tcb = m;
+        }
+        if (lim->prefill_tc) ok = ok && session_scratch(&S->tc_x, "split activations", tcb);
     }
     /* staging: the step block and tokens up, small results down */
     S->up_cap = 64 * 1024 + (size_t)B * sizeof(int32_t);

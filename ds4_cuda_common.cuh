@@ -318,6 +318,11 @@ __device__ __forceinline__ void cp_async16(void *smem, const void *gmem) {
     const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(s), "l"(gmem) : "memory");
 }
+/* The same, 4 bytes (through L1: .cg takes only 16). */
+__device__ __forceinline__ void cp_async4(void *smem, const void *gmem) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" :: "r"(s), "l"(gmem) : "memory");
+}
 __device__ __forceinline__ void cp_async_commit(void) {
     asm volatile("cp.async.commit_group;\n" ::: "memory");
 }
@@ -598,9 +603,17 @@ void gemm_rows(const ds4_weight *w, size_t mat_off, int64_t row0, int64_t nrows,
 void cuda_matmul(const ds4_weight *w, int expert, const float *x, float *y, int nt);
 void matmul_setup(void);
 void ds4_cuda_ops_matmul(ds4_backend *b);
-/* ds4_cuda_gemm.cu */
+/* ds4_cuda_gemm.cu: prefill products on tensor cores */
+struct tc_split { void *xs; float *inv; int64_t K, n, ntp; };   /* activations split for them */
 bool gemm_tc_type(int type);
+bool gemm_tc_ok(int type, const void *w, size_t row_bytes, int64_t K);
 size_t gemm_tc_scratch_bytes(int64_t nt, int64_t K);
+void gemm_tc_setup(void);
+tc_split gemm_tc_split(const float *x, int64_t ldx, int64_t K, int64_t n);
+void gemm_tc_run(int type, const uint8_t *w, size_t mat_bytes, size_t row_bytes, int64_t nrows, const tc_split &sp,
+                 const int4 *tiles, int n_tiles, float *y, int64_t ldy);
+int gemm_tc_tiles(const int32_t *off, int E, int32_t *out);
+int64_t gemm_tc_max_tiles(int64_t rows, int64_t E);
 bool gemm_tc_rows(int type, const uint8_t *w, size_t row_bytes, int64_t K, int64_t nrows, const float *x,
                   int64_t ldx, float *y, int64_t ldy, int nt);
 /* ds4_cuda_attn.cu */

@@ -55,17 +55,16 @@
 
 #define TC_BM      128
 #define TC_BN      64
+#define TC_BK      64       /* k per pipeline stage: two Q8_0 blocks */
+#define TC_ST      3        /* pipeline stages */
 #define TC_THREADS 256
-
-/* DS4_CUDA_PREFILL_TC (ds4_limits.prefill_tc): 0 = every prefill product through cuBLAS */
-static bool tc_enabled(void) { return sess()->lim.prefill_tc != 0; }
 
 bool gemm_tc_type(int type) { return type == DS4_TYPE_Q8_0 || type == DS4_TYPE_F16; }
 
 /* Bytes of split activations for nt tokens of K elements: three f16 planes of [ntp][K] and the
  * per-token factors [ntp] (session_new sizes the scratch by it). */
 size_t gemm_tc_scratch_bytes(int64_t nt, int64_t K) {
-    const int64_t ntp = (nt + TC_BN - 1) / TC_BN * TC_BN;
+    const int64_t ntp = (nt + TC_BN - 1) / TC_BN * TC_BN + TC_BN;
     return (size_t)(3 * ntp * K) * sizeof(__half) + (size_t)ntp * sizeof(float);
 }
 
@@ -129,61 +128,88 @@ __device__ __forceinline__ void tc_i8x4_f16(uint32_t q, uint32_t &p01, uint32_t 
     p23 = *(uint32_t *)&h23;
 }
 
-/* A lane's 8 elements k = 32 b + 8 t .. + 7 of a weight row, as four f16x2 registers
- * (element pairs 0-1, 2-3, 4-5, 6-7), and (Q8_0) the block's scale. */
+/* Shared memory per stage: A, TC_BM weight rows of one stage's TC_BK elements (Q8_0: two raw
+ * 34-byte blocks, 68 bytes; F16: 128 bytes in 16-byte chunks), then B, three parts x TC_BN
+ * tokens x TC_BK halves (128 bytes).  A 128-byte row's 16-byte chunk c sits at c ^ 4 (row &
+ * 1): the eight lanes of a quarter-warp read rows g, g + 1 at chunks t (+ 4 j), which then
+ * fall on different banks. */
+template <int TYPE> struct tc_traits { enum { AROW = TYPE == DS4_TYPE_Q8_0 ? 68 : 128 }; };
 template <int TYPE>
-__device__ __forceinline__ void tc_load_a(const uint8_t *row, int b, int t, bool valid, uint32_t (&r)[4],
-                                          float &d) {
-    if (!valid) {
-        r[0] = r[1] = r[2] = r[3] = 0u;
-        d = 0.0f;
-        return;
-    }
-    if (TYPE == DS4_TYPE_F16) {
-        const uint4 v = __ldg((const uint4 *)(row + (size_t)b * 64 + 16 * t));
-        r[0] = v.x; r[1] = v.y; r[2] = v.z; r[3] = v.w;
-        d = 1.0f;
-    } else {
-        /* block b starts at 34 b (rows are 16-byte aligned): its quants at 34 b + 2, the
-         * lane's 8 at 34 b + 2 + 8 t, 4-byte aligned for odd b, 2 past it for even b */
-        const uint8_t *blk = row + (size_t)b * 34;
-        d = dsq_f16(__ldg((const unsigned short *)blk));
-        const uint8_t *q = blk + 2 + 8 * t;
-        uint32_t lo, hi;
-        if (b & 1) {
-            lo = __ldg((const unsigned int *)q);
-            hi = __ldg((const unsigned int *)(q + 4));
-        } else {
-            const uint32_t a0 = __ldg((const unsigned short *)q), a1 = __ldg((const unsigned int *)(q + 2)),
-                           a2 = __ldg((const unsigned short *)(q + 6));
-            lo = a0 | (a1 << 16);
-            hi = (a1 >> 16) | (a2 << 16);
+__host__ __device__ constexpr int tc_stage_bytes() { return TC_BM * tc_traits<TYPE>::AROW + 3 * TC_BN * 128; }
+__device__ __forceinline__ int tc_swz(int row, int chunk) { return 16 * (chunk ^ ((row & 1) << 2)); }
+
+/* One stage in flight: the weight rows' and the tokens' elements kb*TC_BK .. + TC_BK. */
+template <int TYPE>
+__device__ __forceinline__ void tc_load_stage(uint8_t *st, const uint8_t *w, size_t row_bytes, int row0, int nrows,
+                                              const __half *xs, size_t plane, int K, int t0, int kb) {
+    uint8_t *As = st, *Bs = st + TC_BM * tc_traits<TYPE>::AROW;
+    if (TYPE == DS4_TYPE_Q8_0) {
+        for (int i = threadIdx.x; i < TC_BM * 17; i += TC_THREADS) {
+            const int r = i / 17, c = i - 17 * r, row = row0 + r < nrows ? row0 + r : row0;
+            cp_async4(As + 68 * r + 4 * c, w + (size_t)row * row_bytes + (size_t)kb * 68 + 4 * c);
         }
-        tc_i8x4_f16(lo, r[0], r[1]);
-        tc_i8x4_f16(hi, r[2], r[3]);
+    } else {
+        for (int i = threadIdx.x; i < TC_BM * 8; i += TC_THREADS) {
+            const int r = i >> 3, c = i & 7, row = row0 + r < nrows ? row0 + r : row0;
+            cp_async16(As + 128 * r + tc_swz(r, c), w + (size_t)row * row_bytes + (size_t)kb * 128 + 16 * c);
+        }
+    }
+    for (int i = threadIdx.x; i < 3 * TC_BN * 8; i += TC_THREADS) {
+        const int p = i / (TC_BN * 8), n = (i >> 3) % TC_BN, c = i & 7;
+        cp_async16(Bs + (p * TC_BN + n) * 128 + tc_swz(n, c),
+                   xs + p * plane + (size_t)(t0 + n) * K + (size_t)kb * 64 + 8 * c);
     }
 }
 
+/* A lane's 8 elements 32 j + 8 t .. + 7 of staged row r, as four f16x2 registers (element pairs
+ * 0-1, 2-3, 4-5, 6-7), and (Q8_0) the block's scale. */
+template <int TYPE>
+__device__ __forceinline__ void tc_frag_a(const uint8_t *As, int r, int j, int t, uint32_t (&a)[4], float &d) {
+    if (TYPE == DS4_TYPE_F16) {
+        const uint4 v = *(const uint4 *)(As + 128 * r + tc_swz(r, 4 * j + t));
+        a[0] = v.x; a[1] = v.y; a[2] = v.z; a[3] = v.w;
+        d = 1.0f;
+    } else {
+        /* block j at 34 j of the row (68 r: 4-byte aligned): quants at + 2, the lane's at + 8 t,
+         * 2 past a word boundary for j = 0, on one for j = 1 */
+        const uint8_t *blk = As + 68 * r + 34 * j;
+        d = dsq_f16(*(const uint16_t *)blk);
+        const uint8_t *q = blk + 2 + 8 * t;
+        uint32_t lo, hi;
+        if (j) {
+            lo = *(const uint32_t *)q;
+            hi = *(const uint32_t *)(q + 4);
+        } else {
+            const uint32_t a0 = *(const uint16_t *)q, a1 = *(const uint32_t *)(q + 2), a2 = *(const uint16_t *)(q + 6);
+            lo = a0 | (a1 << 16);
+            hi = (a1 >> 16) | (a2 << 16);
+        }
+        tc_i8x4_f16(lo, a[0], a[1]);
+        tc_i8x4_f16(hi, a[2], a[3]);
+    }
+}
+
+/* Block (x: TC_BM rows, y: a tile) of y = x W^T.  A tile is tiles[blockIdx.y] (grouped: the
+ * matrix e = tile.x, tokens tile.y .. tile.z - 1, at most TC_BN) or, with tiles NULL, tokens
+ * TC_BN blockIdx.y .. of matrix 0 up to nt.  The weights of matrix e start mat_bytes * e into w. */
 template <int TYPE>
 __global__ void __launch_bounds__(TC_THREADS, 2)
-k_tc_gemm(const uint8_t *w, size_t row_bytes, int K, int nrows, const __half *xs, int ntp, const float *inv,
-          int nt, float *y, int64_t ldy) {
+k_tc_gemm(const uint8_t *w, size_t mat_bytes, size_t row_bytes, int K, int nrows, const __half *xs, int ntp,
+          const float *inv, const int4 *tiles, int nt, float *y, int64_t ldy) {
     ds4_grid_dep();
+    extern __shared__ __align__(16) uint8_t tc_smem[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int row0 = blockIdx.x * TC_BM + (warp & 3) * 32;
-    const int tok0 = blockIdx.y * TC_BN + (warp >> 2) * 32;
-    const uint8_t *wr[2][2];
-    bool rv[2][2];
-#pragma unroll
-    for (int mi = 0; mi < 2; mi++)
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const int r = row0 + 16 * mi + 8 * h + g;
-            rv[mi][h] = r < nrows;
-            wr[mi][h] = w + (size_t)(rv[mi][h] ? r : 0) * row_bytes;
-        }
+    int t0 = blockIdx.y * TC_BN, t1 = t0 + TC_BN < nt ? t0 + TC_BN : nt;
+    if (tiles) {
+        const int4 tl = tiles[blockIdx.y];
+        w += mat_bytes * (size_t)tl.x;
+        t0 = tl.y;
+        t1 = tl.z;
+    }
+    const int row0 = blockIdx.x * TC_BM;
+    const int wr0 = (warp & 3) * 32, wn0 = (warp >> 2) * 32;    /* the warp's rows and tokens in the block */
     const size_t plane = (size_t)ntp * K;
-    const __half *xb = xs + (size_t)(tok0 + g) * K + 8 * t;
+    constexpr int SB = tc_stage_bytes<TYPE>();
     float acc[2][4][4];
 #pragma unroll
     for (int mi = 0; mi < 2; mi++)
@@ -192,36 +218,53 @@ k_tc_gemm(const uint8_t *w, size_t row_bytes, int K, int nrows, const __half *xs
 #pragma unroll
             for (int c = 0; c < 4; c++) acc[mi][ni][c] = 0.0f;
 
-    const int nb = K / 32;
-    for (int b = 0; b < nb; b++) {
-        uint4 bf[4][3];
+    const int nk = K / TC_BK;
 #pragma unroll
-        for (int ni = 0; ni < 4; ni++)
+    for (int s = 0; s < TC_ST - 1; s++) {
+        if (s < nk) tc_load_stage<TYPE>(tc_smem + s * SB, w, row_bytes, row0, nrows, xs, plane, K, t0, s);
+        cp_async_commit();
+    }
+    for (int kb = 0; kb < nk; kb++) {
+        cp_async_wait<TC_ST - 2>();
+        __syncthreads();
+        {
+            const int nx = kb + TC_ST - 1;
+            if (nx < nk) tc_load_stage<TYPE>(tc_smem + (nx % TC_ST) * SB, w, row_bytes, row0, nrows, xs, plane, K, t0, nx);
+            cp_async_commit();
+        }
+        const uint8_t *As = tc_smem + (kb % TC_ST) * SB, *Bs = As + TC_BM * tc_traits<TYPE>::AROW;
 #pragma unroll
-            for (int p = 0; p < 3; p++)
-                bf[ni][p] = __ldg((const uint4 *)(xb + (size_t)8 * ni * K + p * plane + 32 * b));
-#pragma unroll
-        for (int mi = 0; mi < 2; mi++) {
-            uint32_t a[2][4];
-            float d[2];
-            tc_load_a<TYPE>(wr[mi][0], b, t, rv[mi][0], a[0], d[0]);
-            tc_load_a<TYPE>(wr[mi][1], b, t, rv[mi][1], a[1], d[1]);
+        for (int j = 0; j < 2; j++) {
+            uint4 bf[4][3];
 #pragma unroll
             for (int ni = 0; ni < 4; ni++) {
-                float c[4] = { 0.0f, 0.0f, 0.0f, 0.0f };
+                const int n = wn0 + 8 * ni + g;
 #pragma unroll
-                for (int p = 0; p < 3; p++) {
-                    mma_f16_16816(c, a[0][0], a[1][0], a[0][1], a[1][1], make_uint2(bf[ni][p].x, bf[ni][p].y));
-                    mma_f16_16816(c, a[0][2], a[1][2], a[0][3], a[1][3], make_uint2(bf[ni][p].z, bf[ni][p].w));
-                }
-                if (TYPE == DS4_TYPE_F16) {
+                for (int p = 0; p < 3; p++) bf[ni][p] = *(const uint4 *)(Bs + (p * TC_BN + n) * 128 + tc_swz(n, 4 * j + t));
+            }
 #pragma unroll
-                    for (int e = 0; e < 4; e++) acc[mi][ni][e] += c[e];
-                } else {
-                    acc[mi][ni][0] = fmaf(d[0], c[0], acc[mi][ni][0]);
-                    acc[mi][ni][1] = fmaf(d[0], c[1], acc[mi][ni][1]);
-                    acc[mi][ni][2] = fmaf(d[1], c[2], acc[mi][ni][2]);
-                    acc[mi][ni][3] = fmaf(d[1], c[3], acc[mi][ni][3]);
+            for (int mi = 0; mi < 2; mi++) {
+                uint32_t a[2][4];
+                float d[2];
+                tc_frag_a<TYPE>(As, wr0 + 16 * mi + g, j, t, a[0], d[0]);
+                tc_frag_a<TYPE>(As, wr0 + 16 * mi + 8 + g, j, t, a[1], d[1]);
+#pragma unroll
+                for (int ni = 0; ni < 4; ni++) {
+                    float c[4] = { 0.0f, 0.0f, 0.0f, 0.0f };
+#pragma unroll
+                    for (int p = 0; p < 3; p++) {
+                        mma_f16_16816(c, a[0][0], a[1][0], a[0][1], a[1][1], make_uint2(bf[ni][p].x, bf[ni][p].y));
+                        mma_f16_16816(c, a[0][2], a[1][2], a[0][3], a[1][3], make_uint2(bf[ni][p].z, bf[ni][p].w));
+                    }
+                    if (TYPE == DS4_TYPE_F16) {
+#pragma unroll
+                        for (int e = 0; e < 4; e++) acc[mi][ni][e] += c[e];
+                    } else {
+                        acc[mi][ni][0] = fmaf(d[0], c[0], acc[mi][ni][0]);
+                        acc[mi][ni][1] = fmaf(d[0], c[1], acc[mi][ni][1]);
+                        acc[mi][ni][2] = fmaf(d[1], c[2], acc[mi][ni][2]);
+                        acc[mi][ni][3] = fmaf(d[1], c[3], acc[mi][ni][3]);
+                    }
                 }
             }
         }
@@ -229,42 +272,91 @@ k_tc_gemm(const uint8_t *w, size_t row_bytes, int K, int nrows, const __half *xs
     /* c0, c1: row g, tokens 2t, 2t+1; c2, c3: row g + 8 */
 #pragma unroll
     for (int ni = 0; ni < 4; ni++) {
-        const int n0 = tok0 + 8 * ni + 2 * t;
 #pragma unroll
         for (int e = 0; e < 2; e++) {
-            const int n = n0 + e;
-            if (n >= nt) continue;
+            const int n = t0 + wn0 + 8 * ni + 2 * t + e;
+            if (n >= t1) continue;
             const float f = inv[n];
 #pragma unroll
             for (int mi = 0; mi < 2; mi++)
 #pragma unroll
                 for (int h = 0; h < 2; h++) {
-                    const int r = row0 + 16 * mi + 8 * h + g;
+                    const int r = row0 + wr0 + 16 * mi + 8 * h + g;
                     if (r < nrows) y[(int64_t)n * ldy + r] = acc[mi][ni][2 * h + e] * f;
                 }
         }
     }
 }
 
+void gemm_tc_setup(void) {
+    DS4_CUDA_CHECK(cudaFuncSetAttribute(k_tc_gemm<DS4_TYPE_Q8_0>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        TC_ST * tc_stage_bytes<DS4_TYPE_Q8_0>()));
+    DS4_CUDA_CHECK(cudaFuncSetAttribute(k_tc_gemm<DS4_TYPE_F16>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        TC_ST * tc_stage_bytes<DS4_TYPE_F16>()));
+}
+
+/* Whether gemm_tc_* takes this matrix: the type, K a multiple of 256 (then rows of both types
+ * are 16-byte multiples), 16-byte aligned rows. */
+bool gemm_tc_ok(int type, const void *w, size_t row_bytes, int64_t K) {
+    return sess()->lim.prefill_tc != 0 && gemm_tc_type(type) && K % 256 == 0 && K <= (1 << 24) &&
+           ((uintptr_t)w & 15) == 0 && (row_bytes & 15) == 0;
+}
+
+/* The split of n rows of x (row stride ldx, K wide) into the session's scratch. */
+tc_split gemm_tc_split(const float *x, int64_t ldx, int64_t K, int64_t n) {
+    tc_split sp;
+    sp.K = K;
+    sp.n = n;
+    sp.ntp = (n + TC_BN - 1) / TC_BN * TC_BN + TC_BN;   /* a grouped tile may start anywhere */
+    sp.xs = scratch_get(&sess()->tc_x, gemm_tc_scratch_bytes(n, K));
+    sp.inv = (float *)((__half *)sp.xs + (size_t)3 * sp.ntp * K);
+    DS4_LAUNCH(k_tc_split, dim3((unsigned)sp.ntp), TC_THREADS, 0, x, ldx, (int)K, (int)n, (int)sp.ntp,
+               (__half *)sp.xs, sp.inv);
+    return sp;
+}
+
+/* y[t][r] (row stride ldy) = sum_k W_e[r][k] x[t][k] over the tiles (grouped; tiles on the
+ * device, n_tiles of them) or over tokens 0 .. sp.n - 1 of matrix 0 (tiles NULL). */
+void gemm_tc_run(int type, const uint8_t *w, size_t mat_bytes, size_t row_bytes, int64_t nrows, const tc_split &sp,
+                 const int4 *tiles, int n_tiles, float *y, int64_t ldy) {
+    if (nrows <= 0 || sp.n <= 0) return;
+    const unsigned ny = tiles ? (unsigned)n_tiles : (unsigned)((sp.n + TC_BN - 1) / TC_BN);
+    if (ny == 0) return;
+    const dim3 grid((unsigned)((nrows + TC_BM - 1) / TC_BM), ny);
+    if (type == DS4_TYPE_Q8_0)
+        DS4_LAUNCH(k_tc_gemm<DS4_TYPE_Q8_0>, grid, TC_THREADS, TC_ST * tc_stage_bytes<DS4_TYPE_Q8_0>(), w, mat_bytes,
+                   row_bytes, (int)sp.K, (int)nrows, (const __half *)sp.xs, (int)sp.ntp, sp.inv, tiles, (int)sp.n,
+                   y, ldy);
+    else
+        DS4_LAUNCH(k_tc_gemm<DS4_TYPE_F16>, grid, TC_THREADS, TC_ST * tc_stage_bytes<DS4_TYPE_F16>(), w, mat_bytes,
+                   row_bytes, (int)sp.K, (int)nrows, (const __half *)sp.xs, (int)sp.ntp, sp.inv, tiles, (int)sp.n,
+                   y, ldy);
+}
+
+/* The tiles of a grouped product: expert e's rows off[e] .. off[e+1] - 1 in chunks of TC_BN,
+ * as {e, first row, end row, 0}; out holds 4 gemm_tc_max_tiles(off[E], E) ints.  Returns the
+ * count. */
+int gemm_tc_tiles(const int32_t *off, int E, int32_t *out) {
+    int n = 0;
+    for (int e = 0; e < E; e++)
+        for (int r = off[e]; r < off[e + 1]; r += TC_BN, n++) {
+            out[4 * n] = e;
+            out[4 * n + 1] = r;
+            out[4 * n + 2] = r + TC_BN < off[e + 1] ? r + TC_BN : off[e + 1];
+            out[4 * n + 3] = 0;
+        }
+    return n;
+}
+int64_t gemm_tc_max_tiles(int64_t rows, int64_t E) { return rows / TC_BN + E + 1; }
+
 /* y[t][r] (row stride ldy) = sum_k W[r][k] x[t][k] for r < nrows, t < nt, W's rows starting
  * at w (row_bytes apart); false when the type or shape is not one this engine takes (the
  * caller then uses cuBLAS). */
 bool gemm_tc_rows(int type, const uint8_t *w, size_t row_bytes, int64_t K, int64_t nrows, const float *x,
                   int64_t ldx, float *y, int64_t ldy, int nt) {
-    if (!tc_enabled() || !gemm_tc_type(type) || K % 256 != 0 || K > INT32_MAX / 2 || nrows > INT32_MAX / 2 ||
-        ((uintptr_t)w & 15) != 0 || (row_bytes & 15) != 0)
-        return false;
+    if (!gemm_tc_ok(type, w, row_bytes, K)) return false;
     if (nrows <= 0 || nt <= 0) return true;
-    const int ntp = (nt + TC_BN - 1) / TC_BN * TC_BN;
-    __half *xs = (__half *)scratch_get(&sess()->tc_x, gemm_tc_scratch_bytes(nt, K));
-    float *inv = (float *)(xs + (size_t)3 * ntp * K);
-    DS4_LAUNCH(k_tc_split, dim3((unsigned)ntp), TC_THREADS, 0, x, ldx, (int)K, nt, ntp, xs, inv);
-    const dim3 grid((unsigned)((nrows + TC_BM - 1) / TC_BM), (unsigned)(ntp / TC_BN));
-    if (type == DS4_TYPE_Q8_0)
-        DS4_LAUNCH(k_tc_gemm<DS4_TYPE_Q8_0>, grid, TC_THREADS, 0, w, row_bytes, (int)K, (int)nrows, xs, ntp, inv, nt,
-                   y, ldy);
-    else
-        DS4_LAUNCH(k_tc_gemm<DS4_TYPE_F16>, grid, TC_THREADS, 0, w, row_bytes, (int)K, (int)nrows, xs, ntp, inv, nt,
-                   y, ldy);
+    const tc_split sp = gemm_tc_split(x, ldx, K, nt);
+    gemm_tc_run(type, w, 0, row_bytes, nrows, sp, NULL, 0, y, ldy);
     return true;
 }

@@ -162,11 +162,6 @@ __host__ __device__ __forceinline__ mvq_layout mvq_layout_of(int nsb) {
     return L;
 }
 
-__device__ __forceinline__ void mvq_cp_async4(void *smem, const void *gmem) {
-    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" :: "r"(s), "l"(gmem) : "memory");
-}
-
 __device__ __forceinline__ void mvq_mma_i8(int (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint2 b) {
     asm("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
         "{%0, %1, %2, %3};\n"
@@ -388,7 +383,7 @@ __global__ void __launch_bounds__(MV_THREADS, MVQ_MIN_BLOCKS) k_matvec_q(const m
 #pragma unroll
                     for (int k = 0; k < (TR::CH4 + 1) / 2; k++) {
                         const int ch = (lane >> 4) + 2 * k;
-                        if (ch < TR::CH4) mvq_cp_async4(d + 4 * ch, src + 4 * ch);
+                        if (ch < TR::CH4) cp_async4(d + 4 * ch, src + 4 * ch);
                     }
                 }
             }

@@ -386,18 +386,38 @@ static void cuda_moe_experts(const float *x, const int32_t *sel, const float *wt
     for (int64_t e = E; e > 0; e--) off[e] = off[e - 1];   /* restore starts */
     off[0] = 0;
 
-    int32_t *dperm = (int32_t *)scratch_get(&S->moe_idx, (size_t)(2 * pairs) * sizeof(int32_t));
+    const size_t rb_g = ds4_row_bytes(gate->type, D), rb_d = ds4_row_bytes(down->type, F);
+    const bool tc = gemm_tc_ok(gate->type, gate->dev, rb_g, D) && gemm_tc_ok(up->type, up->dev, rb_g, D) &&
+                    gemm_tc_ok(down->type, down->dev, rb_d, F);
+    /* the tensor-core engine's tiles go up with the tables, after the offsets, at a 16-byte
+     * multiple from perm (the device copy's start) */
+    const size_t tiles_at = (size_t)(2 * pairs + E + 1 + 3) & ~(size_t)3;
+    int n_tiles = 0;
+    if (tc) n_tiles = gemm_tc_tiles(off, (int)E, hperm + tiles_at);
+    int32_t *dperm = (int32_t *)scratch_get(&S->moe_idx, (tiles_at + 4 * (size_t)n_tiles) * sizeof(int32_t));
     int32_t *dpos = dperm + pairs;
     /* the grouping goes back ordered on the stream; the pinned tables are not
      * written again before the next layer's wait, after this copy */
-    DS4_CUDA_CHECK(cudaMemcpyAsync(dperm, hperm, (size_t)(2 * pairs) * sizeof(int32_t), cudaMemcpyHostToDevice,
-                                   ds4_current_stream()));
+    DS4_CUDA_CHECK(cudaMemcpyAsync(dperm, hperm, (tc ? tiles_at + 4 * (size_t)n_tiles : (size_t)(2 * pairs)) *
+                                   sizeof(int32_t), cudaMemcpyHostToDevice, ds4_current_stream()));
 
     float *xg = (float *)scratch_get(&sess()->moe_xg, (size_t)(pairs * D) * sizeof(float));
     float *gu = (float *)scratch_get(&sess()->moe_gu, (size_t)(pairs * 2 * F) * sizeof(float));
     float *h = (float *)scratch_get(&sess()->moe_h, (size_t)(pairs * F) * sizeof(float));
     float *tmp = (float *)scratch_get(&sess()->moe_tmp, (size_t)(pairs * D) * sizeof(float));
     launch_moe_gather(x, dperm, k, pairs, D, xg);
+    if (tc) {
+        /* one grouped launch per projection over every expert's tiles (ds4_cuda_gemm.cu) */
+        const int4 *dtiles = (const int4 *)(dperm + tiles_at);
+        const tc_split sx = gemm_tc_split(xg, D, D, pairs);
+        gemm_tc_run(gate->type, (const uint8_t *)gate->dev, (size_t)F * rb_g, rb_g, F, sx, dtiles, n_tiles, gu, 2 * F);
+        gemm_tc_run(up->type, (const uint8_t *)up->dev, (size_t)F * rb_g, rb_g, F, sx, dtiles, n_tiles, gu + F, 2 * F);
+        launch_swiglu(gu, gu + F, h, pairs, F, 2 * F, F, clamp);
+        const tc_split sh = gemm_tc_split(h, F, F, pairs);
+        gemm_tc_run(down->type, (const uint8_t *)down->dev, (size_t)D * rb_d, rb_d, D, sh, dtiles, n_tiles, tmp, D);
+        launch_moe_combine(tmp, dpos, wts, nt, k, D, add, out);
+        return;
+    }
 
     const size_t gbytes = (size_t)F * ds4_row_bytes(gate->type, D);
     const size_t dbytes = (size_t)D * ds4_row_bytes(down->type, F);
