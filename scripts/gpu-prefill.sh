@@ -2,7 +2,7 @@
 # gpu-prefill.sh -- one GPU run for the prefill work (patch "prefill on tensor cores"): build,
 # the tensor-core GEMM's backend-op tests, then flash16 (and flash-q2@64) prefill with
 # DS4_CUDA_PREFILL_TC=0 (dequantise + cuBLAS) and 1 side by side, logs under $OUT.
-#   scripts/gpu-prefill.sh [test] [bench] [q2] [report] [peer]
+#   scripts/gpu-prefill.sh [test] [bench] [q2] [report] [san] [peer]
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-build/gpu-out}; mkdir -p "$OUT"
@@ -42,6 +42,18 @@ if want report; then
       --prefill 4096 --profile-prefill --profile-timed 2 > "$OUT/kr-tc$tc.log" 2>&1
     tail -12 "$OUT/kr-tc$tc/kernels-flash16.md"
   done
+fi
+if want san; then
+  step "compute-sanitizer on the tensor-core engine: small (Q8_0) prefill of 200 tokens; test_backend_ops"
+  for tool in memcheck racecheck; do
+    timeout 200 compute-sanitizer --tool $tool --error-exitcode 1 build/cuda-"$ARCH"/ds4_bench --model small \
+      --type q8_0 --backend cuda --reps 1 --decode 2 --prefill 200 --no-warmup > "$OUT/san-$tool.log" 2>&1
+    echo "$tool small q8_0 prefill 200: rc $? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/san-$tool.log" | tail -1) $(grep -c '^prefill' "$OUT/san-$tool.log") prefill line"
+  done
+  if [ "${SAN_OPS:-1}" = 1 ]; then
+    timeout 300 compute-sanitizer --tool memcheck --error-exitcode 1 build/cuda-"$ARCH"/test_backend_ops > "$OUT/san-ops.log" 2>&1
+    echo "memcheck test_backend_ops: rc $? $(grep -E 'ERROR SUMMARY' "$OUT/san-ops.log" | tail -1) $(grep -E 'passed, ' "$OUT/san-ops.log" | tail -1)"
+  fi
 fi
 if want peer; then
   step "llama.cpp"
