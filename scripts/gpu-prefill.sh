@@ -2,7 +2,7 @@
 # gpu-prefill.sh -- one GPU run for the prefill work (patch "prefill on tensor cores"): build,
 # the tensor-core GEMM's backend-op tests, then flash16 (and flash-q2@64) prefill with
 # DS4_CUDA_PREFILL_TC=0 (dequantise + cuBLAS) and 1 side by side, logs under $OUT.
-#   scripts/gpu-prefill.sh [test] [bench] [q2] [report] [san] [peer]
+#   scripts/gpu-prefill.sh [test] [bench] [q2] [report] [exact] [san] [peer]
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-build/gpu-out}; mkdir -p "$OUT"
@@ -41,6 +41,21 @@ if want report; then
     DS4_CUDA_PREFILL_TC=$tc PLAIN=0 timeout 400 bash scripts/kernel_report.sh flash16 "$OUT/kr-tc$tc" -- \
       --prefill 4096 --profile-prefill --profile-timed 2 > "$OUT/kr-tc$tc.log" 2>&1
     tail -12 "$OUT/kr-tc$tc/kernels-flash16.md"
+  done
+fi
+if want exact; then
+  step "CUDA against the CPU on Q8_0 and F16 models: a 300-token prompt (prefill on the engine) + 32 greedy steps"
+  P=$(python3 -c "print(','.join(str((i * 7919) % 1000 + 1) for i in range(300)))")
+  for ty in q8_0 f16; do
+    ./ds4 synth --config small --seed 1 --type $ty -o "$OUT/small-$ty.gguf" > /dev/null 2>&1
+    ./ds4 -m "$OUT/small-$ty.gguf" --backend cpu --tokens "$P" -n 32 --dump-logits "$OUT/cpu-$ty.ds4logit" > /dev/null 2>&1
+    for tc in 0 1; do
+      DS4_CUDA_PREFILL_TC=$tc ./ds4 -m "$OUT/small-$ty.gguf" --backend cuda --tokens "$P" -n 32 \
+        --dump-logits "$OUT/cuda-$ty-tc$tc.ds4logit" > /dev/null 2>&1
+      echo "small $ty TC=$tc vs CPU: $(python3 tests/oracle/ds4logit.py compare "$OUT/cpu-$ty.ds4logit" \
+        "$OUT/cuda-$ty-tc$tc.ds4logit" --tol 5e-5 2>&1 | tr '\n' ' ') rc ${PIPESTATUS[0]}"
+    done
+    rm -f "$OUT"/*.gguf "$OUT"/*.ds4logit
   done
 fi
 if want san; then
