@@ -79,6 +79,8 @@
  *                           prefill cuBLAS, matmul_multi, matmul_swiglu; the super-block
  *                           types' k_matvec_q in ds4_cuda_matvec_q.cuh, their element
  *                           decoders in ds4_cuda_quant.cuh
+ *   ds4_cuda_gemm.cu        prefill products of Q8_0 and F16 weights on tensor cores
+ *                           (dense and grouped by expert), exact products, f32 sums
  *   ds4_cuda_attn.cu        window + compressed rows, split-row combine (ring store and
  *                           de-rotation for attention_step), ring store, attention_probs
  *                           (ds4_cuda_probs.cuh)

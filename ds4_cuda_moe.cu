@@ -1,6 +1,7 @@
 /* ds4_cuda_moe.cu -- the CUDA backend's mixture of experts: routing (with the router, moe_gate),
  * SwiGLU, and the experts at decode (matvec kernels, no host round trip) and at prefill
- * (grouped by expert, cuBLAS on dequantised slices).
+ * (grouped by expert: one tensor-core launch per projection over every expert, or cuBLAS on
+ * dequantised slices for the types that engine does not take).
  */
 
 #include "ds4_cuda_common.cuh"
@@ -28,10 +29,12 @@
  * counted per expert.  Dequantizing an expert costs about as much as eight
  * matvecs over it, so with fewer than MOE_GEMM_MIN_AVG tokens per used expert
  * the decode kernels run anyway.  Otherwise the pairs are grouped by expert
- * (in token order), their inputs gathered, and each expert's three
- * projections run as cuBLAS GEMMs on its dequantized slice; k_moe_combine
- * then reads the outputs back in (token, slot) order through the pair -> row
- * table.
+ * (in token order) and their inputs gathered.  When the tensor-core engine
+ * takes the experts' types (ds4_cuda_gemm.cu: Q8_0, F16), each projection is
+ * one launch over every expert's tiles of up to 64 pairs, the tile table
+ * uploaded with the pair tables; otherwise each expert's three projections
+ * run as cuBLAS GEMMs on its dequantized slice.  k_moe_combine then reads the
+ * outputs back in (token, slot) order through the pair -> row table.
  * ------------------------------------------------------------------------- */
 
 #define MOE_GEMM_MIN_AVG   8    /* GEMMs pay once experts average this many tokens */
