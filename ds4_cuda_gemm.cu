@@ -14,15 +14,14 @@
  *   - B (the activations): each token's row x scaled by a power of two 2^a so that
  *     2^14 <= max|x 2^a| < 2^15, then split into three f16 parts hi + mid + lo that add up to
  *     it (k_tc_split): hi = f16(v), mid = f16(v - hi), lo = f16(v - hi - mid), 33 significant
- *     bits in all, so the split is exact for every element within 2^-18 of the row's largest
- *     and within 2^-39 of that largest below it (f16's subnormal step), far under f32's own
- *     rounding of the dot product.
+ *     bits for x's 24, so the split is exact for every element down to 2^-7 of the row's
+ *     largest (lo is then a normal f16) and within 2^-39 of that largest below it (half of
+ *     f16's subnormal step), far under f32's own rounding of the dot product.
  *   - Every product in the MMA (11 x 11 bits) is exact; the sums are the tensor core's f32
- *     accumulation, which is not IEEE round-to-nearest (it truncates: chained through a whole
- *     row of K = 4096, 768 MMAs, it drifted to 1e-5 of the norm, measured with F16 weights on
- *     the H200).  So the MMAs of one block of 32 start from zero, 6 of them, and the block's sum
- *     goes into the running sum with one f32 FMA (Q8_0: scaled by the block's d) or FADD
- *     (F16), blocks in order.  Then y = sum * 2^-a.
+ *     accumulation, which is not IEEE round-to-nearest (it truncates, and chained through a
+ *     whole row its error grows with K: bench/RESULTS.md).  So the 6 MMAs of one block of 32
+ *     start from zero, and the block's sum goes into the running sum with one f32 FMA (Q8_0:
+ *     scaled by the block's d) or FADD (F16), blocks in order.  Then y = sum * 2^-a.
  * The result is an f32-accurate dot product in an order of its own, like every other matmul
  * of this backend: test_backend_ops holds it to TOL_DOT against the CPU.  A row's arithmetic
  * depends on K alone (not on the grid, the tile or the token count): the sum of a (row,
@@ -30,14 +29,17 @@
  *
  * How a block works (256 threads, 8 warps, TC_BM = 128 rows x TC_BN = 64 tokens).  Warp w
  * computes 32 rows (two m16 tiles) x 32 tokens (four n8 tiles): rows 32 (w % 4), tokens
- * 32 (w / 4).  For each block of 32 k it loads its B fragments straight from the split
- * activations in global memory (one 16-byte load per n tile and part: the 8 halves a lane
- * needs are contiguous because the k order inside the block is permuted, see below) and its
- * A fragments from the weight rows (Q8_0: the 8 quants a lane needs are contiguous too),
- * converts int8 to f16 exactly (a byte permute into 1024 + (q + 128), then one f16x2
- * subtraction), and issues 2 MMAs x 3 parts per tile pair.  Weights and activations are
- * read through L1/L2: the four warps that share a token tile and the two that share a row
- * tile hit in L1, and consecutive blocks share the token tile in L2.
+ * 32 (w / 4).  The block streams K in stages of TC_BK = 64 through a TC_ST-deep cp.async
+ * pipeline: a stage is the raw weight bytes of its 128 rows (Q8_0: two 34-byte blocks per
+ * row, copied 4 bytes at a time; F16: 16-byte chunks) and the three parts of its 64 tokens
+ * (16-byte chunks, swizzled so a quarter-warp's reads fall on distinct banks).  From a stage
+ * a lane takes, per block of 32 k, one 16-byte read per n tile and part for B (the 8 halves
+ * it needs are adjacent because the k order inside the block is permuted, see below) and
+ * its 8 quants (adjacent too) and d per A row, converts int8 to f16 exactly (a byte permute
+ * into 1024 + (q + 128), then one f16x2 subtraction), and issues 2 MMAs x 3 parts per tile
+ * pair.  The grid is row tiles x token tiles; a grouped product (the MoE's experts) takes
+ * its token tiles from a table, each a run of up to 64 rows of one expert, so every expert
+ * of a layer is in one launch.
  *   The k permutation: in m16n8k16 a lane (g = lane / 4, t = lane % 4) holds the k slots
  *   2t, 2t+1, 2t+8, 2t+9 of A's rows g and g+8 and of B's column g.  A sum over k does not
  *   care which element sits in which slot, as long as A and B agree, so for MMA j (0, 1) of a
@@ -45,8 +47,9 @@
  *   of the block are adjacent in memory in both operands.
  *
  * Shapes.  K a multiple of 256 (Q8_0 rows then start 16-byte aligned, F16 rows too), any
- * number of rows and tokens (rows past the end are not stored; the split activations are
- * zero-padded to a multiple of TC_BN tokens).  Anything else returns false to gemm_rows.
+ * number of rows and tokens (rows past the end are read as row 0 and not stored; the split
+ * activations are zero-padded by at least TC_BN tokens, so a tile starting anywhere reads
+ * inside them).  Anything else returns false to gemm_rows (gemm_tc_ok).
  */
 
 #include "ds4_cuda_common.cuh"
