@@ -52,8 +52,9 @@ $(eval $(call C_OBJ,ds4_quant,$(QUANT_SRC)))
 $(eval $(call C_OBJ,ds4_msg,$(MSG_SRC)))
 $(eval $(call C_OBJ,ds4_tok,$(TOK_SRC)))
 $(eval $(call C_OBJ,ds4_cli,ds4_cli.c ds4.h ds4_gpu.h))
+$(eval $(call C_OBJ,ds4_collect,ds4_collect.c ds4.h ds4_gpu.h ds4_hooks.h ds4_tok.h ds4_msg.h))
 
-$(B)/cpu/ds4: $(B)/cpu/ds4.o $(B)/cpu/ds4_synth.o $(B)/cpu/ds4_hooks.o $(B)/cpu/ds4_quant.o $(B)/cpu/ds4_tok.o $(B)/cpu/ds4_msg.o $(B)/cpu/ds4_cli.o
+$(B)/cpu/ds4: $(B)/cpu/ds4.o $(B)/cpu/ds4_synth.o $(B)/cpu/ds4_hooks.o $(B)/cpu/ds4_quant.o $(B)/cpu/ds4_tok.o $(B)/cpu/ds4_msg.o $(B)/cpu/ds4_cli.o $(B)/cpu/ds4_collect.o
 	$(CC) $(CFLAGS) $^ -o $@ $(LDLIBS)
 
 # The embedded default model: written by the build, never downloaded.
@@ -100,7 +101,7 @@ ENGINE_CUDA := $(foreach o,ds4 ds4_synth ds4_hooks ds4_quant ds4_tok ds4_msg,$(B
 
 CUDA_LIBS = -L$(CUDA_HOME)/lib64 -lcublas -lcudart $(LDLIBS) -lstdc++
 
-$(B)/cuda-%/ds4: $(B)/cuda-%/ds4_cli.o $(ENGINE_CUDA)
+$(B)/cuda-%/ds4: $(B)/cuda-%/ds4_cli.o $(B)/cuda-%/ds4_collect.o $(ENGINE_CUDA)
 	$(CC) $(CFLAGS) $^ -o $@ $(CUDA_LIBS)
 
 $(B)/cuda-%/test_backend_ops: tests/test_backend_ops.c $(ENGINE_CUDA)
@@ -221,7 +222,7 @@ SAN = -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover
 sanitize: cpu
 	@mkdir -p $(B)/san
 	$(CC) -std=c11 -O1 -g $(SAN) -Wall -Wextra -Wno-unused-parameter -pthread -I. tests/test_gguf.c ds4_hooks.c ds4_quant.c ds4_tok.c ds4_msg.c -o $(B)/san/test_gguf $(LDLIBS)
-	$(CC) -std=c11 -O1 -g $(SAN) -Wall -Wextra -Wno-unused-parameter -pthread ds4.c ds4_synth.c ds4_hooks.c ds4_quant.c ds4_tok.c ds4_msg.c ds4_cli.c -o $(B)/san/ds4 $(LDLIBS)
+	$(CC) -std=c11 -O1 -g $(SAN) -Wall -Wextra -Wno-unused-parameter -pthread ds4.c ds4_synth.c ds4_hooks.c ds4_quant.c ds4_tok.c ds4_msg.c ds4_cli.c ds4_collect.c -o $(B)/san/ds4 $(LDLIBS)
 	ASAN_OPTIONS=detect_leaks=0 $(B)/san/test_gguf
 	@mkdir -p $(B)/san/models && cp -f models/ds4-tiny.gguf $(B)/san/models/ 2>/dev/null || $(B)/san/ds4 synth --config tiny --seed 1 -o $(B)/san/models/ds4-tiny.gguf
 	ASAN_OPTIONS=detect_leaks=0 TEST_DS4_BIN=$(CURDIR)/$(B)/san/ds4 /usr/bin/python3 -m pytest -q tests/test_cli.py

@@ -2370,6 +2370,12 @@ void ds4_model_close(ds4_model *m) {
     free(m);
 }
 
+void   ds4_model_dims(const ds4_model *m, int *n_layer, int *n_embd, int *n_hc, int *n_expert_used) {
+    *n_layer = m->hp.n_layer;
+    *n_embd = m->hp.n_embd;
+    *n_hc = m->hp.n_hc;
+    *n_expert_used = m->hp.n_expert_used;
+}
 int    ds4_model_n_vocab(const ds4_model *m) { return m->hp.n_vocab; }
 int64_t ds4_model_n_ctx_train(const ds4_model *m) { return m->hp.n_ctx_train; }
 int    ds4_model_has_vocab(const ds4_model *m) { return m->hp.has_vocab; }
@@ -2635,6 +2641,9 @@ int ds4_hooks_check(const ds4_model *m, const ds4_env *env, char *err, size_t er
 }
 
 int ds4_ctx_hooks_stats(ds4_ctx *c, ds4_hooks_stats *st) { return ds4h_stats(c->hk, st); }
+int ds4_ctx_set_hook_sink(ds4_ctx *c, ds4_hook_sink fn, void *user, char *err, size_t errlen) {
+    return ds4h_set_sink(c->hk, fn, user, err, errlen);
+}
 
 static void *ctx_alloc(ds4_ctx *c, size_t bytes, int *fail) {
     if (*fail) return NULL;

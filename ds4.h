@@ -36,6 +36,9 @@ ds4_model *ds4_model_open_memory(uint8_t *buf, size_t size, int take_ownership, 
 void       ds4_model_close(ds4_model *m);
 
 int    ds4_model_n_vocab(const ds4_model *m);
+/* The shape of what the hooks see (ds4_hooks.h): layers, embedding width D, mHC streams, experts
+ * per token. */
+void   ds4_model_dims(const ds4_model *m, int *n_layer, int *n_embd, int *n_hc, int *n_expert_used);
 int64_t ds4_model_n_ctx_train(const ds4_model *m);   /* deepseek4.context_length */
 int    ds4_model_has_vocab(const ds4_model *m);
 size_t ds4_model_weight_bytes(const ds4_model *m);
@@ -118,6 +121,12 @@ void     ds4_ctx_stats(ds4_ctx *c, struct ds4_backend_stats *st, int reset);
  * it first waits until every record produced so far is written.  -1 when hooks are off. */
 struct ds4_hooks_stats;
 int      ds4_ctx_hooks_stats(ds4_ctx *c, struct ds4_hooks_stats *st);
+/* DS4_HOOKS: also hand every record written, its descriptor (ds4_hooks.h ds4h_record) and its
+ * payload, to fn as the writer writes it (ds4 collect).  The CPU backend only (its writer is
+ * synchronous); -1 with one line when hooks are off or the backend emits on the device. */
+struct ds4h_record;
+typedef void (*ds4_hook_sink)(void *user, const struct ds4h_record *r, const void *payload);
+int      ds4_ctx_set_hook_sink(ds4_ctx *c, ds4_hook_sink fn, void *user, char *err, size_t errlen);
 
 /* Feed n tokens at the current position: a prefill in chunks of at most the context's batch
  * (ds4_ctx_max_batch: max_batch of ds4_ctx_new capped by DS4_UBATCH) when n > 1, one decode

@@ -4,6 +4,7 @@
  *       [--seed S] [-c N] [--backend cpu|cuda] [--dump-logits FILE] [--force IDS] [--threads N] [-v]
  *   ds4 synth --config NAME [--seed N] [--type f32|f16|bf16|q8_0] -o FILE
  *   ds4 info FILE
+ *   ds4 collect -i CORPUS -o DIR --hooks SPEC   (ds4_collect.c)
  *
  * Without -m it runs the embedded default model, models/ds4-tiny.gguf beside the binary (the
  * build writes it).  Everything here is argument handling and reporting; the engine is ds4.c.
@@ -34,6 +35,8 @@
 #include "ds4.h"
 #include "ds4_gpu.h"
 #include "ds4_tok.h"
+
+int cmd_collect(int argc, char **argv);   /* `ds4 collect` (ds4_collect.c) */
 
 static double now_s(void) {
     struct timespec ts;
@@ -74,6 +77,9 @@ static void usage(FILE *f) {
         "       ds4 synth [options] -o FILE   write a synthetic deepseek4 GGUF\n"
         "       ds4 info FILE [--ctx N]       tensor types, parameters, memory and decode bytes of a GGUF;\n"
         "                                     with --ctx, the memory plan of a context of N positions\n"
+        "       ds4 collect -i CORPUS -o DIR --hooks SPEC [options]\n"
+        "                                     hook activations of a corpus as a Hugging Face datasets\n"
+        "                                     directory (ds4 collect --help)\n"
         "\n"
         "run options (each at most once):\n"
         "  -m FILE             model (default: models/ds4-tiny.gguf beside the binary)\n"
@@ -783,6 +789,7 @@ int main(int argc, char **argv) {
     int threads = env.threads;
 
     if (argc >= 2 && !strcmp(argv[1], "synth")) return cmd_synth(argc, argv, threads);
+    if (argc >= 2 && !strcmp(argv[1], "collect")) return cmd_collect(argc, argv);   /* ds4_collect.c */
     if (argc >= 2 && !strcmp(argv[1], "info")) {
         /* a file ds4 cannot run fails the validator, whose one line names the file and what is wrong */
         const char *file = NULL;

@@ -162,6 +162,8 @@ struct ds4h_ctx {
     int                probs_ld, n_head;
     size_t             probs_bytes;
     float             *ptmp;          /* one token's [H][n+1], packed for its record */
+    void             (*sink)(void *user, const ds4h_record *r, const void *payload);   /* ds4h_set_sink */
+    void              *sink_user;
 };
 
 int ds4h_check(int n_layer, const ds4_env *env, char *err, size_t errlen) {
@@ -412,6 +414,19 @@ void ds4h_emit(ds4h_ctx *h, int hook, int layer, const void *data, int dtype, in
     }
     h->seq++;
     h->bytes += r.nbytes;
+    if (h->sink) h->sink(h->sink_user, &r, data);
+}
+
+int ds4h_set_sink(ds4h_ctx *h, void (*fn)(void *user, const ds4h_record *r, const void *payload), void *user,
+                  char *err, size_t errlen) {
+    if (!h) { errf(err, errlen, "no hooks are selected (DS4_HOOKS)"); return -1; }
+    if (h->dev) {
+        errf(err, errlen, "the %s backend's hook emitter writes the stream on its own thread; it has no sink", h->be->name);
+        return -1;
+    }
+    h->sink = fn;
+    h->sink_user = user;
+    return 0;
 }
 
 float *ds4h_probs(ds4h_ctx *h, int layer, int *ld) {

@@ -47,7 +47,7 @@ build_one() {
   local t=$1 src=${2:-} bin=$OUT/fuzz_$1 extra=""
   [ -n "$src" ] && bin=$OUT/fuzz_gguf_planted
   local deps="tests/fuzz/fuzz_${t%_pad}.c ds4.c ds4.h ds4_gguf.h ds4_synth.c ds4_hooks.c ds4_hooks.h ds4_gpu.h ds4_quant.c ds4_quant.h ds4_tok.c ds4_tok.h ds4_msg.c ds4_msg.h ds4_unicode.h $src"
-  [ "$t" = cli ] && deps="$deps ds4_cli.c"
+  [ "$t" = cli ] && deps="$deps ds4_cli.c ds4_collect.c"
   local stale=0 f
   [ -x "$bin" ] || stale=1
   for f in $deps; do [ "$f" -nt "$bin" ] && stale=1; done
@@ -61,7 +61,7 @@ build_one() {
           $CLANG $FLAGS $extra -DDS4_FUZZ_PAD tests/fuzz/fuzz_gguf.c ds4_synth.c ds4_hooks.c ds4_quant.c ds4_tok.c ds4_msg.c -o "$bin" $LIBS ;;
     env)  $CLANG $FLAGS tests/fuzz/fuzz_env.c ds4_synth.c ds4_hooks.c ds4_quant.c ds4_tok.c ds4_msg.c -o "$bin" $LIBS ;;
     tok)  $CLANG $FLAGS tests/fuzz/fuzz_tok.c ds4.c ds4_synth.c ds4_hooks.c ds4_quant.c ds4_tok.c ds4_msg.c -o "$bin" $LIBS ;;
-    cli)  $CLANG $FLAGS tests/fuzz/fuzz_cli.c ds4.c ds4_synth.c ds4_hooks.c ds4_quant.c ds4_tok.c ds4_msg.c -o "$bin" $LIBS ;;
+    cli)  $CLANG $FLAGS tests/fuzz/fuzz_cli.c ds4.c ds4_synth.c ds4_hooks.c ds4_quant.c ds4_tok.c ds4_msg.c ds4_collect.c -o "$bin" $LIBS ;;
   esac
 }
 
