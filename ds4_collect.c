@@ -1148,6 +1148,8 @@ int cmd_collect(int argc, char **argv) {
         ds4_ctx_free(c);
     }
     fclose(cp.f);
+    free(cp.line);
+    free(cp.text);
     free(meta.b);
     free(done);
     free(ids);
