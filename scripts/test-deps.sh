@@ -5,7 +5,9 @@
 # python3-matplotlib, for the hook plot: without it that test skips, saying so), and the
 # llama.cpp oracle fetch (tests/oracle/fetch_llama.sh) needs npm and git, and the fuzz targets
 # (scripts/fuzz.sh, make fuzz / fuzz-replay) need clang with libFuzzer (Debian 12: clang, and
-# libclang-rt-14-dev for libclang_rt.fuzzer-x86_64.a). This script is the
+# libclang-rt-14-dev for libclang_rt.fuzzer-x86_64.a), and ds4 collect's Arrow check
+# (tests/test_collect.py) flatc and the flatbuffers headers (flatbuffers-compiler,
+# libflatbuffers-dev). This script is the
 # one list of them: `make test` runs it first (also `make test-deps`), and CI (.ci/run) gets
 # them through `make test` too.
 #
@@ -35,6 +37,9 @@ check() {
   # the hook streams' plot (scripts/ds4hooks.py plot; tests/test_hooks.py draws one)
   /usr/bin/python3 -c "import matplotlib" >/dev/null 2>&1 || need+=(python3-matplotlib)
   command -v npm >/dev/null 2>&1 || need+=(npm)
+  # the Arrow IPC verifier of tests/test_collect.py: flatc and the flatbuffers headers
+  command -v flatc >/dev/null 2>&1 || need+=(flatbuffers-compiler)
+  [ -f /usr/include/flatbuffers/flatbuffers.h ] || need+=(libflatbuffers-dev)
   command -v git >/dev/null 2>&1 || need+=(git)
   # libFuzzer: clang, and a link of -fsanitize=fuzzer that works (libclang_rt.fuzzer is in
   # libclang-rt-14-dev on Debian 12, not in the clang package)

@@ -57,6 +57,25 @@ def arrow():
     return NPM_DIR
 
 
+@pytest.fixture(scope="module")
+def verifier():
+    """tests/arrow_verify.cc over flatc's code for tests/arrow_ipc.fbs: the flatbuffers verifier
+    Arrow C++ runs on every IPC message (Debian: flatbuffers-compiler, libflatbuffers-dev)."""
+    flatc = shutil.which("flatc")
+    cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if not flatc or not cxx or not os.path.exists("/usr/include/flatbuffers/flatbuffers.h"):
+        pytest.skip("skipped: the flatbuffers verifier needs flatc, its headers and a C++ compiler "
+                    "(Debian: flatbuffers-compiler libflatbuffers-dev g++)")
+    d = os.path.join(REPO, "build", "arrow-verify")
+    os.makedirs(d, exist_ok=True)
+    r = run([flatc, "--cpp", "-o", d, os.path.join(REPO, "tests", "arrow_ipc.fbs")])
+    assert r.returncode == 0, r.stderr
+    exe = os.path.join(d, "arrow_verify")
+    r = run([cxx, "-std=c++17", "-O1", "-I", d, os.path.join(REPO, "tests", "arrow_verify.cc"), "-o", exe])
+    assert r.returncode == 0, r.stderr
+    return exe
+
+
 def read_arrow(arrow, d, tmp):
     out = os.path.join(tmp, "arrow-out")
     os.makedirs(out, exist_ok=True)
@@ -211,6 +230,24 @@ def test_collect_format(model, arrow, tmp_path):
     assert state["_data_files"] == [{"filename": f"data-{i:05d}-of-{n:05d}.arrow"} for i in range(n)]
     assert sorted(os.listdir(d)) == sorted([f["filename"] for f in state["_data_files"]] +
                                            ["dataset_info.json", "state.json", "ds4_collect.json"])
+
+
+def test_collect_flatbuffers_verify(model, verifier, tmp_path):
+    """Every message of every shard passes the verifier pyarrow runs (nesting, bounds, alignment),
+    each body inside its file, the end-of-stream marker last; a damaged shard does not."""
+    corpus = str(tmp_path / "corpus.txt")
+    write_text_corpus(corpus, corpus_docs())
+    d = str(tmp_path / "ds")
+    r = collect(model, corpus, d, "--shard-rows", "5", hooks="attn:0,resid:5,moe:1-2")
+    assert r.returncode == 0, r.stderr
+    shards = sorted(os.path.join(d, f) for f in os.listdir(d) if f.endswith(".arrow"))
+    r = run([verifier] + shards)
+    assert r.returncode == 0 and r.stdout.count("verified") == len(shards) > 1, r.stdout
+    bad = bytearray(open(shards[0], "rb").read())
+    bad[8:12] = b"\x00\xff\xff\x7f"             # the schema's root offset, far past its flatbuffer
+    (tmp_path / "bad.arrow").write_bytes(bytes(bad))
+    r = run([verifier, str(tmp_path / "bad.arrow")])
+    assert r.returncode == 1 and "does not verify" in r.stdout, r.stdout
 
 
 def test_collect_jsonl(model, tmp_path):
