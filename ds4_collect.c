@@ -15,7 +15,8 @@
  *   Dataset     DIR/data-XXXXX-of-NNNNN.arrow (Arrow IPC streams: a schema, one record batch
  *               per window, the end-of-stream marker), DIR/dataset_info.json, DIR/state.json,
  *               DIR/ds4_collect.json (the settings and the corpus's counts; a resumed run must
- *               find the same); the writer is here, flatbuffers by hand, no Arrow library
+ *               find the same); the writer is here, flatbuffers by hand, no Arrow library;
+ *               --format safetensors: one .safetensors file per shard instead
  *   Resume      a shard is written to NAME.partial and renamed when whole, so an existing shard
  *               is complete and never rewritten; a run finds them, removes a .partial and
  *               computes only the missing windows
@@ -406,6 +407,61 @@ static int write_batch(FILE *fp, const catcher *k, const int32_t *ids, uint64_t 
 }
 
 /* ---------------------------------------------------------------------------
+ * --format safetensors: one file per shard, each column a tensor [rows][ctx][width] (F32, or I32
+ * for moe_sel) and token_ids [rows][ctx] (I32), in column order, contiguous.  The header is known
+ * when the shard opens (its rows are), so the file is sized then and each window written at its
+ * row of every tensor: memory stays one window.
+ * ------------------------------------------------------------------------- */
+
+/* The header (8-byte length, then the JSON padded with spaces to 8) and the file's full size;
+ * *data0 := where the tensors start. */
+static int st_open(FILE *fp, const catcher *k, int64_t rows, const char *meta, uint64_t *data0) {
+    buf j = {0};
+    uint64_t off = 0;
+    b_s(&j, "{\"__metadata__\": {\"format\": \"pt\", \"ds4_collect\": ");
+    b_json_str(&j, meta);
+    b_s(&j, "}");
+    for (int i = 0; i <= k->ncol; i++) {
+        const int64_t w = i < k->ncol ? k->col[i].width : 1;
+        const uint64_t n = (uint64_t)rows * k->C * w * 4;
+        b_s(&j, ", ");
+        b_json_str(&j, i < k->ncol ? k->col[i].name : "token_ids");
+        if (i < k->ncol)
+            b_printf(&j, ": {\"dtype\": \"%s\", \"shape\": [%lld, %d, %lld], \"data_offsets\": [%llu, %llu]}",
+                     k->col[i].i32 ? "I32" : "F32", (long long)rows, k->C, (long long)w, (unsigned long long)off,
+                     (unsigned long long)(off + n));
+        else
+            b_printf(&j, ": {\"dtype\": \"I32\", \"shape\": [%lld, %d], \"data_offsets\": [%llu, %llu]}", (long long)rows,
+                     k->C, (unsigned long long)off, (unsigned long long)(off + n));
+        off += n;
+    }
+    b_s(&j, "}");
+    while (j.n % 8) b_s(&j, " ");
+    if (j.oom) { free(j.b); errno = ENOMEM; return -1; }
+    const uint64_t hl = j.n;
+    *data0 = 8 + hl;
+    const int ok = fwrite(&hl, 8, 1, fp) == 1 && fwrite(j.b, 1, j.n, fp) == j.n && fflush(fp) == 0 &&
+                   ftruncate(fileno(fp), (off_t)(*data0 + off)) == 0;
+    free(j.b);
+    return ok ? 0 : -1;
+}
+
+/* Window `row` of a shard of `rows` into every tensor. */
+static int st_window(FILE *fp, const catcher *k, int64_t row, int64_t rows, uint64_t data0, const int32_t *ids,
+                     uint64_t *bytes) {
+    uint64_t off = data0;
+    for (int i = 0; i <= k->ncol; i++) {
+        const size_t n = (size_t)k->C * (i < k->ncol ? k->col[i].width : 1) * 4;
+        if (fseeko(fp, (off_t)(off + (uint64_t)row * n), SEEK_SET) != 0 ||
+            fwrite(i < k->ncol ? (const void *)k->col[i].win : (const void *)ids, 1, n, fp) != n)
+            return -1;
+        off += (uint64_t)rows * n;
+        *bytes += n;
+    }
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------
  * The corpus: documents, their checks, the packing
  * ------------------------------------------------------------------------- */
 
@@ -654,7 +710,7 @@ static int tokenize(const ds4_tok *tok, const char *t, size_t n, int32_t **ids, 
 
 typedef struct {
     const char *model, *input, *out, *hooks, *ds4h, *field, *backend;
-    int         ctx, jsonl, threads, stop_after;
+    int         ctx, jsonl, threads, stop_after, safetensors;
     int64_t     tokens, shard_rows, max_doc;
     int         help;
 } copts;
@@ -674,7 +730,7 @@ static int opt_i64(const char *flag, const char *v, int64_t lo, int64_t hi, int6
 static int collect_parse(int argc, char **argv, copts *o, char *err, size_t errlen) {
     static const char *const names[] = { "-m", "-i", "-o", "--hooks", "--ds4h", "--text-field", "--backend", "--ctx",
                                          "--threads", "--stop-after-shards", "--tokens", "--shard-rows",
-                                         "--max-doc-bytes", "--jsonl" };
+                                         "--max-doc-bytes", "--format", "--jsonl" };
     enum { NN = sizeof names / sizeof names[0] };
     int seen[NN] = {0};
     char sh[260];
@@ -710,6 +766,13 @@ static int collect_parse(int argc, char **argv, copts *o, char *err, size_t errl
         case 10: if (opt_i64(a, v, 1, INT64_MAX / 2, &o->tokens, err, errlen)) return -1; break;
         case 11: if (opt_i64(a, v, 1, 1 << 30, &o->shard_rows, err, errlen)) return -1; break;
         case 12: if (opt_i64(a, v, 1, (int64_t)1 << 32, &o->max_doc, err, errlen)) return -1; break;
+        case 13:
+            if (!strcmp(v, "safetensors")) o->safetensors = 1;
+            else if (strcmp(v, "arrow")) {
+                ds4_errf(err, errlen, "unknown --format '%s' (arrow or safetensors)", ds4_show(sh, sizeof sh, v, strlen(v), 64));
+                return -1;
+            }
+            break;
         }
     }
     if (!o->input) { ds4_errf(err, errlen, "collect needs -i CORPUS (plain text, one document per line; --jsonl: JSON lines)"); return -1; }
@@ -742,6 +805,7 @@ static void collect_usage(FILE *f) {
         "  --shard-rows N        windows per shard (default: as many as fit in 512 MiB)\n"
         "  --jsonl               the corpus is JSON lines; --text-field NAME (default text) holds the document\n"
         "  --max-doc-bytes N     longer lines are skipped and counted (default 16 MiB)\n"
+        "  --format F            arrow (the datasets directory, default) or safetensors (one file per shard)\n"
         "  --ds4h FILE           also write the run's hook stream (.ds4h) to FILE\n"
         "  --stop-after-shards K debug: stop once K shards were written by this run (resume test)\n"
         "  --threads N           CPU threads (default: DS4_THREADS or all cores)\n"
@@ -929,7 +993,8 @@ int cmd_collect(int argc, char **argv) {
         b_printf(&meta, ", \"ds4_hook\": \"%s\", \"layer\": %d, \"width\": %d, \"dtype\": \"%s\"}", ds4h_name(K.col[i].hook),
                  K.col[i].layer, K.col[i].width, K.col[i].i32 ? "int32" : "float32");
     }
-    b_printf(&meta, "], \"context_size\": %d, \"packing\": \"bos_first_bos_separated\", \"tokenizer\": {\"model\": \"gpt2\", "
+    b_printf(&meta, "], \"format\": \"%s\"", o.safetensors ? "safetensors" : "arrow");
+    b_printf(&meta, ", \"context_size\": %d, \"packing\": \"bos_first_bos_separated\", \"tokenizer\": {\"model\": \"gpt2\", "
              "\"n_tokens\": %d, \"bos\": %d, \"eos\": %d, \"pieces_fnv1a64\": \"%016llx\"}, \"corpus\": {\"file\": ", o.ctx,
              ds4_tok_n_tokens(tok), bos, ds4_model_eos(m), (unsigned long long)th);
     b_json_str(&meta, ibase);
@@ -976,11 +1041,12 @@ int cmd_collect(int argc, char **argv) {
     }
     /* a shard is whole when it exists; a .partial is what an interrupted run left */
     int64_t have = 0;
+    const char *ext = o.safetensors ? "safetensors" : "arrow";
     char *done = calloc((size_t)S, 1);
     if (!done) { fprintf(stderr, "ds4: out of memory\n"); return EXIT_FAIL; }
     for (int64_t s = 0; s < S; s++) {
         struct stat st;
-        snprintf(path, sizeof path, "%s/data-%05lld-of-%05lld.arrow", o.out, (long long)s, (long long)S);
+        snprintf(path, sizeof path, "%s/data-%05lld-of-%05lld.%s", o.out, (long long)s, (long long)S, ext);
         if (stat(path, &st) == 0 && S_ISREG(st.st_mode)) { done[s] = 1; have++; }
         strcat(path, ".partial");
         unlink(path);
@@ -1017,6 +1083,8 @@ int cmd_collect(int argc, char **argv) {
     pk.C = o.ctx;
     FILE *sf = NULL;
     char spath[PATH_MAX + 64], tpath[PATH_MAX + 80];
+    int64_t srows = 0;                        /* the open shard's rows */
+    uint64_t data0 = 0;                       /* safetensors: where its tensors start */
     int64_t w = 0, written_now = 0, run_windows = 0, todo = 0;
     for (int64_t s = 0; s < S; s++) if (!done[s]) todo += (s == S - 1 ? W - s * R : R);
     uint64_t bytes = 0;
@@ -1038,10 +1106,12 @@ int cmd_collect(int argc, char **argv) {
             if (done[s]) continue;
             if (g_stop) { stop = 1; break; }
             if (!sf) {
-                snprintf(spath, sizeof spath, "%s/data-%05lld-of-%05lld.arrow", o.out, (long long)s, (long long)S);
+                snprintf(spath, sizeof spath, "%s/data-%05lld-of-%05lld.%s", o.out, (long long)s, (long long)S, ext);
                 snprintf(tpath, sizeof tpath, "%s.partial", spath);
+                srows = s == S - 1 ? W - s * R : R;
+                errno = 0;
                 sf = fopen(tpath, "wb");
-                if (!sf || write_schema(sf, &K) != 0) {
+                if (!sf || (o.safetensors ? st_open(sf, &K, srows, (const char *)meta.b, &data0) : write_schema(sf, &K)) != 0) {
                     fprintf(stderr, "ds4: collect: writing %s failed: %s; the %lld whole shards stay, run again to resume\n",
                             tpath, strerror(errno ? errno : EIO), (long long)(have + written_now));
                     rc = EXIT_FAIL;
@@ -1061,7 +1131,7 @@ int cmd_collect(int argc, char **argv) {
                 }
             if (K.bad) { fprintf(stderr, "ds4: collect: %s\n", K.why); rc = EXIT_FAIL; stop = 1; break; }
             errno = 0;
-            if (write_batch(sf, &K, win, &bytes) != 0) {
+            if ((o.safetensors ? st_window(sf, &K, row, srows, data0, win, &bytes) : write_batch(sf, &K, win, &bytes)) != 0) {
                 fprintf(stderr, "ds4: collect: writing %s failed: %s; the %lld whole shards stay, run again to resume\n",
                         tpath, strerror(errno ? errno : EIO), (long long)(have + written_now));
                 rc = EXIT_FAIL;
@@ -1072,7 +1142,7 @@ int cmd_collect(int argc, char **argv) {
             if (last) {
                 static const uint32_t eos[2] = { 0xFFFFFFFFu, 0 };
                 errno = 0;
-                int ok = fwrite(eos, 4, 2, sf) == 2 && fflush(sf) == 0 && fsync(fileno(sf)) == 0;
+                int ok = (o.safetensors || fwrite(eos, 4, 2, sf) == 2) && fflush(sf) == 0 && fsync(fileno(sf)) == 0;
                 if (fclose(sf) != 0) ok = 0;
                 sf = NULL;
                 if (!ok || rename(tpath, spath) != 0) {
@@ -1111,6 +1181,13 @@ int cmd_collect(int argc, char **argv) {
         fprintf(stderr, "ds4: collect: the corpus gave %lld of its %lld windows the second time it was read (did it "
                 "change?); the whole shards stay\n", (long long)w, (long long)W);
         rc = EXIT_FAIL;
+    } else if (!rc && o.safetensors) {
+        fprintf(stderr, "ds4: collect: %lld windows (%lld tokens) in %lld safetensors shards in %s; documents: %llu used, "
+                "%llu empty, %llu invalid UTF-8, %llu oversized, %llu bad JSON; %llu tail tokens dropped\n", (long long)W,
+                (long long)(W * o.ctx), (long long)S, ds4_show(sh, sizeof sh, o.out, strlen(o.out), 64),
+                (unsigned long long)counts[DOC_OK], (unsigned long long)counts[DOC_EMPTY],
+                (unsigned long long)counts[DOC_BAD_UTF8], (unsigned long long)counts[DOC_BIG],
+                (unsigned long long)counts[DOC_BAD_JSON], (unsigned long long)(W < max_windows ? tail : 0));
     } else if (!rc) {
         /* every shard whole: the files that make the directory a dataset */
         buf st = {0}, info = {0};

@@ -11,7 +11,7 @@ malformed lines, each counted; the schema carries datasets' Array2D extension ty
 huggingface metadata; dataset_info.json and state.json as save_to_disk writes them; resume after
 --stop-after-shards and after SIGTERM gives the same bytes as an uninterrupted run and leaves
 whole shards untouched; a write error stops with one line and the whole shards intact; usage
-errors exit 2 with one line.
+errors exit 2 with one line; --format safetensors holds the same values, one file per shard.
 """
 import json
 import os
@@ -276,6 +276,62 @@ def test_collect_jsonl(model, tmp_path):
     assert "bad JSON" in r.stderr.splitlines()[-1]
 
 
+def read_safetensors(path):
+    """{name: (dtype, shape, bytes)} and the metadata, the offsets checked contiguous."""
+    b = open(path, "rb").read()
+    n = struct.unpack_from("<Q", b, 0)[0]
+    hdr = json.loads(b[8:8 + n])
+    meta = hdr.pop("__metadata__")
+    data, end, out = b[8 + n:], 0, {}
+    for name, t in sorted(hdr.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+        lo, hi = t["data_offsets"]
+        assert lo == end, (name, lo, end)
+        out[name] = (t["dtype"], t["shape"], data[lo:hi])
+        end = hi
+    assert end == len(data)
+    return out, meta
+
+
+def test_collect_safetensors(model, tmp_path):
+    """--format safetensors: one file per shard, a tensor per column and token_ids, the values the
+    .ds4h stream's; resume gives the same bytes."""
+    corpus = str(tmp_path / "corpus.txt")
+    write_text_corpus(corpus, corpus_docs())
+    d, part = str(tmp_path / "st"), str(tmp_path / "part")
+    r = collect(model, corpus, d, "--format", "safetensors", "--shard-rows", "3", "--ds4h", str(tmp_path / "run.ds4h"),
+                hooks="attn:0,resid:2,moe_sel:1")
+    assert r.returncode == 0, r.stderr
+    meta = json.load(open(os.path.join(d, "ds4_collect.json")))
+    S, W = meta["shards"], meta["windows"]
+    assert meta["format"] == "safetensors" and S > 2
+    assert sorted(os.listdir(d)) == sorted([f"data-{i:05d}-of-{S:05d}.safetensors" for i in range(S)] + ["ds4_collect.json"])
+    _, recs = read_ds4h(str(tmp_path / "run.ds4h"))
+    cols, rows = {}, 0
+    for i in range(S):
+        t, m = read_safetensors(os.path.join(d, f"data-{i:05d}-of-{S:05d}.safetensors"))
+        assert json.loads(m["ds4_collect"]) == meta and m["format"] == "pt"
+        assert list(t) == [c["name"] for c in meta["columns"]] + ["token_ids"]
+        n = t["token_ids"][1][0]
+        rows += n
+        for c in meta["columns"]:
+            dt, shape, data = t[c["name"]]
+            assert dt == ("I32" if c["dtype"] == "int32" else "F32") and shape == [n, CTX, c["width"]]
+            cols[c["name"]] = cols.get(c["name"], b"") + data
+        assert t["token_ids"][0] == "I32" and t["token_ids"][1] == [n, CTX]
+    assert rows == W
+    for c in meta["columns"]:
+        assert cols[c["name"]] == b"".join(x for _, x in recs[(c["ds4_hook"], c["layer"])]), c["name"]
+    r = collect(model, corpus, part, "--format", "safetensors", "--shard-rows", "3", "--stop-after-shards", "1",
+                hooks="attn:0,resid:2,moe_sel:1")
+    assert r.returncode == 0, r.stderr
+    r = collect(model, corpus, part, "--format", "safetensors", "--shard-rows", "3", hooks="attn:0,resid:2,moe_sel:1")
+    assert r.returncode == 0, r.stderr
+    for f in os.listdir(d):
+        assert open(os.path.join(part, f), "rb").read() == open(os.path.join(d, f), "rb").read(), f
+    r = collect(model, corpus, part, "--shard-rows", "3", hooks="attn:0,resid:2,moe_sel:1")   # arrow into it: refused
+    assert r.returncode == 2 and "other settings" in r.stderr
+
+
 def test_collect_resume_after_stop(model, arrow, tmp_path):
     corpus = str(tmp_path / "corpus.txt")
     write_text_corpus(corpus, corpus_docs())
@@ -299,6 +355,20 @@ def test_collect_resume_after_stop(model, arrow, tmp_path):
     # a run with other settings into the same directory is refused
     r = collect(model, corpus, part, "--shard-rows", "3")
     assert r.returncode == 2 and "other settings" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_collect_chunked_prefill_same_bytes(model, tmp_path):
+    """A window prefilled in chunks (DS4_UBATCH=7: its hook records come in pieces, each at its
+    position) gives the same shards as one chunk."""
+    corpus = str(tmp_path / "corpus.txt")
+    write_text_corpus(corpus, corpus_docs())
+    one, chunked = str(tmp_path / "one"), str(tmp_path / "chunked")
+    assert collect(model, corpus, one, "--shard-rows", "8").returncode == 0
+    r = collect(model, corpus, chunked, "--shard-rows", "8", env=dict(os.environ, DS4_UBATCH="7"))
+    assert r.returncode == 0, r.stderr
+    assert sorted(os.listdir(one)) == sorted(os.listdir(chunked))
+    for f in os.listdir(one):
+        assert open(os.path.join(one, f), "rb").read() == open(os.path.join(chunked, f), "rb").read(), f
 
 
 def test_collect_resume_after_sigterm(model, tmp_path):
@@ -364,6 +434,7 @@ def test_collect_write_error(model, tmp_path):
     (["-i", "c.txt", "-o", "d", "--hooks", "attn", "--text-field", "t"], None, "--text-field goes with --jsonl"),
     (["-i", "c.txt", "-o", "d", "--hooks", "attn", "--ctx", "8", "--ctx", "9"], None, "given twice"),
     (["-i", "c.txt", "-o", "d", "--hooks", "attn", "--backend", "cuda"], None, "cpu backend"),
+    (["-i", "c.txt", "-o", "d", "--hooks", "attn", "--format", "parquet"], None, "arrow or safetensors"),
     (["-i", "c.txt", "-o", "d", "--hooks", "attn"], {"DS4_HOOKS": "attn"}, "unset DS4_HOOKS"),
 ])
 def test_collect_usage_errors(model, tmp_path, args, env, msg):
