@@ -266,13 +266,15 @@ if __name__ == "__main__":
     elif mode == "units":
         units(sys.argv[2], sys.argv[3:])
 PYEOF
-  local cc nvcc
+  local cc nvcc py
+  # the interpreter itself, not a version manager's shim (the wrapper runs once per compiler run)
+  py=$(python3 -c 'import sys; print(sys.executable)')
   cc=$(command -v "${CC:-cc}") || die "no C compiler (${CC:-cc})"
-  printf '#!/bin/sh\nexec python3 %q cc %q "$@"\n' "$WORK/bin/cache.py" "$cc" > "$WORK/bin/cc"
+  printf '#!/bin/sh\nexec %q %q cc %q "$@"\n' "$py" "$WORK/bin/cache.py" "$cc" > "$WORK/bin/cc"
   chmod +x "$WORK/bin/cc"
   SERIES_TOOLS="$("$cc" --version 2>&1 | head -1); $(g++ --version 2>&1 | head -1)"
   if nvcc=$(command -v "${NVCC:-nvcc}"); then
-    printf '#!/bin/sh\nexec python3 %q cc %q "$@"\n' "$WORK/bin/cache.py" "$nvcc" > "$WORK/bin/nvcc"
+    printf '#!/bin/sh\nexec %q %q cc %q "$@"\n' "$py" "$WORK/bin/cache.py" "$nvcc" > "$WORK/bin/nvcc"
     chmod +x "$WORK/bin/nvcc"
     SERIES_TOOLS="$SERIES_TOOLS; $("$nvcc" --version 2>&1 | tail -1)"
   fi
