@@ -647,7 +647,8 @@ static int cmd_synth(int argc, char **argv, int threads) {
     return rc;
 }
 
-static const char *default_model_path(char *buf, size_t len) {
+/* The embedded default model, models/ds4-tiny.gguf beside the binary (also ds4 collect's). */
+const char *default_model_path(char *buf, size_t len) {
     char exe[PATH_MAX];
     ssize_t n = readlink("/proc/self/exe", exe, sizeof(exe) - 1);
     if (n <= 0) return "models/ds4-tiny.gguf";

@@ -44,6 +44,7 @@
 #include "ds4_tok.h"
 
 int cmd_collect(int argc, char **argv);   /* called by ds4_cli.c's main */
+const char *default_model_path(char *buf, size_t len);   /* ds4_cli.c: the embedded default model */
 
 enum { EXIT_FAIL = 1, EXIT_USAGE = 2 };
 
@@ -841,17 +842,6 @@ static char *read_small(const char *path) {
     return s;
 }
 
-static const char *default_model(char *b, size_t n) {
-    char exe[PATH_MAX];
-    const ssize_t k = readlink("/proc/self/exe", exe, sizeof exe - 1);
-    if (k <= 0) return "models/ds4-tiny.gguf";
-    exe[k] = 0;
-    char *sl = strrchr(exe, '/');
-    if (sl) *sl = 0;
-    snprintf(b, n, "%s/models/ds4-tiny.gguf", exe);
-    return b;
-}
-
 int cmd_collect(int argc, char **argv) {
     char err[1024], sh[260];
     copts o;
@@ -880,7 +870,7 @@ int cmd_collect(int argc, char **argv) {
     if (threads > 0) ds4_cpu_set_threads(threads);
 
     char defpath[PATH_MAX + 32];
-    const char *mpath = o.model ? o.model : default_model(defpath, sizeof defpath);
+    const char *mpath = o.model ? o.model : default_model_path(defpath, sizeof defpath);
     ds4_model *m = ds4_model_open(mpath, err, sizeof err);
     if (!m) { fprintf(stderr, "ds4: %s\n", err); return EXIT_FAIL; }
     const int hrc = ds4_hooks_check(m, &env, err, sizeof err);
