@@ -18,7 +18,7 @@
 #             byte-identical (and with DS4_CUDA_GRAPH_LAYERS=1 and 4), and so must the flash16 spot
 #             check's CUDA logits (a few minutes: the CPU reference runs in each build); HEAD's
 #             decode waits and graph counters (ds4 --stats); flash16 decode tok/s of both (and of
-#             HEAD with graphs), side by side
+#             HEAD with graphs), side by side (SERIES_SPOT=0: no spot check; SERIES_BENCH=N rounds, 0: none)
 #   hooks     the CUDA hook emitter (stage 3): GPU pytest -k hooks (logits and streams eager vs graphs,
 #             CUDA vs CPU values, >= 10^6 records lossless under a throttled drain, exact drops),
 #             memcheck with every hook on (eager, graphs), the pinned copy bandwidth, flash16 decode
@@ -232,6 +232,8 @@ if want series; then
     DS4_CUDA_GRAPHS=1 ./ds4 -m build/test-out/small.gguf --backend cuda --tokens "$TOK" -n 4096 --stats 2>&1 >/dev/null | grep '^stats:' > "$OUT/series-stats-graphs.log"
     row "series graphs (small, 4096 steps): $(tr '\n' ' ' < "$OUT/series-stats-graphs.log")"
     # the flash16 spot check (Q8_0, built in host memory): CUDA logits byte for byte
+    # (SERIES_SPOT=0: skip it, a few minutes of CPU reference in each build)
+    if [ "${SERIES_SPOT:-1}" != 0 ]; then
     make --no-print-directory build/cuda-"$ARCH"/spot_check CUDA_ARCH="$ARCH" -j16 >> "$OUT/series.log" 2>&1
     (cd "$SB" && make --no-print-directory build/cuda-"$ARCH"/spot_check CUDA_ARCH="$ARCH" -j16) >> "$OUT/series.log" 2>&1
     timeout "${SPOT_LIMIT:-600}" "$SB"/build/cuda-"$ARCH"/spot_check --dump-cuda "$OUT/series-spot-prev.f32" > "$OUT/series-spot-prev.log" 2>&1
@@ -244,6 +246,7 @@ if want series; then
       row "series flash16 spot: DUMPS DIFFER or missing (series-spot-*.log)"
     fi
     rm -f "$OUT"/series-spot-*.f32     # 16 x 129280 floats each: the verdict and logs stay
+    fi
     for r in $(seq 1 "${SERIES_BENCH:-2}"); do   # side by side, alternating (medians of 3 reps each); head also with graphs
       for b in prev head graphs; do
         bin=build/cuda-"$ARCH"/ds4_bench; [ "$b" = prev ] && bin=$SB/$bin
