@@ -183,6 +183,9 @@ if want series; then
   # SERIES_PREV=DIR: that tree, prepared elsewhere (scripts/series.sh tree -1 DIR), e.g. where
   # this checkout's git metadata is not its working tree's (a copied tree on the GPU machine)
   SB=build/series-prev
+  # SERIES_HEAD_ENV="VAR=V ...": set for HEAD's runs only (a knob the previous tree does not know,
+  # e.g. DS4_CUDA_PREFILL_TC=0 against a tree from before the prefill engine)
+  HEADENV="${SERIES_HEAD_ENV:-}"
   rm -rf "$SB"
   if { if [ -n "${SERIES_PREV:-}" ]; then cp -a "$SERIES_PREV" "$SB" && rm -rf "$SB/build" && echo "series: $SERIES_PREV"; \
        else bash scripts/series.sh tree -1 "$SB"; fi; } > "$OUT/series.log" 2>&1 \
@@ -196,10 +199,10 @@ if want series; then
         small-q2) ./ds4 synth --config "$m" --seed 1 -o "$p" > /dev/null 2>&1; n=300 ;; esac
       [ -f "$p" ] || { row "series $m: model missing ($p), skipped"; continue; }
       "$SB"/ds4 -m "$p" --backend cuda --tokens "$TOK" -n $n --dump-logits "$OUT/series-$m-prev.ds4logit" > /dev/null 2>&1
-      ./ds4 -m "$p" --backend cuda --tokens "$TOK" -n $n --dump-logits "$OUT/series-$m-head.ds4logit" > /dev/null 2>&1
-      DS4_CUDA_GRAPHS=1 ./ds4 -m "$p" --backend cuda --tokens "$TOK" -n $n --dump-logits "$OUT/series-$m-on.ds4logit" > /dev/null 2>&1
-      DS4_CUDA_GRAPHS=1 DS4_CUDA_GRAPH_LAYERS=1 ./ds4 -m "$p" --backend cuda --tokens "$TOK" -n $n --dump-logits "$OUT/series-$m-l1.ds4logit" > /dev/null 2>&1
-      DS4_CUDA_GRAPHS=1 DS4_CUDA_GRAPH_LAYERS=4 ./ds4 -m "$p" --backend cuda --tokens "$TOK" -n $n --dump-logits "$OUT/series-$m-l4.ds4logit" > /dev/null 2>&1
+      env $HEADENV ./ds4 -m "$p" --backend cuda --tokens "$TOK" -n $n --dump-logits "$OUT/series-$m-head.ds4logit" > /dev/null 2>&1
+      DS4_CUDA_GRAPHS=1 env $HEADENV ./ds4 -m "$p" --backend cuda --tokens "$TOK" -n $n --dump-logits "$OUT/series-$m-on.ds4logit" > /dev/null 2>&1
+      DS4_CUDA_GRAPHS=1 DS4_CUDA_GRAPH_LAYERS=1 env $HEADENV ./ds4 -m "$p" --backend cuda --tokens "$TOK" -n $n --dump-logits "$OUT/series-$m-l1.ds4logit" > /dev/null 2>&1
+      DS4_CUDA_GRAPHS=1 DS4_CUDA_GRAPH_LAYERS=4 env $HEADENV ./ds4 -m "$p" --backend cuda --tokens "$TOK" -n $n --dump-logits "$OUT/series-$m-l4.ds4logit" > /dev/null 2>&1
       same=1
       for v in head on l1 l4; do cmp -s "$OUT/series-$m-prev.ds4logit" "$OUT/series-$m-$v.ds4logit" || same=0; done
       if [ -s "$OUT/series-$m-prev.ds4logit" ] && [ $same = 1 ]; then
@@ -212,9 +215,9 @@ if want series; then
       same=1
       for g in 0 1; do
         for b in prev head; do
-          bin=./ds4; [ $b = prev ] && bin=$SB/ds4
+          bin="env $HEADENV ./ds4"; [ $b = prev ] && bin=$SB/ds4
           DS4_CUDA_GRAPHS=$g DS4_HOOKS=attn,resid,moe,logits DS4_HOOKS_OUT="$OUT/series-$m-$b-$g.ds4h" \
-            "$bin" -m "$p" --backend cuda --tokens "$TOK" -n 200 > /dev/null 2>&1
+            $bin -m "$p" --backend cuda --tokens "$TOK" -n 200 > /dev/null 2>&1
         done
         [ -s "$OUT/series-$m-prev-$g.ds4h" ] && cmp -s "$OUT/series-$m-prev-$g.ds4h" "$OUT/series-$m-head-$g.ds4h" || same=0
       done
