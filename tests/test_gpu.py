@@ -130,7 +130,7 @@ def trace_steps(path):
 @skip_no_gpu
 @pytest.mark.parametrize("name,n", [("tiny", 200), ("small", 150)])
 def test_decode_launches_replayable(name, n):
-    """Stage 1 (patches/0002): the launch trace (DS4_LAUNCH_TRACE) of every decode step -- each
+    """Stage 1 (patches/0003 and 0004, the trace and the step block): the launch trace (DS4_LAUNCH_TRACE) of every decode step -- each
     launch's kernel, grid, block, shared memory and argument bytes -- is byte-identical at every
     position, across the window wrap (tiny 32, small 64), the indexer's top-k threshold and the
     compressors' emit steps (every 4th and 128th).  So one captured step replays at any
