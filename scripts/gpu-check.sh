@@ -18,7 +18,7 @@
 #             byte-identical (and with DS4_CUDA_GRAPH_LAYERS=1 and 4), and so must the flash16 spot
 #             check's CUDA logits (a few minutes: the CPU reference runs in each build); HEAD's
 #             decode waits and graph counters (ds4 --stats); flash16 decode tok/s of both (and of
-#             HEAD with graphs), side by side (SERIES_SPOT=0: no spot check; SERIES_BENCH=N rounds, 0: none)
+#             HEAD with graphs), side by side (SERIES_SPOT=0: no spot check, =cuda: its CUDA side only; SERIES_BENCH=N rounds, 0: none)
 #   hooks     the CUDA hook emitter (stage 3): GPU pytest -k hooks (logits and streams eager vs graphs,
 #             CUDA vs CPU values, >= 10^6 records lossless under a throttled drain, exact drops),
 #             memcheck with every hook on (eager, graphs), the pinned copy bandwidth, flash16 decode
@@ -235,13 +235,15 @@ if want series; then
     DS4_CUDA_GRAPHS=1 ./ds4 -m build/test-out/small.gguf --backend cuda --tokens "$TOK" -n 4096 --stats 2>&1 >/dev/null | grep '^stats:' > "$OUT/series-stats-graphs.log"
     row "series graphs (small, 4096 steps): $(tr '\n' ' ' < "$OUT/series-stats-graphs.log")"
     # the flash16 spot check (Q8_0, built in host memory): CUDA logits byte for byte
-    # (SERIES_SPOT=0: skip it, a few minutes of CPU reference in each build)
+    # (SERIES_SPOT=0: skip it; SERIES_SPOT=cuda: --cuda-only, the CUDA side alone, greedy on
+    # its own tokens, without the CPU reference's minutes in each build)
     if [ "${SERIES_SPOT:-1}" != 0 ]; then
+    SPOTARGS=""; [ "${SERIES_SPOT:-1}" = cuda ] && SPOTARGS=--cuda-only
     make --no-print-directory build/cuda-"$ARCH"/spot_check CUDA_ARCH="$ARCH" -j16 >> "$OUT/series.log" 2>&1
     (cd "$SB" && make --no-print-directory build/cuda-"$ARCH"/spot_check CUDA_ARCH="$ARCH" -j16) >> "$OUT/series.log" 2>&1
-    timeout "${SPOT_LIMIT:-600}" "$SB"/build/cuda-"$ARCH"/spot_check --dump-cuda "$OUT/series-spot-prev.f32" > "$OUT/series-spot-prev.log" 2>&1
-    timeout "${SPOT_LIMIT:-600}" build/cuda-"$ARCH"/spot_check --dump-cuda "$OUT/series-spot-head.f32" > "$OUT/series-spot-head.log" 2>&1
-    DS4_CUDA_GRAPHS=1 timeout "${SPOT_LIMIT:-600}" build/cuda-"$ARCH"/spot_check --dump-cuda "$OUT/series-spot-on.f32" > "$OUT/series-spot-on.log" 2>&1
+    timeout "${SPOT_LIMIT:-600}" "$SB"/build/cuda-"$ARCH"/spot_check $SPOTARGS --dump-cuda "$OUT/series-spot-prev.f32" > "$OUT/series-spot-prev.log" 2>&1
+    timeout "${SPOT_LIMIT:-600}" env $HEADENV build/cuda-"$ARCH"/spot_check $SPOTARGS --dump-cuda "$OUT/series-spot-head.f32" > "$OUT/series-spot-head.log" 2>&1
+    DS4_CUDA_GRAPHS=1 timeout "${SPOT_LIMIT:-600}" env $HEADENV build/cuda-"$ARCH"/spot_check $SPOTARGS --dump-cuda "$OUT/series-spot-on.f32" > "$OUT/series-spot-on.log" 2>&1
     if [ -s "$OUT/series-spot-prev.f32" ] && cmp -s "$OUT/series-spot-prev.f32" "$OUT/series-spot-head.f32" \
        && cmp -s "$OUT/series-spot-prev.f32" "$OUT/series-spot-on.f32"; then
       row "series flash16 spot: previous stage, HEAD, HEAD+DS4_CUDA_GRAPHS=1 byte-identical ($(wc -c < "$OUT/series-spot-prev.f32") bytes)"
