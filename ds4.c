@@ -2834,6 +2834,7 @@ ds4_ctx *ds4_ctx_new(ds4_model *m, const ds4_backend *be, int n_ctx, int max_bat
     lim.graph_fail = env.graph_fail;
     lim.graph_pdl = env.graph_pdl;
     lim.prefill_tc = env.prefill_tc;
+    lim.prefill_attn = env.prefill_attn;
     ds4_weight **ws = malloc(sizeof(*ws) * DS4_MAX_WEIGHTS);
     if (!ws) { errf(err, errlen, "out of memory"); ds4_ctx_free(c); return NULL; }
     const int nw = model_weights(m, ws, DS4_MAX_WEIGHTS);
@@ -3238,7 +3239,7 @@ int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
     static const char *known[] = { "DS4_THREADS", "DS4_CUDA_GRAPHS", "DS4_LAUNCH_TRACE", "DS4_CUDA_GRAPH_LAYERS",
                                    "DS4_CUDA_GRAPH_CACHE", "DS4_CUDA_GRAPH_FAIL", "DS4_CUDA_GRAPH_PDL", "DS4_HOOKS", "DS4_HOOKS_OUT",
                                    "DS4_HOOKS_POLICY", "DS4_HOOKS_RING_MB", "DS4_HOOKS_THROTTLE_US", "DS4_UBATCH",
-                                   "DS4_CUDA_PREFILL_TC" };
+                                   "DS4_CUDA_PREFILL_TC", "DS4_CUDA_PREFILL_ATTN" };
     char shown[256];
     memset(env, 0, sizeof(*env));
     for (char **e = environ; e && *e; e++) {
@@ -3251,7 +3252,8 @@ int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
         if (!ok) {
             errf(err, errlen, "unknown environment variable %s (ds4 reads: DS4_THREADS, DS4_CUDA_GRAPHS, DS4_CUDA_GRAPH_LAYERS, "
                  "DS4_CUDA_GRAPH_CACHE, DS4_CUDA_GRAPH_FAIL, DS4_CUDA_GRAPH_PDL, DS4_LAUNCH_TRACE, DS4_HOOKS, DS4_HOOKS_OUT, "
-                 "DS4_HOOKS_POLICY, DS4_HOOKS_RING_MB, DS4_HOOKS_THROTTLE_US, DS4_UBATCH; see README)",
+                 "DS4_HOOKS_POLICY, DS4_HOOKS_RING_MB, DS4_HOOKS_THROTTLE_US, DS4_UBATCH, DS4_CUDA_PREFILL_TC, "
+                 "DS4_CUDA_PREFILL_ATTN; see README)",
                  ds4_show(shown, sizeof shown, *e, nl, 48));
             return -1;
         }
@@ -3274,6 +3276,7 @@ int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
     env->graph_cache = 64;
     env->graph_pdl = 1;
     env->prefill_tc = 1;
+    env->prefill_attn = 1;
     env->ubatch = DS4_UBATCH_DEFAULT;
     static const struct { const char *name; long lo, hi; const char *what; } ints[] = {
         { "DS4_CUDA_GRAPH_LAYERS", 0, 1024, "layers per recorded region, 0 = the whole step" },
@@ -3284,6 +3287,7 @@ int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
         { "DS4_HOOKS_THROTTLE_US", 0, 1000000, "debug: microseconds the hook drain pauses after each batch" },
         { "DS4_UBATCH", 1, DS4_UBATCH_MAX, "the most tokens of one prefill chunk" },
         { "DS4_CUDA_PREFILL_TC", 0, 1, "1 = prefill products of Q8_0 and F16 weights on tensor cores" },
+        { "DS4_CUDA_PREFILL_ATTN", 0, 1, "1 = a prefill batch's attention in row tiles shared by 32 heads" },
     };
     for (size_t i = 0; i < sizeof ints / sizeof ints[0]; i++) {
         const char *v = getenv(ints[i].name);
@@ -3303,7 +3307,8 @@ int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
         else if (i == 4) env->hooks_ring_mb = (int)x;
         else if (i == 5) env->hooks_throttle_us = (int)x;
         else if (i == 6) env->ubatch = (int)x;
-        else env->prefill_tc = (int)x;
+        else if (i == 7) env->prefill_tc = (int)x;
+        else env->prefill_attn = (int)x;
     }
     const char *hk = getenv("DS4_HOOKS");
     if (hk) {

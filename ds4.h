@@ -177,6 +177,8 @@ typedef struct ds4_env {
     int ubatch;                 /* DS4_UBATCH: the most tokens of one prefill chunk (DS4_UBATCH_DEFAULT) */
     int prefill_tc;             /* DS4_CUDA_PREFILL_TC: 1 = prefill products of Q8_0/F16 weights on tensor
                                    cores (default), 0 = dequantise + cuBLAS */
+    int prefill_attn;           /* DS4_CUDA_PREFILL_ATTN: 1 = a prefill batch's attention in row tiles shared
+                                   by 32 heads (default), 0 = the per-query kernel decode uses */
 } ds4_env;
 int ds4_env_read(ds4_env *env, char *err, size_t errlen);
 /* DS4_HOOKS against a model, before a context is made: its layer ranges fit the model and

@@ -1,6 +1,7 @@
 /* ds4_cuda_attn.cu -- the CUDA backend's attention: the window and compressed rows with the
  * split-row combine (and, for attention_step, the ring store and de-rotation fused in), the
- * ring store, and the diagnostic attention_probs (ds4_cuda_probs.cuh).
+ * ring store, the tiled attention of a prefill batch, and the diagnostic attention_probs
+ * (ds4_cuda_probs.cuh).
  */
 
 #include "ds4_cuda_common.cuh"
@@ -28,9 +29,9 @@
  * Shared memory for d = 512: q 8 KiB + merge buffer 32 KiB + picks 4 KiB.
  * Decode on an H200 (64 heads x 512, 640 rows): 14.5 us + 3.9 us combine.
  * That is instruction issue (~90 instructions per head and row: q from
- * shared memory, a butterfly per score, the rescale), not memory; scoring a
- * tile of rows with one transposed reduction and applying the softmax per
- * tile is the next step if attention shows up in a profile.
+ * shared memory, a butterfly per score, the rescale), not memory.  A batch
+ * that fills the device takes k_attention_tiles (below), which scores a tile
+ * of rows with one transposed reduction and applies the softmax per tile.
  * ------------------------------------------------------------------------- */
 
 #define ATT_HB         4
@@ -306,6 +307,265 @@ static void launch_attention_combine(const attn_args &a) {
     DS4_LAUNCH(k_attention_combine, dim3((unsigned)a.H, (unsigned)a.nt), threads, 0, a);
 }
 
+/* ---------------------------------------------------------------------------
+ * Attention of a prefill batch, tiled (DS4_CUDA_PREFILL_ATTN)
+ *
+ * When a batch's (query, head group) blocks fill the device on their own
+ * (want == 1), k_attention_tiles serves it instead of k_attention: the same row
+ * list per query, the same online softmax and sink, with the work per row cut
+ * by sharing it across heads.
+ *
+ * One block per (query, group of ATT_TH = 32 heads): 8 warps of ATT_HB = 4
+ * heads.  The query's rows stream through shared memory in tiles of ATT_TR =
+ * 16 rows, double-buffered with cp.async (a missing ratio-4 pick is a zero row
+ * marked missing), so a row is read from memory once per 32 heads.  A lane
+ * owns 4 NJ dims, e = 128 j + 4 lane + c (NJ = d / 128 rounded up; float4
+ * loads), and keeps its 4 heads' queries and outputs in registers.
+ * Per group of 8 rows, a lane forms 32 partial scores (4 heads x 8 rows) over
+ * its dims; one transposed butterfly (att_xsum32: 31 shuffles) leaves lane j
+ * the whole score of head j / 8 and row j % 8.  The online softmax advances
+ * once per group: the group's maximum and sum over the head's 8 lanes, one
+ * rescale of the outputs, then each row's weight is shuffled to every lane and
+ * multiplied into the row's values.
+ * Per (head, row) that is about 40 lane instructions (32 of them FMAs), where
+ * k_attention spends about 90.  The arithmetic differs from k_attention's only
+ * in the order of the sums (f32 throughout); tests/test_backend_ops.c holds
+ * both to the CPU op within TOL_CHAIN.
+ * Shared memory for d = 512: two tiles 64 KiB, picks 4 KiB; one block per SM.
+ * ------------------------------------------------------------------------- */
+
+#define ATT_TH 32      /* heads per block: ATT_THREADS / 32 warps x ATT_HB */
+#define ATT_TR 16      /* rows per shared-memory tile: two groups of 8 */
+
+static size_t attention_tiles_smem(int d) {
+    return (size_t)2 * ATT_TR * d * sizeof(float) + (size_t)(ATT_MAX_TOPK + 2 * ATT_TR) * sizeof(int);
+}
+
+/* 32 values per lane in, one whole sum out: lane j gets the sum over the warp
+ * of every lane's s[j].  Each halving step keeps the half its lane bit selects
+ * and adds the partner's copy of it; the order is fixed. */
+template <int W>
+__device__ __forceinline__ void att_xstep(float (&s)[32], int lane) {
+    const bool up = (lane & W) != 0;
+#pragma unroll
+    for (int i = 0; i < W; i++) {
+        const float send = up ? s[i] : s[i + W];
+        const float keep = up ? s[i + W] : s[i];
+        s[i] = keep + __shfl_xor_sync(FULL_MASK, send, W);
+    }
+}
+
+__device__ __forceinline__ float att_xsum32(float (&s)[32], int lane) {
+    att_xstep<16>(s, lane);
+    att_xstep<8>(s, lane);
+    att_xstep<4>(s, lane);
+    att_xstep<2>(s, lane);
+    att_xstep<1>(s, lane);
+    return s[0];
+}
+
+/* Elements e .. e + 3 of an output head row as written: with a.derot their
+ * inverse rotation at position P (the rotated dims start at an even offset,
+ * so a pair never straddles a float4). */
+__device__ __forceinline__ float4 att_derot4(const attn_args &a, float4 v, int e, int P) {
+    if (!a.derot) return v;
+    const int r0 = a.d - a.rope.n_rot;
+    float x[4] = { v.x, v.y, v.z, v.w };
+#pragma unroll
+    for (int c = 0; c < 4; c += 2) {
+        if (e + c < r0) continue;
+        float cs, sn;
+        rope_cs(a.rope, P, (e + c - r0) >> 1, 1, &cs, &sn);
+        const float x0 = x[c], x1 = x[c + 1];
+        x[c] = rope_rot0(x0, x1, cs, sn);
+        x[c + 1] = rope_rot1(x0, x1, cs, sn);
+    }
+    return make_float4(x[0], x[1], x[2], x[3]);
+}
+
+/* Tile tt of a query's rows into buffer buf: a missing row is zeros, and
+ * ok_s says which rows exist.  One cp.async group. */
+__device__ __forceinline__ void att_load_tile(const attn_args &a, float *tiles, int *ok_s, const int *ids_s, int tt,
+                                              int buf, int L, int n_win, int p_first, int pos0) {
+    const int d = a.d, cpr = d / 4;                            /* 16-byte pieces per row */
+    float *dst = tiles + (size_t)buf * ATT_TR * d;
+    for (int c = threadIdx.x; c < ATT_TR * cpr; c += ATT_THREADS) {
+        const int r = c / cpr, col = c - r * cpr, i = tt * ATT_TR + r;
+        const float *src = i < L ? att_row(a, pos0, ids_s, n_win, p_first, i) : NULL;
+        if (src) cp_async16(dst + r * d + 4 * col, src + 4 * col);
+        else *(float4 *)(dst + r * d + 4 * col) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+    if (threadIdx.x < ATT_TR) {
+        const int i = tt * ATT_TR + threadIdx.x;
+        ok_s[buf * ATT_TR + threadIdx.x] = i < L && att_row(a, pos0, ids_s, n_win, p_first, i) != NULL;
+    }
+    cp_async_commit();
+}
+
+template <int NJ>
+__global__ void __launch_bounds__(ATT_THREADS, 1) k_attention_tiles(const attn_args a) {
+    ds4_grid_dep();
+    extern __shared__ __align__(16) float att_sm[];
+    const int d = a.d;
+    float *tiles = att_sm;                                     /* [2][ATT_TR][d] */
+    int *ids_s = (int *)(att_sm + 2 * ATT_TR * d);             /* the query's ratio-4 picks */
+    int *ok_s = ids_s + ATT_MAX_TOPK;                          /* [2][ATT_TR]: the row exists */
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int t = blockIdx.x, h0 = blockIdx.y * ATT_TH + warp * ATT_HB;
+    const int pos0 = a.step->pos0;
+    const int P = pos0 + t;
+    const int n_win = ds4_win_rows(P, a.W);
+    const int p_first = P - n_win + 1;
+    const int L = ds4_att_rows(P, a.W, a.ratio, a.k);
+    if (a.ratio == 4)
+        for (int j = threadIdx.x; j < L - n_win; j += ATT_THREADS) ids_s[j] = a.topk[(int64_t)t * a.k + j];
+
+    float4 q[ATT_HB][NJ], o[ATT_HB][NJ];
+#pragma unroll
+    for (int hb = 0; hb < ATT_HB; hb++)
+#pragma unroll
+        for (int j = 0; j < NJ; j++) {
+            const int e = 128 * j + 4 * lane, h = h0 + hb;
+            q[hb][j] = h < a.H && e < d ? *(const float4 *)(a.q + ((int64_t)t * a.H + h) * d + e)
+                                        : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            o[hb][j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+    __syncthreads();                                           /* ids_s before the first tile */
+
+    float m_own = -INFINITY, l_own = 0.0f;                    /* of head lane / 8 of the warp's 4 */
+    const int T = (L + ATT_TR - 1) / ATT_TR;
+    att_load_tile(a, tiles, ok_s, ids_s, 0, 0, L, n_win, p_first, pos0);
+    for (int tt = 0; tt < T; tt++) {
+        const int buf = tt & 1;
+        if (tt + 1 < T) {
+            att_load_tile(a, tiles, ok_s, ids_s, tt + 1, buf ^ 1, L, n_win, p_first, pos0);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        const float *tb = tiles + (size_t)buf * ATT_TR * d;
+#pragma unroll
+        for (int g = 0; g < ATT_TR / 8; g++) {
+            float s[32];
+#pragma unroll
+            for (int r = 0; r < 8; r++) {
+                float4 kr[NJ];
+#pragma unroll
+                for (int j = 0; j < NJ; j++) {
+                    const int e = 128 * j + 4 * lane;
+                    kr[j] = e < d ? *(const float4 *)(tb + (g * 8 + r) * d + e) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                }
+#pragma unroll
+                for (int hb = 0; hb < ATT_HB; hb++) {
+                    float acc = 0.0f;
+#pragma unroll
+                    for (int j = 0; j < NJ; j++) {
+                        acc = fmaf(q[hb][j].x, kr[j].x, acc);
+                        acc = fmaf(q[hb][j].y, kr[j].y, acc);
+                        acc = fmaf(q[hb][j].z, kr[j].z, acc);
+                        acc = fmaf(q[hb][j].w, kr[j].w, acc);
+                    }
+                    s[hb * 8 + r] = acc;
+                }
+            }
+            /* lane j: head j / 8, row j % 8 of this group */
+            const float sum = att_xsum32(s, lane);
+            const float sv = ok_s[buf * ATT_TR + g * 8 + (lane & 7)] ? sum * a.scale : -INFINITY;
+            float mx = sv;
+            mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 2));
+            mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 4));
+            const float mn = fmaxf(m_own, mx);
+            const float p = mn == -INFINITY ? 0.0f : expf(sv - mn);
+            const float corr = m_own == -INFINITY ? 0.0f : expf(m_own - mn);
+            float ps = p;
+            ps += __shfl_xor_sync(FULL_MASK, ps, 1);
+            ps += __shfl_xor_sync(FULL_MASK, ps, 2);
+            ps += __shfl_xor_sync(FULL_MASK, ps, 4);
+            l_own = l_own * corr + ps;
+            m_own = mn;
+#pragma unroll
+            for (int hb = 0; hb < ATT_HB; hb++) {
+                const float c = __shfl_sync(FULL_MASK, corr, 8 * hb);
+#pragma unroll
+                for (int j = 0; j < NJ; j++) {
+                    o[hb][j].x *= c; o[hb][j].y *= c; o[hb][j].z *= c; o[hb][j].w *= c;
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < 8; r++) {
+                float4 v[NJ];
+#pragma unroll
+                for (int j = 0; j < NJ; j++) {
+                    const int e = 128 * j + 4 * lane;
+                    v[j] = e < d ? *(const float4 *)(tb + (g * 8 + r) * d + e) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                }
+#pragma unroll
+                for (int hb = 0; hb < ATT_HB; hb++) {
+                    const float w = __shfl_sync(FULL_MASK, p, 8 * hb + r);
+#pragma unroll
+                    for (int j = 0; j < NJ; j++) {
+                        o[hb][j].x = fmaf(w, v[j].x, o[hb][j].x);
+                        o[hb][j].y = fmaf(w, v[j].y, o[hb][j].y);
+                        o[hb][j].z = fmaf(w, v[j].z, o[hb][j].z);
+                        o[hb][j].w = fmaf(w, v[j].w, o[hb][j].w);
+                    }
+                }
+            }
+        }
+        __syncthreads();                                       /* buf is refilled two tiles on */
+    }
+
+#pragma unroll
+    for (int hb = 0; hb < ATT_HB; hb++) {
+        const float m_h = __shfl_sync(FULL_MASK, m_own, 8 * hb), l_h = __shfl_sync(FULL_MASK, l_own, 8 * hb);
+        const int h = h0 + hb;
+        if (h >= a.H) break;
+        const float sink = a.sinks[h];
+        const float M = fmaxf(m_h, sink);
+        const float f = m_h == -INFINITY ? 0.0f : expf(m_h - M);
+        const float denom = l_h * f + expf(sink - M);
+        float *orow = a.out + ((int64_t)t * a.H + h) * d;
+#pragma unroll
+        for (int j = 0; j < NJ; j++) {
+            const int e = 128 * j + 4 * lane;
+            if (e >= d) continue;
+            const float4 v = make_float4(o[hb][j].x * f / denom, o[hb][j].y * f / denom,
+                                         o[hb][j].z * f / denom, o[hb][j].w * f / denom);
+            *(float4 *)(orow + e) = att_derot4(a, v, e, P);
+        }
+    }
+}
+
+template <int NJ>
+static void launch_attention_tiles_t(const attn_args &a) {
+    const dim3 grid((unsigned)a.nt, (unsigned)((a.H + ATT_TH - 1) / ATT_TH));
+    DS4_LAUNCH(k_attention_tiles<NJ>, grid, ATT_THREADS, attention_tiles_smem(a.d), a);
+}
+
+/* k_attention_tiles takes the batch when every row it copies is whole 16-byte
+ * pieces (d a multiple of 4, the buffers 16-byte aligned) and the switch
+ * (ds4_limits.prefill_attn) says so: 1, when its blocks fill the device (one
+ * per SM resides; a smaller batch, decode among them, is better served by
+ * k_attention's split rows); 2, any batch (tests/test_backend_ops.c). */
+static bool attention_tiles_take(const attn_args &a) {
+    const uintptr_t al = (uintptr_t)a.q | (uintptr_t)a.kv | (uintptr_t)a.ring | (uintptr_t)a.comp | (uintptr_t)a.out;
+    if (a.d % 4 != 0 || a.d > ATT_MAX_D || (al & 15) != 0) return false;
+    const int sw = sess()->lim.prefill_attn;
+    const int64_t blocks = (int64_t)a.nt * ((a.H + ATT_TH - 1) / ATT_TH);
+    return sw == 2 || (sw == 1 && blocks >= g_cuda.n_sm);
+}
+
+static void launch_attention_tiles(const attn_args &a) {
+    switch ((a.d + 127) / 128) {
+    case 1:  launch_attention_tiles_t<1>(a); break;
+    case 2:  launch_attention_tiles_t<2>(a); break;
+    case 3:  launch_attention_tiles_t<3>(a); break;
+    default: launch_attention_tiles_t<4>(a); break;
+    }
+}
+
 /* Resident k_attention blocks per SM (registers and shared memory decide): asked at init. */
 void attention_setup(void) {
     int n = 0;
@@ -317,6 +577,11 @@ void attention_setup(void) {
     g_cuda.att_bps[8] = n > 0 ? n : 1;
     DS4_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k_attention<16>, ATT_THREADS, 0));
     g_cuda.att_bps[16] = n > 0 ? n : 1;
+    const int tsm = (int)attention_tiles_smem(ATT_MAX_D);
+    DS4_CUDA_CHECK(cudaFuncSetAttribute(k_attention_tiles<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, tsm));
+    DS4_CUDA_CHECK(cudaFuncSetAttribute(k_attention_tiles<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, tsm));
+    DS4_CUDA_CHECK(cudaFuncSetAttribute(k_attention_tiles<3>, cudaFuncAttributeMaxDynamicSharedMemorySize, tsm));
+    DS4_CUDA_CHECK(cudaFuncSetAttribute(k_attention_tiles<4>, cudaFuncAttributeMaxDynamicSharedMemorySize, tsm));
 }
 
 static int attention_dm(int d) { return d <= 64 ? 2 : d <= 128 ? 4 : d <= 256 ? 8 : 16; }
@@ -366,10 +631,12 @@ static void attention_run(const float *q, const float *kv, const float *ring, in
     if (derot_fused) { a.derot = 1; a.rope = rope_args_of(rp); }
     const int hgroups = (H + ATT_HB - 1) / ATT_HB;
     const int DM = attention_dm(d);
-    /* The launches depend on the shape only: k_attention over `want` row
-     * chunks (the blocks of chunks a step does not use return at once), and
-     * the combine whenever a step may split its rows. */
-    a.want = attention_want(nt, H, d);
+    /* The launches depend on the shape only: k_attention_tiles for a batch it
+     * takes; otherwise k_attention over `want` row chunks (the blocks of chunks
+     * a step does not use return at once), and the combine whenever a step may
+     * split its rows. */
+    const bool tiles = attention_tiles_take(a);
+    a.want = tiles ? 1 : attention_want(nt, H, d);
     if (a.want > 1) {
         const int64_t np = (int64_t)nt * H * a.want;
         float *p = (float *)scratch_get(&sess()->att_part, (size_t)np * (d + 2) * sizeof(float));
@@ -377,11 +644,15 @@ static void attention_run(const float *q, const float *kv, const float *ring, in
         a.part_ml = p + np * d;
     }
     dim3 grid((unsigned)hgroups, (unsigned)a.want, (unsigned)nt);
-    switch (DM) {
-    case 2:  launch_attention_t<2>(a, grid); break;
-    case 4:  launch_attention_t<4>(a, grid); break;
-    case 8:  launch_attention_t<8>(a, grid); break;
-    default: launch_attention_t<16>(a, grid); break;
+    if (tiles) {
+        launch_attention_tiles(a);
+    } else {
+        switch (DM) {
+        case 2:  launch_attention_t<2>(a, grid); break;
+        case 4:  launch_attention_t<4>(a, grid); break;
+        case 8:  launch_attention_t<8>(a, grid); break;
+        default: launch_attention_t<16>(a, grid); break;
+        }
     }
     if (a.want > 1) {
         a.ring_out = ring_out;

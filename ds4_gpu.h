@@ -179,6 +179,9 @@ typedef struct ds4_limits {
                                * the backend uses it only where the device supports it) */
     int     prefill_tc;       /* batches of the types it takes on tensor cores, not through cuBLAS
                                * (DS4_CUDA_PREFILL_TC; CUDA) */
+    int     prefill_attn;     /* attention in row tiles shared by a block's heads: 1, for a batch that
+                               * fills the device (DS4_CUDA_PREFILL_ATTN); 2, for any batch the kernel
+                               * takes (tests); 0, never (CUDA) */
 } ds4_limits;
 
 /* What a session has done: kernel launches and cuBLAS calls (and the host

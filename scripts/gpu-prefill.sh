@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# gpu-prefill.sh -- one GPU run for the prefill work (patch "prefill on tensor cores"): build,
-# the tensor-core GEMM's backend-op tests, then flash16 (and flash-q2@64) prefill with
-# DS4_CUDA_PREFILL_TC=0 (dequantise + cuBLAS) and 1 side by side, logs under $OUT.
-#   scripts/gpu-prefill.sh [test] [bench] [q2] [report] [exact] [san] [peer]
+# gpu-prefill.sh -- one GPU run for the prefill work (patches "prefill on tensor cores" and
+# "prefill attention"): build, the backend-op tests, then flash16 (and flash-q2@64) prefill with
+# DS4_CUDA_PREFILL_TC=0 (dequantise + cuBLAS) and 1 side by side (bench, q2), or with
+# DS4_CUDA_PREFILL_ATTN=0 (the per-token attention kernel) and 1 side by side (attn: ATTN_ROUNDS
+# rounds, alternating), logs under $OUT.
+#   scripts/gpu-prefill.sh [test] [bench] [attn] [q2] [report] [exact] [san] [peer]
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-build/gpu-out}; mkdir -p "$OUT"
@@ -18,17 +20,26 @@ if want test; then
   step "test_backend_ops"
   timeout "${OPS_LIMIT:-240}" build/cuda-"$ARCH"/test_backend_ops > "$OUT/ops.log" 2>&1
   echo "rc $?"; grep -E 'FAIL' "$OUT/ops.log" | head -20
-  grep -E 'tensor|K=4096 N=1000|0/1-token|wide range' "$OUT/ops.log" | head -40; tail -1 "$OUT/ops.log"
+  grep -E 'tensor|K=4096 N=1000|0/1-token|wide range' "$OUT/ops.log" | head -40
+  grep -E '^attention.* (nt=(200|256|512|4096)|H=64 d=512)' "$OUT/ops.log" | head -40; tail -1 "$OUT/ops.log"
 fi
-bench() {   # MODEL TC PREFILLS REPS
-  DS4_CUDA_PREFILL_TC=$2 timeout 300 build/cuda-"$ARCH"/ds4_bench --model "$1" --backend cuda --reps "$4" \
-     --decode 8 --prefill "$3" > "$OUT/bench-$1-tc$2.log" 2>&1
-  echo "$1 TC=$2: $(grep -E '^model|^prefill' "$OUT/bench-$1-tc$2.log" | tr '\n' ' ')"
+bench() {   # MODEL TC PREFILLS REPS [ATTN [TAG]]
+  local log="$OUT/bench-$1-tc$2${6:+-$6}.log"
+  DS4_CUDA_PREFILL_TC=$2 DS4_CUDA_PREFILL_ATTN=${5:-1} timeout 300 build/cuda-"$ARCH"/ds4_bench --model "$1" \
+     --backend cuda --reps "$4" --decode 8 --prefill "$3" > "$log" 2>&1
+  echo "$1 TC=$2 ATTN=${5:-1}: $(grep -E '^model|^prefill' "$log" | tr '\n' ' ')"
 }
 if want bench; then
   step "flash16 prefill, TC 0 vs 1"
   bench flash16 0 512,4096 3
   bench flash16 1 512,4096 3
+fi
+if want attn; then
+  step "flash16 prefill, ATTN 0 vs 1 (TC 1)"
+  for r in $(seq 1 "${ATTN_ROUNDS:-2}"); do
+    bench flash16 1 512,4096 3 0 "attn0-$r"
+    bench flash16 1 512,4096 3 1 "attn1-$r"
+  done
 fi
 if want q2; then
   step "flash-q2@64 prefill, TC 0 vs 1"
@@ -44,16 +55,17 @@ if want report; then
   done
 fi
 if want exact; then
-  step "CUDA against the CPU on Q8_0 and F16 models: a 300-token prompt (prefill on the engine) + 32 greedy steps"
+  step "CUDA against the CPU on Q8_0, F16 and F32 models: a 300-token prompt (prefill) + 32 greedy steps"
   P=$(python3 -c "print(','.join(str((i * 7919) % 1000 + 1) for i in range(300)))")
-  for ty in q8_0 f16; do
+  for ty in q8_0 f16 f32; do
     ./ds4 synth --config small --seed 1 --type $ty -o "$OUT/small-$ty.gguf" > /dev/null 2>&1
     ./ds4 -m "$OUT/small-$ty.gguf" --backend cpu --tokens "$P" -n 32 --dump-logits "$OUT/cpu-$ty.ds4logit" > /dev/null 2>&1
-    for tc in 0 1; do
-      DS4_CUDA_PREFILL_TC=$tc ./ds4 -m "$OUT/small-$ty.gguf" --backend cuda --tokens "$P" -n 32 \
-        --dump-logits "$OUT/cuda-$ty-tc$tc.ds4logit" > /dev/null 2>&1
-      echo "small $ty TC=$tc vs CPU: $(python3 tests/oracle/ds4logit.py compare "$OUT/cpu-$ty.ds4logit" \
-        "$OUT/cuda-$ty-tc$tc.ds4logit" --tol 5e-5 2>&1 | tr '\n' ' ') rc ${PIPESTATUS[0]}"
+    for v in "0 0" "1 0" "1 1"; do
+      set -- $v
+      DS4_CUDA_PREFILL_TC=$1 DS4_CUDA_PREFILL_ATTN=$2 ./ds4 -m "$OUT/small-$ty.gguf" --backend cuda --tokens "$P" -n 32 \
+        --dump-logits "$OUT/cuda-$ty-$1$2.ds4logit" > /dev/null 2>&1
+      echo "small $ty TC=$1 ATTN=$2 vs CPU: $(python3 tests/oracle/ds4logit.py compare "$OUT/cpu-$ty.ds4logit" \
+        "$OUT/cuda-$ty-$1$2.ds4logit" --tol 5e-5 2>&1 | tr '\n' ' ') rc ${PIPESTATUS[0]}"
     done
     rm -f "$OUT"/*.gguf "$OUT"/*.ds4logit
   done

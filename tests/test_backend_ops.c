@@ -1457,6 +1457,7 @@ int main(void) {
     memset(&lim, 0, sizeof lim);
     lim.max_batch = 256;                 /* test_compress_pool(0, 256, ...) */
     lim.prefill_tc = 1;                  /* the default (DS4_CUDA_PREFILL_TC) */
+    lim.prefill_attn = 1;                /* the default (DS4_CUDA_PREFILL_ATTN) */
     lim.n_ctx = 32768;                   /* attention and indexer at position 20000 */
     lim.n_embd = 8192;
     lim.n_head = 64;
@@ -1552,6 +1553,14 @@ int main(void) {
     test_attention(128, 700, 3, 5, 512, 128, 0);
     test_attention(16, 300, 64, 3, 96, 128, 0);
     test_attention(128, 20000, 1, 4, 128, 128, 0);   /* many compressed rows */
+    /* batches whose blocks fill the device take k_attention_tiles (DS4_CUDA_PREFILL_ATTN=1):
+     * H = 5 and 3 (blocks of 32 heads not full), d = 96 (lanes past d), 49 (not whole float4s:
+     * k_attention), the fused and the separate de-rotation */
+    test_attention(16, 200, 200, 5, 128, 0, 0);
+    test_attention(32, 10, 200, 5, 128, 4, 40);
+    test_attention(16, 300, 256, 3, 96, 128, 0);
+    test_attention_step(32, 5, 200, 3, 96, 4, 40, 32, 1);
+    test_attention_step(16, 0, 200, 3, 49, 128, 0, 16, 0);
 
     /* attention_probs, each case at several positions on fixed buffers (a replayed step):
      * decode inside the first window, at and across its wrap (W = 128: p = 126..129), ratio 4
@@ -1761,6 +1770,39 @@ int main(void) {
             test_moe_experts(tct[ti], 4096, 1024, 64, 6, 512, 10.0f, 2);
         }
         test_moe_experts(DS4_TYPE_Q8_0, 2048, 512, 16, 6, 4096, 10.0f, 0);
+        for (int bi = 0; bi < 2; bi++) {
+            B[bi]->session_bind(prev[bi]);
+            B[bi]->session_free(ps[bi]);
+        }
+    }
+
+    /* prefill attention (k_attention_tiles): the Flash shape (64 heads x 512, window 128,
+     * ratio 4 with 512 picks, ratio 128) at the batch sizes 1, 2, 7, 64, 512 and 4096 (16 heads
+     * there, to keep the CPU side short), from position 0 and from inside a long context, with
+     * the fused de-rotation of attention_step; in a session that sends every batch the kernel
+     * takes to it (prefill_attn = 2), then the default one for the large batches */
+    for (int sw = 2; sw >= 1; sw--) {
+        ds4_limits pl = lim;
+        pl.max_batch = 4096;
+        pl.n_ctx = 8192;
+        pl.n_head = 64;
+        pl.head_dim = 512;
+        pl.idx_topk = 512;
+        pl.prefill_attn = sw;
+        void *ps[2], *prev[2];
+        for (int bi = 0; bi < 2; bi++) {
+            ps[bi] = B[bi]->session_new(&pl);
+            if (!ps[bi]) { fprintf(stderr, "test: a 4096-token session of backend %s failed\n", B[bi]->name); return 2; }
+            prev[bi] = B[bi]->session_bind(ps[bi]);
+        }
+        const int an[6] = { 1, 2, 7, 64, 512, 4096 };
+        for (int ni = sw == 2 ? 0 : 4; ni < 6; ni++) {
+            const int nt = an[ni], H = nt == 4096 ? 16 : 64;
+            test_attention(128, 0, nt, H, 512, 0, 0);
+            test_attention_step(128, 0, nt, H, 512, 4, 512, 64, 1);
+            test_attention_step(128, 4096 - nt, nt, H, 512, 4, 512, 64, 1);
+            test_attention(128, 8192 - nt, nt, H, 512, 128, 0);
+        }
         for (int bi = 0; bi < 2; bi++) {
             B[bi]->session_bind(prev[bi]);
             B[bi]->session_free(ps[bi]);
