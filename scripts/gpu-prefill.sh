@@ -4,7 +4,9 @@
 # DS4_CUDA_PREFILL_TC=0 (dequantise + cuBLAS) and 1 side by side (bench, q2), or with
 # DS4_CUDA_PREFILL_ATTN=0 (the per-token attention kernel) and 1 side by side (attn: ATTN_ROUNDS
 # rounds, alternating), logs under $OUT.
-#   scripts/gpu-prefill.sh [test] [bench] [attn] [q2] [report] [exact] [san] [peer]
+# prof: ncu (clocks as found) on two k_attention_tiles launches (layers 2 and 3: ratio 4 and 128)
+# and PROF_GEMMS k_tc_gemm launches of a flash16 prefill of PROF_N (4096) tokens.
+#   scripts/gpu-prefill.sh [test] [bench] [attn] [q2] [report] [prof] [exact] [san] [peer]
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-build/gpu-out}; mkdir -p "$OUT"
@@ -52,6 +54,21 @@ if want report; then
     DS4_CUDA_PREFILL_TC=$tc PLAIN=0 timeout 400 bash scripts/kernel_report.sh flash16 "$OUT/kr-tc$tc" -- \
       --prefill 4096 --profile-prefill --profile-timed 2 > "$OUT/kr-tc$tc.log" 2>&1
     tail -12 "$OUT/kr-tc$tc/kernels-flash16.md"
+  done
+fi
+if want prof; then
+  step "ncu: k_attention_tiles and k_tc_gemm, flash16 prefill of ${PROF_N:-4096} tokens"
+  NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  SECS=(--section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis
+        --section Occupancy --section WarpStateStats --section SchedulerStats --section LaunchStats
+        --section InstructionStats)
+  for k in "k_attention_tiles 2 2" "k_tc_gemm 40 ${PROF_GEMMS:-6}"; do
+    set -- $k
+    timeout 300 "$NCU" --clock-control none -k "regex:$1" --launch-skip "$2" --launch-count "$3" "${SECS[@]}" \
+      build/cuda-"$ARCH"/ds4_bench --model flash16 --backend cuda --reps 1 --decode 2 --prefill "${PROF_N:-4096}" \
+      --no-warmup > "$OUT/prof-$1.log" 2>&1
+    echo "$1: rc $? $(grep -cE '^  [a-z_]+.*\(' "$OUT/prof-$1.log") launches profiled"
+    grep -E '^  [a-zA-Z_].*\(|Duration|Compute \(SM\) Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Issue Slots Busy|No Eligible|Executed Ipc A' "$OUT/prof-$1.log" | head -60
   done
 fi
 if want exact; then
