@@ -316,9 +316,11 @@ static void launch_attention_combine(const attn_args &a) {
  * by sharing it across heads.
  *
  * One block per (query, group of ATT_TH = 32 heads): 8 warps of ATT_HB = 4
- * heads.  The query's rows stream through shared memory in tiles of ATT_TR =
- * 16 rows, double-buffered with cp.async (a missing ratio-4 pick is a zero row
- * marked missing), so a row is read from memory once per 32 heads.  A lane
+ * heads.  The block first drops the query's missing ratio-4 picks (-1) from
+ * its list, keeping the order, so the rows it scores all exist (a prompt's
+ * early positions have few visible compressed rows for k picks).  The rows
+ * stream through shared memory in tiles of ATT_TR = 16, double-buffered with
+ * cp.async, so a row is read from memory once per 32 heads.  A lane
  * owns 4 NJ dims, e = 128 j + 4 lane + c (NJ = d / 128 rounded up; float4
  * loads), and keeps its 4 heads' queries and outputs in registers.
  * Per group of 8 rows, a lane forms 32 partial scores (4 heads x 8 rows) over
@@ -338,7 +340,7 @@ static void launch_attention_combine(const attn_args &a) {
 #define ATT_TR 16      /* rows per shared-memory tile: two groups of 8 */
 
 static size_t attention_tiles_smem(int d) {
-    return (size_t)2 * ATT_TR * d * sizeof(float) + (size_t)(ATT_MAX_TOPK + 2 * ATT_TR) * sizeof(int);
+    return (size_t)2 * ATT_TR * d * sizeof(float) + (size_t)ATT_MAX_TOPK * sizeof(int);
 }
 
 /* 32 values per lane in, one whole sum out: lane j gets the sum over the warp
@@ -383,9 +385,9 @@ __device__ __forceinline__ float4 att_derot4(const attn_args &a, float4 v, int e
     return make_float4(x[0], x[1], x[2], x[3]);
 }
 
-/* Tile tt of a query's rows into buffer buf: a missing row is zeros, and
- * ok_s says which rows exist.  One cp.async group. */
-__device__ __forceinline__ void att_load_tile(const attn_args &a, float *tiles, int *ok_s, const int *ids_s, int tt,
+/* Tile tt of a query's rows into buffer buf (rows past L are zeros).  One
+ * cp.async group. */
+__device__ __forceinline__ void att_load_tile(const attn_args &a, float *tiles, const int *ids_s, int tt,
                                               int buf, int L, int n_win, int p_first, int pos0) {
     const int d = a.d, cpr = d / 4;                            /* 16-byte pieces per row */
     float *dst = tiles + (size_t)buf * ATT_TR * d;
@@ -394,10 +396,6 @@ __device__ __forceinline__ void att_load_tile(const attn_args &a, float *tiles, 
         const float *src = i < L ? att_row(a, pos0, ids_s, n_win, p_first, i) : NULL;
         if (src) cp_async16(dst + r * d + 4 * col, src + 4 * col);
         else *(float4 *)(dst + r * d + 4 * col) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    }
-    if (threadIdx.x < ATT_TR) {
-        const int i = tt * ATT_TR + threadIdx.x;
-        ok_s[buf * ATT_TR + threadIdx.x] = i < L && att_row(a, pos0, ids_s, n_win, p_first, i) != NULL;
     }
     cp_async_commit();
 }
@@ -409,16 +407,37 @@ __global__ void __launch_bounds__(ATT_THREADS, 1) k_attention_tiles(const attn_a
     const int d = a.d;
     float *tiles = att_sm;                                     /* [2][ATT_TR][d] */
     int *ids_s = (int *)(att_sm + 2 * ATT_TR * d);             /* the query's ratio-4 picks */
-    int *ok_s = ids_s + ATT_MAX_TOPK;                          /* [2][ATT_TR]: the row exists */
+    __shared__ int cnt_s[ATT_THREADS / 32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int t = blockIdx.x, h0 = blockIdx.y * ATT_TH + warp * ATT_HB;
     const int pos0 = a.step->pos0;
     const int P = pos0 + t;
     const int n_win = ds4_win_rows(P, a.W);
     const int p_first = P - n_win + 1;
-    const int L = ds4_att_rows(P, a.W, a.ratio, a.k);
-    if (a.ratio == 4)
-        for (int j = threadIdx.x; j < L - n_win; j += ATT_THREADS) ids_s[j] = a.topk[(int64_t)t * a.k + j];
+    /* The query's ratio-4 picks that exist (id >= 0), compacted in list
+     * order: every row n_win .. L - 1 exists, and a missing pick (there are
+     * k - P/4 of them at positions below 4k) costs nothing. */
+    int L = ds4_att_rows(P, a.W, a.ratio, a.k);
+    if (a.ratio == 4) {
+        int n = 0;
+        for (int j0 = 0; j0 < a.k; j0 += ATT_THREADS) {
+            const int j = j0 + threadIdx.x;
+            const int id = j < a.k ? a.topk[(int64_t)t * a.k + j] : -1;
+            const unsigned m = __ballot_sync(FULL_MASK, id >= 0);
+            if (lane == 0) cnt_s[warp] = __popc(m);
+            __syncthreads();
+            int off = n, tot = n;
+#pragma unroll
+            for (int w = 0; w < ATT_THREADS / 32; w++) {
+                off += w < warp ? cnt_s[w] : 0;
+                tot += cnt_s[w];
+            }
+            if (id >= 0) ids_s[off + __popc(m & ((1u << lane) - 1u))] = id;
+            __syncthreads();                                   /* cnt_s is rewritten next round */
+            n = tot;
+        }
+        L = n_win + n;
+    }
 
     float4 q[ATT_HB][NJ], o[ATT_HB][NJ];
 #pragma unroll
@@ -430,15 +449,14 @@ __global__ void __launch_bounds__(ATT_THREADS, 1) k_attention_tiles(const attn_a
                                         : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
             o[hb][j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         }
-    __syncthreads();                                           /* ids_s before the first tile */
 
     float m_own = -INFINITY, l_own = 0.0f;                    /* of head lane / 8 of the warp's 4 */
     const int T = (L + ATT_TR - 1) / ATT_TR;
-    att_load_tile(a, tiles, ok_s, ids_s, 0, 0, L, n_win, p_first, pos0);
+    att_load_tile(a, tiles, ids_s, 0, 0, L, n_win, p_first, pos0);
     for (int tt = 0; tt < T; tt++) {
         const int buf = tt & 1;
         if (tt + 1 < T) {
-            att_load_tile(a, tiles, ok_s, ids_s, tt + 1, buf ^ 1, L, n_win, p_first, pos0);
+            att_load_tile(a, tiles, ids_s, tt + 1, buf ^ 1, L, n_win, p_first, pos0);
             cp_async_wait<1>();
         } else {
             cp_async_wait<0>();
@@ -447,6 +465,7 @@ __global__ void __launch_bounds__(ATT_THREADS, 1) k_attention_tiles(const attn_a
         const float *tb = tiles + (size_t)buf * ATT_TR * d;
 #pragma unroll
         for (int g = 0; g < ATT_TR / 8; g++) {
+            if (tt * ATT_TR + g * 8 >= L) break;               /* the same for the whole block */
             float s[32];
 #pragma unroll
             for (int r = 0; r < 8; r++) {
@@ -471,7 +490,7 @@ __global__ void __launch_bounds__(ATT_THREADS, 1) k_attention_tiles(const attn_a
             }
             /* lane j: head j / 8, row j % 8 of this group */
             const float sum = att_xsum32(s, lane);
-            const float sv = ok_s[buf * ATT_TR + g * 8 + (lane & 7)] ? sum * a.scale : -INFINITY;
+            const float sv = tt * ATT_TR + g * 8 + (lane & 7) < L ? sum * a.scale : -INFINITY;
             float mx = sv;
             mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 2));
