@@ -385,6 +385,16 @@ __device__ __forceinline__ float4 att_derot4(const attn_args &a, float4 v, int e
     return make_float4(x[0], x[1], x[2], x[3]);
 }
 
+/* A lane's dims of a row (zeros past d, or for no row): e = 128 j + 4 lane + c. */
+template <int NJ>
+__device__ __forceinline__ void att_lane_dims(const float *row, int d, int lane, float4 (&v)[NJ]) {
+#pragma unroll
+    for (int j = 0; j < NJ; j++) {
+        const int e = 128 * j + 4 * lane;
+        v[j] = row && e < d ? *(const float4 *)(row + e) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+}
+
 /* Tile tt of a query's rows into buffer buf (rows past L are zeros).  One
  * cp.async group. */
 __device__ __forceinline__ void att_load_tile(const attn_args &a, float *tiles, const int *ids_s, int tt,
@@ -441,14 +451,11 @@ __global__ void __launch_bounds__(ATT_THREADS, 1) k_attention_tiles(const attn_a
 
     float4 q[ATT_HB][NJ], o[ATT_HB][NJ];
 #pragma unroll
-    for (int hb = 0; hb < ATT_HB; hb++)
+    for (int hb = 0; hb < ATT_HB; hb++) {
+        att_lane_dims<NJ>(h0 + hb < a.H ? a.q + ((int64_t)t * a.H + h0 + hb) * d : NULL, d, lane, q[hb]);
 #pragma unroll
-        for (int j = 0; j < NJ; j++) {
-            const int e = 128 * j + 4 * lane, h = h0 + hb;
-            q[hb][j] = h < a.H && e < d ? *(const float4 *)(a.q + ((int64_t)t * a.H + h) * d + e)
-                                        : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            o[hb][j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        }
+        for (int j = 0; j < NJ; j++) o[hb][j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
 
     float m_own = -INFINITY, l_own = 0.0f;                    /* of head lane / 8 of the warp's 4 */
     const int T = (L + ATT_TR - 1) / ATT_TR;
@@ -470,11 +477,7 @@ __global__ void __launch_bounds__(ATT_THREADS, 1) k_attention_tiles(const attn_a
 #pragma unroll
             for (int r = 0; r < 8; r++) {
                 float4 kr[NJ];
-#pragma unroll
-                for (int j = 0; j < NJ; j++) {
-                    const int e = 128 * j + 4 * lane;
-                    kr[j] = e < d ? *(const float4 *)(tb + (g * 8 + r) * d + e) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                }
+                att_lane_dims<NJ>(tb + (g * 8 + r) * d, d, lane, kr);
 #pragma unroll
                 for (int hb = 0; hb < ATT_HB; hb++) {
                     float acc = 0.0f;
@@ -515,11 +518,7 @@ __global__ void __launch_bounds__(ATT_THREADS, 1) k_attention_tiles(const attn_a
 #pragma unroll
             for (int r = 0; r < 8; r++) {
                 float4 v[NJ];
-#pragma unroll
-                for (int j = 0; j < NJ; j++) {
-                    const int e = 128 * j + 4 * lane;
-                    v[j] = e < d ? *(const float4 *)(tb + (g * 8 + r) * d + e) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                }
+                att_lane_dims<NJ>(tb + (g * 8 + r) * d, d, lane, v);
 #pragma unroll
                 for (int hb = 0; hb < ATT_HB; hb++) {
                     const float w = __shfl_sync(FULL_MASK, p, 8 * hb + r);

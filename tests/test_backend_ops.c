@@ -1443,6 +1443,27 @@ static void test_quant_types(void) {
     }
 }
 
+/* A session of each backend for lim (a larger batch than main's), bound in place of the
+ * current one, kept in prev: 0, or -1 with a line. */
+static int session_push(const ds4_limits *lim, void *ps[2], void *prev[2]) {
+    for (int bi = 0; bi < 2; bi++) {
+        ps[bi] = B[bi]->session_new(lim);
+        if (!ps[bi]) {
+            fprintf(stderr, "test: a %d-token session of backend %s failed\n", lim->max_batch, B[bi]->name);
+            return -1;
+        }
+        prev[bi] = B[bi]->session_bind(ps[bi]);
+    }
+    return 0;
+}
+
+static void session_pop(void *ps[2], void *prev[2]) {
+    for (int bi = 0; bi < 2; bi++) {
+        B[bi]->session_bind(prev[bi]);
+        B[bi]->session_free(ps[bi]);
+    }
+}
+
 int main(void) {
     B[0] = ds4_backend_cpu();
     B[1] = ds4_backend_cuda();
@@ -1754,11 +1775,7 @@ int main(void) {
         pl.max_k = 4096;
         pl.max_matrix = (int64_t)4096 * 4096;
         void *ps[2], *prev[2];
-        for (int bi = 0; bi < 2; bi++) {
-            ps[bi] = B[bi]->session_new(&pl);
-            if (!ps[bi]) { fprintf(stderr, "test: a 4096-token session of backend %s failed\n", B[bi]->name); return 2; }
-            prev[bi] = B[bi]->session_bind(ps[bi]);
-        }
+        if (session_push(&pl, ps, prev) != 0) return 2;
         const int tcn[6] = { 1, 2, 7, 64, 512, 4096 };
         const int tct[2] = { DS4_TYPE_Q8_0, DS4_TYPE_F16 };
         for (int ti = 0; ti < 2; ti++) {
@@ -1770,10 +1787,7 @@ int main(void) {
             test_moe_experts(tct[ti], 4096, 1024, 64, 6, 512, 10.0f, 2);
         }
         test_moe_experts(DS4_TYPE_Q8_0, 2048, 512, 16, 6, 4096, 10.0f, 0);
-        for (int bi = 0; bi < 2; bi++) {
-            B[bi]->session_bind(prev[bi]);
-            B[bi]->session_free(ps[bi]);
-        }
+        session_pop(ps, prev);
     }
 
     /* prefill attention (k_attention_tiles): the Flash shape (64 heads x 512, window 128,
@@ -1790,11 +1804,7 @@ int main(void) {
         pl.idx_topk = 512;
         pl.prefill_attn = sw;
         void *ps[2], *prev[2];
-        for (int bi = 0; bi < 2; bi++) {
-            ps[bi] = B[bi]->session_new(&pl);
-            if (!ps[bi]) { fprintf(stderr, "test: a 4096-token session of backend %s failed\n", B[bi]->name); return 2; }
-            prev[bi] = B[bi]->session_bind(ps[bi]);
-        }
+        if (session_push(&pl, ps, prev) != 0) return 2;
         const int an[6] = { 1, 2, 7, 64, 512, 4096 };
         for (int ni = sw == 2 ? 0 : 4; ni < 6; ni++) {
             const int nt = an[ni], H = nt == 4096 ? 16 : 64;
@@ -1803,10 +1813,7 @@ int main(void) {
             test_attention_step(128, 4096 - nt, nt, H, 512, 4, 512, 64, 1);
             test_attention(128, 8192 - nt, nt, H, 512, 128, 0);
         }
-        for (int bi = 0; bi < 2; bi++) {
-            B[bi]->session_bind(prev[bi]);
-            B[bi]->session_free(ps[bi]);
-        }
+        session_pop(ps, prev);
     }
 
     test_determinism();
