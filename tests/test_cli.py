@@ -116,6 +116,8 @@ ENV_CASES = [
     ({"DS4_CUDA_GRAPH_FAIL": ""}, "DS4_CUDA_GRAPH_FAIL=''"),
     ({"DS4_CUDA_GRAPH_PDL": "2"}, "DS4_CUDA_GRAPH_PDL='2' is not an integer in [0, 1]"),
     ({"DS4_CUDA_GRAPH_PDL": "on"}, "DS4_CUDA_GRAPH_PDL='on'"),
+    ({"DS4_CUDA_PREFILL_TC": "2"}, "DS4_CUDA_PREFILL_TC='2' is not an integer in [0, 1]"),
+    ({"DS4_CUDA_PREFILL_ATTN": "2"}, "DS4_CUDA_PREFILL_ATTN='2' is not an integer in [0, 1]"),
     # found by tests/fuzz/fuzz_env: a newline in a value made the error two lines
     ({"DS4_THREADS": "1\n2"}, "DS4_THREADS='1\\x0a2'"),
 ]
@@ -124,6 +126,24 @@ ENV_CASES = [
 @pytest.mark.parametrize("env,needle", ENV_CASES, ids=[list(e)[0] + "=" + list(e.values())[0] for e, _ in ENV_CASES])
 def test_bad_env(env, needle):
     expect_error(["-m", make_model("tiny"), "-n", "1"], needle, env=env)
+
+
+def test_env_variables_documented():
+    """Every DS4_* variable the engine reads (ds4.c's list) is the one the unknown-variable
+    error names, and has a row in the README's table with its default."""
+    import re
+    src = open(os.path.join(REPO, "ds4.c")).read()
+    m = re.search(r"static const char \*known\[\] = \{(.*?)\};", src, re.S)
+    known = re.findall(r'"(DS4_[A-Z0-9_]+)"', m.group(1))
+    assert len(known) >= 10
+    e = {k: v for k, v in os.environ.items() if not k.startswith("DS4_")}
+    e["DS4_NOPE"] = "1"
+    r = run([DS4, "-m", make_model("tiny"), "-n", "1"], env=e)
+    named = re.search(r"ds4 reads: (.*?); see README", r.stderr).group(1).split(", ")
+    assert sorted(named) == sorted(known), (named, known)
+    readme = open(os.path.join(REPO, "README.md")).read()
+    missing = [k for k in known if not re.search(r"^\| `" + k + r"` \|.*\| [^|]+ \|$", readme, re.M)]
+    assert not missing, f"no README row (name, meaning, default) for {missing}"
 
 
 def test_cuda_graphs_flag_on_cpu():
