@@ -122,8 +122,10 @@ void     ds4_ctx_stats(ds4_ctx *c, struct ds4_backend_stats *st, int reset);
 struct ds4_hooks_stats;
 int      ds4_ctx_hooks_stats(ds4_ctx *c, struct ds4_hooks_stats *st);
 /* DS4_HOOKS: also hand every record written, its descriptor (ds4_hooks.h ds4h_record) and its
- * payload, to fn as the writer writes it (ds4 collect).  The CPU backend only (its writer is
- * synchronous); -1 with one line when hooks are off or the backend emits on the device. */
+ * payload, to fn as the writer writes it (ds4 collect).  The CPU writer calls fn inside
+ * ds4_eval; CUDA's drain thread calls it on its own thread, so read what fn gathered after
+ * ds4_ctx_hooks_stats (which waits for every record produced so far).  Set it between calls.
+ * -1 with one line when hooks are off. */
 struct ds4h_record;
 typedef void (*ds4_hook_sink)(void *user, const struct ds4h_record *r, const void *payload);
 int      ds4_ctx_set_hook_sink(ds4_ctx *c, ds4_hook_sink fn, void *user, char *err, size_t errlen);

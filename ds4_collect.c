@@ -10,8 +10,10 @@
  *               next C-1 tokens (a separator BOS at the window's start is its BOS, not doubled);
  *               a tail shorter than a window is dropped (SAELens's concat_and_batch_sequences
  *               with its defaults: begin_batch_token and sequence_separator_token BOS)
- *   Run         one prefill per window from position 0 (ds4_ctx_reset), logits unused, the hooks
- *               of --hooks caught by a sink on the CPU writer (ds4_ctx_set_hook_sink)
+ *   Run         one prefill per window from position 0 (ds4_ctx_reset), logits unused, on the
+ *               CPU or (--backend cuda) the GPU; the hooks of --hooks caught by a sink on the
+ *               hook writer (ds4_ctx_set_hook_sink: the CPU writer inside the step, or CUDA's
+ *               drain thread, waited for after each window)
  *   Dataset     DIR/data-XXXXX-of-NNNNN.arrow (Arrow IPC streams: a schema, one record batch
  *               per window, the end-of-stream marker), DIR/dataset_info.json, DIR/state.json,
  *               DIR/ds4_collect.json (the settings and the corpus's counts; a resumed run must
@@ -784,11 +786,16 @@ static int collect_parse(int argc, char **argv, copts *o, char *err, size_t errl
         ds4_errf(err, errlen, "--tokens %lld is less than one window of --ctx %d", (long long)o->tokens, o->ctx);
         return -1;
     }
-    if (o->backend && strcmp(o->backend, "cpu")) {
-        ds4_errf(err, errlen, "collect runs on the cpu backend (its hook writer hands records to the dataset writer; "
-                 "the CUDA drain does not yet)");
+    if (o->backend && strcmp(o->backend, "cpu") && strcmp(o->backend, "cuda")) {
+        ds4_errf(err, errlen, "unknown --backend '%s' (cpu or cuda)", o->backend);
         return -1;
     }
+#ifndef DS4_CUDA
+    if (o->backend && !strcmp(o->backend, "cuda")) {
+        ds4_errf(err, errlen, "--backend cuda: this ds4 was built without CUDA (run: make cuda CUDA_ARCH=sm_90)");
+        return -1;
+    }
+#endif
     return 0;
 }
 
@@ -810,7 +817,7 @@ static void collect_usage(FILE *f) {
         "  --ds4h FILE           also write the run's hook stream (.ds4h) to FILE\n"
         "  --stop-after-shards K debug: stop once K shards were written by this run (resume test)\n"
         "  --threads N           CPU threads (default: DS4_THREADS or all cores)\n"
-        "  --backend cpu         the backend (cpu only in this version)\n");
+        "  --backend cpu|cuda    the backend (default cpu)\n");
 }
 
 static volatile sig_atomic_t g_stop;
@@ -1051,7 +1058,11 @@ int cmd_collect(int argc, char **argv) {
 
     ds4_ctx *c = NULL;
     if (have < S) {
-        c = ds4_ctx_new(m, ds4_backend_cpu(), o.ctx, o.ctx, err, sizeof err);
+        const ds4_backend *be = ds4_backend_cpu();
+#ifdef DS4_CUDA
+        if (o.backend && !strcmp(o.backend, "cuda")) be = ds4_backend_cuda();
+#endif
+        c = ds4_ctx_new(m, be, o.ctx, o.ctx, err, sizeof err);
         if (!c) { if (err[0]) fprintf(stderr, "ds4: %s\n", err); return EXIT_FAIL; }
         if (ds4_ctx_set_hook_sink(c, on_record, &K, err, sizeof err) != 0) { fprintf(stderr, "ds4: %s\n", err); return EXIT_FAIL; }
         ds4_ctx_set_progress(c, on_chunk, NULL);
@@ -1114,6 +1125,15 @@ int cmd_collect(int argc, char **argv) {
             const int er = ds4_eval(c, win, o.ctx, NULL, 0, err, sizeof err);
             if (er == -2) { stop = 1; break; }
             if (er != 0) { fprintf(stderr, "ds4: %s\n", err); rc = EXIT_FAIL; stop = 1; break; }
+            /* every record of the window handed to on_record: a device emitter's drain thread
+             * may still be writing them when ds4_eval returns */
+            ds4_hooks_stats hs;
+            if (ds4_ctx_hooks_stats(c, &hs) == 0 && hs.err) {
+                fprintf(stderr, "ds4: collect: the hook stream failed: %s\n", strerror(hs.err));
+                rc = EXIT_FAIL;
+                stop = 1;
+                break;
+            }
             for (int i = 0; i < K.ncol && !K.bad; i++)
                 if (K.col[i].rows != (uint32_t)o.ctx) {
                     snprintf(K.why, sizeof K.why, "%s: the window gave %u rows of %d", K.col[i].name, K.col[i].rows, o.ctx);

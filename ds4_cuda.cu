@@ -808,6 +808,7 @@ static ds4_backend make_cuda_backend(void) {
     ds4_cuda_ops_indexer(&b);
     ds4_cuda_ops_moe(&b);
     b.hooks_open = cuda_hooks_open;
+    b.hooks_sink = cuda_hooks_sink;
     b.hook_put = cuda_hook_put;
     b.hooks_publish = cuda_hooks_publish;
     b.hooks_join = cuda_hooks_join;

@@ -639,5 +639,6 @@ void cuda_hook_put(const ds4h_put *p, int n);
 void cuda_hooks_publish(void);
 void cuda_hooks_join(void);
 void cuda_hooks_stats(ds4_hooks_stats *st, int flush);
+void cuda_hooks_sink(void (*fn)(void *user, const ds4h_record *r, const void *payload), void *user);
 
 #endif /* DS4_CUDA_COMMON_CUH */

@@ -46,6 +46,8 @@
 #include <stdint.h>
 #include <stdio.h>
 
+struct ds4h_record;            /* ds4_hooks.h */
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -320,8 +322,12 @@ typedef struct ds4_backend {
      * the counters; flush != 0 first waits until every record produced so far is written (a
      * host wait: never inside a step).  session_free drains and closes the emitter, writes a
      * last gap record for drops at the end and says in one line how many records were
-     * dropped. */
+     * dropped.  hooks_sink (ds4 collect): the drain thread also hands each record it writes
+     * (its descriptor as the file has it, and its payload) to fn, on the drain thread, in
+     * sequence order; set between steps (it waits for what is in flight first), NULL to stop.
+     * A caller reads what fn gathered after hooks_stats with flush. */
     int   (*hooks_open)(const ds4h_emitter_cfg *cfg, char *err, size_t errlen);
+    void  (*hooks_sink)(void (*fn)(void *user, const struct ds4h_record *r, const void *payload), void *user);
     void  (*hook_put)(const ds4h_put *p, int n);
     void  (*hooks_publish)(void);
     void  (*hooks_join)(void);

@@ -420,9 +420,13 @@ void ds4h_emit(ds4h_ctx *h, int hook, int layer, const void *data, int dtype, in
 int ds4h_set_sink(ds4h_ctx *h, void (*fn)(void *user, const ds4h_record *r, const void *payload), void *user,
                   char *err, size_t errlen) {
     if (!h) { errf(err, errlen, "no hooks are selected (DS4_HOOKS)"); return -1; }
-    if (h->dev) {
-        errf(err, errlen, "the %s backend's hook emitter writes the stream on its own thread; it has no sink", h->be->name);
-        return -1;
+    if (h->dev) {                 /* the device emitter's drain thread calls it */
+        if (!h->be->hooks_sink) {
+            errf(err, errlen, "the %s backend's hook emitter has no sink", h->be->name);
+            return -1;
+        }
+        h->be->hooks_sink(fn, user);
+        return 0;
     }
     h->sink = fn;
     h->sink_user = user;

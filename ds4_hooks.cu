@@ -327,6 +327,9 @@ struct ds4h_emitter {
     /* the drain's counters (it writes them; others read them with __atomic loads) */
     unsigned long long  written, gaps, gap_dropped, bytes, batches, copy_ns, lost_io;
     int                 err;
+    /* cuda_hooks_sink: stored between steps (user, then fn with release), read by the drain */
+    void              (*sink)(void *user, const ds4h_record *r, const void *payload);
+    void               *sink_user;
 };
 
 static unsigned long long ds4h_now_ns(void) {
@@ -373,6 +376,8 @@ static void ds4h_write_record(ds4h_emitter *E, const ds4h_record *r, const unsig
         __atomic_fetch_add(&E->written, 1ull, __ATOMIC_RELAXED);
         __atomic_fetch_add(&E->bytes, (unsigned long long)w.nbytes, __ATOMIC_RELAXED);
     }
+    void (*sink)(void *, const ds4h_record *, const void *) = __atomic_load_n(&E->sink, __ATOMIC_ACQUIRE);
+    if (sink) sink(E->sink_user, &w, payload);
 }
 
 /* The drain thread: take each published span, copy it down, write it, hand the space back. */
@@ -643,6 +648,16 @@ void cuda_hooks_join(void) {
 void cuda_hooks_publish(void) {
     ds4_session *S = sess();
     if (S->hk) ds4h_launch_publish(S->hk);
+}
+
+void cuda_hooks_sink(void (*fn)(void *user, const ds4h_record *r, const void *payload), void *user) {
+    ds4_session *S = sess();
+    ds4h_emitter *E = S->hk;
+    if (!E) return;
+    ds4h_emitter_flush(S);              /* the records in flight go to the sink they were made under */
+    __atomic_store_n(&E->sink, (void (*)(void *, const ds4h_record *, const void *))NULL, __ATOMIC_RELEASE);
+    E->sink_user = user;
+    __atomic_store_n(&E->sink, fn, __ATOMIC_RELEASE);
 }
 
 void cuda_hooks_stats(ds4_hooks_stats *st, int flush) {

@@ -162,9 +162,11 @@ void   ds4h_publish(ds4h_ctx *h);
 int    ds4h_call_end(ds4h_ctx *h, char *err, size_t errlen);
 int    ds4h_stats(ds4h_ctx *h, struct ds4_hooks_stats *st);
 void   ds4h_close(ds4h_ctx *h);
-/* A sink beside the stream (ds4 collect): the CPU writer also hands each record it writes,
- * descriptor and payload, to fn, in the order written.  -1 with one line when the context
- * has no hooks or its backend emits on the device (the CUDA drain writes the file alone). */
+/* A sink beside the stream (ds4 collect): the writer also hands each record it writes,
+ * descriptor and payload, to fn, in the order written.  The CPU writer calls it inside the
+ * step; a device emitter on its drain thread (ds4_gpu.h hooks_sink), so the caller reads what
+ * fn gathered after ds4h_stats, which waits for every record produced so far.  -1 with one
+ * line when the context has no hooks or its backend's emitter has no sink. */
 int    ds4h_set_sink(ds4h_ctx *h, void (*fn)(void *user, const ds4h_record *r, const void *payload), void *user,
                      char *err, size_t errlen);
 

@@ -433,7 +433,9 @@ def test_collect_write_error(model, tmp_path):
     (["-i", "c.txt", "-o", "d", "--hooks", "attn", "--ctx", "32", "--tokens", "10"], None, "less than one window"),
     (["-i", "c.txt", "-o", "d", "--hooks", "attn", "--text-field", "t"], None, "--text-field goes with --jsonl"),
     (["-i", "c.txt", "-o", "d", "--hooks", "attn", "--ctx", "8", "--ctx", "9"], None, "given twice"),
-    (["-i", "c.txt", "-o", "d", "--hooks", "attn", "--backend", "cuda"], None, "cpu backend"),
+    (["-i", "c.txt", "-o", "d", "--hooks", "attn", "--backend", "tpu"], None, "unknown --backend 'tpu'"),
+    # make test's ./ds4 is the CPU build (the CUDA run is tests/test_gpu.py's test_collect_cuda)
+    (["-i", "c.txt", "-o", "d", "--hooks", "attn", "--backend", "cuda"], None, "built without CUDA"),
     (["-i", "c.txt", "-o", "d", "--hooks", "attn", "--format", "parquet"], None, "arrow or safetensors"),
     (["-i", "c.txt", "-o", "d", "--hooks", "attn"], {"DS4_HOOKS": "attn"}, "unset DS4_HOOKS"),
 ])

@@ -374,3 +374,103 @@ def test_hooks_drop_counts_exactly():
     assert s.dropped() == st["dropped"]
     assert r.stderr.count("records dropped") == 1, r.stderr
     os.remove(hp)
+
+
+@skip_no_gpu
+def test_collect_cuda(tmp_path):
+    """ds4 collect --backend cuda: the drain thread hands each record to the dataset writer.
+    The shards hold the run's .ds4h stream byte for byte; each column is within HOOK_REL_TOL of
+    the CPU's dataset (chosen experts identical); a run stopped after one shard and resumed
+    gives the same files; where pyarrow is installed it reads the Arrow shards (the schema,
+    datasets' Array2D metadata, values equal to the safetensors run's), and where `datasets`
+    is, load_from_disk opens the directory with the features written."""
+    import json
+    import test_collect as tc
+    model = str(tmp_path / "tiny-vocab.gguf")
+    r = subprocess.run([CUDA_BIN, "synth", "--config", "tiny", "--seed", "1", "--vocab", "-o", model],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    corpus = str(tmp_path / "corpus.txt")
+    tc.write_text_corpus(corpus, tc.corpus_docs())
+    hooks = "attn:0-1,resid:2,moe:3,moe_sel:3"
+
+    def collect(d, *extra, backend="cuda"):
+        r = subprocess.run([CUDA_BIN, "collect", "-m", model, "-i", corpus, "-o", str(tmp_path / d), "--hooks", hooks,
+                            "--ctx", str(tc.CTX), "--shard-rows", "3", "--backend", backend] + list(extra),
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr
+        return str(tmp_path / d)
+
+    def columns(d):
+        meta = json.load(open(os.path.join(d, "ds4_collect.json")))
+        out = {}
+        for i in range(meta["shards"]):
+            t, _ = tc.read_safetensors(os.path.join(d, f"data-{i:05d}-of-{meta['shards']:05d}.safetensors"))
+            for c in meta["columns"] + [{"name": "token_ids"}]:
+                out[c["name"]] = out.get(c["name"], b"") + t[c["name"]][2]
+        return meta, out
+
+    g = collect("cuda", "--format", "safetensors", "--ds4h", str(tmp_path / "cuda.ds4h"))
+    meta, cg = columns(g)
+    assert meta["shards"] > 2
+    _, recs = tc.read_ds4h(str(tmp_path / "cuda.ds4h"))
+    for c in meta["columns"]:
+        assert cg[c["name"]] == b"".join(x for _, x in recs[(c["ds4_hook"], c["layer"])]), c["name"]
+
+    _, cc = columns(collect("cpu", "--format", "safetensors", backend="cpu"))
+    assert cc["token_ids"] == cg["token_ids"]
+    worst = 0.0
+    for c in meta["columns"]:
+        if c["dtype"] == "int32":
+            assert cc[c["name"]] == cg[c["name"]], f"{c['name']}: chosen experts differ"
+            continue
+        va, vb = np.frombuffer(cc[c["name"]], "<f4"), np.frombuffer(cg[c["name"]], "<f4")
+        d = float(np.abs(va.astype(np.float64) - vb).max()) / max(float(np.abs(va).max()), 1e-30)
+        worst = max(worst, d)
+        assert d <= HOOK_REL_TOL, (c["name"], d)
+    print(f"collect: {len(meta['columns'])} columns, {meta['windows']} windows, max relative |d| cuda vs cpu = {worst:.3g}")
+
+    part = collect("part", "--format", "safetensors", "--stop-after-shards", "1")
+    assert len([f for f in os.listdir(part) if f.endswith(".safetensors")]) == 1
+    collect("part", "--format", "safetensors")
+    for f in os.listdir(g):
+        assert open(os.path.join(part, f), "rb").read() == open(os.path.join(g, f), "rb").read(), f
+
+    try:
+        import pyarrow.ipc
+    except ImportError:
+        print("collect: pyarrow not installed; the Arrow read-back is tests/test_collect.py's (npm apache-arrow)")
+        return
+    a = collect("arrow")
+    am = json.load(open(os.path.join(a, "ds4_collect.json")))
+    info = json.load(open(os.path.join(a, "dataset_info.json")))
+    state = json.load(open(os.path.join(a, "state.json")))
+    names = [c["name"] for c in am["columns"]] + ["token_ids"]
+    assert list(info["features"]) == names
+    assert [f["filename"] for f in state["_data_files"]] == \
+        [f"data-{i:05d}-of-{am['shards']:05d}.arrow" for i in range(am["shards"])]
+    got = {n: [] for n in names}
+    rows = 0
+    for f in state["_data_files"]:
+        t = pyarrow.ipc.open_stream(os.path.join(a, f["filename"])).read_all()
+        assert t.schema.names == names
+        hf = json.loads(t.schema.metadata[b"huggingface"])
+        assert hf["info"]["features"] == info["features"]
+        rows += t.num_rows
+        for n in names:
+            got[n].append(np.asarray(t.column(n).combine_chunks().flatten().flatten() if n != "token_ids"
+                                     else t.column(n).combine_chunks().flatten()))
+    assert rows == am["windows"] == meta["windows"]
+    for c in am["columns"] + [{"name": "token_ids", "dtype": "int32"}]:
+        v = np.concatenate(got[c["name"]]).astype("<i4" if c["dtype"] == "int32" else "<f4")
+        assert v.tobytes() == cg[c["name"]], c["name"]
+    print(f"collect: pyarrow {pyarrow.__version__} read {am['shards']} shards, {rows} rows, equal to the safetensors run")
+    try:
+        import datasets
+    except ImportError:
+        print("collect: datasets not installed; load_from_disk not tried")
+        return
+    ds = datasets.load_from_disk(a)
+    assert ds.num_rows == rows and list(ds.features) == names
+    assert ds.features[names[0]].shape == (tc.CTX, am["columns"][0]["width"])
+    print(f"collect: datasets {datasets.__version__} load_from_disk: {ds.num_rows} rows, features {list(ds.features)}")
