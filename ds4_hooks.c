@@ -425,7 +425,9 @@ int ds4h_set_sink(ds4h_ctx *h, void (*fn)(void *user, const ds4h_record *r, cons
             errf(err, errlen, "the %s backend's hook emitter has no sink", h->be->name);
             return -1;
         }
+        void *prev = h->be->session_bind(h->sess);
         h->be->hooks_sink(fn, user);
+        h->be->session_bind(prev);
         return 0;
     }
     h->sink = fn;
