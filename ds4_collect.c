@@ -24,10 +24,13 @@
  *               computes only the missing windows
  *
  * Two passes over the corpus: the first counts its windows (the shard count is in every
- * shard's name) and hashes its bytes, the second runs them.  Memory is bounded by one
- * document (--max-doc-bytes), one window's activations and one window of pending tokens. */
+ * shard's name) and hashes its bytes, the second runs them, a writer thread writing each
+ * window while the next one is computed.  Memory is bounded by one document
+ * (--max-doc-bytes), two windows' activations (one computed, one written) and one window of
+ * pending tokens. */
 #define _GNU_SOURCE
 #include <dirent.h>
+#include <pthread.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
@@ -820,6 +823,118 @@ static void collect_usage(FILE *f) {
         "  --backend cpu|cuda    the backend (default cpu)\n");
 }
 
+/* ---------------------------------------------------------------------------
+ * The writer thread: a window's write overlaps the next window's prefill
+ *
+ * Two catchers take turns: the sink fills one (the window being computed) while the writer
+ * writes the other (the window before), with that window's own token ids.  One job at a time:
+ * the main thread hands a window over once the writer is done with the one before, so memory
+ * holds two windows of activations.  The writer owns the open shard: it makes NAME.partial
+ * at the shard's first window of this run, writes each window, and at the shard's last one
+ * ends the stream, syncs, closes and renames.  A failure keeps its one-line message for the
+ * main thread, which says it and stops; a shard left open is removed at the end.  Between
+ * jobs (busy == 0, under mu) everything here is the main thread's to read.
+ * ------------------------------------------------------------------------- */
+
+typedef struct {
+    pthread_mutex_t mu;
+    pthread_cond_t  cv;
+    int             busy, quit;
+    /* the job */
+    const catcher  *k;
+    const int32_t  *ids;
+    int64_t         s, row, srows;
+    int             last;
+    /* the settings */
+    const char     *out, *ext, *meta;
+    int             safetensors;
+    int64_t         S, have;              /* shards whole before this run */
+    char           *done;
+    /* the writer's own, and what it has done */
+    FILE           *sf;
+    char            spath[PATH_MAX + 64], tpath[PATH_MAX + 80];
+    uint64_t        data0;                /* safetensors: where the open shard's tensors start */
+    int64_t         shards;               /* shards this run made whole */
+    uint64_t        bytes;
+    int             failed;
+    char            why[PATH_MAX + 256];
+} writer;
+
+static void wr_fail(writer *wr) {
+    snprintf(wr->why, sizeof wr->why, "writing %s failed: %s; the %lld whole shards stay, run again to resume",
+             wr->tpath, strerror(errno ? errno : EIO), (long long)(wr->have + wr->shards));
+    wr->failed = 1;
+}
+
+static void wr_job(writer *wr) {
+    if (!wr->sf) {
+        snprintf(wr->spath, sizeof wr->spath, "%s/data-%05lld-of-%05lld.%s", wr->out, (long long)wr->s, (long long)wr->S,
+                 wr->ext);
+        snprintf(wr->tpath, sizeof wr->tpath, "%s.partial", wr->spath);
+        errno = 0;
+        wr->sf = fopen(wr->tpath, "wb");
+        if (!wr->sf || (wr->safetensors ? st_open(wr->sf, wr->k, wr->srows, wr->meta, &wr->data0)
+                                        : write_schema(wr->sf, wr->k)) != 0) { wr_fail(wr); return; }
+    }
+    errno = 0;
+    if ((wr->safetensors ? st_window(wr->sf, wr->k, wr->row, wr->srows, wr->data0, wr->ids, &wr->bytes)
+                         : write_batch(wr->sf, wr->k, wr->ids, &wr->bytes)) != 0) { wr_fail(wr); return; }
+    if (!wr->last) return;
+    static const uint32_t eos[2] = { 0xFFFFFFFFu, 0 };
+    errno = 0;
+    int ok = (wr->safetensors || fwrite(eos, 4, 2, wr->sf) == 2) && fflush(wr->sf) == 0 && fsync(fileno(wr->sf)) == 0;
+    if (fclose(wr->sf) != 0) ok = 0;
+    wr->sf = NULL;
+    if (!ok || rename(wr->tpath, wr->spath) != 0) {
+        wr_fail(wr);
+        unlink(wr->tpath);
+        return;
+    }
+    wr->done[wr->s] = 1;
+    wr->shards++;
+}
+
+static void *wr_main(void *arg) {
+    writer *wr = arg;
+    sigset_t ss;                          /* Ctrl-C and SIGTERM are the main thread's to take */
+    sigemptyset(&ss);
+    sigaddset(&ss, SIGINT);
+    sigaddset(&ss, SIGTERM);
+    pthread_sigmask(SIG_BLOCK, &ss, NULL);
+    pthread_mutex_lock(&wr->mu);
+    for (;;) {
+        while (!wr->busy && !wr->quit) pthread_cond_wait(&wr->cv, &wr->mu);
+        if (!wr->busy) break;
+        pthread_mutex_unlock(&wr->mu);
+        if (!wr->failed) wr_job(wr);
+        pthread_mutex_lock(&wr->mu);
+        wr->busy = 0;
+        pthread_cond_broadcast(&wr->cv);
+    }
+    pthread_mutex_unlock(&wr->mu);
+    return NULL;
+}
+
+/* Until the writer is done with the window it was given. */
+static void wr_wait(writer *wr) {
+    pthread_mutex_lock(&wr->mu);
+    while (wr->busy) pthread_cond_wait(&wr->cv, &wr->mu);
+    pthread_mutex_unlock(&wr->mu);
+}
+
+static void wr_give(writer *wr, const catcher *k, const int32_t *ids, int64_t s, int64_t row, int64_t srows, int last) {
+    pthread_mutex_lock(&wr->mu);
+    wr->k = k;
+    wr->ids = ids;
+    wr->s = s;
+    wr->row = row;
+    wr->srows = srows;
+    wr->last = last;
+    wr->busy = 1;
+    pthread_cond_broadcast(&wr->cv);
+    pthread_mutex_unlock(&wr->mu);
+}
+
 static volatile sig_atomic_t g_stop;
 static void on_signal(int sig) { g_stop = sig; signal(sig, SIG_DFL); }
 static int on_chunk(void *user, int done, int total) { (void)user; (void)done; (void)total; return g_stop != 0; }
@@ -1082,15 +1197,47 @@ int cmd_collect(int argc, char **argv) {
     memset(&pk, 0, sizeof pk);
     pk.bos = bos;
     pk.C = o.ctx;
-    FILE *sf = NULL;
-    char spath[PATH_MAX + 64], tpath[PATH_MAX + 80];
-    int64_t srows = 0;                        /* the open shard's rows */
-    uint64_t data0 = 0;                       /* safetensors: where its tensors start */
-    int64_t w = 0, written_now = 0, run_windows = 0, todo = 0;
+    /* two catchers and two token windows, taking turns (the writer thread's section) */
+    catcher K2 = K;
+    K2.col = malloc((size_t)K.ncol * sizeof *K2.col);
+    int32_t *win2 = malloc((size_t)o.ctx * 4);
+    if (!K2.col || !win2) { fprintf(stderr, "ds4: out of memory\n"); return EXIT_FAIL; }
+    for (int i = 0; i < K.ncol; i++) {
+        K2.col[i] = K.col[i];                 /* offs is shared (read only) */
+        K2.col[i].win = malloc((size_t)o.ctx * K.col[i].width * 4);
+        if (!K2.col[i].win) { fprintf(stderr, "ds4: out of memory for a window's activations\n"); return EXIT_FAIL; }
+    }
+    catcher *kc[2] = { &K, &K2 };
+    int32_t *wins[2] = { win, win2 };
+    int cur = 0;
+    writer wr;
+    memset(&wr, 0, sizeof wr);
+    wr.out = o.out;
+    wr.ext = ext;
+    wr.meta = (const char *)meta.b;
+    wr.safetensors = o.safetensors;
+    wr.S = S;
+    wr.have = have;
+    wr.done = done;
+    pthread_t wthr;
+    if (pthread_mutex_init(&wr.mu, NULL) != 0 || pthread_cond_init(&wr.cv, NULL) != 0 ||
+        pthread_create(&wthr, NULL, wr_main, &wr) != 0) {
+        fprintf(stderr, "ds4: collect: cannot start the writer thread\n");
+        return EXIT_FAIL;
+    }
+    int64_t w = 0, run_windows = 0, handed = 0, stop_shards = 0, todo = 0;
     for (int64_t s = 0; s < S; s++) if (!done[s]) todo += (s == S - 1 ? W - s * R : R);
-    uint64_t bytes = 0;
     const double t0 = now_s();
-    int rc = 0, stop = 0, tty = isatty(STDERR_FILENO);
+    int rc = 0, stop = 0, tty = isatty(STDERR_FILENO), shown_last = 0;
+    /* the progress line, once the writer is done with a window: on a terminal after every
+     * window, else after every shard */
+#define PROGRESS() do {                                                                                       \
+        const double el_ = now_s() - t0, rate_ = run_windows * (double)o.ctx / (el_ > 1e-9 ? el_ : 1e-9);     \
+        const double eta_ = rate_ > 0 ? (todo - run_windows) * (double)o.ctx / rate_ : 0;                     \
+        fprintf(stderr, "%sds4: collect: shard %lld/%lld, %lld/%lld tokens, %.1f tok/s, %.3f GB written, %.0f s left%s", \
+                tty ? "\r\033[K" : "", (long long)(have + wr.shards), (long long)S, (long long)(run_windows * o.ctx), \
+                (long long)(todo * o.ctx), rate_, wr.bytes / 1e9, eta_, tty ? "" : "\n");                     \
+    } while (0)
     while (!stop && w < W) {
         const char *t;
         size_t n;
@@ -1100,29 +1247,22 @@ int cmd_collect(int argc, char **argv) {
         if (d != DOC_OK) continue;
         const int k = tokenize(tok, t, n, &ids, &ids_cap);
         if (k < 0 || pk_push(&pk, ids, (size_t)k) != 0) { fprintf(stderr, "ds4: tokenizing failed\n"); rc = EXIT_FAIL; break; }
-        while (!stop && w < W && pk_window(&pk, win)) {
+        while (!stop && w < W && pk_window(&pk, wins[cur])) {
             const int64_t s = w / R, row = w % R;
             const int last = row == R - 1 || w == W - 1;
             w++;
             if (done[s]) continue;
             if (g_stop) { stop = 1; break; }
-            if (!sf) {
-                snprintf(spath, sizeof spath, "%s/data-%05lld-of-%05lld.%s", o.out, (long long)s, (long long)S, ext);
-                snprintf(tpath, sizeof tpath, "%s.partial", spath);
-                srows = s == S - 1 ? W - s * R : R;
-                errno = 0;
-                sf = fopen(tpath, "wb");
-                if (!sf || (o.safetensors ? st_open(sf, &K, srows, (const char *)meta.b, &data0) : write_schema(sf, &K)) != 0) {
-                    fprintf(stderr, "ds4: collect: writing %s failed: %s; the %lld whole shards stay, run again to resume\n",
-                            tpath, strerror(errno ? errno : EIO), (long long)(have + written_now));
-                    rc = EXIT_FAIL;
-                    stop = 1;
-                    break;
-                }
+            catcher *kk = kc[cur];
+            for (int i = 0; i < kk->ncol; i++) kk->col[i].rows = 0;
+            if (ds4_ctx_set_hook_sink(c, on_record, kk, err, sizeof err) != 0) {
+                fprintf(stderr, "ds4: %s\n", err);
+                rc = EXIT_FAIL;
+                stop = 1;
+                break;
             }
-            for (int i = 0; i < K.ncol; i++) K.col[i].rows = 0;
             ds4_ctx_reset(c);
-            const int er = ds4_eval(c, win, o.ctx, NULL, 0, err, sizeof err);
+            const int er = ds4_eval(c, wins[cur], o.ctx, NULL, 0, err, sizeof err);
             if (er == -2) { stop = 1; break; }
             if (er != 0) { fprintf(stderr, "ds4: %s\n", err); rc = EXIT_FAIL; stop = 1; break; }
             /* every record of the window handed to on_record: a device emitter's drain thread
@@ -1134,51 +1274,36 @@ int cmd_collect(int argc, char **argv) {
                 stop = 1;
                 break;
             }
-            for (int i = 0; i < K.ncol && !K.bad; i++)
-                if (K.col[i].rows != (uint32_t)o.ctx) {
-                    snprintf(K.why, sizeof K.why, "%s: the window gave %u rows of %d", K.col[i].name, K.col[i].rows, o.ctx);
-                    K.bad = 1;
+            for (int i = 0; i < kk->ncol && !kk->bad; i++)
+                if (kk->col[i].rows != (uint32_t)o.ctx) {
+                    snprintf(kk->why, sizeof kk->why, "%s: the window gave %u rows of %d", kk->col[i].name,
+                             kk->col[i].rows, o.ctx);
+                    kk->bad = 1;
                 }
-            if (K.bad) { fprintf(stderr, "ds4: collect: %s\n", K.why); rc = EXIT_FAIL; stop = 1; break; }
-            errno = 0;
-            if ((o.safetensors ? st_window(sf, &K, row, srows, data0, win, &bytes) : write_batch(sf, &K, win, &bytes)) != 0) {
-                fprintf(stderr, "ds4: collect: writing %s failed: %s; the %lld whole shards stay, run again to resume\n",
-                        tpath, strerror(errno ? errno : EIO), (long long)(have + written_now));
-                rc = EXIT_FAIL;
-                stop = 1;
-                break;
-            }
+            if (kk->bad) { fprintf(stderr, "ds4: collect: %s\n", kk->why); rc = EXIT_FAIL; stop = 1; break; }
+            wr_wait(&wr);                     /* the window before is written: its catcher is free */
+            if (wr.failed) { fprintf(stderr, "ds4: collect: %s\n", wr.why); rc = EXIT_FAIL; stop = 1; break; }
+            if (handed && (tty || shown_last)) PROGRESS();
+            wr_give(&wr, kk, wins[cur], s, row, s == S - 1 ? W - s * R : R, last);
             run_windows++;
-            if (last) {
-                static const uint32_t eos[2] = { 0xFFFFFFFFu, 0 };
-                errno = 0;
-                int ok = (o.safetensors || fwrite(eos, 4, 2, sf) == 2) && fflush(sf) == 0 && fsync(fileno(sf)) == 0;
-                if (fclose(sf) != 0) ok = 0;
-                sf = NULL;
-                if (!ok || rename(tpath, spath) != 0) {
-                    fprintf(stderr, "ds4: collect: writing %s failed: %s; the %lld whole shards stay, run again to resume\n",
-                            tpath, strerror(errno ? errno : EIO), (long long)(have + written_now));
-                    unlink(tpath);
-                    rc = EXIT_FAIL;
-                    stop = 1;
-                    break;
-                }
-                done[s] = 1;
-                written_now++;
-                if (o.stop_after && written_now == o.stop_after) stop = 2;
-            }
-            /* the progress line: on a terminal after every window, else after every shard */
-            if (tty || last) {
-                const double el = now_s() - t0, rate = run_windows * (double)o.ctx / (el > 1e-9 ? el : 1e-9);
-                const double eta = rate > 0 ? (todo - run_windows) * (double)o.ctx / rate : 0;
-                fprintf(stderr, "%sds4: collect: shard %lld/%lld, %lld/%lld tokens, %.1f tok/s, %.3f GB written, %.0f s left%s",
-                        tty ? "\r\033[K" : "", (long long)(have + written_now), (long long)S, (long long)(run_windows * o.ctx),
-                        (long long)(todo * o.ctx), rate, bytes / 1e9, eta, tty ? "" : "\n");
-            }
+            handed++;
+            shown_last = last;
+            if (last && o.stop_after && ++stop_shards == o.stop_after) stop = 2;
+            cur ^= 1;
         }
     }
+    wr_wait(&wr);
+    pthread_mutex_lock(&wr.mu);
+    wr.quit = 1;
+    pthread_cond_broadcast(&wr.cv);
+    pthread_mutex_unlock(&wr.mu);
+    pthread_join(wthr, NULL);
+    if (wr.failed && !rc) { fprintf(stderr, "ds4: collect: %s\n", wr.why); rc = EXIT_FAIL; }
+    else if (handed && !wr.failed && (tty || shown_last)) PROGRESS();
+#undef PROGRESS
+    const int64_t written_now = wr.shards;
     if (tty) fprintf(stderr, "\n");
-    if (sf) { fclose(sf); unlink(tpath); }
+    if (wr.sf) { fclose(wr.sf); unlink(wr.tpath); }
     const int complete = have + written_now == S;
     if (!rc && g_stop) {
         fprintf(stderr, "ds4: collect: interrupted (%s): %lld of %lld shards are whole; the same command resumes\n",
@@ -1242,8 +1367,12 @@ int cmd_collect(int argc, char **argv) {
     free(ids);
     free(win);
     free(pk.q);
-    for (int i = 0; i < K.ncol; i++) { free(K.col[i].win); free(K.col[i].offs); }
+    for (int i = 0; i < K.ncol; i++) { free(K.col[i].win); free(K2.col[i].win); free(K.col[i].offs); }
     free(K.col);
+    free(K2.col);
+    free(win2);
+    pthread_mutex_destroy(&wr.mu);
+    pthread_cond_destroy(&wr.cv);
     ds4_model_close(m);
     return rc;
 }
