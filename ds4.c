@@ -2488,6 +2488,45 @@ size_t ds4_model_decode_bytes(const ds4_model *m) {
     return total;
 }
 
+void ds4_model_prefill_flops(const ds4_model *m, int64_t pos0, int64_t n, double out[2]) {
+    const ds4_hparams *h = &m->hp;
+    out[0] = out[1] = 0.0;
+    ds4_weight **ws = malloc(sizeof(*ws) * DS4_MAX_WEIGHTS);
+    if (!ws) return;
+    const int nw = model_weights((ds4_model *)m, ws, DS4_MAX_WEIGHTS);
+    double per_token = 0.0;           /* multiply-adds of one token through the weights */
+    for (int i = 0; i < nw; i++) {
+        const ds4_weight *w = ws[i];
+        if (w->ne[1] <= 1 || w == &m->tok_embd || w == &m->output || w == &m->output_hc_fn) continue;
+        double e = (double)w->ne[0] * (double)w->ne[1] * (double)(w->ne[2] > 0 ? w->ne[2] : 1);
+        int table = 0, expert = 0;
+        for (int il = 0; il < h->n_layer; il++) {
+            const ds4_layer_w *L = &m->layers[il];
+            if (w == &L->tid2eid || w == &L->comp_ape || w == &L->idx_comp_ape) table = 1;
+            if (w == &L->gate_exps || w == &L->up_exps || w == &L->down_exps) expert = 1;
+        }
+        if (table) continue;
+        if (expert) e = e / h->n_expert * h->n_expert_used;
+        per_token += e;
+    }
+    free(ws);
+    out[0] = 2.0 * (per_token * (double)n + (double)h->n_embd * h->n_vocab);
+    for (int il = 0; il < h->n_layer; il++) {
+        const int r = h->ratio[il];
+        for (int64_t t = 0; t < n; t++) {
+            const int P = (int)(pos0 + t);
+            int64_t rows = ds4_win_rows(P, h->n_swa);
+            if (r == 128) rows += ds4_comp_rows(P, 128);
+            if (r == 4) {
+                const int vis = ds4_comp_rows(P, 4);
+                rows += vis < h->idx_topk ? vis : h->idx_topk;
+                out[1] += 2.0 * h->idx_heads * h->idx_dim * vis;
+            }
+            out[1] += 4.0 * h->n_head * h->head_dim * (double)rows;
+        }
+    }
+}
+
 static const char *type_name(int t) {
     switch (t) {
     case DS4_TYPE_F32: return "f32"; case DS4_TYPE_F16: return "f16";

@@ -45,6 +45,11 @@ size_t ds4_model_weight_bytes(const ds4_model *m);
 /* Bytes of weights read by one decoded token (dense tensors + the routed
  * experts actually used + one embedding row). */
 size_t ds4_model_decode_bytes(const ds4_model *m);
+/* The arithmetic of a prefill of n tokens from position pos0, in floating-point operations
+ * (2 per multiply-add): out[0] the weights' products (every matrix per token, k of E experts,
+ * the output head once), out[1] the attention (scores and weighted sums over the rows each
+ * query sees, missing ratio-4 picks not counted) and the indexer's scores. */
+void   ds4_model_prefill_flops(const ds4_model *m, int64_t pos0, int64_t n, double out[2]);
 void   ds4_model_describe(const ds4_model *m, FILE *f);
 /* The tokenizer of a model with a gpt2 (byte-level BPE) vocabulary, built on
  * first use and owned by the model (ds4_tok.h); NULL with err otherwise. */

@@ -3,7 +3,7 @@
  *
  *   ds4_bench --model tiny|small|flash16|flash-q2|...[@EXPERTS][/CTX]|FILE [--type q8_0] [--backend cuda|cpu]
  *             [--reps 5] [--decode 32] [--decode-after 512] [--prefill 512,4096] [--no-warmup] [--ubatch U1,... [--ubatch-prompt N]]
- *             [--copy-bw GBps] [--threads N]
+ *             [--copy-bw GBps] [--tc-peak TFLOPS] [--threads N]
  *             [--profile-step [--profile-prefill] [--profile-warmup 8] [--profile-timed 16]]      (CUDA builds)
  *
  * Synthetic configs are built in memory from the seed (no file), through the
@@ -15,7 +15,10 @@
  * --copy-bw (device copy bandwidth, read+write, from bench/bandwidth) the
  * achieved fraction is printed.  On CUDA the kernel launches and the host
  * time spent launching them are counted over one timed run and reported per
- * token.  Output: human lines plus one `RESULT key=value ...` line per metric.
+ * token.  A prefill's line also gives its TFLOP/s (ds4_model_prefill_flops: the weights' products
+ * and the attention, 2 per multiply-add) and, with --tc-peak (the device's measured tensor-core
+ * peak, from bench/mma_peak), the fraction of it.
+ * Output: human lines plus one `RESULT key=value ...` line per metric.
  * --reps 0 skips the throughput runs (decode and prefill) altogether.
  *
  * --profile-step (CUDA backend only) runs after the throughput runs: a
@@ -60,7 +63,7 @@ static void fail(const char *what, const char *err) {
 
 static void usage(FILE *f) {
     fprintf(f, "usage: ds4_bench --model tiny|small|flash16|FILE [--type T] [--backend cuda|cpu] [--reps N]\n"
-               "                 [--decode N] [--decode-after P] [--prefill L1,L2,...] [--no-warmup] [--ubatch U1,... [--ubatch-prompt N]] [--copy-bw GBps] [--threads N]\n"
+               "                 [--decode N] [--decode-after P] [--prefill L1,L2,...] [--no-warmup] [--ubatch U1,... [--ubatch-prompt N]] [--copy-bw GBps] [--tc-peak TFLOPS] [--threads N]\n"
                "                 [--profile-step [--profile-prefill] [--profile-warmup N] [--profile-timed N]]\n");
 }
 
@@ -70,7 +73,7 @@ int main(int argc, char **argv) {
     const char *ubatch_list = NULL;
     int ubatch_prompt = 16384;
     int profile_step = 0, profile_prefill = 0, prof_warmup = 8, prof_timed = 16;
-    double copy_bw = 0.0;
+    double copy_bw = 0.0, tc_peak = 0.0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--profile-step")) { profile_step = 1; continue; }   /* the flags without a value */
@@ -88,6 +91,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--ubatch-prompt")) ubatch_prompt = atoi(v);
         else if (!strcmp(a, "--prefill")) prefill_list = v;
         else if (!strcmp(a, "--copy-bw")) copy_bw = atof(v);
+        else if (!strcmp(a, "--tc-peak")) tc_peak = atof(v);
         else if (!strcmp(a, "--threads")) threads = atoi(v);
         else if (!strcmp(a, "--profile-warmup")) prof_warmup = atoi(v);
         else if (!strcmp(a, "--profile-timed")) prof_timed = atoi(v);
@@ -246,8 +250,16 @@ int main(int argc, char **argv) {
             if (r >= 0) v[r] = now_s() - s;
         }
         const double med = median(v, reps);
-        printf("prefill %5d tokens: median %.4f s = %.1f tok/s (%d reps)\n", P, med, P / med, reps);
+        double fl[2];
+        ds4_model_prefill_flops(m, 0, P, fl);
+        const double tf = (fl[0] + fl[1]) / med / 1e12;
+        printf("prefill %5d tokens: median %.4f s = %.1f tok/s (%d reps), %.3g TFLOP/s (%.3g GFLOP a token: weights "
+               "%.1f%%, attention %.1f%%)", P, med, P / med, reps, tf, (fl[0] + fl[1]) / P / 1e9,
+               100.0 * fl[0] / (fl[0] + fl[1]), 100.0 * fl[1] / (fl[0] + fl[1]));
+        if (tc_peak > 0) printf(" = %.1f%% of %.0f TFLOP/s", 100.0 * tf / tc_peak, tc_peak);
+        printf("\n");
         printf("RESULT model=%s backend=%s metric=prefill_tok_s prompt=%d value=%.2f\n", model, be->name, P, P / med);
+        printf("RESULT model=%s backend=%s metric=prefill_tflops prompt=%d value=%.2f\n", model, be->name, P, tf);
     }
 
 #ifdef DS4_CUDA

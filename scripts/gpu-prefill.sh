@@ -6,7 +6,9 @@
 # rounds, alternating), logs under $OUT.
 # prof: ncu (clocks as found) on two k_attention_tiles launches (layers 2 and 3: ratio 4 and 128)
 # and PROF_GEMMS k_tc_gemm launches of a flash16 prefill of PROF_N (4096) tokens.
-#   scripts/gpu-prefill.sh [test] [bench] [attn] [q2] [report] [prof] [exact] [san] [peer]
+# peak: bench/mma_peak (mma.sync f16 and s8 on every SM); bench, attn and q2 then print each
+# prefill's TFLOP/s as a share of that f16 peak (ds4_bench --tc-peak).
+#   scripts/gpu-prefill.sh [peak] [test] [bench] [attn] [q2] [report] [prof] [exact] [san] [peer]
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-build/gpu-out}; mkdir -p "$OUT"
@@ -18,6 +20,13 @@ step build
 make cuda CUDA_ARCH="$ARCH" > "$OUT/build.log" 2>&1 &&
   make --no-print-directory build/cuda-"$ARCH"/test_backend_ops build/cuda-"$ARCH"/ds4_bench CUDA_ARCH="$ARCH" \
     >> "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
+PEAK=0
+if want peak; then
+  step "tensor-core peak (bench/mma_peak)"
+  make --no-print-directory build/cuda-"$ARCH"/mma_peak CUDA_ARCH="$ARCH" >> "$OUT/build.log" 2>&1 &&
+    build/cuda-"$ARCH"/mma_peak | tee "$OUT/mma-peak.log"
+  PEAK=$(awk '/^mma_f16_tflops/ {print $2}' "$OUT/mma-peak.log" 2>/dev/null); PEAK=${PEAK:-0}
+fi
 if want test; then
   step "test_backend_ops"
   timeout "${OPS_LIMIT:-240}" build/cuda-"$ARCH"/test_backend_ops > "$OUT/ops.log" 2>&1
@@ -28,7 +37,7 @@ fi
 bench() {   # MODEL TC PREFILLS REPS [ATTN [TAG]]
   local log="$OUT/bench-$1-tc$2${6:+-$6}.log"
   DS4_CUDA_PREFILL_TC=$2 DS4_CUDA_PREFILL_ATTN=${5:-1} timeout 300 build/cuda-"$ARCH"/ds4_bench --model "$1" \
-     --backend cuda --reps "$4" --decode 8 --prefill "$3" > "$log" 2>&1
+     --backend cuda --reps "$4" --decode 8 --prefill "$3" --tc-peak "$PEAK" > "$log" 2>&1
   echo "$1 TC=$2 ATTN=${5:-1}: $(grep -E '^model|^prefill' "$log" | tr '\n' ' ')"
 }
 if want bench; then

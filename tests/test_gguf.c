@@ -1165,11 +1165,62 @@ static int bench_fill(const char *cfg, const char *tname, int threads) {
     return rc || prc;
 }
 
+/* ds4_model_prefill_flops against the arithmetic written out from the hyperparameters: the
+ * weights' multiply-adds per token (every matrix of the convention, k of E experts; tables,
+ * vectors and the head excluded, the head counted once), and the attention's rows at two
+ * positions. */
+static void test_prefill_flops(void) {
+    static const char *cfgs[] = { "tiny", "small-q2" };
+    for (int ci = 0; ci < 2; ci++) {
+        size_t n;
+        uint8_t *img = make_synth(cfgs[ci], 1, DS4_TYPE_F32, 2, &n);
+        CHECK(img != NULL, "%s synth", cfgs[ci]);
+        if (!img) continue;
+        ds4_model *m = calloc(1, sizeof *m);
+        m->owned_kind = 2;
+        char err[512];
+        if (ds4_gguf_parse(m, img, n, err, sizeof err) != 0) { CHECK(0, "%s parses: %s", cfgs[ci], err); free(img); free(m); continue; }
+        const ds4_hparams *h = &m->hp;
+        const double D = h->n_embd, H = h->n_head, d = h->head_dim, q = h->q_lora, hc = h->n_hc;
+        const double Hi = h->idx_heads, di = h->idx_dim, E = h->n_expert, k = h->n_expert_used, F = h->n_ff_exp;
+        double per = 0.0;
+        for (int il = 0; il < h->n_layer; il++) {
+            per += D * q + q * H * d + D * d + H * d * h->o_lora + h->o_groups * (double)h->o_lora * D;
+            per += 2.0 * (hc * D) * ((2.0 + hc) * hc);
+            if (h->ratio[il]) per += 2.0 * D * (h->ratio[il] == 4 ? 2.0 : 1.0) * d;
+            if (h->ratio[il] == 4) per += D * Hi + q * Hi * di + 2.0 * D * 2.0 * di;
+            per += D * E + k * 3.0 * D * F + 3.0 * D * F * h->n_expert_shared;
+        }
+        double a1[2], a2[2], b[2];
+        ds4_model_prefill_flops(m, 0, 1, a1);
+        ds4_model_prefill_flops(m, 0, 2, a2);
+        const double got = (a2[0] - a1[0]) / 2.0;
+        CHECK(fabs(got - per) <= 1e-9 * per, "%s: %.0f multiply-adds a token through the weights, expected %.0f",
+              cfgs[ci], got, per);
+        CHECK(fabs(a1[0] - 2.0 * (per + D * h->n_vocab)) <= 1e-9 * a1[0], "%s: one token with the head", cfgs[ci]);
+        CHECK(a1[1] == 4.0 * H * d * h->n_layer, "%s: position 0 sees one row per layer", cfgs[ci]);
+        /* position 1000: the window, 1001/128 rows of ratio 128, min(k, 1001/4) picks of ratio 4 and
+         * the indexer's scores over 1001/4 rows */
+        ds4_model_prefill_flops(m, 1000, 1, b);
+        double att = 0.0;
+        for (int il = 0; il < h->n_layer; il++) {
+            double rows = h->n_swa < 1001 ? h->n_swa : 1001;
+            if (h->ratio[il] == 128) rows += 1001 / 128;
+            if (h->ratio[il] == 4) { rows += h->idx_topk < 1001 / 4 ? h->idx_topk : 1001 / 4; att += 2.0 * Hi * di * (1001 / 4); }
+            att += 4.0 * H * d * rows;
+        }
+        CHECK(b[1] == att, "%s: attention at position 1000 %.0f, expected %.0f", cfgs[ci], b[1], att);
+        free(img);
+        free(m);
+    }
+}
+
 int main(int argc, char **argv) {
     if (argc == 5 && strcmp(argv[1], "--fill") == 0) return bench_fill(argv[2], argv[3], atoi(argv[4]));
     setvbuf(stdout, NULL, _IONBF, 0);
     test_conversions();
     test_tiny_valid();
+    test_prefill_flops();
     test_determinism();
     test_types();
     test_sizes_and_api();
