@@ -43,7 +43,8 @@
 # "diff --git") is the pull request's description and is kept when a patch is regenerated.
 # Environment: SERIES_JOBS (check: the jobs run at once, and make -j inside each; default 2),
 # CHECK_ARCH (the architecture check compiles each stage's CUDA engine for, compute_90: PTX),
-# CHECK_NVCCFLAGS (its nvcc flags, "-std=c++17 -Xcicc -O0"), KEEP=1 (check keeps its work
+# CHECK_NVCCFLAGS (its nvcc flags, "-std=c++17 -Xcicc -O0"), CHECK_CFLAGS (a stage's CPU build,
+# -O1), CHECK_CUDA_CFLAGS (the C objects of its CUDA check, -O0), KEEP=1 (check keeps its work
 # directory and says where).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -55,6 +56,11 @@ ARCH=${CHECK_ARCH:-compute_90}
 # optimiser off takes a third of an sm_90 -O3 build; HEAD's own full build (make cuda-check,
 # sm_90, -O3) is the one that meets ptxas
 NVFLAGS=${CHECK_NVCCFLAGS:--std=c++17 -Xcicc -O0}
+# The C side of a stage: its CPU build, whose C tests and dump run, at -O1 (half of -O2's compile
+# time, the tests as fast); the C objects of its CUDA check, which only link, at -O0.  Every stage
+# takes the same flags, so the dumps compare as before (CHECK_CFLAGS, CHECK_CUDA_CFLAGS).
+CPU_CFLAGS=${CHECK_CFLAGS:--O1}
+CUDA_CFLAGS_CHECK=${CHECK_CUDA_CFLAGS:--O0}
 
 die() { echo "series.sh: $*" >&2; exit 2; }
 
@@ -322,6 +328,7 @@ job_cpu() {
   local k=$1 label=$2 t
   export SERIES_LOG=$PWD/cache-cpu.log SERIES_STAGE=$label
   : > "$SERIES_LOG"
+  export CFLAGS=$CPU_CFLAGS
   make --no-print-directory -j"$JOBS" cpu CC="$WORK/bin/cc" > build.log 2>&1 || { tail -30 build.log; return 1; }
   echo "cpu: built ($(cache_summary "$SERIES_LOG"))"
   # the C tests: their programs, then test-c's recipe unless it and the programs are an earlier stage's
@@ -346,7 +353,7 @@ job_cpu() {
 
 job_cuda() {
   local k=$1 label=$2
-  export SERIES_LOG=$PWD/cache-cuda.log SERIES_STAGE=$label
+  export SERIES_LOG=$PWD/cache-cuda.log SERIES_STAGE=$label CFLAGS=$CUDA_CFLAGS_CHECK
   : > "$SERIES_LOG"
   # the engine and the backend-ops test (the bench and tool programs are HEAD's make cuda-check's)
   make --no-print-directory -j"$JOBS" "build/cuda-$ARCH/ds4" "build/cuda-$ARCH/test_backend_ops" \
