@@ -1304,6 +1304,14 @@ int cmd_collect(int argc, char **argv) {
     const int64_t written_now = wr.shards;
     if (tty) fprintf(stderr, "\n");
     if (wr.sf) { fclose(wr.sf); unlink(wr.tpath); }
+    /* the last line of a run that made every shard */
+#define SAY_DONE() fprintf(stderr, "ds4: collect: %lld windows (%lld tokens) in %lld %sshards in %s; documents: %llu used, " \
+                "%llu empty, %llu invalid UTF-8, %llu oversized, %llu bad JSON; %llu tail tokens dropped\n", (long long)W, \
+                (long long)(W * o.ctx), (long long)S, o.safetensors ? "safetensors " : "",                          \
+                ds4_show(sh, sizeof sh, o.out, strlen(o.out), 64), (unsigned long long)counts[DOC_OK],              \
+                (unsigned long long)counts[DOC_EMPTY], (unsigned long long)counts[DOC_BAD_UTF8],                    \
+                (unsigned long long)counts[DOC_BIG], (unsigned long long)counts[DOC_BAD_JSON],                      \
+                (unsigned long long)(W < max_windows ? tail : 0))
     const int complete = have + written_now == S;
     if (!rc && g_stop) {
         fprintf(stderr, "ds4: collect: interrupted (%s): %lld of %lld shards are whole; the same command resumes\n",
@@ -1317,12 +1325,7 @@ int cmd_collect(int argc, char **argv) {
                 "change?); the whole shards stay\n", (long long)w, (long long)W);
         rc = EXIT_FAIL;
     } else if (!rc && o.safetensors) {
-        fprintf(stderr, "ds4: collect: %lld windows (%lld tokens) in %lld safetensors shards in %s; documents: %llu used, "
-                "%llu empty, %llu invalid UTF-8, %llu oversized, %llu bad JSON; %llu tail tokens dropped\n", (long long)W,
-                (long long)(W * o.ctx), (long long)S, ds4_show(sh, sizeof sh, o.out, strlen(o.out), 64),
-                (unsigned long long)counts[DOC_OK], (unsigned long long)counts[DOC_EMPTY],
-                (unsigned long long)counts[DOC_BAD_UTF8], (unsigned long long)counts[DOC_BIG],
-                (unsigned long long)counts[DOC_BAD_JSON], (unsigned long long)(W < max_windows ? tail : 0));
+        SAY_DONE();
     } else if (!rc) {
         /* every shard whole: the files that make the directory a dataset */
         buf st = {0}, info = {0};
@@ -1344,16 +1347,12 @@ int cmd_collect(int argc, char **argv) {
             fprintf(stderr, "ds4: collect: %s; the %lld shards are whole, run again to finish\n", err, (long long)S);
             rc = EXIT_FAIL;
         } else {
-            fprintf(stderr, "ds4: collect: %lld windows (%lld tokens) in %lld shards in %s; documents: %llu used, %llu empty, "
-                    "%llu invalid UTF-8, %llu oversized, %llu bad JSON; %llu tail tokens dropped\n", (long long)W,
-                    (long long)(W * o.ctx), (long long)S, ds4_show(sh, sizeof sh, o.out, strlen(o.out), 64),
-                    (unsigned long long)counts[DOC_OK], (unsigned long long)counts[DOC_EMPTY],
-                    (unsigned long long)counts[DOC_BAD_UTF8], (unsigned long long)counts[DOC_BIG],
-                    (unsigned long long)counts[DOC_BAD_JSON], (unsigned long long)(W < max_windows ? tail : 0));
+            SAY_DONE();
         }
         free(st.b);
         free(info.b);
     }
+#undef SAY_DONE
     if (c) {
         ds4_hooks_stats hst;
         if (ds4_ctx_hooks_stats(c, &hst) == 0 && hst.err && !rc) rc = EXIT_FAIL;

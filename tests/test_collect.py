@@ -158,6 +158,13 @@ def expected_windows(model, docs, ctx):
     return wins, len(stream) - i
 
 
+def assert_same_files(a, b):
+    """Directories a and b hold the same files with the same bytes."""
+    assert sorted(os.listdir(a)) == sorted(os.listdir(b))
+    for f in os.listdir(a):
+        assert open(os.path.join(a, f), "rb").read() == open(os.path.join(b, f), "rb").read(), f
+
+
 def collect(model, corpus, d, *extra, hooks="attn:0-1,resid:2,moe:3", env=None, **kw):
     return run([DS4, "collect", "-m", model, "-i", corpus, "-o", d, "--hooks", hooks, "--ctx", str(CTX)] + list(extra),
                env=env, **kw)
@@ -349,9 +356,7 @@ def test_collect_resume_after_stop(model, arrow, tmp_path):
     assert r.returncode == 0, r.stderr
     assert "2 of" in r.stderr and "stay as they are" in r.stderr
     assert {f: os.stat(os.path.join(part, f)).st_mtime_ns for f in shards} == before   # never rewritten
-    assert sorted(os.listdir(part)) == sorted(os.listdir(whole))
-    for f in os.listdir(whole):
-        assert open(os.path.join(part, f), "rb").read() == open(os.path.join(whole, f), "rb").read(), f
+    assert_same_files(whole, part)
     # a run with other settings into the same directory is refused
     r = collect(model, corpus, part, "--shard-rows", "3")
     assert r.returncode == 2 and "other settings" in r.stderr and len(r.stderr.strip().splitlines()) == 1
@@ -366,9 +371,7 @@ def test_collect_chunked_prefill_same_bytes(model, tmp_path):
     assert collect(model, corpus, one, "--shard-rows", "8").returncode == 0
     r = collect(model, corpus, chunked, "--shard-rows", "8", env=dict(os.environ, DS4_UBATCH="7"))
     assert r.returncode == 0, r.stderr
-    assert sorted(os.listdir(one)) == sorted(os.listdir(chunked))
-    for f in os.listdir(one):
-        assert open(os.path.join(one, f), "rb").read() == open(os.path.join(chunked, f), "rb").read(), f
+    assert_same_files(one, chunked)
 
 
 def test_collect_resume_after_sigterm(model, tmp_path):
@@ -393,9 +396,7 @@ def test_collect_resume_after_sigterm(model, tmp_path):
     assert not [f for f in os.listdir(part) if f.endswith(".partial")]
     r = collect(model, corpus, part, "--shard-rows", "1")
     assert r.returncode == 0, r.stderr
-    assert sorted(os.listdir(part)) == sorted(os.listdir(whole))
-    for f in os.listdir(whole):
-        assert open(os.path.join(part, f), "rb").read() == open(os.path.join(whole, f), "rb").read(), f
+    assert_same_files(whole, part)
 
 
 def test_collect_write_error(model, tmp_path):
