@@ -374,14 +374,8 @@ __device__ __forceinline__ float4 att_derot4(const attn_args &a, float4 v, int e
     const int r0 = a.d - a.rope.n_rot;
     float x[4] = { v.x, v.y, v.z, v.w };
 #pragma unroll
-    for (int c = 0; c < 4; c += 2) {
-        if (e + c < r0) continue;
-        float cs, sn;
-        rope_cs(a.rope, P, (e + c - r0) >> 1, 1, &cs, &sn);
-        const float x0 = x[c], x1 = x[c + 1];
-        x[c] = rope_rot0(x0, x1, cs, sn);
-        x[c + 1] = rope_rot1(x0, x1, cs, sn);
-    }
+    for (int c = 0; c < 4; c += 2)
+        if (e + c >= r0) rope_pair(x + c, a.rope, P, (e + c - r0) >> 1, 1);
     return make_float4(x[0], x[1], x[2], x[3]);
 }
 
