@@ -4,8 +4,10 @@
 # cuda with hooks resid at one layer (tokens/s and GB/s written), and a SIGTERM mid-run,
 # resumed, against an uninterrupted run of the same budget.  Logs under $OUT.
 #   scripts/gpu-collect.sh [test] [speed] [resume]            (default: all three)
-# Environment: COLLECT_CTX (1024), COLLECT_TOKENS (speed's budget, 409600), COLLECT_HOOKS
-# (resid:20), RESUME_TOKENS (65536), KILL_AFTER (seconds into the resumed run's first part, 20).
+# Environment: COLLECT_CTX (1024), COLLECT_TOKENS (speed's budget, 409600), COLLECT_FORMAT
+# (speed's --format, arrow), COLLECT_HOOKS
+# (resid:20), RESUME_TOKENS (65536), KILL_SHARDS (the interrupted run gets SIGTERM once it has
+# reported this many whole shards, 2).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-build/gpu-out}; mkdir -p "$OUT"
@@ -43,19 +45,22 @@ if want speed; then
   grep -E '^prefill' "$OUT/bench-prefill.log"
   rm -rf "$W/ds-speed"
   timeout 500 ./ds4 collect -m "$W/flash16.gguf" -i "$W/corpus.txt" -o "$W/ds-speed" --hooks "$HOOKS" --ctx "$CTX" \
-    --tokens "${COLLECT_TOKENS:-409600}" --backend cuda --format safetensors > "$OUT/collect-speed.log" 2>&1
+    --tokens "${COLLECT_TOKENS:-409600}" --backend cuda --format "${COLLECT_FORMAT:-arrow}" > "$OUT/collect-speed.log" 2>&1
   echo "collect rc $?"; grep -E 'collect: shard' "$OUT/collect-speed.log" | tail -1; tail -1 "$OUT/collect-speed.log"
+  du -sb "$W/ds-speed" | awk '{printf "dataset: %.3f GB on disk\n", $1 / 1e9}'; ls "$W/ds-speed" | head -3
   rm -rf "$W/ds-speed"
 fi
 if want resume; then
   corpus || exit 1
-  step "flash16: collect of ${RESUME_TOKENS:-65536} tokens, uninterrupted against SIGTERM after ${KILL_AFTER:-20} s and resumed"
+  step "flash16: collect of ${RESUME_TOKENS:-65536} tokens, uninterrupted against SIGTERM after ${KILL_SHARDS:-2} shards and resumed"
   rm -rf "$W/ds-a" "$W/ds-b"
   args=(-m "$W/flash16.gguf" -i "$W/corpus.txt" --hooks "$HOOKS" --ctx "$CTX" --tokens "${RESUME_TOKENS:-65536}"
         --shard-rows 8 --backend cuda)
   timeout 300 ./ds4 collect "${args[@]}" -o "$W/ds-a" > "$OUT/resume-a.log" 2>&1; echo "uninterrupted rc $?"
   timeout 300 ./ds4 collect "${args[@]}" -o "$W/ds-b" > "$OUT/resume-b1.log" 2>&1 &
-  pid=$!; sleep "${KILL_AFTER:-20}"; kill -TERM "$pid" 2>/dev/null; wait "$pid"; echo "killed run rc $? ($(tail -1 "$OUT/resume-b1.log"))"
+  pid=$!
+  while kill -0 "$pid" 2>/dev/null && [ "$(grep -c 'collect: shard' "$OUT/resume-b1.log")" -lt "${KILL_SHARDS:-2}" ]; do sleep 0.2; done
+  kill -TERM "$pid" 2>/dev/null; wait "$pid"; echo "killed run rc $? ($(tail -1 "$OUT/resume-b1.log"))"
   timeout 300 ./ds4 collect "${args[@]}" -o "$W/ds-b" > "$OUT/resume-b2.log" 2>&1; echo "resumed rc $? ($(grep -c . "$OUT/resume-b2.log") lines)"
   if diff -r "$W/ds-a" "$W/ds-b" > /dev/null; then echo "resume: the resumed dataset equals the uninterrupted one ($(ls "$W/ds-a" | wc -l) files)";
   else echo "resume: DATASETS DIFFER"; diff -rq "$W/ds-a" "$W/ds-b" | head -5; fi
