@@ -604,14 +604,17 @@ void cuda_matmul(const ds4_weight *w, int expert, const float *x, float *y, int 
 void matmul_setup(void);
 void ds4_cuda_ops_matmul(ds4_backend *b);
 /* ds4_cuda_gemm.cu: prefill products on tensor cores */
-struct tc_split { void *xs; float *inv; int64_t K, n, ntp; };   /* activations split for them */
+#define TC_SEG_MAX 8   /* matrices of one launch */
+struct tc_split { void *xs; size_t part_bytes; int64_t K, n, ntp; int parts; };   /* activations split for them */
+struct tc_seg { const uint8_t *w; int64_t nrows; float *y; int64_t ldy; int part; };   /* one matrix of a launch */
 bool gemm_tc_type(int type);
 bool gemm_tc_ok(int type, const void *w, size_t row_bytes, int64_t K);
 size_t gemm_tc_scratch_bytes(int64_t nt, int64_t K);
 void gemm_tc_setup(void);
-tc_split gemm_tc_split(const float *x, int64_t ldx, int64_t K, int64_t n);
-void gemm_tc_run(int type, const uint8_t *w, size_t mat_bytes, size_t row_bytes, int64_t nrows, const tc_split &sp,
-                 const int4 *tiles, int n_tiles, float *y, int64_t ldy);
+tc_split gemm_tc_split(const float *x, int64_t ldx, int64_t K, int64_t n, int parts);
+int gemm_tc_parts_fit(int64_t n, int64_t K);
+void gemm_tc_multi(int type, size_t mat_bytes, size_t row_bytes, const tc_split &sp, int n, const tc_seg *seg,
+                   const int4 *tiles, int n_tiles);
 int gemm_tc_tiles(const int32_t *off, int E, int32_t *out);
 int64_t gemm_tc_max_tiles(int64_t rows, int64_t E);
 bool gemm_tc_rows(int type, const uint8_t *w, size_t row_bytes, int64_t K, int64_t nrows, const float *x,

@@ -37,9 +37,12 @@
  * it needs are adjacent because the k order inside the block is permuted, see below) and
  * its 8 quants (adjacent too) and d per A row, converts int8 to f16 exactly (a byte permute
  * into 1024 + (q + 128), then one f16x2 subtraction), and issues 2 MMAs x 3 parts per tile
- * pair.  The grid is row tiles x token tiles; a grouped product (the MoE's experts) takes
- * its token tiles from a table, each a run of up to 64 rows of one expert, so every expert
- * of a layer is in one launch.
+ * pair.  The grid is row tiles x token tiles.  The row tiles are those of up to TC_SEG_MAX
+ * matrices of one type and K (segments, grid z): the projections of one input (matmul_multi,
+ * gate|up), or the groups of a grouped projection, each group reading its own part of the
+ * split.  So a batch's small projections fill the device together, in one launch, from one
+ * split.  A grouped product (the MoE's experts) takes its token tiles from a table, each a run
+ * of up to 64 rows of one expert, so every expert of a layer is in one launch.
  *   The k permutation: in m16n8k16 a lane (g = lane / 4, t = lane % 4) holds the k slots
  *   2t, 2t+1, 2t+8, 2t+9 of A's rows g and g+8 and of B's column g.  A sum over k does not
  *   care which element sits in which slot, as long as A and B agree, so for MMA j (0, 1) of a
@@ -50,6 +53,10 @@
  * number of rows and tokens (rows past the end are read as row 0 and not stored; the split
  * activations are zero-padded by at least TC_BN tokens, so a tile starting anywhere reads
  * inside them).  Anything else returns false to gemm_rows (gemm_tc_ok).
+ *
+ * Splits.  A split holds parts: part p is columns p K .. p K + K - 1 of each token's row,
+ * scaled by its own power of two, exactly as if it were split alone.  A segment's sums are
+ * therefore the same bytes whether its matrix runs alone or beside others.
  */
 
 #include "ds4_cuda_common.cuh"
@@ -61,25 +68,32 @@
 #define TC_BK      64       /* k per pipeline stage: two Q8_0 blocks */
 #define TC_ST      3        /* pipeline stages */
 #define TC_THREADS 256
+/* TC_SEG_MAX (ds4_cuda_common.cuh): matrices of one launch */
 
 bool gemm_tc_type(int type) { return type == DS4_TYPE_Q8_0 || type == DS4_TYPE_F16; }
 
-/* Bytes of split activations for nt tokens of K elements: three f16 planes of [ntp][K] and the
- * per-token factors [ntp] (session_new sizes the scratch by it). */
+/* Bytes of one part of split activations, nt tokens of K elements: three f16 planes of
+ * [ntp][K] and the per-token factors [ntp] (session_new sizes the scratch by it; a split of
+ * P parts takes P of these, one after the other, each 16-byte aligned as ntp is a multiple of
+ * 64). */
 size_t gemm_tc_scratch_bytes(int64_t nt, int64_t K) {
     const int64_t ntp = (nt + TC_BN - 1) / TC_BN * TC_BN + TC_BN;
     return (size_t)(3 * ntp * K) * sizeof(__half) + (size_t)ntp * sizeof(float);
 }
 
 /* ---------------------------------------------------------------------------
- * The split: x [nt][ldx] -> hi, mid, lo [3][ntp][K] (f16) and inv [ntp] = 2^-a
+ * The split: part p of x [nt][ldx] (columns p K ..) -> hi, mid, lo [3][ntp][K] (f16) and
+ * inv [ntp] = 2^-a, at part_bytes p into xs
  * ------------------------------------------------------------------------- */
 
-__global__ void k_tc_split(const float *x, int64_t ldx, int K, int nt, int ntp, __half *xs, float *inv) {
+__global__ void k_tc_split(const float *x, int64_t ldx, int K, int nt, int ntp, uint8_t *xs, size_t part_bytes) {
     ds4_grid_dep();
     const int t = blockIdx.x;
     const size_t plane = (size_t)ntp * K;
-    __half *h0 = xs + (size_t)t * K, *h1 = h0 + plane, *h2 = h1 + plane;
+    __half *base = (__half *)(xs + part_bytes * blockIdx.y);
+    float *inv = (float *)(base + 3 * plane);
+    x += (int64_t)K * blockIdx.y;
+    __half *h0 = base + (size_t)t * K, *h1 = h0 + plane, *h2 = h1 + plane;
     if (t >= nt) {                                  /* padding tokens: zero, never stored */
         for (int k = threadIdx.x; k < K; k += blockDim.x) h0[k] = h1[k] = h2[k] = __float2half_rn(0.0f);
         if (threadIdx.x == 0) inv[t] = 0.0f;
@@ -192,16 +206,34 @@ __device__ __forceinline__ void tc_frag_a(const uint8_t *As, int r, int j, int t
     }
 }
 
-/* Block (x: TC_BM rows, y: a tile) of y = x W^T.  A tile is tiles[blockIdx.y] (grouped: the
- * matrix e = tile.x, tokens tile.y .. tile.z - 1, at most TC_BN) or, with tiles NULL, tokens
- * TC_BN blockIdx.y .. of matrix 0 up to nt.  The weights of matrix e start mat_bytes * e into w. */
+/* The matrices of one launch (gemm_tc_multi): segment s = blockIdx.z is w[s] (nrows[s] rows),
+ * written to y[s] (row stride ldy[s]) from part part[s] of the split. */
+struct tc_segs {
+    const uint8_t *w[TC_SEG_MAX];
+    float *y[TC_SEG_MAX];
+    int64_t ldy[TC_SEG_MAX];
+    size_t xoff[TC_SEG_MAX];            /* part * part_bytes */
+    int nrows[TC_SEG_MAX];
+};
+
+/* Block (x: TC_BM rows, y: a tile, z: a segment) of y = x W^T.  A tile is tiles[blockIdx.y]
+ * (grouped: the matrix e = tile.x, tokens tile.y .. tile.z - 1, at most TC_BN) or, with tiles
+ * NULL, tokens TC_BN blockIdx.y .. up to nt.  Matrix e of a segment starts mat_bytes * e into
+ * its w. */
 template <int TYPE>
 __global__ void __launch_bounds__(TC_THREADS, 2)
-k_tc_gemm(const uint8_t *w, size_t mat_bytes, size_t row_bytes, int K, int nrows, const __half *xs, int ntp,
-          const float *inv, const int4 *tiles, int nt, float *y, int64_t ldy) {
+k_tc_gemm(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const uint8_t *xs_all, int ntp,
+          const int4 *tiles, int nt) {
     ds4_grid_dep();
     extern __shared__ __align__(16) uint8_t tc_smem[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int si = blockIdx.z;                      /* the block's segment */
+    const int nrows = sg.nrows[si];
+    const int row0 = blockIdx.x * TC_BM;
+    if (row0 >= nrows) return;                      /* a segment with fewer row tiles than the grid's */
+    const uint8_t *w = sg.w[si];
+    const size_t plane = (size_t)ntp * K;
+    const __half *xs = (const __half *)(xs_all + sg.xoff[si]);
     int t0 = blockIdx.y * TC_BN, t1 = t0 + TC_BN < nt ? t0 + TC_BN : nt;
     if (tiles) {
         const int4 tl = tiles[blockIdx.y];
@@ -209,9 +241,7 @@ k_tc_gemm(const uint8_t *w, size_t mat_bytes, size_t row_bytes, int K, int nrows
         t0 = tl.y;
         t1 = tl.z;
     }
-    const int row0 = blockIdx.x * TC_BM;
     const int wr0 = (warp & 3) * 32, wn0 = (warp >> 2) * 32;    /* the warp's rows and tokens in the block */
-    const size_t plane = (size_t)ntp * K;
     constexpr int SB = tc_stage_bytes<TYPE>();
     float acc[2][4][4];
 #pragma unroll
@@ -273,6 +303,9 @@ k_tc_gemm(const uint8_t *w, size_t mat_bytes, size_t row_bytes, int K, int nrows
         }
     }
     /* c0, c1: row g, tokens 2t, 2t+1; c2, c3: row g + 8 */
+    float *y = sg.y[si];
+    const int64_t ldy = sg.ldy[si];
+    const float *inv = (const float *)(xs + 3 * plane);
 #pragma unroll
     for (int ni = 0; ni < 4; ni++) {
 #pragma unroll
@@ -305,35 +338,58 @@ bool gemm_tc_ok(int type, const void *w, size_t row_bytes, int64_t K) {
            ((uintptr_t)w & 15) == 0 && (row_bytes & 15) == 0;
 }
 
-/* The split of n rows of x (row stride ldx, K wide) into the session's scratch. */
-tc_split gemm_tc_split(const float *x, int64_t ldx, int64_t K, int64_t n) {
+/* The split of n rows of x (row stride ldx) into the session's scratch: parts parts of K
+ * columns each, part p from column p K. */
+tc_split gemm_tc_split(const float *x, int64_t ldx, int64_t K, int64_t n, int parts) {
     tc_split sp;
     sp.K = K;
     sp.n = n;
     sp.ntp = (n + TC_BN - 1) / TC_BN * TC_BN + TC_BN;   /* a grouped tile may start anywhere */
-    sp.xs = scratch_get(&sess()->tc_x, gemm_tc_scratch_bytes(n, K));
-    sp.inv = (float *)((__half *)sp.xs + (size_t)3 * sp.ntp * K);
-    DS4_LAUNCH(k_tc_split, dim3((unsigned)sp.ntp), TC_THREADS, 0, x, ldx, (int)K, (int)n, (int)sp.ntp,
-               (__half *)sp.xs, sp.inv);
+    sp.parts = parts;
+    sp.part_bytes = gemm_tc_scratch_bytes(n, K);
+    sp.xs = scratch_get(&sess()->tc_x, sp.part_bytes * (size_t)parts);
+    DS4_LAUNCH(k_tc_split, dim3((unsigned)sp.ntp, (unsigned)parts), TC_THREADS, 0, x, ldx, (int)K, (int)n,
+               (int)sp.ntp, (uint8_t *)sp.xs, sp.part_bytes);
     return sp;
 }
 
-/* y[t][r] (row stride ldy) = sum_k W_e[r][k] x[t][k] over the tiles (grouped; tiles on the
- * device, n_tiles of them) or over tokens 0 .. sp.n - 1 of matrix 0 (tiles NULL). */
-void gemm_tc_run(int type, const uint8_t *w, size_t mat_bytes, size_t row_bytes, int64_t nrows, const tc_split &sp,
-                 const int4 *tiles, int n_tiles, float *y, int64_t ldy) {
-    if (nrows <= 0 || sp.n <= 0) return;
+/* How many parts of n tokens x K the session's scratch holds. */
+int gemm_tc_parts_fit(int64_t n, int64_t K) {
+    const size_t one = gemm_tc_scratch_bytes(n, K), cap = sess()->tc_x.cap;
+    return one ? (int)(cap / one) : 0;
+}
+
+/* One launch over the segments seg[0 .. n - 1] (n <= TC_SEG_MAX, one type, K = sp.K, rows
+ * row_bytes apart): y_s[t][r] (row stride ldy_s) = sum_k W_s,e[r][k] x_part_s[t][k] over the
+ * tiles (grouped: tiles on the device, n_tiles of them; matrix e of a segment mat_bytes * e
+ * in) or over tokens 0 .. sp.n - 1 (tiles NULL). */
+void gemm_tc_multi(int type, size_t mat_bytes, size_t row_bytes, const tc_split &sp, int n, const tc_seg *seg,
+                   const int4 *tiles, int n_tiles) {
+    if (n <= 0 || sp.n <= 0) return;
+    if (n > TC_SEG_MAX) ds4_fatal("gemm_tc_multi: %d matrices above %d", n, TC_SEG_MAX);
     const unsigned ny = tiles ? (unsigned)n_tiles : (unsigned)((sp.n + TC_BN - 1) / TC_BN);
     if (ny == 0) return;
-    const dim3 grid((unsigned)((nrows + TC_BM - 1) / TC_BM), ny);
+    tc_segs sg;
+    memset(&sg, 0, sizeof sg);
+    int64_t rows = 0;
+    for (int i = 0; i < n; i++) {
+        if (seg[i].part < 0 || seg[i].part >= sp.parts) ds4_fatal("gemm_tc_multi: part %d of %d", seg[i].part, sp.parts);
+        sg.w[i] = seg[i].w;
+        sg.y[i] = seg[i].y;
+        sg.ldy[i] = seg[i].ldy;
+        sg.nrows[i] = (int)seg[i].nrows;
+        sg.xoff[i] = sp.part_bytes * (size_t)seg[i].part;
+        if (seg[i].nrows > rows) rows = seg[i].nrows;
+    }
+    if (rows <= 0) return;
+    /* blocks past a segment's rows return at once (a launch's segments are of similar sizes) */
+    const dim3 grid((unsigned)((rows + TC_BM - 1) / TC_BM), ny, (unsigned)n);
     if (type == DS4_TYPE_Q8_0)
-        DS4_LAUNCH(k_tc_gemm<DS4_TYPE_Q8_0>, grid, TC_THREADS, TC_ST * tc_stage_bytes<DS4_TYPE_Q8_0>(), w, mat_bytes,
-                   row_bytes, (int)sp.K, (int)nrows, (const __half *)sp.xs, (int)sp.ntp, sp.inv, tiles, (int)sp.n,
-                   y, ldy);
+        DS4_LAUNCH(k_tc_gemm<DS4_TYPE_Q8_0>, grid, TC_THREADS, TC_ST * tc_stage_bytes<DS4_TYPE_Q8_0>(), sg, mat_bytes,
+                   row_bytes, (int)sp.K, (const uint8_t *)sp.xs, (int)sp.ntp, tiles, (int)sp.n);
     else
-        DS4_LAUNCH(k_tc_gemm<DS4_TYPE_F16>, grid, TC_THREADS, TC_ST * tc_stage_bytes<DS4_TYPE_F16>(), w, mat_bytes,
-                   row_bytes, (int)sp.K, (int)nrows, (const __half *)sp.xs, (int)sp.ntp, sp.inv, tiles, (int)sp.n,
-                   y, ldy);
+        DS4_LAUNCH(k_tc_gemm<DS4_TYPE_F16>, grid, TC_THREADS, TC_ST * tc_stage_bytes<DS4_TYPE_F16>(), sg, mat_bytes,
+                   row_bytes, (int)sp.K, (const uint8_t *)sp.xs, (int)sp.ntp, tiles, (int)sp.n);
 }
 
 /* The tiles of a grouped product: expert e's rows off[e] .. off[e+1] - 1 in chunks of TC_BN,
@@ -359,7 +415,8 @@ bool gemm_tc_rows(int type, const uint8_t *w, size_t row_bytes, int64_t K, int64
                   int64_t ldx, float *y, int64_t ldy, int nt) {
     if (!gemm_tc_ok(type, w, row_bytes, K)) return false;
     if (nrows <= 0 || nt <= 0) return true;
-    const tc_split sp = gemm_tc_split(x, ldx, K, nt);
-    gemm_tc_run(type, w, 0, row_bytes, nrows, sp, NULL, 0, y, ldy);
+    const tc_split sp = gemm_tc_split(x, ldx, K, nt, 1);
+    const tc_seg seg = { w, nrows, y, ldy, 0 };
+    gemm_tc_multi(type, 0, row_bytes, sp, 1, &seg, NULL, 0);
     return true;
 }

@@ -637,6 +637,23 @@ static void cuda_matmul_grouped(const ds4_weight *w, int groups, const float *x,
         a.x = x; a.x_prob = K; a.x_tok = (int64_t)groups * K;
         a.y = y; a.y_prob = R; a.y_tok = (int64_t)groups * R;
         matvec_run(w->type, MV_DENSE, a, groups, 1, nt);
+    } else if (gemm_tc_ok(w->type, w->dev, rb, K)) {
+        /* the groups as segments of one launch, each from its own part of one split of x, as
+         * many at a time as the split scratch holds (ds4_cuda_gemm.cu) */
+        int per = gemm_tc_parts_fit(nt, K);
+        if (per > TC_SEG_MAX) per = TC_SEG_MAX;
+        if (per < 1) ds4_fatal("matmul_grouped: the split scratch holds no part of %d x %lld", nt, (long long)K);
+        const int launches = (groups + per - 1) / per;
+        per = (groups + launches - 1) / launches;      /* the groups spread evenly over the launches */
+        for (int g0 = 0; g0 < groups; g0 += per) {
+            const int ng = groups - g0 < per ? groups - g0 : per;
+            const tc_split sp = gemm_tc_split(x + (int64_t)g0 * K, (int64_t)groups * K, K, nt, ng);
+            tc_seg seg[TC_SEG_MAX];
+            for (int i = 0; i < ng; i++)
+                seg[i] = (tc_seg){ (const uint8_t *)w->dev + (size_t)(g0 + i) * R * rb, R, y + (int64_t)(g0 + i) * R,
+                                   (int64_t)groups * R, i };
+            gemm_tc_multi(w->type, 0, rb, sp, ng, seg, NULL, 0);
+        }
     } else {
         for (int g = 0; g < groups; g++)
             gemm_rows(w, 0, (int64_t)g * R, R, x + (int64_t)g * K, (int64_t)groups * K,
@@ -698,16 +715,38 @@ static void cuda_matmul_multi(int n, const ds4_weight *const *w, float *const *y
             matvec_run(type, MV_DENSE, a, 1, 1, nt);
         }
     }
-    bool normed = false;
+    bool normed = false, split = false, late[DS4_MULTI_MAX] = { false };
+    tc_split sp;
     for (int i = 0; i < n; i++) {
         if (done[i]) continue;
+        late[i] = true;
         if (norm_w && !normed) {
             launch_rmsnorm(x, norm_w, x, nt, (int)K, eps);
             normed = true;
         }
-        cuda_matmul(w[i], 0, x, y[i], nt);
-        if (add_tab && add_tab[i]) launch_add_cyclic(y[i], add_tab[i], step, nt, period, (int)w[i]->ne[1]);
+        /* a batch: every matrix of w[i]'s type the tensor-core engine takes, in one launch from
+         * one split of x (ds4_cuda_gemm.cu); the rest one by one */
+        const int type = w[i]->type;
+        const size_t rb = ds4_row_bytes(type, K);
+        tc_seg seg[DS4_MULTI_MAX];
+        int ns = 0;
+        for (int j = i; j < n; j++) {
+            if (done[j] || w[j]->type != type || !gemm_tc_ok(type, w[j]->dev, rb, K)) continue;
+            seg[ns++] = (tc_seg){ (const uint8_t *)w[j]->dev, w[j]->ne[1], y[j], w[j]->ne[1], 0 };
+            done[j] = late[j] = true;
+        }
+        if (ns > 0) {
+            if (!split) sp = gemm_tc_split(x, K, K, nt, 1);
+            split = true;
+            gemm_tc_multi(type, 0, rb, sp, ns, seg, NULL, 0);
+        } else {
+            cuda_matmul(w[i], 0, x, y[i], nt);
+            done[i] = true;
+        }
     }
+    if (add_tab)     /* the ape rows of the matrices not done in the fast kernel's epilogue */
+        for (int i = 0; i < n; i++)
+            if (late[i] && add_tab[i]) launch_add_cyclic(y[i], add_tab[i], step, nt, period, (int)w[i]->ne[1]);
 }
 
 /* Shared expert: gate|up mode of the fast kernel with matrix 0 (sel NULL)
@@ -735,8 +774,16 @@ static void cuda_matmul_swiglu(const ds4_weight *gate, const ds4_weight *up, con
         matvec_run(gate->type, MV_GATE_UP, a, 1, nt, 1);
         return;
     }
-    cuda_matmul(gate, 0, x, g, nt);
-    cuda_matmul(up, 0, x, u, nt);
+    const size_t rb = ds4_row_bytes(gate->type, K);
+    if (up->type == gate->type && gemm_tc_ok(gate->type, gate->dev, rb, K) && gemm_tc_ok(up->type, up->dev, rb, K)) {
+        /* gate and up in one launch from one split (ds4_cuda_gemm.cu) */
+        const tc_split sp = gemm_tc_split(x, K, K, nt, 1);
+        const tc_seg seg[2] = { { (const uint8_t *)gate->dev, F, g, F, 0 }, { (const uint8_t *)up->dev, F, u, F, 0 } };
+        gemm_tc_multi(gate->type, 0, rb, sp, 2, seg, NULL, 0);
+    } else {
+        cuda_matmul(gate, 0, x, g, nt);
+        cuda_matmul(up, 0, x, u, nt);
+    }
     launch_swiglu(g, u, y, 1, (int64_t)nt * F, (int64_t)nt * F, (int64_t)nt * F, limit);
 }
 

@@ -389,8 +389,9 @@ static void cuda_moe_experts(const float *x, const int32_t *sel, const float *wt
     for (int64_t e = E; e > 0; e--) off[e] = off[e - 1];   /* restore starts */
     off[0] = 0;
 
-    const size_t rb_g = ds4_row_bytes(gate->type, D), rb_d = ds4_row_bytes(down->type, F);
-    const bool tc = gemm_tc_ok(gate->type, gate->dev, rb_g, D) && gemm_tc_ok(up->type, up->dev, rb_g, D) &&
+    const size_t rb_g = ds4_row_bytes(gate->type, D), rb_u = ds4_row_bytes(up->type, D);
+    const size_t rb_d = ds4_row_bytes(down->type, F);
+    const bool tc = gemm_tc_ok(gate->type, gate->dev, rb_g, D) && gemm_tc_ok(up->type, up->dev, rb_u, D) &&
                     gemm_tc_ok(down->type, down->dev, rb_d, F);
     /* the tensor-core engine's tiles go up with the tables, after the offsets, at a 16-byte
      * multiple from perm (the device copy's start) */
@@ -410,25 +411,31 @@ static void cuda_moe_experts(const float *x, const int32_t *sel, const float *wt
     float *tmp = (float *)scratch_get(&sess()->moe_tmp, (size_t)(pairs * D) * sizeof(float));
     launch_moe_gather(x, dperm, k, pairs, D, xg);
     if (tc) {
-        /* one grouped launch per projection over every expert's tiles (ds4_cuda_gemm.cu) */
+        /* grouped launches over every expert's tiles (ds4_cuda_gemm.cu): gate and up in one
+         * (two, if their types differ), then down */
         const int4 *dtiles = (const int4 *)(dperm + tiles_at);
-        const tc_split sx = gemm_tc_split(xg, D, D, pairs);
-        gemm_tc_run(gate->type, (const uint8_t *)gate->dev, (size_t)F * rb_g, rb_g, F, sx, dtiles, n_tiles, gu, 2 * F);
-        gemm_tc_run(up->type, (const uint8_t *)up->dev, (size_t)F * rb_g, rb_g, F, sx, dtiles, n_tiles, gu + F, 2 * F);
+        const tc_split sx = gemm_tc_split(xg, D, D, pairs, 1);
+        const tc_seg gs[2] = { { (const uint8_t *)gate->dev, F, gu, 2 * F, 0 }, { (const uint8_t *)up->dev, F, gu + F, 2 * F, 0 } };
+        if (gate->type == up->type) {
+            gemm_tc_multi(gate->type, (size_t)F * rb_g, rb_g, sx, 2, gs, dtiles, n_tiles);
+        } else {
+            gemm_tc_multi(gate->type, (size_t)F * rb_g, rb_g, sx, 1, &gs[0], dtiles, n_tiles);
+            gemm_tc_multi(up->type, (size_t)F * rb_u, rb_u, sx, 1, &gs[1], dtiles, n_tiles);
+        }
         launch_swiglu(gu, gu + F, h, pairs, F, 2 * F, F, clamp);
-        const tc_split sh = gemm_tc_split(h, F, F, pairs);
-        gemm_tc_run(down->type, (const uint8_t *)down->dev, (size_t)D * rb_d, rb_d, D, sh, dtiles, n_tiles, tmp, D);
+        const tc_split sh = gemm_tc_split(h, F, F, pairs, 1);
+        const tc_seg ds = { (const uint8_t *)down->dev, D, tmp, D, 0 };
+        gemm_tc_multi(down->type, (size_t)D * rb_d, rb_d, sh, 1, &ds, dtiles, n_tiles);
         launch_moe_combine(tmp, dpos, wts, nt, k, D, add, out);
         return;
     }
 
-    const size_t gbytes = (size_t)F * ds4_row_bytes(gate->type, D);
-    const size_t dbytes = (size_t)D * ds4_row_bytes(down->type, F);
+    const size_t gbytes = (size_t)F * rb_g, ubytes = (size_t)F * rb_u, dbytes = (size_t)D * rb_d;
     for (int64_t e = 0; e < E; e++) {
         const int64_t r0 = off[e], cnt = off[e + 1] - off[e];
         if (cnt == 0) continue;
         gemm_rows(gate, (size_t)e * gbytes, 0, F, xg + r0 * D, D, gu + r0 * 2 * F, 2 * F, (int)cnt);
-        gemm_rows(up, (size_t)e * gbytes, 0, F, xg + r0 * D, D, gu + r0 * 2 * F + F, 2 * F, (int)cnt);
+        gemm_rows(up, (size_t)e * ubytes, 0, F, xg + r0 * D, D, gu + r0 * 2 * F + F, 2 * F, (int)cnt);
     }
     launch_swiglu(gu, gu + F, h, pairs, F, 2 * F, F, clamp);
     for (int64_t e = 0; e < E; e++) {

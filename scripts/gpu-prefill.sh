@@ -8,7 +8,11 @@
 # and PROF_GEMMS k_tc_gemm launches of a flash16 prefill of PROF_N (4096) tokens.
 # peak: bench/mma_peak (mma.sync f16 and s8 on every SM); bench, attn and q2 then print each
 # prefill's TFLOP/s as a share of that f16 peak (ds4_bench --tc-peak).
-#   scripts/gpu-prefill.sh [peak] [test] [bench] [attn] [q2] [report] [prof] [exact] [san] [peer]
+# vs, same: PREV=DIR, another tree (e.g. `git archive REV` unpacked), built beside this one; vs:
+# flash16 (and VS_MODELS) prefill, PREV and this tree alternating VS_ROUNDS (2) rounds; same:
+# CUDA logits of a 300-token prompt + 32 greedy steps on small Q8_0 and F16 from both trees,
+# compared byte for byte (for a change that keeps every sum).
+#   scripts/gpu-prefill.sh [peak] [test] [bench] [attn] [q2] [vs] [same] [report] [prof] [exact] [san] [peer]
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-build/gpu-out}; mkdir -p "$OUT"
@@ -20,6 +24,12 @@ step build
 make cuda CUDA_ARCH="$ARCH" > "$OUT/build.log" 2>&1 &&
   make --no-print-directory build/cuda-"$ARCH"/test_backend_ops build/cuda-"$ARCH"/ds4_bench CUDA_ARCH="$ARCH" \
     >> "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
+if want vs || want same; then
+  [ -d "${PREV:-}" ] || { echo "vs/same: PREV=DIR (a tree to compare with) is not a directory"; exit 2; }
+  step "build PREV ($PREV)"
+  (cd "$PREV" && make cuda CUDA_ARCH="$ARCH" && make --no-print-directory build/cuda-"$ARCH"/ds4_bench CUDA_ARCH="$ARCH") \
+    > "$OUT/build-prev.log" 2>&1 || { tail -30 "$OUT/build-prev.log"; exit 1; }
+fi
 PEAK=0
 if want peak; then
   step "tensor-core peak (bench/mma_peak)"
@@ -56,6 +66,36 @@ if want q2; then
   step "flash-q2@64 prefill, TC 0 vs 1"
   bench flash-q2@64 0 512,4096 3
   bench flash-q2@64 1 512,4096 3
+fi
+if want vs; then
+  step "prefill, PREV against this tree, ${VS_ROUNDS:-2} rounds alternating"
+  for m in flash16 ${VS_MODELS:-}; do
+    for r in $(seq 1 "${VS_ROUNDS:-2}"); do
+      for tree in prev head; do
+        bin=build/cuda-"$ARCH"/ds4_bench; [ $tree = prev ] && bin="$PREV/$bin"
+        log="$OUT/vs-$m-$tree-$r.log"
+        timeout 300 "$bin" --model "$m" --backend cuda --reps 3 --decode 8 --prefill 512,4096 --tc-peak "$PEAK" > "$log" 2>&1
+        echo "$m $tree round $r: $(grep -E '^prefill' "$log" | sed 's/ (.*//' | tr '\n' ' ')"
+      done
+    done
+  done
+fi
+if want same; then
+  step "CUDA logits, PREV against this tree: small Q8_0 and F16, a 300-token prompt + 32 greedy steps"
+  P=$(python3 -c "print(','.join(str((i * 7919) % 1000 + 1) for i in range(300)))")
+  for ty in q8_0 f16; do
+    ./ds4 synth --config small --seed 1 --type $ty -o "$OUT/small-$ty.gguf" > /dev/null 2>&1
+    for tree in prev head; do
+      bin=./ds4; [ $tree = prev ] && bin="$PREV/ds4"
+      "$bin" -m "$OUT/small-$ty.gguf" --backend cuda --tokens "$P" -n 32 --dump-logits "$OUT/same-$ty-$tree.ds4logit" \
+        > /dev/null 2>&1 || echo "$tree $ty: rc $?"
+    done
+    if cmp -s "$OUT/same-$ty-prev.ds4logit" "$OUT/same-$ty-head.ds4logit"; then
+      echo "small $ty: CUDA logits byte-identical ($(stat -c %s "$OUT/same-$ty-head.ds4logit") bytes)"
+    else echo "small $ty: CUDA LOGITS DIFFER: $(python3 tests/oracle/ds4logit.py compare "$OUT/same-$ty-prev.ds4logit" \
+        "$OUT/same-$ty-head.ds4logit" --tol 5e-5 2>&1 | tr '\n' ' ')"; fi
+    rm -f "$OUT"/*.gguf "$OUT"/same-*.ds4logit
+  done
 fi
 if want report; then
   step "kernel report: flash16 prefill 4096"

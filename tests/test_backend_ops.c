@@ -1760,7 +1760,9 @@ int main(void) {
 
     /* prefill on tensor cores (ds4_cuda_gemm.cu, Q8_0 and F16): the batch sizes 1, 2, 7, 64, 512
      * and 4096, rows that do not fill a tile, the grouped and expert paths with experts that get
-     * 0 or 1 token, wide-range activations; in a session sized for 4096-token batches */
+     * 0 or 1 token, wide-range activations; several matrices in one launch (matmul_multi with
+     * types mixed, gate|up, the groups of a grouped product, more groups than one launch or
+     * the split scratch takes); in a session sized for 4096-token batches */
     {
         ds4_limits pl = lim;
         pl.max_batch = 4096;
@@ -1783,9 +1785,24 @@ int main(void) {
             test_matmul(tct[ti], 1024, 129, 3, 2, 77);      /* an expert's slice, rows not a tile multiple */
             test_matmul(tct[ti], 2048, 4096, 1, 0, 512);
             test_matmul_grouped(tct[ti], 1024, 8, 128, 512);
+            test_matmul_grouped(tct[ti], 256, 12, 100, 512);       /* 12 groups: two launches of 6 */
+            test_matmul_swiglu(tct[ti], 1024, 640, 512, 7.0f);
             test_matmul_range(tct[ti], 4096, 256, 200);
             test_moe_experts(tct[ti], 4096, 1024, 64, 6, 512, 10.0f, 2);
+            /* the attention input's seven projections of a ratio-4 layer, one launch */
+            const int t7[7] = { tct[ti], tct[ti], tct[ti], tct[ti], tct[ti], tct[ti], tct[ti] };
+            const int r7[7] = { 1024, 512, 1024, 1024, 256, 256, 64 };
+            test_matmul_multi(7, t7, r7, 4096, 512, 0, 1, 37, 4);
         }
+        {
+            const int mixed[4] = { DS4_TYPE_Q8_0, DS4_TYPE_F32, DS4_TYPE_F16, DS4_TYPE_Q8_0 };
+            const int r4[4] = { 300, 64, 515, 100 };
+            test_matmul_multi(4, mixed, r4, 2048, 512, 1, 1, 5, 128);   /* two launches and cuBLAS */
+            test_matmul_multi(4, mixed, r4, 2048, 77, 0, 1, 3, 4);
+        }
+        /* the split scratch (sized for the MoE's 6 x 4096 rows of 4096) holds 5 parts of
+         * 4096 x 4096: the 8 groups go as two launches of 4 */
+        test_matmul_grouped(DS4_TYPE_Q8_0, 4096, 8, 64, 4096);
         test_moe_experts(DS4_TYPE_Q8_0, 2048, 512, 16, 6, 4096, 10.0f, 0);
         session_pop(ps, prev);
     }
