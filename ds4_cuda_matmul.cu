@@ -724,13 +724,14 @@ static void cuda_matmul_multi(int n, const ds4_weight *const *w, float *const *y
             launch_rmsnorm(x, norm_w, x, nt, (int)K, eps);
             normed = true;
         }
-        /* a batch: every matrix of w[i]'s type the tensor-core engine takes, in one launch from
-         * one split of x (ds4_cuda_gemm.cu); the rest one by one */
+        /* a prefill batch: every matrix of w[i]'s type the tensor-core engine takes, in one
+         * launch from one split of x (ds4_cuda_gemm.cu); the rest (and a decode batch's
+         * matrices the fast kernel did not take) one by one */
         const int type = w[i]->type;
         const size_t rb = ds4_row_bytes(type, K);
         tc_seg seg[DS4_MULTI_MAX];
         int ns = 0;
-        for (int j = i; j < n; j++) {
+        for (int j = i; j < n && nt > MV_MAX_NT; j++) {
             if (done[j] || w[j]->type != type || !gemm_tc_ok(type, w[j]->dev, rb, K)) continue;
             seg[ns++] = (tc_seg){ (const uint8_t *)w[j]->dev, w[j]->ne[1], y[j], w[j]->ne[1], 0 };
             done[j] = late[j] = true;
