@@ -163,6 +163,10 @@ $(B)/tests/test_hooks_plan: tests/test_hooks_plan.c $(B)/cpu/ds4.o $(B)/cpu/ds4_
 	@mkdir -p $(B)/tests
 	$(CC) $(CFLAGS) -I. tests/test_hooks_plan.c $(B)/cpu/ds4.o $(B)/cpu/ds4_synth.o $(B)/cpu/ds4_hooks.o $(B)/cpu/ds4_quant.o $(B)/cpu/ds4_tok.o $(B)/cpu/ds4_msg.o -o $@ $(LDLIBS)
 
+$(B)/tests/mtp_dump: tests/mtp_dump.c $(B)/cpu/ds4.o $(B)/cpu/ds4_synth.o $(B)/cpu/ds4_hooks.o $(B)/cpu/ds4_quant.o $(B)/cpu/ds4_tok.o $(B)/cpu/ds4_msg.o
+	@mkdir -p $(B)/tests
+	$(CC) $(CFLAGS) -I. tests/mtp_dump.c $(B)/cpu/ds4.o $(B)/cpu/ds4_synth.o $(B)/cpu/ds4_hooks.o $(B)/cpu/ds4_quant.o $(B)/cpu/ds4_tok.o $(B)/cpu/ds4_msg.o -o $@ $(LDLIBS)
+
 test-c: $(B)/tests/test_gguf $(B)/tests/test_kernels $(B)/tests/test_hooks_plan
 	$(B)/tests/test_gguf
 	$(B)/tests/test_kernels
@@ -174,7 +178,7 @@ test-deps:
 	@bash scripts/test-deps.sh
 .PHONY: test-deps
 
-test-py: test-deps cpu
+test-py: test-deps cpu $(B)/tests/mtp_dump
 	bash tests/run_pytest.sh
 
 test-gpu: cuda-check

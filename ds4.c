@@ -91,15 +91,27 @@ typedef struct ds4_layer_w {
     ds4_weight gate_shexp, up_shexp, down_shexp;
 } ds4_layer_w;
 
+/* The MTP block (hp.n_mtp = 1): a whole layer at block n_layer (its attention keeps a cache
+ * of its own; routed, never hashed, MoE) and the nextn tensors that feed it.  The trunk's
+ * forward pass never reads it; ds4_mtp_eval does.  It goes to the backend with the model. */
+typedef struct ds4_mtp_w {
+    ds4_weight eh_proj, enorm, hnorm;                             /* required */
+    ds4_weight embed_tokens, shared_head_head, shared_head_norm;  /* optional (host NULL: the model's) */
+    ds4_layer_w layer;
+} ds4_mtp_w;
+_Static_assert(sizeof(ds4_mtp_w) % sizeof(ds4_weight) == 0, "ds4_mtp_w is ds4_weights only (gguf_bind sums them)");
+
 struct ds4_model {
     ds4_hparams hp;
     ds4_weight  tok_embd, output, output_norm, output_hc_fn, output_hc_base, output_hc_scale;
     ds4_layer_w layers[DS4_MAX_LAYERS];
+    ds4_mtp_w   mtp;         /* hp.n_mtp = 1 */
+    size_t      mtp_bytes;   /* its tensors' bytes (not in weight_bytes) */
     /* mapping */
     const uint8_t *base;     /* whole file */
     size_t         size;
     int            owned_kind; /* 0 = mmap'ed file, 1 = malloc'ed memory image, 2 = borrowed */
-    size_t         weight_bytes; /* sum of all tensor bytes */
+    size_t         weight_bytes; /* sum of the trunk's tensor bytes (the MTP block's apart) */
     int            n_tensors;
     const ds4_backend *weights_backend; /* where the weights were uploaded */
     float         *ape_f32[2 * DS4_MAX_LAYERS];   /* F32 copies of F16 ape tables (owned) */
@@ -107,6 +119,10 @@ struct ds4_model {
     ds4_tok       *tok;          /* gpt2 vocabularies: the tokenizer, built on first use (owned) */
 };
 typedef struct ds4_model ds4_model;
+
+/* Layer il's weights: a trunk layer, or (il == n_layer) the MTP block's. */
+static ds4_layer_w *layer_w_mut(ds4_model *m, int il) { return il < m->hp.n_layer ? &m->layers[il] : &m->mtp.layer; }
+static const ds4_layer_w *layer_w(const ds4_model *m, int il) { return layer_w_mut((ds4_model *)m, il); }
 
 /* Implemented in the GGUF section below. */
 
@@ -343,6 +359,28 @@ const gguf_tspec gguf_layer_specs[LT_COUNT] = {
     {"ffn_down_shexp.weight",          LW(down_shexp),    TS_ALWAYS,     TC_MAT, SF_LINEAR,   0},
 };
 #undef LW
+
+#define NW(f) offsetof(ds4_mtp_w, f)
+const gguf_tspec gguf_nextn_specs[NT_COUNT] = {
+    {"nextn.eh_proj.weight",          NW(eh_proj),          TS_ALWAYS,   TC_MAT, SF_LINEAR, 0},
+    {"nextn.enorm.weight",            NW(enorm),            TS_ALWAYS,   TC_F32, SF_NORM,   0},
+    {"nextn.hnorm.weight",            NW(hnorm),            TS_ALWAYS,   TC_F32, SF_NORM,   0},
+    {"nextn.embed_tokens.weight",     NW(embed_tokens),     TS_OPTIONAL, TC_MAT, SF_EMBD,   0},
+    {"nextn.shared_head_head.weight", NW(shared_head_head), TS_OPTIONAL, TC_MAT, SF_OUTPUT, 0},
+    {"nextn.shared_head_norm.weight", NW(shared_head_norm), TS_OPTIONAL, TC_F32, SF_NORM,   0},
+};
+#undef NW
+
+int gguf_nextn_shape(int id, const ds4_hparams *hp, int64_t ne[4]) {
+    const int64_t D = hp->n_embd, V = hp->n_vocab;
+    ne[0] = ne[1] = ne[2] = ne[3] = 1;
+    switch (id) {
+    case NT_EH_PROJ:                             ne[0] = 2 * D; ne[1] = D; return 2;
+    case NT_ENORM: case NT_HNORM: case NT_SHARED_HEAD_NORM: ne[0] = D; return 1;
+    case NT_EMBED_TOKENS: case NT_SHARED_HEAD_HEAD: ne[0] = D; ne[1] = V; return 2;
+    default: return 0;
+    }
+}
 
 int gguf_layer_has(int when, const ds4_hparams *hp, int il) {
     switch (when) {
@@ -939,17 +977,24 @@ static int gguf_hparams(gguf_ctx *g, ds4_hparams *hp) {
     GG_INT(K_BLOCKS, 1, 1 << 16, n_block);
     if (gguf_key_int(g, K_NEXTN, KEY_OPTIONAL, 0, n_block - 1, &nextn) < 0) return 0;
     if (nextn > 0) {
-        /* as llama.cpp: the MTP blocks only count when their tensors are present */
+        /* as llama.cpp: the MTP blocks only count when their tensors are present; then every
+         * tensor of the block must be (gguf_bind) */
         char probe[96];
         snprintf(probe, sizeof probe, "blk.%lld.nextn.eh_proj.weight", (long long)(n_block - nextn));
         if (!gguf_find_tensor(g, probe)) nextn = 0;
+        if (nextn > 1)
+            return gguf_fail(g, "key '%s' = %lld: ds4 reads one MTP block", K_NEXTN, (long long)nextn);
     }
+    if (nextn && n_block > DS4_MAX_LAYERS)
+        return gguf_fail(g, "key '%s' = %lld exceeds the ds4 limit of %d layers with the MTP block", K_BLOCKS,
+                         (long long)n_block, DS4_MAX_LAYERS);
     if (n_block - nextn > DS4_MAX_LAYERS)
         return gguf_fail(g, "key '%s' = %lld exceeds the ds4 limit of %d layers", K_BLOCKS,
                          (long long)(n_block - nextn), DS4_MAX_LAYERS);
     g->n_block = (int)n_block;
     hp->n_layer = (int)(n_block - nextn);
-    const int L = hp->n_layer;
+    hp->n_mtp = (int)nextn;
+    const int L = hp->n_layer, LM = L + hp->n_mtp;   /* LM: the layers with the MTP block's */
 
     r = gguf_key_int(g, K_VOCAB, KEY_OPTIONAL, 1, GGUF_I32MAX, &v);
     if (r < 0) return 0;
@@ -996,11 +1041,11 @@ static int gguf_hparams(gguf_ctx *g, ds4_hparams *hp) {
             if (v != 0 && v != 4 && v != 128)
                 return gguf_fail(g, "key '%s'[%lld] = %lld (expected 0, 4 or 128)", K_RATIOS,
                                  (long long)i, (long long)v);
-            if (i < L) hp->ratio[i] = (int)v;
+            if (i < LM) hp->ratio[i] = (int)v;
         }
     }
     int any4 = 0;
-    for (int i = 0; i < L; i++) any4 |= hp->ratio[i] == 4;
+    for (int i = 0; i < LM; i++) any4 |= hp->ratio[i] == 4;
 
     GG_INT(K_IDX_HEADS, any4 ? 1 : 0, GGUF_I32MAX, hp->idx_heads);
     GG_INT(K_IDX_DIM, any4 ? 2 : 0, GGUF_I32MAX, hp->idx_dim);
@@ -1082,8 +1127,8 @@ static int gguf_hparams(gguf_ctx *g, ds4_hparams *hp) {
     GG_F32(K_EXP_SCALE, hp->expert_weights_scale);
     if (gguf_key_bool(g, K_EXP_NORM, KEY_REQUIRED, &hp->expert_weights_norm) < 0) return 0;
     GG_INT(K_GATING, 4, 4, hp->expert_gating_func);
-    if (gguf_key_f32_or_arr(g, K_CLAMP_EXP, KEY_REQUIRED, (int)n_block, L, hp->clamp_exp) < 0) return 0;
-    if ((r = gguf_key_f32_or_arr(g, K_CLAMP_SHEXP, KEY_OPTIONAL, (int)n_block, L, hp->clamp_shexp)) < 0) return 0;
+    if (gguf_key_f32_or_arr(g, K_CLAMP_EXP, KEY_REQUIRED, (int)n_block, LM, hp->clamp_exp) < 0) return 0;
+    if ((r = gguf_key_f32_or_arr(g, K_CLAMP_SHEXP, KEY_OPTIONAL, (int)n_block, LM, hp->clamp_shexp)) < 0) return 0;
     if (r == 0) memcpy(hp->clamp_shexp, hp->clamp_exp, sizeof hp->clamp_shexp);
 
     /* ---- hyper-connections, hash routing ---- */
@@ -1224,17 +1269,26 @@ static int gguf_bind(gguf_ctx *g, ds4_model *m) {
         int nd = gguf_global_shape(id, hp, ne);
         if (!gguf_bind_one(g, sp->name, sp->name, sp, nd, ne, (ds4_weight *)((char *)m + sp->off))) return 0;
     }
-    for (int il = 0; il < hp->n_layer; il++) {
+    /* the trunk's layers, then the MTP block's (block n_layer: a layer and its nextn tensors) */
+    for (int il = 0; il < hp->n_layer + hp->n_mtp; il++) {
+        ds4_layer_w *lw = il < hp->n_layer ? &m->layers[il] : &m->mtp.layer;
         for (int id = 0; id < LT_COUNT; id++) {
             const gguf_tspec *sp = &gguf_layer_specs[id];
             if (!gguf_layer_has(sp->when, hp, il)) continue;
             snprintf(name, sizeof name, "blk.%d.%s", il, sp->name);
             int nd = gguf_layer_shape(id, hp, il, ne);
-            ds4_weight *w = (ds4_weight *)((char *)&m->layers[il] + sp->off);
+            ds4_weight *w = (ds4_weight *)((char *)lw + sp->off);
             if (!gguf_bind_one(g, name, sp->name, sp, nd, ne, w)) return 0;
         }
+        for (int id = 0; il == hp->n_layer && id < NT_COUNT; id++) {
+            const gguf_tspec *sp = &gguf_nextn_specs[id];
+            snprintf(name, sizeof name, "blk.%d.%s", il, sp->name);
+            if (sp->when == TS_OPTIONAL && !gguf_find_tensor(g, name)) continue;
+            int nd = gguf_nextn_shape(id, hp, ne);
+            if (!gguf_bind_one(g, name, sp->name, sp, nd, ne, (ds4_weight *)((char *)&m->mtp + sp->off))) return 0;
+        }
         /* hash routing table: every id must name an expert */
-        const ds4_weight *tw = &m->layers[il].tid2eid;
+        const ds4_weight *tw = &lw->tid2eid;
         if (tw->host) {
             const uint8_t *p = tw->host;
             int64_t k = tw->ne[0], rows = tw->ne[1];
@@ -1271,6 +1325,12 @@ static int gguf_bind(gguf_ctx *g, ds4_model *m) {
             m->weight_bytes += (size_t)g->t[i].nbytes;
             m->n_tensors++;
         }
+    m->mtp_bytes = 0;
+    if (hp->n_mtp) {
+        const ds4_weight *w = &m->mtp.eh_proj;   /* ds4_mtp_w is ds4_weights only */
+        for (size_t i = 0; i < sizeof m->mtp / sizeof *w; i++) m->mtp_bytes += w[i].nbytes;
+        m->weight_bytes -= m->mtp_bytes;
+    }
     return 1;
 }
 
@@ -2203,8 +2263,8 @@ static ds4_model *model_finish_open(ds4_model *m, const uint8_t *buf, size_t siz
         ds4_model_close(m);
         return NULL;
     }
-    for (int il = 0; il < m->hp.n_layer; il++)
-        if (model_ape_to_f32(m, &m->layers[il].comp_ape) != 0 || model_ape_to_f32(m, &m->layers[il].idx_comp_ape) != 0) {
+    for (int il = 0; il < m->hp.n_layer + m->hp.n_mtp; il++)
+        if (model_ape_to_f32(m, &layer_w_mut(m, il)->comp_ape) != 0 || model_ape_to_f32(m, &layer_w_mut(m, il)->idx_comp_ape) != 0) {
             errf(err, errlen, "out of memory converting the ape tables");
             m->owned_kind = 2;   /* the caller still owns buf */
             ds4_model_close(m);
@@ -2242,13 +2302,18 @@ ds4_model *ds4_model_open_memory(uint8_t *buf, size_t size, int take_ownership, 
 }
 
 /* Every weight of the model, in file order of importance; NULL-host entries are absent tensors. */
-static int model_weights(ds4_model *m, ds4_weight **out, int cap) {
+/* The weights of the trunk, then (mtp) the MTP block's. */
+static int model_weights(ds4_model *m, ds4_weight **out, int cap, int mtp) {
     int n = 0;
 #define W_(w) do { if ((w).host && n < cap) out[n++] = &(w); } while (0)
     W_(m->tok_embd); W_(m->output); W_(m->output_norm);
     W_(m->output_hc_fn); W_(m->output_hc_base); W_(m->output_hc_scale);
-    for (int il = 0; il < m->hp.n_layer; il++) {
-        ds4_layer_w *L = &m->layers[il];
+    if (mtp && m->hp.n_mtp) {
+        W_(m->mtp.eh_proj); W_(m->mtp.enorm); W_(m->mtp.hnorm);
+        W_(m->mtp.embed_tokens); W_(m->mtp.shared_head_head); W_(m->mtp.shared_head_norm);
+    }
+    for (int il = 0; il < m->hp.n_layer + (mtp ? m->hp.n_mtp : 0); il++) {
+        ds4_layer_w *L = il < m->hp.n_layer ? &m->layers[il] : &m->mtp.layer;
         W_(L->attn_norm); W_(L->ffn_norm); W_(L->attn_sinks);
         W_(L->q_a); W_(L->q_a_norm); W_(L->q_b); W_(L->kv); W_(L->kv_a_norm); W_(L->out_a); W_(L->out_b);
         W_(L->hc_attn_fn); W_(L->hc_attn_base); W_(L->hc_attn_scale);
@@ -2264,7 +2329,7 @@ static int model_weights(ds4_model *m, ds4_weight **out, int cap) {
     return n;
 }
 
-#define DS4_MAX_WEIGHTS (8 + DS4_MAX_LAYERS * 40)
+#define DS4_MAX_WEIGHTS (16 + DS4_MAX_LAYERS * 40)
 
 /* The load-time scan: every stored float of the file that is a number in its own right (F32,
  * F16 and BF16 values; the f16 scales of Q8_0, Q2_K, Q4_K and IQ2_XXS blocks) must be finite.
@@ -2299,7 +2364,7 @@ static void scan_task(void *a_, int64_t i0, int64_t i1) {
 static int model_scan_finite(ds4_model *m, char *err, size_t errlen) {
     ds4_weight **ws = malloc(sizeof(*ws) * DS4_MAX_WEIGHTS);
     if (!ws) { errf(err, errlen, "out of memory"); return -1; }
-    const int n = model_weights(m, ws, DS4_MAX_WEIGHTS);
+    const int n = model_weights(m, ws, DS4_MAX_WEIGHTS, 1);
     int rc = 0;
     for (int i = 0; i < n && rc == 0; i++) {
         const ds4_weight *w = ws[i];
@@ -2330,7 +2395,7 @@ static void model_release_weights(ds4_model *m) {
     if (!m->weights_backend) return;
     const ds4_backend *be = m->weights_backend;
     ds4_weight **ws = malloc(sizeof(*ws) * DS4_MAX_WEIGHTS);
-    int n = ws ? model_weights(m, ws, DS4_MAX_WEIGHTS) : 0;
+    int n = ws ? model_weights(m, ws, DS4_MAX_WEIGHTS, 1) : 0;
     for (int i = 0; i < n; i++) if (ws[i]->dev) be->release_weight(ws[i]);
     free(ws);
     m->weights_backend = NULL;
@@ -2345,7 +2410,7 @@ static int model_upload_weights(ds4_model *m, const ds4_backend *be, char *err, 
     }
     ds4_weight **ws = malloc(sizeof(*ws) * DS4_MAX_WEIGHTS);
     if (!ws) { errf(err, errlen, "out of memory"); return -1; }
-    int n = model_weights(m, ws, DS4_MAX_WEIGHTS);
+    int n = model_weights(m, ws, DS4_MAX_WEIGHTS, 1);
     m->weights_backend = be;
     for (int i = 0; i < n; i++) {
         if (be->upload_weight(ws[i]) != 0) {
@@ -2427,7 +2492,7 @@ void ds4_model_info(const ds4_model *m, FILE *f) {
     uint64_t par[NT] = {0}, byt[NT] = {0}, cnt[NT] = {0};
     ds4_weight **ws = malloc(sizeof(*ws) * DS4_MAX_WEIGHTS);
     if (!ws) return;
-    const int n = model_weights((ds4_model *)m, ws, DS4_MAX_WEIGHTS);
+    const int n = model_weights((ds4_model *)m, ws, DS4_MAX_WEIGHTS, 1);
     for (int i = 0; i < n; i++) {
         const int t = ws[i]->type >= 0 && ws[i]->type < NT ? ws[i]->type : NT - 1;
         par[t] += (uint64_t)(ws[i]->ne[0] * ws[i]->ne[1] * ws[i]->ne[2]);
@@ -2470,7 +2535,7 @@ size_t ds4_model_decode_bytes(const ds4_model *m) {
     size_t total = 0;
     ds4_weight **ws = malloc(sizeof(*ws) * DS4_MAX_WEIGHTS);
     if (!ws) return 0;
-    int n = model_weights((ds4_model *)m, ws, DS4_MAX_WEIGHTS);
+    int n = model_weights((ds4_model *)m, ws, DS4_MAX_WEIGHTS, 0);
     for (int i = 0; i < n; i++) {
         const ds4_weight *w = ws[i];
         if (w == &m->tok_embd) { total += ds4_row_bytes(w->type, w->ne[0]); continue; }
@@ -2493,7 +2558,7 @@ void ds4_model_prefill_flops(const ds4_model *m, int64_t pos0, int64_t n, double
     out[0] = out[1] = 0.0;
     ds4_weight **ws = malloc(sizeof(*ws) * DS4_MAX_WEIGHTS);
     if (!ws) return;
-    const int nw = model_weights((ds4_model *)m, ws, DS4_MAX_WEIGHTS);
+    const int nw = model_weights((ds4_model *)m, ws, DS4_MAX_WEIGHTS, 0);
     double per_token = 0.0;           /* multiply-adds of one token through the weights */
     for (int i = 0; i < nw; i++) {
         const ds4_weight *w = ws[i];
@@ -2545,6 +2610,9 @@ void ds4_model_describe(const ds4_model *m, FILE *f) {
                "window %d, %d experts top-%d, %s matrices, %.2f GB\n",
             h->n_layer, n4, n128, h->n_embd, h->n_vocab, h->n_head, h->head_dim, h->n_swa,
             h->n_expert, h->n_expert_used, type_name(m->layers[0].q_b.type), m->weight_bytes / 1e9);
+    if (h->n_mtp)
+        fprintf(f, "ds4: model: an MTP block (blk.%d, ratio %d, %s), %.2f GB; decoding does not speculate "
+                   "with it yet\n", h->n_layer, h->ratio[h->n_layer], type_name(m->mtp.eh_proj.type), m->mtp_bytes / 1e9);
 }
 
 int ds4_parse_wtype(const char *s) {
@@ -2672,6 +2740,9 @@ struct ds4_ctx {
     size_t   bytes;               /* what the allocations took */
     ds4_progress_fn progress;     /* called between prefill chunks (ds4_ctx_set_progress) */
     void    *progress_user;
+    int      last_rows;           /* rows of the last forward call (ds4_ctx_streams) */
+    int      mtp_pos;             /* the MTP block's next position (ds4_mtp_eval) */
+    float   *mtp_cat;             /* its eh_proj input [B][hc][2D] (host: CPU backend), made on first use */
 };
 
 /* DS4_HOOKS against the model (ds4.h); the hooks module checks it (ds4_hooks.c). */
@@ -2705,7 +2776,7 @@ size_t ds4_ctx_plan_bytes(const ds4_model *m, int n_ctx, int max_batch) {
     const size_t F = (size_t)hp->n_ff_exp * (hp->n_expert_shared > 0 ? hp->n_expert_shared : 1);
     const size_t topk = hp->idx_topk > 0 ? hp->idx_topk : 1;
     size_t kv = 0;
-    for (int il = 0; il < hp->n_layer; il++) {
+    for (int il = 0; il < hp->n_layer + hp->n_mtp; il++) {      /* the MTP block's caches too */
         const size_t r = (size_t)hp->ratio[il], cc = r == 4 ? 2 : 1;
         kv += (size_t)hp->n_swa * d * 4;
         if (r) kv += ((size_t)n_ctx / r + 1) * d * 4 + 2 * cc * r * cc * d * 4;
@@ -2746,7 +2817,7 @@ static void ctx_init_rope(ds4_ctx *c) {
 
 /* The bytes the weights take on a backend: the CPU reads them where the file is mapped. */
 static size_t model_backend_weight_bytes(const ds4_model *m, const ds4_backend *be) {
-    return strcmp(be->name, "cpu") == 0 ? 0 : m->weight_bytes;
+    return strcmp(be->name, "cpu") == 0 ? 0 : m->weight_bytes + m->mtp_bytes;   /* the MTP block goes up too */
 }
 
 ds4_ctx *ds4_ctx_new(ds4_model *m, const ds4_backend *be, int n_ctx, int max_batch,
@@ -2800,7 +2871,7 @@ ds4_ctx *ds4_ctx_new(ds4_model *m, const ds4_backend *be, int n_ctx, int max_bat
     const size_t F = (size_t)hp->n_ff_exp * (hp->n_expert_shared > 0 ? hp->n_expert_shared : 1);
     const size_t topk = hp->idx_topk > 0 ? hp->idx_topk : 1;
     int fail = 0;
-    for (int il = 0; il < hp->n_layer; il++) {
+    for (int il = 0; il < hp->n_layer + hp->n_mtp; il++) {    /* the MTP block's attention has its own */
         ds4_layer_state *S = &c->L[il];
         const int r = hp->ratio[il];
         S->ring = ctx_alloc(c, (size_t)hp->n_swa * d * 4, &fail);
@@ -2876,7 +2947,7 @@ ds4_ctx *ds4_ctx_new(ds4_model *m, const ds4_backend *be, int n_ctx, int max_bat
     lim.prefill_attn = env.prefill_attn;
     ds4_weight **ws = malloc(sizeof(*ws) * DS4_MAX_WEIGHTS);
     if (!ws) { errf(err, errlen, "out of memory"); ds4_ctx_free(c); return NULL; }
-    const int nw = model_weights(m, ws, DS4_MAX_WEIGHTS);
+    const int nw = model_weights(m, ws, DS4_MAX_WEIGHTS, 1);
     for (int i = 0; i < nw; i++) {
         if (ws[i]->ne[0] > lim.max_k) lim.max_k = ws[i]->ne[0];
         if (ws[i]->ne[0] * ws[i]->ne[1] > lim.max_matrix) lim.max_matrix = ws[i]->ne[0] * ws[i]->ne[1];
@@ -2910,6 +2981,7 @@ void ds4_ctx_free(ds4_ctx *c) {
     if (!c) return;
     if (c->sess) c->be->session_free(c->sess);
     free(c->step_host);
+    free(c->mtp_cat);
     ds4h_close(c->hk);                          /* after the session: its emitter writes to the stream */
     for (int i = 0; i < c->n_allocs; i++) c->be->free(c->allocs[i]);
     free(c);
@@ -2925,6 +2997,8 @@ int ds4_ctx_pos(const ds4_ctx *c) { return c->pos; }
  * simple: nothing recorded before a reset runs after it. */
 void ds4_ctx_reset(ds4_ctx *c) {
     c->pos = 0;
+    c->mtp_pos = 0;
+    c->last_rows = 0;
     c->generation++;
     c->be->session_reset(c->sess);
 }
@@ -2943,7 +3017,7 @@ void ds4_ctx_reset(ds4_ctx *c) {
 static void fwd_attention(ds4_ctx *c, int il, const float *hn, int nt, float *out) {
     const ds4_backend *be = c->be;
     const ds4_hparams *hp = &c->m->hp;
-    const ds4_layer_w *L = &c->m->layers[il];
+    const ds4_layer_w *L = layer_w(c->m, il);
     ds4_layer_state *S = &c->L[il];
     const int H = hp->n_head, d = hp->head_dim, ratio = hp->ratio[il];
     const int Hi = hp->idx_heads, di = hp->idx_dim;
@@ -3021,7 +3095,7 @@ static void fwd_attention(ds4_ctx *c, int il, const float *hn, int nt, float *ou
 static void fwd_moe(ds4_ctx *c, int il, const float *hn, int nt, float *out) {
     const ds4_backend *be = c->be;
     const ds4_hparams *hp = &c->m->hp;
-    const ds4_layer_w *L = &c->m->layers[il];
+    const ds4_layer_w *L = layer_w(c->m, il);
     const int hash = il < hp->n_hash_layers;
     be->moe_gate(&L->gate_inp, hn, c->rlog, hash ? NULL : L->exp_probs_b.dev, hash ? &L->tid2eid : NULL, c->tok,
                  nt, hp->n_expert, hp->n_expert_used, hp->expert_weights_norm,
@@ -3149,6 +3223,7 @@ static int eval_chunk(ds4_ctx *c, const int32_t *tokens, int n, float *logits, i
     be->session_bind(prev);
     c->pos += n;
     c->hcalls++;
+    c->last_rows = n;
     if (ds4h_call_end(c->hk, err, errlen) != 0) return -1;
     return 0;
 }
@@ -3181,6 +3256,98 @@ int ds4_eval(ds4_ctx *c, const int32_t *tokens, int n, float *logits, int all_ro
             return -2;
         }
     }
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------
+ * The MTP head (the model's MTP block; llama.cpp's graph_mtp of deepseek4 is the reference)
+ *
+ * Row i: the token's embedding (nextn.embed_tokens, else the model's) through enorm, and each
+ * of the trunk's hc final streams through hnorm; per stream, eh_proj of [enorm(e); hnorm(h_s)]
+ * (2D -> D) makes the block's input streams.  Then the block is a layer as any other (mHC
+ * pre, attention over its own caches at the rows' positions, mHC post, mHC pre, routed MoE
+ * with the shared expert), and the model's mHC head with nextn.shared_head_norm (else
+ * output_norm) and nextn.shared_head_head (else output) gives the logits.  CPU backend only:
+ * the concatenation is made on the host.
+ * ------------------------------------------------------------------------- */
+
+int ds4_model_has_mtp(const ds4_model *m) { return m->hp.n_mtp > 0; }
+int ds4_ctx_mtp_pos(const ds4_ctx *c) { return c->mtp_pos; }
+
+int ds4_ctx_streams(ds4_ctx *c, float *out, int rows) {
+    const ds4_hparams *hp = &c->m->hp;
+    if (rows < 0 || rows > c->last_rows) return -1;
+    const size_t w = (size_t)hp->n_hc * hp->n_embd;
+    void *prev = c->be->session_bind(c->sess);
+    c->be->download(out, c->x + (size_t)(c->last_rows - rows) * w, (size_t)rows * w * 4);
+    c->be->session_bind(prev);
+    return 0;
+}
+
+int ds4_mtp_eval(ds4_ctx *c, const float *h, const int32_t *tokens, int n, float *logits, char *err, size_t errlen) {
+    const ds4_model *m = c->m;
+    const ds4_hparams *hp = &m->hp;
+    const ds4_backend *be = c->be;
+    if (!hp->n_mtp) { errf(err, errlen, "the model has no MTP block"); return -1; }
+    if (be != ds4_backend_cpu()) { errf(err, errlen, "the MTP head runs on the CPU backend only (for now)"); return -1; }
+    if (n < 1 || n > c->max_batch) { errf(err, errlen, "MTP rows %d outside [1, %d]", n, c->max_batch); return -1; }
+    if (c->mtp_pos + n > c->n_ctx) {
+        errf(err, errlen, "MTP context full: position %d + %d rows exceeds --ctx %d", c->mtp_pos, n, c->n_ctx);
+        return -1;
+    }
+    for (int i = 0; i < n; i++)
+        if (tokens[i] < 0 || tokens[i] >= hp->n_vocab) {
+            errf(err, errlen, "token id %d out of range [0, %d)", tokens[i], hp->n_vocab);
+            return -1;
+        }
+    const int D = hp->n_embd, hc = hp->n_hc, il = hp->n_layer;
+    if (hp->ratio[il] != 0) {       /* llama.cpp's graph_mtp attends over a window whatever the ratio */
+        errf(err, errlen, "the MTP block has compress ratio %d: its head is specified for a window-attention block (ratio 0)",
+             hp->ratio[il]);
+        return -1;
+    }
+    if (!c->mtp_cat && !(c->mtp_cat = malloc((size_t)c->max_batch * hc * 2 * D * sizeof(float)))) {
+        errf(err, errlen, "out of memory for the MTP block's input");
+        return -1;
+    }
+    const ds4_mtp_w *M = &m->mtp;
+    const ds4_layer_w *L = &M->layer;
+    const float eps = hp->rms_eps, heps = hp->hc_eps;
+    const int it = hp->sinkhorn_iters;
+    void *prev = be->session_bind(c->sess);
+    ds4h_ctx *hk = c->hk;                        /* the block's ops emit no hook records */
+    c->hk = NULL;
+    const ds4_step st = { c->mtp_pos, n, (int32_t)c->hcalls, 0 };
+    memcpy(c->step_host, &st, sizeof st);
+    memcpy((ds4_step *)c->step_host + 1, tokens, (size_t)n * 4);
+    be->upload(c->step, c->step_host, sizeof st + (size_t)n * 4);
+    /* the input streams: enorm(e) beside each hnorm(h_s), then eh_proj */
+    be->embed(M->embed_tokens.host ? &M->embed_tokens : &m->tok_embd, c->tok, n, 1, c->f);
+    be->rmsnorm(c->f, M->enorm.dev, c->f, n, D, eps);
+    be->upload(c->x2, h, (size_t)n * hc * D * 4);
+    be->rmsnorm(c->x2, M->hnorm.dev, c->x2, n * hc, D, eps);
+    for (int r = 0; r < n * hc; r++) {
+        memcpy(c->mtp_cat + (size_t)r * 2 * D, c->f + (size_t)(r / hc) * D, (size_t)D * 4);
+        memcpy(c->mtp_cat + (size_t)r * 2 * D + D, c->x2 + (size_t)r * D, (size_t)D * 4);
+    }
+    be->matmul(&M->eh_proj, 0, c->mtp_cat, c->x, n * hc);
+    /* the block, as fwd_span runs a layer (its input streams in c->x, no update before) */
+    be->hc_pre(NULL, c->x2, c->x, &L->hc_attn_fn, L->hc_attn_scale.dev, L->hc_attn_base.dev, L->attn_norm.dev,
+               n, D, hc, 0, eps, heps, it, c->flat, c->mix, c->h, c->post, c->comb);
+    fwd_attention(c, il, c->h, n, c->f);
+    be->hc_pre(c->f, c->x, c->x2, &L->hc_ffn_fn, L->hc_ffn_scale.dev, L->hc_ffn_base.dev, L->ffn_norm.dev,
+               n, D, hc, 0, eps, heps, it, c->flat, c->mix, c->h, c->post, c->comb);
+    fwd_moe(c, il, c->h, n, c->f);
+    /* the model's mHC head, the block's head norm and projection */
+    be->hc_pre(c->f, c->x2, c->x, &m->output_hc_fn, m->output_hc_scale.dev, m->output_hc_base.dev,
+               (M->shared_head_norm.host ? &M->shared_head_norm : &m->output_norm)->dev, n, D, hc, 1, eps, heps, it,
+               c->flat, c->mix, c->h, c->post, c->comb);
+    be->matmul(M->shared_head_head.host ? &M->shared_head_head : &m->output, 0, c->h, c->logits, n);
+    be->download(logits, c->logits, (size_t)n * hp->n_vocab * 4);
+    c->hk = hk;
+    be->session_bind(prev);
+    c->mtp_pos += n;
+    c->last_rows = 0;                            /* c->x now holds the block's streams */
     return 0;
 }
 

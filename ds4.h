@@ -144,6 +144,24 @@ int      ds4_ctx_set_hook_sink(ds4_ctx *c, ds4_hook_sink fn, void *user, char *e
 int ds4_eval(ds4_ctx *c, const int32_t *tokens, int n, float *logits, int all_rows,
              char *err, size_t errlen);
 
+/* ---- the MTP block (multi-token prediction; the model's, when ds4 info shows it) ---- */
+
+/* Whether the model has an MTP block (deepseek4.nextn_predict_layers = 1, read whole). */
+int ds4_model_has_mtp(const ds4_model *m);
+/* The trunk's final hidden streams ([n_hc][n_embd] a row: what the head reads, before it
+ * mixes them) of the last rows rows of the last ds4_eval chunk, into out (host).  -1 when
+ * the last chunk had fewer rows. */
+int ds4_ctx_streams(ds4_ctx *c, float *out, int rows);
+/* The MTP head, CPU backend only (its specification; issue 27): n rows at the block's own
+ * positions p = ds4_ctx_mtp_pos(c) .. p + n - 1, consecutive from 0 after ds4_ctx_reset.  Row
+ * i pairs the trunk's final streams of position p + i - 1 (h[i], [n_hc][n_embd]; zeros for
+ * position 0) with the token at position p + i (tokens[i]), as llama.cpp's MTP context does;
+ * logits[i] ([n_vocab], host) is the block's prediction for the token at position p + i + 1.
+ * The block's attention keeps its own window, compressed rows and indexer rows.  -1 with one
+ * line on failure (no block, another backend, n outside [1, max_batch], the context full). */
+int ds4_mtp_eval(ds4_ctx *c, const float *h, const int32_t *tokens, int n, float *logits, char *err, size_t errlen);
+int ds4_ctx_mtp_pos(const ds4_ctx *c);
+
 /* ---- sampling ---- */
 
 typedef struct ds4_sampler {

@@ -113,6 +113,8 @@ static void usage(FILE *f) {
         "  --seed N            weight seed (default 1)\n"
         "  --experts E         routed experts (default: the config's; top-k to 1024)\n"
         "  --vocab             a byte-level BPE vocabulary (default: none, raw ids)\n"
+        "  --mtp               an MTP block after the layers (llama.cpp's blk.<n_layer>.nextn.* names;\n"
+        "                      ds4 reads it and decodes without it)\n"
         "  --type T            matrix type f32, f16, bf16 or q8_0 (default f32; flash16: q8_0)\n"
         "  --ctx N             the context_length the file declares (default: the config's)\n"
         "  -o FILE             output path\n"
@@ -316,7 +318,7 @@ struct synth_opts {
     int wtype;                   /* ds4_parse_wtype(type) */
     int layout;                  /* a published files' layout (-q2, -q4): its own tensor types */
     uint64_t seed;
-    int experts, vocab;          /* --experts in [1, 1024] (0: the config's), --vocab */
+    int experts, vocab, mtp;     /* --experts in [1, 1024] (0: the config's), --vocab, --mtp */
     int ctx;                     /* --ctx: context_length in [1, 2^24] (0: the config's) */
     int threads;                 /* --threads in [1, 64]; 0: not given */
     char *folded;                /* malloc'd: config when --vocab or --experts rewrote it */
@@ -338,8 +340,9 @@ static int synth_parse(int argc, char **argv, struct synth_opts *o, char *err, s
         const char *a = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) { o->help = 1; return 0; }
-        if (!strcmp(a, "--vocab")) {                              /* the one flag without a value */
-            if (o->vocab++) return fail(err, errlen, "--vocab is given twice (each option at most once)");
+        if (!strcmp(a, "--vocab") || !strcmp(a, "--mtp")) {       /* the flags without a value */
+            int *f = !strcmp(a, "--vocab") ? &o->vocab : &o->mtp;
+            if ((*f)++) return fail(err, errlen, "%s is given twice (each option at most once)", a);
             continue;
         }
         if (strcmp(a, "--config") && strcmp(a, "--seed") && strcmp(a, "--type") && strcmp(a, "-o") &&
@@ -364,18 +367,20 @@ static int synth_parse(int argc, char **argv, struct synth_opts *o, char *err, s
     }
     if (!o->config) return fail(err, errlen, "synth needs --config (tiny, small, slim, flash16, small-q2, small-q4, flash-q2 or flash-q4)");
     if (!o->out) return fail(err, errlen, "synth needs -o FILE");
-    if (o->experts || o->vocab || o->ctx) {   /* "NAME+vocab@E/N" for the synth API */
+    if (o->experts || o->vocab || o->mtp || o->ctx) {   /* "NAME+vocab+mtp@E/N" for the synth API */
         const char *config = o->config;
         if (o->ctx && strchr(config, '/')) return fail(err, errlen, "give the context length once (--ctx or NAME/N)");
         if (o->experts && strchr(config, '@')) return fail(err, errlen, "give the expert count once (--experts or NAME@E)");
         if (o->vocab && strstr(config, "+vocab")) return fail(err, errlen, "give the vocabulary once (--vocab or NAME+vocab)");
+        if (o->mtp && strstr(config, "+mtp")) return fail(err, errlen, "give the MTP block once (--mtp or NAME+mtp)");
         /* all of it, whatever its length: a cut could turn a bad config into a good one.
          * NAME, then +vocab, then the config's @E or --experts, then its /N or --ctx */
         const size_t name = strcspn(config, "@/"), at_len = strcspn(config + name, "/");
-        const size_t size = strlen(config) + sizeof "+vocab" + sizeof "@1024" + sizeof "/16777216";
+        const size_t size = strlen(config) + sizeof "+vocab" + sizeof "+mtp" + sizeof "@1024" + sizeof "/16777216";
         char *buf = o->folded = malloc(size);
         if (!buf) return fail(err, errlen, "out of memory");
-        snprintf(buf, size, "%.*s%s%.*s", (int)name, config, o->vocab ? "+vocab" : "", (int)at_len, config + name);
+        snprintf(buf, size, "%.*s%s%s%.*s", (int)name, config, o->vocab ? "+vocab" : "", o->mtp ? "+mtp" : "",
+                 (int)at_len, config + name);
         if (o->experts) snprintf(buf + strlen(buf), size - strlen(buf), "@%d", o->experts);
         snprintf(buf + strlen(buf), size - strlen(buf), "%s", config + name + at_len);
         if (o->ctx) snprintf(buf + strlen(buf), size - strlen(buf), "/%d", o->ctx);

@@ -32,6 +32,7 @@ typedef struct ds4_hparams {
     int64_t n_ctx_train;        /* deepseek4.context_length */
     int     n_embd;             /* D */
     int     n_layer;
+    int     n_mtp;              /* MTP blocks read (0 or 1): block n_layer, its tensors bound */
     int     n_vocab;
     int     n_head;             /* H */
     int     head_dim;           /* d = key_length = value_length */
@@ -41,7 +42,7 @@ typedef struct ds4_hparams {
     int     o_groups;
     int     o_lora;
     float   compress_rope_base;
-    int     ratio[DS4_MAX_LAYERS];   /* compress_ratios[0..n_layer) : 0, 4 or 128 */
+    int     ratio[DS4_MAX_LAYERS];   /* compress_ratios[0..n_layer + n_mtp) : 0, 4 or 128 */
     int     idx_heads;          /* indexer.head_count */
     int     idx_dim;            /* indexer.key_length */
     int     idx_topk;           /* indexer.top_k */
@@ -59,7 +60,7 @@ typedef struct ds4_hparams {
     float   expert_weights_scale;
     int     expert_weights_norm;
     int     expert_gating_func; /* must be 4 */
-    float   clamp_exp[DS4_MAX_LAYERS];
+    float   clamp_exp[DS4_MAX_LAYERS];     /* [0..n_layer + n_mtp) */
     float   clamp_shexp[DS4_MAX_LAYERS];
     int     n_hc;               /* hyper_connection.count (4) */
     int     sinkhorn_iters;
@@ -148,7 +149,8 @@ uint64_t gguf_tensor_bytes(uint32_t type, uint64_t nel);
  * gguf_layer_specs = order in synthetic files.
  * ------------------------------------------------------------------------- */
 
-enum { TS_ALWAYS, TS_COMPRESSED, TS_RATIO4, TS_HASH, TS_ROUTED };   /* when a layer has the tensor */
+enum { TS_ALWAYS, TS_COMPRESSED, TS_RATIO4, TS_HASH, TS_ROUTED,      /* when a layer has the tensor */
+       TS_OPTIONAL };                                                 /* nextn: read when present */
 enum { TC_MAT, TC_F32, TC_I32, TC_APE };   /* TC_APE: F32 or F16 (read as F32) */                                      /* allowed types */
 enum {                                                                /* synthetic initialisation */
     SF_EMBD, SF_LINEAR, SF_OUTPUT, SF_NORM, SF_SINK, SF_HC_FN, SF_HC_BASE, SF_HC_SCALE,
@@ -177,14 +179,22 @@ enum {
     LT_COUNT
 };
 
+/* The MTP block's own tensors, "blk.<n_layer>.nextn.*" (llama.cpp's names), beside a whole
+ * layer's under blk.<n_layer>: eh_proj maps [enorm(embedding); hnorm(hidden)] (2D) to D, per
+ * hyper-connection stream; embed_tokens, shared_head_head and shared_head_norm are optional
+ * (absent: the model's token_embd, output and output_norm). */
+enum { NT_EH_PROJ, NT_ENORM, NT_HNORM, NT_EMBED_TOKENS, NT_SHARED_HEAD_HEAD, NT_SHARED_HEAD_NORM, NT_COUNT };
+
 extern const gguf_tspec gguf_global_specs[GT_COUNT];
 extern const gguf_tspec gguf_layer_specs[LT_COUNT];
+extern const gguf_tspec gguf_nextn_specs[NT_COUNT];
 
 /* Whether layer il has a tensor present TS_* `when`. */
 int gguf_layer_has(int when, const ds4_hparams *hp, int il);
 /* The ggml shape (ne) of global tensor GT_* / layer tensor LT_* id; returns n_dims. */
 int gguf_global_shape(int id, const ds4_hparams *hp, int64_t ne[4]);
 int gguf_layer_shape(int id, const ds4_hparams *hp, int il, int64_t ne[4]);
+int gguf_nextn_shape(int id, const ds4_hparams *hp, int64_t ne[4]);
 
 /* A caller's string (a path, a config name) as quoted in a one-line error:
  * ds4_show of its first 200 bytes. */

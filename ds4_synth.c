@@ -247,22 +247,24 @@ typedef struct {
     int layout;    /* 0: every matrix of the --type; 2, 4: the published Flash files' per-tensor
                     * types with IQ2_XXS/Q2_K (2) or Q4_K (4) routed experts (synth_layout_type) */
     int vocab;     /* "+vocab": a byte-level BPE vocabulary (synth_vocab) instead of no_vocab */
+    int mtp;       /* "+mtp": an MTP block after the layers (block n_layer, llama.cpp's names) */
 } synth_config;
 
-/* compress_ratios of every config: 0, 0, then 4, 128, 4, 128, ... */
+/* compress_ratios of every config: 0, 0, then 4, 128, 4, 128, ...; an MTP block's is 0 (a
+ * window-attention layer: the only kind llama.cpp's MTP graph computes) */
 static const synth_config synth_configs[] = {
-    /* name      vocab   D    L  hash H   d    rot  q    g  r     swa  Hi  di   topk E   k  S  f     ctx    yarn  orig layout vocab */
-    {"tiny",     512,    128, 6, 2,   8,  64,  16,  64,  2, 32,   32,  32, 64,  8,   8,  2, 1, 64,   4096,  4.0f, 256, 0, 0},
-    {"small",    1024,   256, 8, 3,   16, 128, 32,  128, 4, 64,   64,  32, 64,  16,  16, 4, 1, 128,  8192,  8.0f, 1024, 0, 0},
+    /* name      vocab   D    L  hash H   d    rot  q    g  r     swa  Hi  di   topk E   k  S  f     ctx    yarn  orig layout vocab mtp */
+    {"tiny",     512,    128, 6, 2,   8,  64,  16,  64,  2, 32,   32,  32, 64,  8,   8,  2, 1, 64,   4096,  4.0f, 256, 0, 0, 0},
+    {"small",    1024,   256, 8, 3,   16, 128, 32,  128, 4, 64,   64,  32, 64,  16,  16, 4, 1, 128,  8192,  8.0f, 1024, 0, 0, 0},
     /* tiny narrowed for 1M-position checks: 4 layers (one ratio-4, one ratio-128), 2 heads and one
      * indexer head of 32, so the CPU backend's quadratic indexer and ratio-128 attention take minutes */
-    {"slim",     512,    128, 4, 2,   2,  64,  16,  64,  2, 32,   32,  1,  32,  8,   8,  2, 1, 64,   4096,  4.0f, 256, 0, 0},
-    {"flash16",  129280, 4096, 43, 3, 64, 512, 64,  1024, 8, 1024, 128, 64, 128, 512, 16, 6, 1, 2048, 65536, 16.0f, 65536, 0, 0},
+    {"slim",     512,    128, 4, 2,   2,  64,  16,  64,  2, 32,   32,  1,  32,  8,   8,  2, 1, 64,   4096,  4.0f, 256, 0, 0, 0},
+    {"flash16",  129280, 4096, 43, 3, 64, 512, 64,  1024, 8, 1024, 128, 64, 128, 512, 16, 6, 1, 2048, 65536, 16.0f, 65536, 0, 0, 0},
     /* the real files' layouts; the small ones widen the experts to one 256-element super-block */
-    {"small-q2", 1024,   256, 8, 3,   16, 128, 32,  128, 4, 64,   64,  32, 64,  16,  16, 4, 1, 256,  8192,  8.0f, 1024, 2, 0},
-    {"small-q4", 1024,   256, 8, 3,   16, 128, 32,  128, 4, 64,   64,  32, 64,  16,  16, 4, 1, 256,  8192,  8.0f, 1024, 4, 0},
-    {"flash-q2", 129280, 4096, 43, 3, 64, 512, 64,  1024, 8, 1024, 128, 64, 128, 512, 16, 6, 1, 2048, 65536, 16.0f, 65536, 2, 0},
-    {"flash-q4", 129280, 4096, 43, 3, 64, 512, 64,  1024, 8, 1024, 128, 64, 128, 512, 16, 6, 1, 2048, 65536, 16.0f, 65536, 4, 0},
+    {"small-q2", 1024,   256, 8, 3,   16, 128, 32,  128, 4, 64,   64,  32, 64,  16,  16, 4, 1, 256,  8192,  8.0f, 1024, 2, 0, 0},
+    {"small-q4", 1024,   256, 8, 3,   16, 128, 32,  128, 4, 64,   64,  32, 64,  16,  16, 4, 1, 256,  8192,  8.0f, 1024, 4, 0, 0},
+    {"flash-q2", 129280, 4096, 43, 3, 64, 512, 64,  1024, 8, 1024, 128, 64, 128, 512, 16, 6, 1, 2048, 65536, 16.0f, 65536, 2, 0, 0},
+    {"flash-q4", 129280, 4096, 43, 3, 64, 512, 64,  1024, 8, 1024, 128, 64, 128, 512, 16, 6, 1, 2048, 65536, 16.0f, 65536, 4, 0, 0},
 };
 
 /* ---- a synthetic byte-level BPE vocabulary ----
@@ -433,14 +435,22 @@ static int synth_find(const char *config, synth_config *out) {
     if (len >= sizeof head) return 0;
     memcpy(head, config, len);
     head[len] = 0;
-    const char *plus = strstr(head, "+vocab");
-    if (plus && plus[6] != 0 && plus[6] != '@') return 0;
-    const char *at = strchr(head, '@');
-    const size_t n = plus ? (size_t)(plus - head) : at ? (size_t)(at - head) : strlen(head);
+    /* NAME, then +vocab and +mtp (each at most once, either order), then @E */
+    const size_t n = strcspn(head, "+@");
+    const char *q = head + n;
+    int vocab = 0, mtp = 0;
+    while (*q == '+') {
+        if (!strncmp(q, "+vocab", 6) && !vocab) { vocab = 1; q += 6; }
+        else if (!strncmp(q, "+mtp", 4) && !mtp) { mtp = 1; q += 4; }
+        else return 0;
+    }
+    if (*q && *q != '@') return 0;
+    const char *at = *q == '@' ? q : NULL;
     for (size_t i = 0; i < sizeof synth_configs / sizeof synth_configs[0]; i++) {
         if (strlen(synth_configs[i].name) != n || strncmp(head, synth_configs[i].name, n) != 0) continue;
         *out = synth_configs[i];
-        out->vocab = plus != NULL;
+        out->vocab = vocab;
+        out->mtp = mtp;
         if (at) {
             char *end;
             errno = 0;
@@ -481,6 +491,7 @@ static void synth_hparams(const synth_config *c, ds4_hparams *hp) {
     hp->n_ctx_train = c->n_ctx;
     hp->n_embd = c->n_embd;
     hp->n_layer = c->n_layer;
+    hp->n_mtp = c->mtp ? 1 : 0;
     hp->n_vocab = c->n_vocab;
     hp->n_head = c->n_head;
     hp->head_dim = c->head_dim;
@@ -508,7 +519,7 @@ static void synth_hparams(const synth_config *c, ds4_hparams *hp) {
     hp->expert_weights_scale = 1.5f;
     hp->expert_weights_norm = 1;
     hp->expert_gating_func = 4;
-    for (int i = 0; i < c->n_layer; i++) hp->clamp_exp[i] = hp->clamp_shexp[i] = 10.0f;
+    for (int i = 0; i < c->n_layer + hp->n_mtp; i++) hp->clamp_exp[i] = hp->clamp_shexp[i] = 10.0f;
     hp->n_hc = 4;
     hp->sinkhorn_iters = 20;
     hp->hc_eps = 1e-6f;
@@ -546,7 +557,8 @@ static int synth_plan_init(gguf_plan *p, const char *config, int wtype, char *er
     ds4_hparams *hp = &p->hp;
     synth_hparams(c, hp);
     snprintf(p->model_name, sizeof p->model_name, "ds4-synth-%s", c->name);
-    for (int i = 0; i < hp->n_layer; i++) p->ratios[i] = (uint32_t)hp->ratio[i];
+    const int n_block = hp->n_layer + hp->n_mtp;
+    for (int i = 0; i < n_block; i++) p->ratios[i] = (uint32_t)hp->ratio[i];
     p->alignment = GGUF_DEFAULT_ALIGNMENT;
 
     gguf_plan_kv_str(p, K_ARCH, "deepseek4");
@@ -554,7 +566,8 @@ static int synth_plan_init(gguf_plan *p, const char *config, int wtype, char *er
     gguf_plan_kv_u32(p, K_ALIGNMENT, p->alignment);
     gguf_plan_kv_u32(p, K_CTX, (uint32_t)hp->n_ctx_train);
     gguf_plan_kv_u32(p, K_EMBD, (uint32_t)hp->n_embd);
-    gguf_plan_kv_u32(p, K_BLOCKS, (uint32_t)hp->n_layer);
+    gguf_plan_kv_u32(p, K_BLOCKS, (uint32_t)n_block);
+    if (hp->n_mtp) gguf_plan_kv_u32(p, K_NEXTN, (uint32_t)hp->n_mtp);
     gguf_plan_kv_u32(p, K_VOCAB, (uint32_t)hp->n_vocab);
     gguf_plan_kv_u32(p, K_HEADS, (uint32_t)hp->n_head);
     gguf_plan_kv_u32(p, K_HEADS_KV, 1);
@@ -566,7 +579,7 @@ static int synth_plan_init(gguf_plan *p, const char *config, int wtype, char *er
     gguf_plan_kv_u32(p, K_O_GROUPS, (uint32_t)hp->o_groups);
     gguf_plan_kv_u32(p, K_O_LORA, (uint32_t)hp->o_lora);
     gguf_plan_kv_f32(p, K_COMP_BASE, hp->compress_rope_base);
-    gguf_plan_kv_arr(p, K_RATIOS, GGUF_T_U32, (uint64_t)hp->n_layer, p->ratios);
+    gguf_plan_kv_arr(p, K_RATIOS, GGUF_T_U32, (uint64_t)n_block, p->ratios);
     gguf_plan_kv_u32(p, K_IDX_HEADS, (uint32_t)hp->idx_heads);
     gguf_plan_kv_u32(p, K_IDX_DIM, (uint32_t)hp->idx_dim);
     gguf_plan_kv_u32(p, K_IDX_TOPK, (uint32_t)hp->idx_topk);
@@ -611,10 +624,18 @@ static int synth_plan_init(gguf_plan *p, const char *config, int wtype, char *er
     char name[128];
     int64_t ne[4];
     int nd, ok = 1;
-    /* order: token_embd, blk.0 .. blk.L-1, output_hc_*, output_norm, output */
+    /* order: token_embd, blk.0 .. blk.L-1, output_hc_*, output_norm, output, then the MTP block
+     * (its layer, then eh_proj, enorm, hnorm and shared_head_norm: the optional embed_tokens and
+     * shared_head_head are left out, so it shares the model's, as the published V4 files do).
+     * A tensor's values come from its index, so the trunk's are the same with or without it. */
     nd = gguf_global_shape(GT_TOKEN_EMBD, hp, ne);
     ok &= synth_add_tensor(p, gguf_global_specs[GT_TOKEN_EMBD].name, &gguf_global_specs[GT_TOKEN_EMBD], nd, ne, wtype, c->layout);
-    for (int il = 0; il < hp->n_layer; il++)
+    for (int il = 0; il < n_block; il++) {
+        if (il == hp->n_layer)
+            for (int id = GT_TOKEN_EMBD + 1; id < GT_COUNT; id++) {
+                nd = gguf_global_shape(id, hp, ne);
+                ok &= synth_add_tensor(p, gguf_global_specs[id].name, &gguf_global_specs[id], nd, ne, wtype, c->layout);
+            }
         for (int id = 0; id < LT_COUNT; id++) {
             const gguf_tspec *sp = &gguf_layer_specs[id];
             if (!gguf_layer_has(sp->when, hp, il)) continue;
@@ -622,7 +643,14 @@ static int synth_plan_init(gguf_plan *p, const char *config, int wtype, char *er
             nd = gguf_layer_shape(id, hp, il, ne);
             ok &= synth_add_tensor(p, name, sp, nd, ne, wtype, c->layout);
         }
-    for (int id = GT_TOKEN_EMBD + 1; id < GT_COUNT; id++) {
+        for (int id = 0; il == hp->n_layer && id < NT_COUNT; id++) {
+            if (id == NT_EMBED_TOKENS || id == NT_SHARED_HEAD_HEAD) continue;
+            snprintf(name, sizeof name, "blk.%d.%s", il, gguf_nextn_specs[id].name);
+            nd = gguf_nextn_shape(id, hp, ne);
+            ok &= synth_add_tensor(p, name, &gguf_nextn_specs[id], nd, ne, wtype, c->layout);
+        }
+    }
+    for (int id = GT_TOKEN_EMBD + 1; !hp->n_mtp && id < GT_COUNT; id++) {
         nd = gguf_global_shape(id, hp, ne);
         ok &= synth_add_tensor(p, gguf_global_specs[id].name, &gguf_global_specs[id], nd, ne, wtype, c->layout);
     }

@@ -981,20 +981,60 @@ static void test_convention(void) {
     plan_add_t(&p, "blk.3.exp_probs_b_vl.bias", 1, 8, 1, DS4_TYPE_F32);
     plan_expect_ok("MTP nextn tensors and vision bias ignored", &p, m);
     CHECK(m->n_tensors == base_tensors, "ignored tensors not counted (n_tensors %d, expected %d)", m->n_tensors, base_tensors);
-    {   /* nextn_predict_layers: block 6 is an MTP block, all its tensors are skipped */
+    {   /* nextn_predict_layers: block 6 is an MTP block; present, it is read whole */
         tiny_plan(&p);
         plan_kv(&p, K_BLOCKS)->u = 7;
         plan_kv(&p, K_RATIOS)->arr_n = 7;   /* p.ratios[6] == 0 */
         gguf_plan_kv_u32(&p, K_NEXTN, 1);
         plan_add_t(&p, "blk.6.nextn.eh_proj.weight", 2, 256, 128, DS4_TYPE_F32);
         plan_add_t(&p, "blk.6.attn_norm.weight", 1, 128, 1, DS4_TYPE_F32);
-        plan_expect_ok("nextn_predict_layers 1", &p, m);
-        CHECK(m->hp.n_layer == 6, "MTP block not counted as a layer (n_layer %d)", m->hp.n_layer);
+        plan_expect_fail("an MTP block without its layer", &p, 1, "missing tensor 'blk.6.attn_sinks.weight'");
         tiny_plan(&p);
         plan_kv(&p, K_BLOCKS)->u = 7;
         plan_kv(&p, K_RATIOS)->arr_n = 7;
         gguf_plan_kv_u32(&p, K_NEXTN, 1);     /* declared but the MTP tensors are absent: block 6 is a layer */
         plan_expect_fail("nextn declared, no MTP tensors", &p, 1, "missing tensor 'blk.6.attn_norm.weight'");
+
+        /* tiny+mtp (ds4 synth --mtp): the trunk as tiny's, the block bound, the optional
+         * tensors absent; then each way of breaking the block, refused by name */
+        size_t tiny_bytes;
+        tiny_plan(&p);
+        plan_expect_ok("tiny (for its weight bytes)", &p, m);
+        tiny_bytes = m->weight_bytes;
+        char err[256];
+        if (!synth_plan_init(&p, "tiny+mtp", DS4_TYPE_F32, err, sizeof err)) { printf("plan: %s\n", err); exit(2); }
+        plan_expect_ok("tiny+mtp", &p, m);   /* frees the plan */
+        CHECK(m->hp.n_layer == 6 && m->hp.n_mtp == 1, "tiny+mtp: n_layer %d, n_mtp %d", m->hp.n_layer, m->hp.n_mtp);
+        CHECK(m->hp.ratio[6] == 0, "tiny+mtp: the MTP block's ratio %d, expected 0", m->hp.ratio[6]);
+        CHECK(m->mtp.eh_proj.host && m->mtp.eh_proj.ne[0] == 256 && m->mtp.eh_proj.ne[1] == 128,
+              "tiny+mtp: eh_proj not bound as {256, 128}");
+        CHECK(m->mtp.layer.q_b.host && m->mtp.layer.exp_probs_b.host && !m->mtp.layer.tid2eid.host &&
+              !m->mtp.layer.comp_kv.host, "tiny+mtp: the block's layer is not a routed window layer");
+        CHECK(m->mtp.shared_head_norm.host && !m->mtp.embed_tokens.host && !m->mtp.shared_head_head.host,
+              "tiny+mtp: the optional nextn tensors");
+        CHECK(m->weight_bytes == tiny_bytes && m->mtp_bytes > 0, "tiny+mtp: weight bytes %zu (tiny %zu), MTP %zu",
+              m->weight_bytes, tiny_bytes, m->mtp_bytes);
+        const char *gone[] = { "blk.6.nextn.hnorm.weight", "blk.6.nextn.eh_proj.weight", "blk.6.ffn_down_exps.weight",
+                               "blk.6.attn_sinks.weight" };
+        for (int i = 0; i < 4; i++) {
+            synth_plan_init(&p, "tiny+mtp", DS4_TYPE_F32, NULL, 0);
+            plan_del_t(&p, gone[i]);
+            /* without eh_proj the block is not an MTP block (llama.cpp's probe): block 6 is then a
+             * seventh layer, and its nextn tensors are not a layer's */
+            char want[128];
+            if (i == 1) snprintf(want, sizeof want, "unexpected tensor 'blk.6.nextn.enorm.weight'");
+            else snprintf(want, sizeof want, "missing tensor '%s'", gone[i]);
+            plan_expect_fail(gone[i], &p, 1, want);
+        }
+        synth_plan_init(&p, "tiny+mtp", DS4_TYPE_F32, NULL, 0);
+        gguf_plan_tensor(&p, "blk.6.nextn.shared_head_head.weight", 2, (const int64_t[4]){ 128, 100, 1, 1 }, DS4_TYPE_F32);
+        plan_expect_fail("an optional nextn tensor of the wrong shape", &p, 1,
+                         "tensor 'blk.6.nextn.shared_head_head.weight' has shape");
+        synth_plan_init(&p, "tiny+mtp", DS4_TYPE_F32, NULL, 0);
+        plan_kv(&p, K_NEXTN)->u = 2;
+        plan_kv(&p, K_BLOCKS)->u = 8;
+        plan_kv(&p, K_RATIOS)->arr_n = 8;
+        plan_expect_fail("two MTP blocks", &p, 1, "'deepseek4.nextn_predict_layers' = 2: ds4 reads one MTP block");
     }
 
     tiny_plan(&p);

@@ -78,7 +78,10 @@ static void usage(FILE *f) {
         "                       of the best variant for this CPU\n"
         "  -v, --verbose        show llama.cpp's own log\n"
         "      --tensors LIST   with --tensors-out FILE: copy the graph tensors named LIST[i]-<layer>\n"
-        "                       (deepseek4.cpp's names: attn_out, l_last, ffn_out, ...) to FILE\n");
+        "                       (deepseek4.cpp's names: attn_out, l_last, ffn_out, ...) to FILE\n"
+        "      --mtp H.f32      with -n 0: the dump's rows are the MTP head's logits (graph_mtp, the\n"
+        "                       model's MTP block) at each prompt row: row k pairs token k with the\n"
+        "                       hidden streams of position k - 1, row k - 1 of H.f32 (zeros at k = 0)\n");
 }
 
 /* --tensors: the requested base names and the output file */
@@ -195,6 +198,15 @@ static int32_t argmax_row(const float *row, int n) {
     return best;
 }
 
+/* Row i of a batch: token t at position pos, sequence 0, its logits wanted. */
+static void batch_row(struct llama_batch *b, int i, int32_t t, int pos) {
+    b->token[i] = t;
+    b->pos[i] = pos;
+    b->n_seq_id[i] = 1;
+    b->seq_id[i][0] = 0;
+    b->logits[i] = 1;
+}
+
 static void write_i32(FILE *f, int32_t v) {
     if (fwrite(&v, 4, 1, f) != 1) die("write failed");
 }
@@ -204,6 +216,7 @@ int main(int argc, char **argv) {
     const char *tokens_arg = NULL, *force_arg = NULL, *tensors_arg = NULL, *tensors_out = NULL;
     long n_gen = -1;
     long threads = 2;
+    const char *mtp_h = NULL;
 
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -220,6 +233,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--cpu-backend")) { NEED_ARG(); cpu_backend = argv[++i]; }
         else if (!strcmp(a, "--tensors")) { NEED_ARG(); tensors_arg = argv[++i]; }
         else if (!strcmp(a, "--tensors-out")) { NEED_ARG(); tensors_out = argv[++i]; }
+        else if (!strcmp(a, "--mtp")) { NEED_ARG(); mtp_h = argv[++i]; }
         else { usage(stderr); die("unknown argument '%s'", a); }
 #undef NEED_ARG
     }
@@ -227,6 +241,7 @@ int main(int argc, char **argv) {
     if (!tokens_arg) die("missing --tokens ID,ID,... (see --help)");
     if (n_gen < 0) die("missing -n N_GEN (see --help)");
     if (!out_path) die("missing -o OUT.ds4logit (see --help)");
+    if (mtp_h && n_gen != 0) die("--mtp dumps the prompt's rows: give -n 0");
 
     {
         const uint32_t one = 1;
@@ -271,6 +286,7 @@ int main(int argc, char **argv) {
     /* --- model --- */
     struct llama_model_params mp = llama_model_default_params();
     mp.n_gpu_layers = 0;
+    mp.load_mtp = mtp_h != NULL;
     double t0 = now_ms();
     struct llama_model *model = llama_model_load_from_file(model_path, mp);
     if (!model) die("llama.cpp failed to load '%s' (rerun with -v for its log)", model_path);
@@ -312,6 +328,8 @@ int main(int argc, char **argv) {
     }
     struct llama_context *ctx = llama_init_from_model(model, cp);
     if (!ctx) die("llama.cpp failed to create a context (rerun with -v for its log)");
+    if (mtp_h && llama_model_n_layer_nextn(model) != 1)
+        die("--mtp: the model has %d MTP blocks, expected 1", llama_model_n_layer_nextn(model));
     if (llama_n_batch(ctx) < (uint32_t) n_prompt || llama_n_ubatch(ctx) < (uint32_t) n_prompt)
         die("context batch %u/%u smaller than the prompt (%d)", llama_n_batch(ctx), llama_n_ubatch(ctx), n_prompt);
 
@@ -323,11 +341,7 @@ int main(int argc, char **argv) {
 
     struct llama_batch batch = llama_batch_init(n_prompt, 0, 1);
     for (int i = 0; i < n_prompt; i++) {
-        batch.token[i] = prompt[i];
-        batch.pos[i] = i;
-        batch.n_seq_id[i] = 1;
-        batch.seq_id[i][0] = 0;
-        batch.logits[i] = 1;
+        batch_row(&batch, i, prompt[i], i);
         tok[i] = prompt[i];
     }
     batch.n_tokens = n_prompt;
@@ -343,15 +357,52 @@ int main(int argc, char **argv) {
     }
     double t_prefill = now_ms() - t0;
 
+    if (mtp_h) {
+        /* the MTP head (graph_mtp) on every prompt row, fed as common/speculative.cpp's MTP
+         * driver feeds it: row k is token k at position k with the trunk's final hidden
+         * streams of position k - 1 (zeros at k = 0), here row k - 1 of the file (f32,
+         * [P][hc * n_embd], e.g. tests/mtp_dump's); its logits replace the prompt row's */
+        const int we = llama_model_n_embd_out(model);
+        float *h = malloc(sizeof(float) * (size_t) n_prompt * (size_t) we);
+        if (!h) die("out of memory");
+        FILE *hf = fopen(mtp_h, "rb");
+        if (!hf) die("cannot open '%s': %s", mtp_h, strerror(errno));
+        if (fread(h, sizeof(float) * (size_t) we, (size_t) n_prompt, hf) != (size_t) n_prompt || fgetc(hf) != EOF)
+            die("--mtp: '%s' does not hold %d rows of %d floats", mtp_h, n_prompt, we);
+        fclose(hf);
+        struct llama_context_params dp = cp;
+        dp.ctx_type = LLAMA_CONTEXT_TYPE_MTP;
+        dp.cb_eval = NULL;
+        struct llama_context *dctx = llama_init_from_model(model, dp);
+        if (!dctx) die("--mtp: llama.cpp failed to create the MTP context (rerun with -v)");
+        struct llama_batch mb = llama_batch_init(n_prompt, we, 1);
+        mb.token = malloc(sizeof(llama_token) * (size_t) n_prompt);
+        if (!mb.token) die("out of memory");
+        for (int i = 0; i < n_prompt; i++) {
+            batch_row(&mb, i, prompt[i], i);
+            if (i == 0) memset(mb.embd, 0, sizeof(float) * (size_t) we);
+            else memcpy(mb.embd + (size_t) i * we, h + (size_t) (i - 1) * we, sizeof(float) * (size_t) we);
+        }
+        mb.n_tokens = n_prompt;
+        if ((rc = llama_decode(dctx, mb)) != 0) die("--mtp: llama_decode of the MTP context failed (%d)", rc);
+        for (int i = 0; i < n_prompt; i++) {
+            const float *row = llama_get_logits_ith(dctx, i);
+            if (!row) die("--mtp: no logits for row %d", i);
+            memcpy(logits + (size_t) i * n_vocab, row, sizeof(float) * n_vocab);
+            amax[i] = argmax_row(row, n_vocab);
+        }
+        free(mb.token);
+        mb.token = NULL;
+        llama_batch_free(mb);
+        llama_free(dctx);
+        free(h);
+    }
+
     t0 = now_ms();
     for (int j = 0; j < n_gen; j++) {
         const int r = n_prompt + j;
         const int32_t t = force ? force[j] : amax[r - 1];
-        batch.token[0] = t;
-        batch.pos[0] = r;
-        batch.n_seq_id[0] = 1;
-        batch.seq_id[0][0] = 0;
-        batch.logits[0] = 1;
+        batch_row(&batch, 0, t, r);
         batch.n_tokens = 1;
         rc = llama_decode(ctx, batch);
         if (rc != 0) die("decode step %d llama_decode failed (%d)", j, rc);
