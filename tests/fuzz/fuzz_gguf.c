@@ -52,7 +52,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         goto done;
     }
     static ds4_weight *ws[DS4_MAX_WEIGHTS];
-    int n = model_weights(m, ws, DS4_MAX_WEIGHTS);
+    int n = model_weights(m, ws, DS4_MAX_WEIGHTS, 1);   /* the MTP block's too */
     const uint8_t *lo = buf, *hi = buf + size;
     for (int i = 0; i < n; i++) {
         const uint8_t *h = ws[i]->host;
