@@ -29,6 +29,9 @@
 #             graphs on, a failed CUDA run leaves an earlier hook stream and dump byte for byte, ds4
 #             info's backends column, and the load-time NaN/Inf scan's cost on flash16 (ds4 info,
 #             which parses and scans, against a CUDA run's load, weights uploaded)
+#   mtp       the MTP block (patch 0025) on CUDA: small with and without it (ds4 synth --mtp), a
+#             300-token prompt + 32 greedy steps: the CUDA logits byte-identical (the block goes up
+#             with the model and is not run), ds4 info's line
 #   long      chunked prefill (patch 0007): flash16 declared with a 262144-token context, prefill of
 #             512..65536 tokens (LONG_PREFILL) in DS4_UBATCH chunks and 64 decode steps with graphs at
 #             that depth, device memory; the prefill of 16384 tokens in chunks of 1024..8192
@@ -62,8 +65,8 @@ mkdir -p "$OUT" build/test-out
 rm -f "$OUT/table.txt"      # this run's rows only (build/gpu-out persists between runs)
 WHAT=" ${*:-all} "
 for w in $WHAT; do
-  case "$w" in all|test|hf|sanitize|spot|bench|kernels|series|hooks|cli|long) ;;
-    *) echo "gpu-check: unknown WHAT '$w' (all, test, hf, sanitize, spot, bench, kernels, series, hooks, cli, long)"; exit 2 ;; esac
+  case "$w" in all|test|hf|sanitize|spot|bench|kernels|series|hooks|cli|long|mtp) ;;
+    *) echo "gpu-check: unknown WHAT '$w' (all, test, hf, sanitize, spot, bench, kernels, series, hooks, cli, long, mtp)"; exit 2 ;; esac
 done
 want() { [[ "$WHAT" == *" all "* || "$WHAT" == *" $1 "* ]]; }
 ARCH=${CUDA_ARCH:-sm_90}
@@ -455,6 +458,21 @@ PYEOF
       row "long sanitize $tool (tiny, $n prompt tokens in chunks of 7, $g steps with graphs): rc $? $(grep -h 'ERROR SUMMARY\|RACECHECK SUMMARY' "$OUT/long-san-$tool.log" | tail -1)"
     done
   fi
+fi
+
+if want mtp; then
+  step "the MTP block on CUDA: small with and without it"
+  ./ds4 synth --config small --seed 1 -o build/test-out/mtp-plain.gguf > /dev/null 2>&1
+  ./ds4 synth --config small --seed 1 --mtp -o build/test-out/mtp-block.gguf > /dev/null 2>&1
+  TOKS=$($PY -c "print(','.join(str((i * 7919) % 1000 + 1) for i in range(300)))")
+  for m in plain block; do
+    timeout 120 ./ds4 -m build/test-out/mtp-$m.gguf --backend cuda --tokens "$TOKS" -n 32 \
+      --dump-logits "$OUT/mtp-$m.ds4logit" > "$OUT/mtp-$m.log" 2>&1 || echo "mtp $m: rc $?"
+  done
+  grep 'MTP' "$OUT/mtp-block.log"
+  if cmp -s "$OUT/mtp-plain.ds4logit" "$OUT/mtp-block.ds4logit"; then
+    row "mtp: small's CUDA logits with and without the MTP block byte-identical ($(stat -c %s "$OUT/mtp-block.ds4logit") bytes)"
+  else row "mtp: CUDA LOGITS DIFFER with the MTP block"; fi
 fi
 
 echo
