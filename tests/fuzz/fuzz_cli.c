@@ -160,23 +160,25 @@ enum { S_CONFIG, S_SEED, S_TYPE, S_O, S_THREADS, S_EXPERTS, S_CTX };
 static void check_synth(const struct synth_opts *o, int argc, char **argv) {
     static const struct flag flags[] = {
         { "--config", S_CONFIG }, { "--seed", S_SEED }, { "--type", S_TYPE }, { "-o", S_O }, { "--threads", S_THREADS },
-        { "--experts", S_EXPERTS }, { "--ctx", S_CTX }, { "--vocab", -1 }, { NULL, 0 } };
+        { "--experts", S_EXPERTS }, { "--ctx", S_CTX }, { "--vocab", -1 }, { "--mtp", -2 }, { NULL, 0 } };
     struct reading r;
     if (!read_argv(2, argc, argv, flags, &r)) bad("synth: accepted an argument that is no option", argv, argc);
     if (o->help != r.help) bad("synth: --help not as given", argv, argc);
     if (o->help) return;
     if (r.twice) bad("synth: accepted an option given twice", argv, argc);
-    if (o->vocab != r.bare[0] || !o->out || o->out != r.val[S_O]) bad("synth: --vocab/-o not as given", argv, argc);
+    if (o->vocab != r.bare[0] || o->mtp != r.bare[1] || !o->out || o->out != r.val[S_O])
+        bad("synth: --vocab/--mtp/-o not as given", argv, argc);
     check_seed(r.val[S_SEED], o->seed, argv, argc);
     check_int(r.val[S_THREADS], o->threads, 1, 64, 0, "synth: --threads out of range or not as given", argv, argc);
     check_int(r.val[S_EXPERTS], o->experts, 1, 1024, 0, "synth: --experts out of range or not as given", argv, argc);
     check_int(r.val[S_CTX], o->ctx, 1, 1 << 24, 0, "synth: --ctx out of range or not as given", argv, argc);
     const char *cfg = r.val[S_CONFIG];
     if (!cfg || !o->config) bad("synth: accepted without --config", argv, argc);
-    if (!o->vocab && !o->experts && !o->ctx) {
+    if (!o->vocab && !o->mtp && !o->experts && !o->ctx) {
         if (o->config != cfg) bad("synth: config is not --config's value", argv, argc);
     } else {
-        /* --config NAME[@E][/N] with --vocab, --experts E', --ctx N': NAME[+vocab][@E][@E'][/N][/N']
+        /* --config NAME[@E][/N] with --vocab, --mtp, --experts E', --ctx N':
+         * NAME[+vocab][+mtp][@E][@E'][/N][/N']
          * (one @ and one / at most, else rejected); NAME ends at the first @ or / */
         const char *slash = strchr(cfg, '/');
         const char *at = strchr(cfg, '@');
@@ -187,6 +189,7 @@ static void check_synth(const struct synth_opts *o, int argc, char **argv) {
         memcpy(want, cfg, name);
         want[name] = 0;
         if (o->vocab) strcat(want, "+vocab");
+        if (o->mtp) strcat(want, "+mtp");
         if (at) strncat(want, at, slash ? (size_t)(slash - at) : strlen(at));
         if (o->experts) sprintf(want + strlen(want), "@%d", o->experts);
         if (slash) strcat(want, slash);
@@ -197,6 +200,7 @@ static void check_synth(const struct synth_opts *o, int argc, char **argv) {
         if (o->experts && at) bad("synth: accepted --experts with NAME@E", argv, argc);
         if (o->ctx && slash) bad("synth: accepted --ctx with NAME/N", argv, argc);
         if (o->vocab && strstr(cfg, "+vocab")) bad("synth: accepted --vocab with NAME+vocab", argv, argc);
+        if (o->mtp && strstr(cfg, "+mtp")) bad("synth: accepted --mtp with NAME+mtp", argv, argc);
     }
     (void)ds4_synth_config_ok(o->config);   /* ds4_synth_write's check, run here only for crashes */
     const int layout = strstr(o->config, "-q2") || strstr(o->config, "-q4");
