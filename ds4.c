@@ -3140,36 +3140,51 @@ static void hooks_layer_end(ds4_ctx *c, int il, int nt) {
  * step): x --attention--> x2 --MoE--> x, and the head folds in the last one.
  * fwd_span runs layers [l0, l1), with the embedding when l0 == 0 and the head
  * when l1 is the last layer: the whole step, or one region of it. */
+/* Layer il (a trunk layer, or the MTP block at il == n_layer) on the streams in c->x: its two
+ * sublayers, each after an mHC pre step; f_prev is the output of the sublayer before it, whose
+ * update the first step applies (NULL: the streams come as they are). */
+static void fwd_layer(ds4_ctx *c, int il, const float *f_prev, int nt) {
+    const ds4_backend *be = c->be;
+    const ds4_hparams *hp = &c->m->hp;
+    const ds4_layer_w *L = layer_w(c->m, il);
+    const int D = hp->n_embd, hc = hp->n_hc, it = hp->sinkhorn_iters;
+    const float eps = hp->rms_eps, heps = hp->hc_eps;
+    be->hc_pre(f_prev, c->x2, c->x, &L->hc_attn_fn, L->hc_attn_scale.dev, L->hc_attn_base.dev, L->attn_norm.dev,
+               nt, D, hc, 0, eps, heps, it, c->flat, c->mix, c->h, c->post, c->comb);
+    if (f_prev) hooks_layer_end(c, il - 1, nt);
+    fwd_attention(c, il, c->h, nt, c->f);
+    ds4h_emit(c->hk, DS4H_ATTN, il, c->f, DS4H_F32, 2, (uint32_t)nt, (uint32_t)D, 1, 0);
+    ds4h_flush(c->hk);
+    be->hc_pre(c->f, c->x, c->x2, &L->hc_ffn_fn, L->hc_ffn_scale.dev, L->hc_ffn_base.dev, L->ffn_norm.dev,
+               nt, D, hc, 0, eps, heps, it, c->flat, c->mix, c->h, c->post, c->comb);
+    ds4h_join(c->hk);              /* the MoE rewrites c->f (the attn record's source) */
+    fwd_moe(c, il, c->h, nt, c->f);
+}
+
+/* The head's mHC step: the last sublayer's update (the final streams into c->x), the streams
+ * collapsed, then RMSNorm with norm: c->h [nt][D]. */
+static void fwd_head_norm(ds4_ctx *c, const ds4_weight *norm, int nt) {
+    const ds4_model *m = c->m;
+    const ds4_hparams *hp = &m->hp;
+    c->be->hc_pre(c->f, c->x2, c->x, &m->output_hc_fn, m->output_hc_scale.dev, m->output_hc_base.dev, norm->dev,
+                  nt, hp->n_embd, hp->n_hc, 1, hp->rms_eps, hp->hc_eps, hp->sinkhorn_iters,
+                  c->flat, c->mix, c->h, c->post, c->comb);
+}
+
 static void fwd_span(ds4_ctx *c, int l0, int l1, int nt, int all_rows) {
     const ds4_backend *be = c->be;
     const ds4_model *m = c->m;
     const ds4_hparams *hp = &m->hp;
-    const int D = hp->n_embd, hc = hp->n_hc;
-    const float eps = hp->rms_eps, heps = hp->hc_eps;
-    const int it = hp->sinkhorn_iters;
+    const int D = hp->n_embd;
 
-    if (l0 == 0) be->embed(&m->tok_embd, c->tok, nt, hc, c->x);
-    for (int il = l0; il < l1; il++) {
-        const ds4_layer_w *L = &m->layers[il];
-        be->hc_pre(il > 0 ? c->f : NULL, c->x2, c->x, &L->hc_attn_fn, L->hc_attn_scale.dev,
-                   L->hc_attn_base.dev, L->attn_norm.dev, nt, D, hc, 0, eps, heps, it,
-                   c->flat, c->mix, c->h, c->post, c->comb);
-        if (il > 0) hooks_layer_end(c, il - 1, nt);
-        fwd_attention(c, il, c->h, nt, c->f);
-        ds4h_emit(c->hk, DS4H_ATTN, il, c->f, DS4H_F32, 2, (uint32_t)nt, (uint32_t)D, 1, 0);
-        ds4h_flush(c->hk);
-        be->hc_pre(c->f, c->x, c->x2, &L->hc_ffn_fn, L->hc_ffn_scale.dev, L->hc_ffn_base.dev,
-                   L->ffn_norm.dev, nt, D, hc, 0, eps, heps, it, c->flat, c->mix, c->h, c->post, c->comb);
-        ds4h_join(c->hk);          /* the MoE rewrites c->f (the attn record's source) */
-        fwd_moe(c, il, c->h, nt, c->f);
-    }
+    if (l0 == 0) be->embed(&m->tok_embd, c->tok, nt, hp->n_hc, c->x);
+    for (int il = l0; il < l1; il++) fwd_layer(c, il, il > 0 ? c->f : NULL, nt);
     if (l1 < hp->n_layer) {
         ds4h_join(c->hk);          /* a recorded region ends joined */
         return;
     }
     /* head: the last update, collapse the streams, normalise, project to the vocabulary */
-    be->hc_pre(c->f, c->x2, c->x, &m->output_hc_fn, m->output_hc_scale.dev, m->output_hc_base.dev,
-               m->output_norm.dev, nt, D, hc, 1, eps, heps, it, c->flat, c->mix, c->h, c->post, c->comb);
+    fwd_head_norm(c, &m->output_norm, nt);
     hooks_layer_end(c, hp->n_layer - 1, nt);
     if (all_rows) be->matmul(&m->output, 0, c->h, c->logits, nt);
     else be->matmul(&m->output, 0, c->h + (size_t)(nt - 1) * D, c->logits, 1);
@@ -3203,6 +3218,14 @@ static void fwd_batch(ds4_ctx *c, int nt, int all_rows) {
     }
 }
 
+/* The step block of a call of n tokens at pos, then the tokens, up as one small ordered copy. */
+static void step_upload(ds4_ctx *c, int pos, const int32_t *tokens, int n) {
+    const ds4_step st = { pos, n, (int32_t)c->hcalls, 0 };
+    memcpy(c->step_host, &st, sizeof st);
+    memcpy((ds4_step *)c->step_host + 1, tokens, (size_t)n * 4);
+    c->be->upload(c->step, c->step_host, sizeof st + (size_t)n * 4);
+}
+
 /* One forward call of n <= max_batch tokens at c->pos (ds4_eval has checked them and the room). */
 static int eval_chunk(ds4_ctx *c, const int32_t *tokens, int n, float *logits, int all_rows,
                       char *err, size_t errlen) {
@@ -3212,10 +3235,7 @@ static int eval_chunk(ds4_ctx *c, const int32_t *tokens, int n, float *logits, i
      * host waits once, for the logits (or, without them, for the step to end). */
     const ds4_backend *be = c->be;
     void *prev = be->session_bind(c->sess);
-    const ds4_step st = { c->pos, n, (int32_t)c->hcalls, 0 };
-    memcpy(c->step_host, &st, sizeof st);
-    memcpy((ds4_step *)c->step_host + 1, tokens, (size_t)n * 4);
-    be->upload(c->step, c->step_host, sizeof st + (size_t)n * 4);
+    step_upload(c, c->pos, tokens, n);
     ds4h_call_begin(c->hk, c->pos, c->hcalls, c->step);
     fwd_batch(c, n, all_rows);
     if (logits) be->download(logits, c->logits, (size_t)(all_rows ? n : 1) * hp->n_vocab * 4);
@@ -3311,37 +3331,24 @@ int ds4_mtp_eval(ds4_ctx *c, const float *h, const int32_t *tokens, int n, float
         return -1;
     }
     const ds4_mtp_w *M = &m->mtp;
-    const ds4_layer_w *L = &M->layer;
-    const float eps = hp->rms_eps, heps = hp->hc_eps;
-    const int it = hp->sinkhorn_iters;
     void *prev = be->session_bind(c->sess);
     ds4h_ctx *hk = c->hk;                        /* the block's ops emit no hook records */
     c->hk = NULL;
-    const ds4_step st = { c->mtp_pos, n, (int32_t)c->hcalls, 0 };
-    memcpy(c->step_host, &st, sizeof st);
-    memcpy((ds4_step *)c->step_host + 1, tokens, (size_t)n * 4);
-    be->upload(c->step, c->step_host, sizeof st + (size_t)n * 4);
+    step_upload(c, c->mtp_pos, tokens, n);
     /* the input streams: enorm(e) beside each hnorm(h_s), then eh_proj */
     be->embed(M->embed_tokens.host ? &M->embed_tokens : &m->tok_embd, c->tok, n, 1, c->f);
-    be->rmsnorm(c->f, M->enorm.dev, c->f, n, D, eps);
+    be->rmsnorm(c->f, M->enorm.dev, c->f, n, D, hp->rms_eps);
     be->upload(c->x2, h, (size_t)n * hc * D * 4);
-    be->rmsnorm(c->x2, M->hnorm.dev, c->x2, n * hc, D, eps);
+    be->rmsnorm(c->x2, M->hnorm.dev, c->x2, n * hc, D, hp->rms_eps);
     for (int r = 0; r < n * hc; r++) {
         memcpy(c->mtp_cat + (size_t)r * 2 * D, c->f + (size_t)(r / hc) * D, (size_t)D * 4);
         memcpy(c->mtp_cat + (size_t)r * 2 * D + D, c->x2 + (size_t)r * D, (size_t)D * 4);
     }
     be->matmul(&M->eh_proj, 0, c->mtp_cat, c->x, n * hc);
-    /* the block, as fwd_span runs a layer (its input streams in c->x, no update before) */
-    be->hc_pre(NULL, c->x2, c->x, &L->hc_attn_fn, L->hc_attn_scale.dev, L->hc_attn_base.dev, L->attn_norm.dev,
-               n, D, hc, 0, eps, heps, it, c->flat, c->mix, c->h, c->post, c->comb);
-    fwd_attention(c, il, c->h, n, c->f);
-    be->hc_pre(c->f, c->x, c->x2, &L->hc_ffn_fn, L->hc_ffn_scale.dev, L->hc_ffn_base.dev, L->ffn_norm.dev,
-               n, D, hc, 0, eps, heps, it, c->flat, c->mix, c->h, c->post, c->comb);
-    fwd_moe(c, il, c->h, n, c->f);
-    /* the model's mHC head, the block's head norm and projection */
-    be->hc_pre(c->f, c->x2, c->x, &m->output_hc_fn, m->output_hc_scale.dev, m->output_hc_base.dev,
-               (M->shared_head_norm.host ? &M->shared_head_norm : &m->output_norm)->dev, n, D, hc, 1, eps, heps, it,
-               c->flat, c->mix, c->h, c->post, c->comb);
+    /* the block as a layer (its input streams need no update first), the model's mHC head, the
+     * block's head norm and projection */
+    fwd_layer(c, il, NULL, n);
+    fwd_head_norm(c, M->shared_head_norm.host ? &M->shared_head_norm : &m->output_norm, n);
     be->matmul(M->shared_head_head.host ? &M->shared_head_head : &m->output, 0, c->h, c->logits, n);
     be->download(logits, c->logits, (size_t)n * hp->n_vocab * 4);
     c->hk = hk;

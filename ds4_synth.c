@@ -540,6 +540,21 @@ static int synth_add_tensor(gguf_plan *p, const char *name, const gguf_tspec *sp
     return 1;
 }
 
+/* Layer il's tensors (gguf_layer_specs order). */
+static int synth_add_layer(gguf_plan *p, int il, int wtype, int layout) {
+    char name[128];
+    int64_t ne[4];
+    int ok = 1;
+    for (int id = 0; id < LT_COUNT; id++) {
+        const gguf_tspec *sp = &gguf_layer_specs[id];
+        if (!gguf_layer_has(sp->when, &p->hp, il)) continue;
+        snprintf(name, sizeof name, "blk.%d.%s", il, sp->name);
+        const int nd = gguf_layer_shape(id, &p->hp, il, ne);
+        ok &= synth_add_tensor(p, name, sp, nd, ne, wtype, layout);
+    }
+    return ok;
+}
+
 /* Builds the full plan of a synthetic config (keys, tensors, layout). */
 static int synth_plan_init(gguf_plan *p, const char *config, int wtype, char *err, size_t errlen) {
     memset(p, 0, sizeof *p);
@@ -630,29 +645,19 @@ static int synth_plan_init(gguf_plan *p, const char *config, int wtype, char *er
      * A tensor's values come from its index, so the trunk's are the same with or without it. */
     nd = gguf_global_shape(GT_TOKEN_EMBD, hp, ne);
     ok &= synth_add_tensor(p, gguf_global_specs[GT_TOKEN_EMBD].name, &gguf_global_specs[GT_TOKEN_EMBD], nd, ne, wtype, c->layout);
-    for (int il = 0; il < n_block; il++) {
-        if (il == hp->n_layer)
-            for (int id = GT_TOKEN_EMBD + 1; id < GT_COUNT; id++) {
-                nd = gguf_global_shape(id, hp, ne);
-                ok &= synth_add_tensor(p, gguf_global_specs[id].name, &gguf_global_specs[id], nd, ne, wtype, c->layout);
-            }
-        for (int id = 0; id < LT_COUNT; id++) {
-            const gguf_tspec *sp = &gguf_layer_specs[id];
-            if (!gguf_layer_has(sp->when, hp, il)) continue;
-            snprintf(name, sizeof name, "blk.%d.%s", il, sp->name);
-            nd = gguf_layer_shape(id, hp, il, ne);
-            ok &= synth_add_tensor(p, name, sp, nd, ne, wtype, c->layout);
-        }
-        for (int id = 0; il == hp->n_layer && id < NT_COUNT; id++) {
+    for (int il = 0; il < hp->n_layer; il++) ok &= synth_add_layer(p, il, wtype, c->layout);
+    for (int id = GT_TOKEN_EMBD + 1; id < GT_COUNT; id++) {
+        nd = gguf_global_shape(id, hp, ne);
+        ok &= synth_add_tensor(p, gguf_global_specs[id].name, &gguf_global_specs[id], nd, ne, wtype, c->layout);
+    }
+    if (hp->n_mtp) {
+        ok &= synth_add_layer(p, hp->n_layer, wtype, c->layout);
+        for (int id = 0; id < NT_COUNT; id++) {
             if (id == NT_EMBED_TOKENS || id == NT_SHARED_HEAD_HEAD) continue;
-            snprintf(name, sizeof name, "blk.%d.%s", il, gguf_nextn_specs[id].name);
+            snprintf(name, sizeof name, "blk.%d.%s", hp->n_layer, gguf_nextn_specs[id].name);
             nd = gguf_nextn_shape(id, hp, ne);
             ok &= synth_add_tensor(p, name, &gguf_nextn_specs[id], nd, ne, wtype, c->layout);
         }
-    }
-    for (int id = GT_TOKEN_EMBD + 1; !hp->n_mtp && id < GT_COUNT; id++) {
-        nd = gguf_global_shape(id, hp, ne);
-        ok &= synth_add_tensor(p, gguf_global_specs[id].name, &gguf_global_specs[id], nd, ne, wtype, c->layout);
     }
     if (!ok || !gguf_plan_layout(p)) {
         if (err && errlen) snprintf(err, errlen, "out of memory building synth config '%s'", c->name);
