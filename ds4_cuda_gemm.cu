@@ -29,7 +29,10 @@
  *
  * How a block works (256 threads, 8 warps, TC_BM = 128 rows x TC_BN = 64 tokens).  Warp w
  * computes 32 rows (two m16 tiles) x 32 tokens (four n8 tiles): rows 32 (w % 4), tokens
- * 32 (w / 4).  The block streams K in stages of TC_BK = 64 through a TC_ST-deep cp.async
+ * 32 (w / 4); a lane's rows are spread so that its loads of A hit distinct banks (pg, in the
+ * kernel), and the MMAs of two m tiles x two n tiles are issued interleaved (four accumulator
+ * chains in flight, each in the order below).  Each thread's share of a stage's copies is
+ * worked out once per block (tc_copy_plan): a stage differs from the last by its k offset.  The block streams K in stages of TC_BK = 64 through a TC_ST-deep cp.async
  * pipeline: a stage is the raw weight bytes of its 128 rows (Q8_0: two 34-byte blocks per
  * row, copied 4 bytes at a time; F16: 16-byte chunks) and the three parts of its 64 tokens
  * (16-byte chunks, swizzled so a quarter-warp's reads fall on distinct banks).  From a stage
@@ -155,27 +158,65 @@ template <int TYPE>
 __host__ __device__ constexpr int tc_stage_bytes() { return TC_BM * tc_traits<TYPE>::AROW + 3 * TC_BN * 128; }
 __device__ __forceinline__ int tc_swz(int row, int chunk) { return 16 * (chunk ^ ((row & 1) << 2)); }
 
+/* A thread's share of a stage's copies, set up once per block: the stages then differ only by
+ * their k offset.  Q8_0 A: thread tid < 255 copies word tid % 17 of the rows tid / 17 + 15 i
+ * (i = 0 .. 8, while the row is in the tile), which lands at 4 tid + 1020 i of the stage; F16
+ * A: chunk tid % 8 of the rows tid / 8 + 32 i (i = 0 .. 3); B: chunk tid % 8 of the tokens
+ * tid / 8 + 32 h (h = 0, 1) of each part.  Rows past the matrix read row row0. */
+struct tc_copy {
+    const uint8_t *a;       /* the thread's piece of row row0 at stage 0 */
+    const __half *b;        /* the thread's first B piece (part 0) at stage 0 */
+    int arow;               /* the thread's first A row of the tile (TC_BM: none) */
+    int nv;                 /* rows of the tile inside the matrix */
+    int as, bs;             /* the first pieces' offsets in a stage */
+};
+
+template <int TYPE>
+__device__ __forceinline__ tc_copy tc_copy_plan(const uint8_t *w, size_t row_bytes, int row0, int nrows,
+                                                const __half *xs, int K, int t0) {
+    tc_copy cp;
+    const int tid = threadIdx.x;
+    if (TYPE == DS4_TYPE_Q8_0) {
+        cp.arow = tid < 15 * 17 ? tid / 17 : TC_BM;
+        cp.as = 4 * tid;
+        cp.a = w + (size_t)row0 * row_bytes + 4 * (tid - 17 * (tid / 17));
+    } else {
+        cp.arow = tid >> 3;
+        cp.as = 128 * cp.arow + tc_swz(cp.arow, tid & 7);
+        cp.a = w + (size_t)row0 * row_bytes + 16 * (tid & 7);
+    }
+    cp.nv = nrows - row0;
+    const int n = tid >> 3;
+    cp.b = xs + (size_t)(t0 + n) * K + 8 * (tid & 7);
+    cp.bs = TC_BM * tc_traits<TYPE>::AROW + 128 * n + tc_swz(n, tid & 7);
+    return cp;
+}
+
 /* One stage in flight: the weight rows' and the tokens' elements kb*TC_BK .. + TC_BK. */
 template <int TYPE>
-__device__ __forceinline__ void tc_load_stage(uint8_t *st, const uint8_t *w, size_t row_bytes, int row0, int nrows,
-                                              const __half *xs, size_t plane, int K, int t0, int kb) {
-    uint8_t *As = st, *Bs = st + TC_BM * tc_traits<TYPE>::AROW;
+__device__ __forceinline__ void tc_load_stage(uint8_t *st, const tc_copy &cp, size_t row_bytes, size_t plane, int K,
+                                              int kb) {
     if (TYPE == DS4_TYPE_Q8_0) {
-        for (int i = threadIdx.x; i < TC_BM * 17; i += TC_THREADS) {
-            const int r = i / 17, c = i - 17 * r, row = row0 + r < nrows ? row0 + r : row0;
-            cp_async4(As + 68 * r + 4 * c, w + (size_t)row * row_bytes + (size_t)kb * 68 + 4 * c);
+        const uint8_t *a = cp.a + (size_t)kb * 68;
+#pragma unroll
+        for (int i = 0; i < 9; i++) {
+            const int r = cp.arow + 15 * i;
+            if (r < TC_BM) cp_async4(st + cp.as + 1020 * i, a + (size_t)(r < cp.nv ? r : 0) * row_bytes);
         }
     } else {
-        for (int i = threadIdx.x; i < TC_BM * 8; i += TC_THREADS) {
-            const int r = i >> 3, c = i & 7, row = row0 + r < nrows ? row0 + r : row0;
-            cp_async16(As + 128 * r + tc_swz(r, c), w + (size_t)row * row_bytes + (size_t)kb * 128 + 16 * c);
+        const uint8_t *a = cp.a + (size_t)kb * 128;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int r = cp.arow + 32 * i;
+            cp_async16(st + cp.as + 4096 * i, a + (size_t)(r < cp.nv ? r : 0) * row_bytes);
         }
     }
-    for (int i = threadIdx.x; i < 3 * TC_BN * 8; i += TC_THREADS) {
-        const int p = i / (TC_BN * 8), n = (i >> 3) % TC_BN, c = i & 7;
-        cp_async16(Bs + (p * TC_BN + n) * 128 + tc_swz(n, c),
-                   xs + p * plane + (size_t)(t0 + n) * K + (size_t)kb * 64 + 8 * c);
-    }
+    const __half *b = cp.b + (size_t)kb * 64;
+#pragma unroll
+    for (int p = 0; p < 3; p++)
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+            cp_async16(st + cp.bs + (p * TC_BN + 32 * h) * 128, b + p * plane + (size_t)(32 * h) * K);
 }
 
 /* A lane's 8 elements 32 j + 8 t .. + 7 of staged row r, as four f16x2 registers (element pairs
@@ -242,7 +283,13 @@ k_tc_gemm(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const uin
         t1 = tl.z;
     }
     const int wr0 = (warp & 3) * 32, wn0 = (warp >> 2) * 32;    /* the warp's rows and tokens in the block */
+    /* the lane's rows: tile row g of (mi, h) (h = 0: the m16 tile's row g, 1: row g + 8) is the
+     * warp's row pg + 4 mi + 2 h, so that the 8 rows one load touches (pg = 0, 1, 8, 9, 16, 17,
+     * 24, 25 plus a constant: 68-byte Q8_0 rows start on banks 17 pg mod 32 = 0, 17, 8, 25, 16,
+     * 1, 24, 9) and the lanes' word offsets 2 t fall on 32 distinct banks */
+    const int pg = wr0 + (g & 1) + 8 * (g >> 1);
     constexpr int SB = tc_stage_bytes<TYPE>();
+    const tc_copy cp = tc_copy_plan<TYPE>(w, row_bytes, row0, nrows, xs, K, t0);
     float acc[2][4][4];
 #pragma unroll
     for (int mi = 0; mi < 2; mi++)
@@ -254,7 +301,7 @@ k_tc_gemm(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const uin
     const int nk = K / TC_BK;
 #pragma unroll
     for (int s = 0; s < TC_ST - 1; s++) {
-        if (s < nk) tc_load_stage<TYPE>(tc_smem + s * SB, w, row_bytes, row0, nrows, xs, plane, K, t0, s);
+        if (s < nk) tc_load_stage<TYPE>(tc_smem + s * SB, cp, row_bytes, plane, K, s);
         cp_async_commit();
     }
     for (int kb = 0; kb < nk; kb++) {
@@ -262,43 +309,55 @@ k_tc_gemm(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const uin
         __syncthreads();
         {
             const int nx = kb + TC_ST - 1;
-            if (nx < nk) tc_load_stage<TYPE>(tc_smem + (nx % TC_ST) * SB, w, row_bytes, row0, nrows, xs, plane, K, t0, nx);
+            if (nx < nk) tc_load_stage<TYPE>(tc_smem + (nx % TC_ST) * SB, cp, row_bytes, plane, K, nx);
             cp_async_commit();
         }
         const uint8_t *As = tc_smem + (kb % TC_ST) * SB, *Bs = As + TC_BM * tc_traits<TYPE>::AROW;
 #pragma unroll
         for (int j = 0; j < 2; j++) {
-            uint4 bf[4][3];
-#pragma unroll
-            for (int ni = 0; ni < 4; ni++) {
-                const int n = wn0 + 8 * ni + g;
-#pragma unroll
-                for (int p = 0; p < 3; p++) bf[ni][p] = *(const uint4 *)(Bs + (p * TC_BN + n) * 128 + tc_swz(n, 4 * j + t));
-            }
+            /* the lane's A of both m tiles for block j, then one n tile's three parts at a time */
+            uint32_t a[2][2][4];
+            float d[2][2];
 #pragma unroll
             for (int mi = 0; mi < 2; mi++) {
-                uint32_t a[2][4];
-                float d[2];
-                tc_frag_a<TYPE>(As, wr0 + 16 * mi + g, j, t, a[0], d[0]);
-                tc_frag_a<TYPE>(As, wr0 + 16 * mi + 8 + g, j, t, a[1], d[1]);
+                tc_frag_a<TYPE>(As, pg + 4 * mi, j, t, a[mi][0], d[mi][0]);
+                tc_frag_a<TYPE>(As, pg + 4 * mi + 2, j, t, a[mi][1], d[mi][1]);
+            }
 #pragma unroll
-                for (int ni = 0; ni < 4; ni++) {
-                    float c[4] = { 0.0f, 0.0f, 0.0f, 0.0f };
+            for (int n2 = 0; n2 < 4; n2 += 2) {
+                uint4 bf[2][3];
 #pragma unroll
-                    for (int p = 0; p < 3; p++) {
-                        mma_f16_16816(c, a[0][0], a[1][0], a[0][1], a[1][1], make_uint2(bf[ni][p].x, bf[ni][p].y));
-                        mma_f16_16816(c, a[0][2], a[1][2], a[0][3], a[1][3], make_uint2(bf[ni][p].z, bf[ni][p].w));
-                    }
-                    if (TYPE == DS4_TYPE_F16) {
+                for (int q = 0; q < 2; q++) {
+                    const int n = wn0 + 8 * (n2 + q) + g;
 #pragma unroll
-                        for (int e = 0; e < 4; e++) acc[mi][ni][e] += c[e];
-                    } else {
-                        acc[mi][ni][0] = fmaf(d[0], c[0], acc[mi][ni][0]);
-                        acc[mi][ni][1] = fmaf(d[0], c[1], acc[mi][ni][1]);
-                        acc[mi][ni][2] = fmaf(d[1], c[2], acc[mi][ni][2]);
-                        acc[mi][ni][3] = fmaf(d[1], c[3], acc[mi][ni][3]);
-                    }
+                    for (int p = 0; p < 3; p++) bf[q][p] = *(const uint4 *)(Bs + (p * TC_BN + n) * 128 + tc_swz(n, 4 * j + t));
                 }
+                float c[2][2][4] = {};
+#pragma unroll
+                for (int p = 0; p < 3; p++)
+#pragma unroll
+                    for (int hf = 0; hf < 2; hf++)
+#pragma unroll
+                        for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+                            for (int q = 0; q < 2; q++)
+                                mma_f16_16816(c[mi][q], a[mi][0][2 * hf], a[mi][1][2 * hf], a[mi][0][2 * hf + 1], a[mi][1][2 * hf + 1],
+                                              hf ? make_uint2(bf[q][p].z, bf[q][p].w) : make_uint2(bf[q][p].x, bf[q][p].y));
+#pragma unroll
+                for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+                    for (int q = 0; q < 2; q++) {
+                        float *ac = acc[mi][n2 + q];
+                        if (TYPE == DS4_TYPE_F16) {
+#pragma unroll
+                            for (int e = 0; e < 4; e++) ac[e] += c[mi][q][e];
+                        } else {
+                            ac[0] = fmaf(d[mi][0], c[mi][q][0], ac[0]);
+                            ac[1] = fmaf(d[mi][0], c[mi][q][1], ac[1]);
+                            ac[2] = fmaf(d[mi][1], c[mi][q][2], ac[2]);
+                            ac[3] = fmaf(d[mi][1], c[mi][q][3], ac[3]);
+                        }
+                    }
             }
         }
     }
@@ -317,7 +376,7 @@ k_tc_gemm(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const uin
             for (int mi = 0; mi < 2; mi++)
 #pragma unroll
                 for (int h = 0; h < 2; h++) {
-                    const int r = row0 + wr0 + 16 * mi + 8 * h + g;
+                    const int r = row0 + pg + 4 * mi + 2 * h;
                     if (r < nrows) y[(int64_t)n * ldy + r] = acc[mi][ni][2 * h + e] * f;
                 }
         }

@@ -6,13 +6,15 @@
 # rounds, alternating), logs under $OUT.
 # prof: ncu (clocks as found) on two k_attention_tiles launches (layers 2 and 3: ratio 4 and 128)
 # and PROF_GEMMS k_tc_gemm launches of a flash16 prefill of PROF_N (4096) tokens.
+# stall: ncu metrics of two k_tc_gemm launches there: instructions per MMA, tensor pipe, shared-memory
+# bank conflicts, L2 bytes and the sampled stall reasons.
 # peak: bench/mma_peak (mma.sync f16 and s8 on every SM); bench, attn and q2 then print each
 # prefill's TFLOP/s as a share of that f16 peak (ds4_bench --tc-peak).
 # vs, same: PREV=DIR, another tree (e.g. `git archive REV` unpacked), built beside this one; vs:
 # flash16 (and VS_MODELS) prefill, PREV and this tree alternating VS_ROUNDS (2) rounds; same:
 # CUDA logits of a 300-token prompt + 32 greedy steps on small Q8_0 and F16 from both trees,
 # compared byte for byte (for a change that keeps every sum).
-#   scripts/gpu-prefill.sh [peak] [test] [bench] [attn] [q2] [vs] [same] [report] [prof] [exact] [san] [peer]
+#   scripts/gpu-prefill.sh [peak] [test] [bench] [attn] [q2] [vs] [same] [report] [prof] [stall] [exact] [san] [peer]
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-build/gpu-out}; mkdir -p "$OUT"
@@ -119,6 +121,20 @@ if want prof; then
     echo "$1: rc $? $(grep -cE '^  [a-z_]+.*\(' "$OUT/prof-$1.log") launches profiled"
     grep -E '^  [a-zA-Z_].*\(|Duration|Compute \(SM\) Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Issue Slots Busy|No Eligible|Executed Ipc A' "$OUT/prof-$1.log" | head -60
   done
+fi
+if want stall; then
+  step "ncu metrics: k_tc_gemm launches 41-42 of a flash16 prefill of ${PROF_N:-4096} tokens (issue, tensor pipe, banks, stalls)"
+  NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  M=gpu__time_duration.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active
+  M=$M,sm__inst_executed_pipe_tensor_op_hmma.sum,smsp__inst_executed.sum,smsp__issue_active.avg.pct_of_peak_sustained_active
+  M=$M,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum
+  M=$M,lts__t_bytes.sum,lts__throughput.avg.pct_of_peak_sustained_elapsed,l1tex__throughput.avg.pct_of_peak_sustained_active
+  for r in barrier long_scoreboard short_scoreboard math_pipe_throttle mio_throttle wait not_selected selected dispatch_stall \
+           lg_throttle no_instructions; do M=$M,smsp__pcsamp_warps_issue_stalled_$r; done
+  timeout 200 "$NCU" --clock-control none -k regex:k_tc_gemm --launch-skip 40 --launch-count 2 --metrics "$M" \
+    build/cuda-"$ARCH"/ds4_bench --model flash16 --backend cuda --reps 1 --decode 2 --prefill "${PROF_N:-4096}" \
+    --no-warmup > "$OUT/stall.log" 2>&1
+  echo "rc $?"; grep -E '^  [a-zA-Z_].*\(|gpu__time|hmma|inst_executed.sum|issue_active|bank|wavefronts|lts__t_bytes|stalled' "$OUT/stall.log"
 fi
 if want exact; then
   step "CUDA against the CPU on Q8_0, F16 and F32 models: a 300-token prompt (prefill) + 32 greedy steps"
