@@ -206,7 +206,7 @@ test: test-deps
 	done; echo "make test: all done in $$(( $$(date +%s) - t0 )) s"
 
 # The inner loop: the CPU engine, the C tests and the pytest files that need no oracle.
-test-quick: test-deps cpu test-c
+test-quick: test-deps cpu test-c $(B)/tests/mtp_dump
 	TEST_QUICK=1 bash tests/run_pytest.sh
 .PHONY: test-quick
 

@@ -26,8 +26,11 @@
  * ds4_quant.c.  Fused ops of the contract (hc_pre, matmul_multi, ...) are
  * defined, and computed here, as compositions of the plain ops.
  *
- * What it is not.  No multi-sequence batching, no speculative
- * decoding (the MTP block is ignored), no simulation of the FP8/FP4
+ * Speculative decoding (ds4 --mtp-draft, in ds4_cli.c) drafts with the model's MTP block
+ * (ds4_mtp_eval, CPU backend) and takes back the positions of rejected drafts
+ * (ds4_ctx_checkpoint / ds4_ctx_rollback, through the backend's copies).
+ *
+ * What it is not.  No multi-sequence batching, no simulation of the FP8/FP4
  * quantisation-aware rounding of the official weights: like both reference
  * implementations, ds4 computes in f32.
  *
@@ -2611,8 +2614,8 @@ void ds4_model_describe(const ds4_model *m, FILE *f) {
             h->n_layer, n4, n128, h->n_embd, h->n_vocab, h->n_head, h->head_dim, h->n_swa,
             h->n_expert, h->n_expert_used, type_name(m->layers[0].q_b.type), m->weight_bytes / 1e9);
     if (h->n_mtp)
-        fprintf(f, "ds4: model: an MTP block (blk.%d, ratio %d, %s), %.2f GB; decoding does not speculate "
-                   "with it yet\n", h->n_layer, h->ratio[h->n_layer], type_name(m->mtp.eh_proj.type), m->mtp_bytes / 1e9);
+        fprintf(f, "ds4: model: an MTP block (blk.%d, ratio %d, %s), %.2f GB; --mtp-draft speculates with it "
+                   "(cpu backend)\n", h->n_layer, h->ratio[h->n_layer], type_name(m->mtp.eh_proj.type), m->mtp_bytes / 1e9);
 }
 
 int ds4_parse_wtype(const char *s) {
@@ -2778,7 +2781,7 @@ struct ds4_ctx {
     int      mtp_pos;             /* the MTP block's next position (ds4_mtp_eval) */
     int      mtp_rows;            /* rows of the last call when it was ds4_mtp_eval (ds4_mtp_streams) */
     struct { int pos, n; } ckp[2];  /* the checkpoint of each part (DS4_PART_*): position, width; n 0 = none */
-    int      restore;             /* DS4_ROLLBACK_RESTORE */
+    int      restore;             /* DS4_ROLLBACK_RESTORE: bit 1 << part, that part's slots are restored */
     float   *mtp_cat;             /* its eh_proj input [B][hc][2D] (host: CPU backend), made on first use */
 };
 
@@ -3129,7 +3132,7 @@ int ds4_ctx_rollback(ds4_ctx *c, int part, int to, char *err, size_t errlen) {
         errf(err, errlen, "cannot roll back to position %d (the checkpoint is at %d, the position is %d)", to, p0, cur);
         return -1;
     }
-    if (c->restore) ck_layers(c, l0, l1, p0, to - p0, cur - p0, 1);
+    if (c->restore & (1 << part)) ck_layers(c, l0, l1, p0, to - p0, cur - p0, 1);
     *pos = to;
     int *rows = part == DS4_PART_TRUNK ? &c->last_rows : &c->mtp_rows;
     *rows = *rows > cur - to ? *rows - (cur - to) : 0;
@@ -3636,7 +3639,7 @@ int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
     env->graph_pdl = 1;
     env->prefill_tc = 1;
     env->prefill_attn = 1;
-    env->rollback_restore = 1;
+    env->rollback_restore = 3;
     env->ubatch = DS4_UBATCH_DEFAULT;
     static const struct { const char *name; long lo, hi; const char *what; } ints[] = {
         { "DS4_CUDA_GRAPH_LAYERS", 0, 1024, "layers per recorded region, 0 = the whole step" },
@@ -3648,7 +3651,7 @@ int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
         { "DS4_UBATCH", 1, DS4_UBATCH_MAX, "the most tokens of one prefill chunk" },
         { "DS4_CUDA_PREFILL_TC", 0, 1, "1 = prefill products of Q8_0 and F16 weights on tensor cores" },
         { "DS4_CUDA_PREFILL_ATTN", 0, 1, "1 = a prefill batch's attention in row tiles shared by 32 heads" },
-        { "DS4_ROLLBACK_RESTORE", 0, 1, "1 = a rollback restores the saved slots; 0 = debug, the position only" },
+        { "DS4_ROLLBACK_RESTORE", 0, 3, "debug: the parts a rollback restores, bit 0 the model's layers, bit 1 the MTP block's" },
     };
     for (size_t i = 0; i < sizeof ints / sizeof ints[0]; i++) {
         const char *v = getenv(ints[i].name);

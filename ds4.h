@@ -230,8 +230,9 @@ typedef struct ds4_env {
                                    cores (default), 0 = dequantise + cuBLAS */
     int prefill_attn;           /* DS4_CUDA_PREFILL_ATTN: 1 = a prefill batch's attention in row tiles shared
                                    by 32 heads (default), 0 = the per-query kernel decode uses */
-    int rollback_restore;       /* DS4_ROLLBACK_RESTORE: 1 = ds4_ctx_rollback restores the saved slots (default);
-                                   0 = debug, it only moves the position back (the tests show what breaks) */
+    int rollback_restore;       /* DS4_ROLLBACK_RESTORE: debug, the parts whose saved slots ds4_ctx_rollback
+                                   restores: bit 1 << DS4_PART_* (default 3, both); a part without its bit
+                                   only moves its position back (the tests show what breaks) */
     float mtp_force_p;          /* DS4_MTP_FORCE=P:FILE: debug, each draft of --mtp-draft is FILE's reference */
     const char *mtp_force_file; /*   token with probability P, else a token that differs (NULL = off) */
 } ds4_env;
