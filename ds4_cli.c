@@ -1224,6 +1224,9 @@ int main(int argc, char **argv) {
     }
     if (P + n_gen > n_ctx && !o.interactive) die_usage("%d prompt + %d generated tokens exceed --ctx %d", P, n_gen, n_ctx);
     if (P > n_ctx) die_usage("the first turn's %d tokens exceed --ctx %d", P, n_ctx);
+    if (o.mtp_draft && env.ubatch < o.mtp_draft + 1 && env.ubatch < n_ctx)   /* a context's batch: both bound it */
+        die_usage("--mtp-draft %d checks %d tokens in one call: DS4_UBATCH=%d is too small", o.mtp_draft,
+                  o.mtp_draft + 1, env.ubatch);
 
     outfile dump;
     memset(&dump, 0, sizeof dump);
@@ -1249,9 +1252,6 @@ int main(int argc, char **argv) {
         return EXIT_FAIL;
     }
     const double t_load = now_s() - t0;
-    if (o.mtp_draft && ds4_ctx_max_batch(c) < o.mtp_draft + 1 && ds4_ctx_max_batch(c) < n_ctx)
-        die_usage("--mtp-draft %d checks %d tokens in one call: DS4_UBATCH=%d is too small", o.mtp_draft,
-                  o.mtp_draft + 1, env.ubatch);
 
     run r;
     memset(&r, 0, sizeof r);

@@ -233,5 +233,6 @@ def test_bad_input():
     one_line_error(base + ["--mtp-draft", "1"], "cannot read", 1, DS4_MTP_FORCE="1:/nonexistent/ref")
     one_line_error(base + ["--mtp-draft", "1"], "holds 'x', not token ids", 2, DS4_MTP_FORCE=f"1:{ref}")
     one_line_error(base + ["--mtp-draft", "1"], "an id past the vocabulary", 2, DS4_MTP_FORCE=f"1:{big}")
+    one_line_error(base + ["--mtp-draft", "2"], "DS4_UBATCH=2 is too small", 2, DS4_UBATCH=2)
     for v in ("4", "-1", "x"):
         one_line_error(base, "DS4_ROLLBACK_RESTORE", 2, DS4_ROLLBACK_RESTORE=v)
