@@ -3543,10 +3543,9 @@ static int prob_desc(const void *a, const void *b) {
     return i - j;
 }
 
-int ds4_sample(ds4_sampler *s, const float *l, int n, void *scratch) {
-    if (s->temp <= 0.0f) return ds4_argmax(l, n);
-    float *p = scratch;
-    int *idx = (int *)(p + n);
+/* The softmax of l / temp into p, idx sorted by it (descending, ties by index); the size of the
+ * top-p nucleus, and its mass into *tot. */
+static int sample_nucleus(const ds4_sampler *s, const float *l, int n, float *p, int *idx, double *tot) {
     float mx = l[ds4_argmax(l, n)];
     double sum = 0.0;
     for (int i = 0; i < n; i++) { p[i] = expf((l[i] - mx) / s->temp); sum += p[i]; idx[i] = i; }
@@ -3558,9 +3557,30 @@ int ds4_sample(ds4_sampler *s, const float *l, int n, void *scratch) {
         double c = 0.0;
         for (int i = 0; i < n; i++) { c += p[idx[i]]; if (c >= s->top_p) { keep = i + 1; break; } }
     }
-    double tot = 0.0;
-    for (int i = 0; i < keep; i++) tot += p[idx[i]];
-    const double r = (double)(rng_next(&s->state) >> 11) * (1.0 / 9007199254740992.0) * tot;
+    double t = 0.0;
+    for (int i = 0; i < keep; i++) t += p[idx[i]];
+    *tot = t;
+    return keep;
+}
+
+double ds4_sampler_uniform(ds4_sampler *s) { return (double)(rng_next(&s->state) >> 11) * (1.0 / 9007199254740992.0); }
+
+void ds4_sampler_probs(const ds4_sampler *s, const float *l, int n, float *out, void *scratch) {
+    float *p = scratch;
+    int *idx = (int *)(p + n);
+    double tot;
+    const int keep = sample_nucleus(s, l, n, p, idx, &tot);
+    for (int i = 0; i < n; i++) out[i] = 0.0f;
+    for (int i = 0; i < keep; i++) out[idx[i]] = (float)(p[idx[i]] / tot);
+}
+
+int ds4_sample(ds4_sampler *s, const float *l, int n, void *scratch) {
+    if (s->temp <= 0.0f) return ds4_argmax(l, n);
+    float *p = scratch;
+    int *idx = (int *)(p + n);
+    double tot;
+    const int keep = sample_nucleus(s, l, n, p, idx, &tot);
+    const double r = ds4_sampler_uniform(s) * tot;
     double c = 0.0;
     for (int i = 0; i < keep; i++) { c += p[idx[i]]; if (r < c) return idx[i]; }
     return idx[keep - 1];

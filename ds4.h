@@ -200,6 +200,11 @@ void ds4_sampler_init(ds4_sampler *s, float temp, float top_p, uint64_t seed);
 int  ds4_argmax(const float *logits, int n);   /* first maximum */
 /* Deterministic for a given state; scratch must hold n floats + n ints. */
 int  ds4_sample(ds4_sampler *s, const float *logits, int n, void *scratch);
+/* The distribution ds4_sample draws from when temp > 0, into p[0:n): softmax(logits / temp),
+ * 0 outside the top-p nucleus, the nucleus renormalised.  scratch as ds4_sample's. */
+void ds4_sampler_probs(const ds4_sampler *s, const float *logits, int n, float *p, void *scratch);
+/* A uniform number in [0, 1) from the sampler's generator (the one ds4_sample advances). */
+double ds4_sampler_uniform(ds4_sampler *s);
 
 /* ---- messages ---- */
 

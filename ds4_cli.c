@@ -104,8 +104,9 @@ static void usage(FILE *f) {
         "  --allow-nonfinite   go on when the logits hold NaN or Inf (default: stop, naming the row)\n"
         "  --threads N         CPU threads (default: DS4_THREADS or all cores)\n"
         "  --mtp-draft D       speculative decoding: D tokens (1..3) drafted by the model's MTP\n"
-        "                      head, checked by the model in one call; greedy only, CPU backend;\n"
-        "                      the tokens and logits are plain greedy decoding's (default: off)\n"
+        "                      head, checked by the model in one call (CPU backend); greedy: the\n"
+        "                      tokens and logits are plain greedy decoding's; --temp > 0: each\n"
+        "                      token has plain sampling's distribution (default: off)\n"
         "  -v, --verbose       also print the prompt, the prompt ids and the generated ids (stderr)\n"
         "  --stats             after the run, the backend's counters over the decode steps:\n"
         "                      launches per step, device allocations, frees and waits; with\n"
@@ -299,8 +300,6 @@ static int cli_parse(int argc, char **argv, struct cli_opts *o, char *err, size_
         return fail(err, errlen, "-i reads its turns from stdin; -f - would read the same");
     if (o->interactive && (o->force || o->dump))
         return fail(err, errlen, "-i takes neither --force nor --dump-logits (their rows need a fixed prompt)");
-    if (o->mtp_draft && o->temp > 0.0f)
-        return fail(err, errlen, "--mtp-draft decodes greedily (give --temp 0 or leave it out)");
     if (o->force && !o->n_gen_set) o->n_gen = o->n_force;
     if (o->force && o->n_force != o->n_gen)
         return fail(err, errlen, "--force gives %d ids but -n asks for %d tokens (give as many ids as tokens)",
@@ -708,7 +707,8 @@ static int on_chunk(void *user, int done, int total) {
  * positions of the drafts not taken are rolled back (ds4_ctx_rollback), so the next step sees
  * the context plain decoding would.  On the CPU a call of n rows gives each row the bytes of n
  * one-token calls (tests/test_chunks.py), so the tokens and the logits kept are plain greedy
- * decoding's, byte for byte (tests/test_mtp_spec.py).
+ * decoding's, byte for byte (tests/test_mtp_spec.py).  With --temp > 0 the check is speculative
+ * sampling's (spec_accept): each emitted token has plain sampling's distribution.
  *
  * The head follows the model as llama.cpp's MTP driver has it: its row at position k pairs the
  * token at k with the model's final streams at k - 1 (zeros at 0) and predicts the token at
@@ -735,6 +735,9 @@ typedef struct spec {
     float *g;                    /* [hw] the head's output streams of its last row */
     float *mlog;                 /* [V] the head's logits of its last row */
     float *vlog;                 /* [D + 1][V] the check call's logits, when no dump holds them */
+    int sampling;                /* --temp > 0 (and no --force): speculative sampling */
+    float *q;                    /* [D][V] sampling: the distributions the drafts were drawn from */
+    float *p;                    /* [V] sampling: the model's distribution of one row, then its residue */
     float force_p;               /* DS4_MTP_FORCE */
     int32_t *ref;
     int n_ref;
@@ -752,6 +755,20 @@ static uint64_t spec_rand(uint64_t *s) {         /* splitmix64 */
     return z ^ (z >> 31);
 }
 
+/* The id that inverse-CDF sampling with u in [0, 1) picks from the distribution p[0:n) (ids in
+ * order; the last id of non-zero mass when rounding leaves u past the sum). */
+static int32_t spec_draw(const float *p, int n, double u) {
+    double c = 0.0;
+    int last = 0;
+    for (int i = 0; i < n; i++) {
+        if (p[i] <= 0.0f) continue;
+        c += p[i];
+        last = i;
+        if (u < c) return i;
+    }
+    return last;
+}
+
 /* The draft for generated token idx, from the head's choice tok (DS4_MTP_FORCE: FILE's id, or
  * one that differs from it). */
 static int32_t spec_pick(spec *s, int32_t tok, long idx) {
@@ -761,6 +778,16 @@ static int32_t spec_pick(spec *s, int32_t tok, long idx) {
     const int32_t want = s->ref[idx];
     if (u < s->force_p) return want;
     return tok != want ? tok : (want + 1) % s->V;
+}
+
+/* Draft k (from 0) of a step, for generated token idx, from the head's logits in s->mlog:
+ * sampling, drawn from the head's distribution with the run's sampler (kept in s->q for the
+ * check); else the head's choice, through DS4_MTP_FORCE. */
+static int32_t spec_choose(run *r, spec *s, int k, long idx) {
+    if (!s->sampling) return spec_pick(s, ds4_argmax(s->mlog, s->V), idx);
+    float *q = s->q + (size_t)k * s->V;
+    ds4_sampler_probs(&r->smp, s->mlog, s->V, q, r->scratch);
+    return spec_draw(q, s->V, ds4_sampler_uniform(&r->smp));
 }
 
 /* The queued head rows, if any, through the head: its logits of the last row into s->mlog
@@ -791,14 +818,14 @@ static int spec_draft(run *r, spec *s, int n, long j, int32_t *out) {
     ds4_ctx *c = r->c;
     if (spec_flush(r, s, 1) != 0) return -1;
     s->first[j + 1] = ds4_argmax(s->mlog, s->V);
-    out[0] = spec_pick(s, s->first[j + 1], s->base + j + 1);
+    out[0] = spec_choose(r, s, 0, s->base + j + 1);
     if (n == 1) return 0;
     const int mpos = ds4_ctx_mtp_pos(c);
     if (ds4_ctx_checkpoint(c, DS4_PART_MTP, n - 1, err, sizeof err) != 0) goto fail;
     for (int k = 1; k < n; k++) {
         ds4_mtp_streams(c, s->g, 1);
         if (ds4_mtp_eval(c, s->g, &out[k - 1], 1, s->mlog, 0, err, sizeof err) != 0) goto fail;
-        out[k] = spec_pick(s, ds4_argmax(s->mlog, s->V), s->base + j + 1 + k);
+        out[k] = spec_choose(r, s, k, s->base + j + 1 + k);
     }
     if (ds4_ctx_rollback(c, DS4_PART_MTP, mpos, err, sizeof err) != 0) goto fail;
     return 0;
@@ -842,7 +869,8 @@ static int32_t *spec_read_ref(const char *path, int V, int *n_ref) {
 
 /* The decoder of --mtp-draft D for run r (its context made), with DS4_MTP_FORCE's reference ids
  * (ref, NULL: none; the decoder frees them); out of memory ends the program. */
-static void spec_init(spec *s, run *r, int D, int n_gen, float force_p, int32_t *ref, int n_ref, uint64_t seed) {
+static void spec_init(spec *s, run *r, int D, int n_gen, int sampling, float force_p, int32_t *ref, int n_ref,
+                      uint64_t seed) {
     int n_layer, n_embd, n_hc, n_used;
     ds4_model_dims(r->m, &n_layer, &n_embd, &n_hc, &n_used);
     s->D = D;
@@ -857,7 +885,10 @@ static void spec_init(spec *s, run *r, int D, int n_gen, float force_p, int32_t 
     s->mlog = malloc((size_t)s->V * sizeof(float));
     s->vlog = malloc((size_t)(D + 1) * s->V * sizeof(float));
     s->first = malloc((size_t)(n_gen + 1) * sizeof(int32_t));
-    if (!s->h || !s->hq || !s->tq || !s->hv || !s->g || !s->mlog || !s->vlog || !s->first)
+    s->sampling = sampling;
+    s->q = malloc((size_t)D * s->V * sizeof(float));
+    s->p = malloc((size_t)s->V * sizeof(float));
+    if (!s->h || !s->hq || !s->tq || !s->hv || !s->g || !s->mlog || !s->vlog || !s->first || !s->q || !s->p)
         die_run("out of host memory for --mtp-draft");
     s->force_p = force_p;
     s->ref = ref;
@@ -867,7 +898,7 @@ static void spec_init(spec *s, run *r, int D, int n_gen, float force_p, int32_t 
 
 static void spec_free(spec *s) {
     free(s->h); free(s->hq); free(s->tq); free(s->hv); free(s->g); free(s->mlog); free(s->vlog); free(s->ref);
-    free(s->first);
+    free(s->first); free(s->q); free(s->p);
 }
 
 /* prefill's work with the head: ids[0:n) through the model in chunks of its batch, each
@@ -901,6 +932,44 @@ static int spec_feed(run *r, const int32_t *ids, int n, float *rows_out, float *
     return 0;
 }
 
+/* Speculative sampling's check of nd drafts (batch[1..nd], drawn from s->q) against the model's
+ * rows out[0..nd]: draft i + 1 is taken with probability min(1, p_i(x) / q_i(x)), p_i the
+ * distribution ds4_sample draws from after row i; the first one refused is replaced by a draw
+ * from the residue max(0, p_i - q_i), renormalised, and when every draft is taken the next token
+ * is drawn from p_nd.  Each emitted token then has the distribution plain sampling gives it
+ * (the tokens differ from plain sampling's with the same seed: the generator is drawn more
+ * often).  An EOS taken ends the drafts taken before it, as plain decoding stops there.
+ * *taken: the drafts taken; returns the next token. */
+static int32_t spec_accept(run *r, spec *s, const float *out, const int32_t *batch, int nd, int *taken) {
+    const int V = s->V;
+    int a = 0;
+    int32_t next;
+    for (;;) {
+        ds4_sampler_probs(&r->smp, out + (size_t)a * V, V, s->p, r->scratch);
+        if (a == nd) { next = spec_draw(s->p, V, ds4_sampler_uniform(&r->smp)); break; }
+        const float *q = s->q + (size_t)a * V;
+        const int32_t x = batch[a + 1];
+        if (ds4_sampler_uniform(&r->smp) * q[x] < s->p[x]) {
+            if (x == r->eos) { next = x; break; }
+            a++;
+            continue;
+        }
+        double sum = 0.0;
+        for (int i = 0; i < V; i++) {
+            s->p[i] = s->p[i] > q[i] ? s->p[i] - q[i] : 0.0f;
+            sum += s->p[i];
+        }
+        if (sum > 0.0)
+            for (int i = 0; i < V; i++) s->p[i] = (float)(s->p[i] / sum);
+        else   /* p below q nowhere: only rounding refused the draft; p itself */
+            ds4_sampler_probs(&r->smp, out + (size_t)a * V, V, s->p, r->scratch);
+        next = spec_draw(s->p, V, ds4_sampler_uniform(&r->smp));
+        break;
+    }
+    *taken = a;
+    return next;
+}
+
 /* generate's work with the head (its contract, greedy or --force): one step is the token
  * chosen, up to D drafts, one call of the model over them, the drafts it accepts. */
 static void spec_generate(run *r, int n, const int32_t *force, const float *prev, float *rows, float *last) {
@@ -912,7 +981,7 @@ static void spec_generate(run *r, int n, const int32_t *force, const float *prev
     r->n_done = 0;
     r->stopped = 0;
     for (int j = 0; j <= n; j++) s->first[j] = -1;
-    int32_t next = n <= 0 ? 0 : force ? force[0] : ds4_argmax(prev, V);
+    int32_t next = n <= 0 ? 0 : force ? force[0] : ds4_sample(&r->smp, prev, V, r->scratch);
     for (int j = 0; j < n;) {
         if (g_interrupted) { r->stopped = 1; return; }
         if (next == r->eos) return;
@@ -935,9 +1004,13 @@ static void spec_generate(run *r, int n, const int32_t *force, const float *prev
         /* the drafts taken: while each is the model's choice after the row before it (EOS never:
          * plain decoding stops there, so it becomes the next step's token) */
         int a = 0;
-        for (;; a++) {
-            choice[a] = force ? (j + a + 1 < n ? force[j + a + 1] : 0) : ds4_argmax(out + (size_t)a * V, V);
-            if (a == nd || batch[a + 1] != choice[a] || choice[a] == r->eos) break;
+        if (s->sampling) {
+            choice[0] = spec_accept(r, s, out, batch, nd, &a);
+        } else {
+            for (;; a++) {
+                choice[a] = force ? (j + a + 1 < n ? force[j + a + 1] : 0) : ds4_argmax(out + (size_t)a * V, V);
+                if (a == nd || batch[a + 1] != choice[a] || choice[a] == r->eos) break;
+            }
         }
         /* the rows kept are plain decoding's steps j .. j + a: each checked as a step is */
         for (int i = 0; i <= a; i++) {
@@ -965,7 +1038,7 @@ static void spec_generate(run *r, int n, const int32_t *force, const float *prev
         s->accepted += a;
         j += a + 1;
         meter_show(&r->mt, "generated", j, n);
-        next = choice[a];
+        next = choice[s->sampling ? 0 : a];
     }
 }
 
@@ -1151,6 +1224,8 @@ int main(int argc, char **argv) {
     if (o.mtp_draft && env.hooks)
         die_usage("--mtp-draft does not take DS4_HOOKS (the records would hold the rows of rejected drafts)");
     if (env.mtp_force_file && !o.mtp_draft) die_usage("DS4_MTP_FORCE goes with --mtp-draft");
+    if (env.mtp_force_file && o.temp > 0.0f)
+        die_usage("DS4_MTP_FORCE goes with greedy decoding (its FILE holds greedy ids; give --temp 0)");
     if (env.cuda_graphs && !strcmp(be->name, "cpu"))
         fprintf(stderr, "ds4: DS4_CUDA_GRAPHS=1: the cpu backend records no graphs; every step runs eagerly\n");
     else if (env.cuda_graphs)
@@ -1267,7 +1342,7 @@ int main(int argc, char **argv) {
     spec sp;
     memset(&sp, 0, sizeof sp);
     if (o.mtp_draft) {
-        spec_init(&sp, &r, o.mtp_draft, n_gen, env.mtp_force_p, force_ref, n_force_ref, o.seed);
+        spec_init(&sp, &r, o.mtp_draft, n_gen, o.temp > 0.0f && !o.force, env.mtp_force_p, force_ref, n_force_ref, o.seed);
         r.sp = &sp;
     }
     const int rows = P + n_gen;

@@ -72,7 +72,6 @@ FLAG_CASES = [
     (["--mtp-draft", "0"], "--mtp-draft expects an integer in [1, 3]"),
     (["--mtp-draft", "4"], "--mtp-draft expects an integer in [1, 3]"),
     (["--mtp-draft", "x"], "--mtp-draft expects an integer in [1, 3]"),
-    (["--mtp-draft", "2", "--temp", "0.8"], "--mtp-draft decodes greedily"),
     (["--mtp-draft", "1"], "--mtp-draft needs a model with an MTP block"),   # tiny has none
 ]
 

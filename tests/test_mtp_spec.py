@@ -11,6 +11,8 @@ What must hold, and is checked here on the CPU backend:
     drafts are rolled back too;
   - without the rollback's restore (DS4_ROLLBACK_RESTORE, a debug knob) these fail: the model's
     logits change, or the head's drafts do;
+  - with --temp > 0 (speculative sampling), each token's distribution is plain sampling's
+    (below, a chi-square test over many seeds);
   - bad input: one line, non-zero exit.
 
 Random weights: the head's own drafts are almost never right, so most runs force acceptance
@@ -224,7 +226,8 @@ def test_bad_input():
     for v in ("0", "4", "x", "-1", ""):
         one_line_error(base + ["--mtp-draft", v], "--mtp-draft expects an integer in [1, 3]", 2)
     one_line_error(base + ["--mtp-draft", "1", "--mtp-draft", "2"], "--mtp-draft is given twice", 2)
-    one_line_error(base + ["--mtp-draft", "2", "--temp", "0.7"], "--mtp-draft decodes greedily", 2)
+    one_line_error(base + ["--mtp-draft", "2", "--temp", "0.7"], "DS4_MTP_FORCE goes with greedy decoding", 2,
+                   DS4_MTP_FORCE=f"1:{ref}")
     one_line_error(["-m", plain_model, "--tokens", "1,2", "--mtp-draft", "1"], "needs a model with an MTP block", 2)
     one_line_error(base + ["--mtp-draft", "1"], "does not take DS4_HOOKS", 2, DS4_HOOKS="resid")
     one_line_error(base, "DS4_MTP_FORCE goes with --mtp-draft", 2, DS4_MTP_FORCE=f"1:{ref}")
@@ -236,3 +239,69 @@ def test_bad_input():
     one_line_error(base + ["--mtp-draft", "2"], "DS4_UBATCH=2 is too small", 2, DS4_UBATCH=2)
     for v in ("4", "-1", "x"):
         one_line_error(base, "DS4_ROLLBACK_RESTORE", 2, DS4_ROLLBACK_RESTORE=v)
+
+
+# ---- speculative sampling (--temp > 0) ----
+#
+# The tokens differ from plain sampling's with the same seed (the generator is drawn more often);
+# what must hold is each token's distribution.  Over many seeds, each emitted token t_k (k = 1..3:
+# the ones a step of 3 drafts decides, by a draft taken or a draw from the residue) must be
+# distributed as plain sampling's distribution after t_0..t_{k-1}: softmax(logits / T) of the
+# run's own dump row (the model's logits after those tokens, which the greedy tests hold to plain
+# decoding's bytes).  The probability integral transform of each token, the vocabulary in
+# descending probability and a uniform draw inside the token's mass, is uniform on [0, 1) exactly
+# when the tokens have that distribution; a sampler that leans towards the head's drafts (taking
+# them too often, or drawing a refused one's replacement from p instead of the residue) moves
+# mass to tokens the model finds unlikely, into the upper bins.  Chi-square over 10 bins, 9
+# degrees of freedom, bound 33.7 (p = 1e-4), over fixed seeds: the result is the same every run,
+# and a correct sampler lands far from the bound (the README gives the statistics measured; the
+# biased variants tried gave hundreds).  T = 1.5: tiny's head then has about half its drafts
+# taken, so both paths are exercised.
+SAMPLING_T = 1.5
+SAMPLING_RUNS = 1000
+CHI2_BOUND = 33.7
+
+
+def pit_chi2(extra, tag):
+    import numpy as np
+    rng = np.random.default_rng(7)
+    m = model("tiny")
+    counts = np.zeros(10)
+    drafted = accepted = 0
+    dump = os.path.join(OUT, f"mtp-spec.sampling-{tag}.ds4logit")
+    for seed in range(1, SAMPLING_RUNS + 1):
+        r = run([DS4, "-m", m, "--tokens", "1,2,3,4,5", "-n", "4", "--temp", str(SAMPLING_T), "--seed", str(seed),
+                 "--dump-logits", dump, "--stats"] + extra, env=env())
+        assert r.returncode == 0, r.stderr
+        st = re.search(r"(\d+) drafted, (\d+) accepted", r.stderr)
+        if st:
+            drafted += int(st.group(1))
+            accepted += int(st.group(2))
+        d = ds4logit.read(dump)
+        P = d.n_prompt
+        assert d.n_gen == 4
+        for k in (1, 2, 3):
+            l = d.logits[P + k - 1].astype(np.float64) / SAMPLING_T
+            p = np.exp(l - l.max())
+            p /= p.sum()
+            order = np.argsort(-p, kind="stable")
+            rank = np.empty(len(p), dtype=np.int64)
+            rank[order] = np.arange(len(p))
+            cum = np.cumsum(p[order])
+            x = int(d.tokens[P + k])
+            u = cum[rank[x]] - p[x] + rng.random() * p[x]
+            counts[min(int(u * 10), 9)] += 1
+    expect = counts.sum() / 10
+    return float(((counts - expect) ** 2 / expect).sum()), drafted, accepted
+
+
+def test_sampling_distribution():
+    chi2, drafted, accepted = pit_chi2(["--mtp-draft", "3"], "spec")
+    assert drafted > 0 and 0.25 < accepted / drafted < 0.9, (drafted, accepted)
+    assert chi2 < CHI2_BOUND, f"speculative sampling's tokens are not plain sampling's distribution: chi2 {chi2:.1f}"
+
+
+def test_sampling_distribution_plain_control():
+    """The same statistic on plain sampling: the test's own model of the distribution is right."""
+    chi2, drafted, _ = pit_chi2([], "plain")
+    assert drafted == 0 and chi2 < CHI2_BOUND, chi2

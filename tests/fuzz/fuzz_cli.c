@@ -14,7 +14,7 @@
  *   - on 0 the values are what the harness reads from argv on its own (a flag's value is the
  *     next argument, the last occurrence wins, -h/--help ends the reading) and lie in their
  *     documented ranges: -n in [0, 2^24], -c in [1, 2^24] (or 0, unset), --threads in [1, 64]
- *     (or 0), --mtp-draft in [1, 3] (or 0; never with --temp above 0), --experts in [1, 1024] (or 0), --temp in [0, 100], --top-p in [1e-6, 1], finite;
+ *     (or 0), --mtp-draft in [1, 3] (or 0), --experts in [1, 1024] (or 0), --temp in [0, 100], --top-p in [1e-6, 1], finite;
  *     --seed a non-negative decimal (no '-') whose value is the seed; the --tokens/--force
  *     lists have one id per comma-separated field, each >= 0 and equal to that field; the
  *     backend is one this build has; -p and --tokens not both, --think only with --chat,
@@ -148,7 +148,6 @@ static void check_run(const struct cli_opts *o, int argc, char **argv) {
     if (o->interactive && (!o->chat || o->force || o->dump)) bad("accepted -i without --chat, or with --force or a dump", argv, argc);
     if (o->chat && o->prompt_ids) bad("accepted --chat with --tokens", argv, argc);
     if (o->force && o->n_force != o->n_gen) bad("accepted --force of another length than -n", argv, argc);
-    if (o->mtp_draft && o->temp > 0.0f) bad("accepted --mtp-draft with --temp above 0", argv, argc);
     if (!o->backend || (r.val[R_BACKEND] && strcmp(o->backend, r.val[R_BACKEND]))) bad("backend not as given", argv, argc);
 #ifdef DS4_CUDA
     if (strcmp(o->backend, "cpu") && strcmp(o->backend, "cuda")) bad("unknown backend accepted", argv, argc);
