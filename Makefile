@@ -114,6 +114,9 @@ $(B)/cuda-%/ds4_bench: bench/ds4_bench.c $(ENGINE_CUDA)
 $(B)/cuda-%/spot_check: tests/spot_check.c $(ENGINE_CUDA)
 	$(CC) $(CUDA_CFLAGS) -I. $^ -o $@ $(CUDA_LIBS)
 
+$(B)/cuda-%/test_rollback: tests/test_rollback.c $(ENGINE_CUDA)
+	$(CC) $(CUDA_CFLAGS) -I. $^ -o $@ $(CUDA_LIBS)
+
 $(B)/cuda-%/matvec_table: bench/matvec_table.c ds4_stream.h $(ENGINE_CUDA)
 	$(CC) $(CUDA_CFLAGS) -I. -I$(CUDA_HOME)/include $(filter-out %.h,$^) -o $@ $(CUDA_LIBS)
 
@@ -144,7 +147,7 @@ cuda-check:
 	 echo "cuda-check: compiling and linking the CUDA build for $(CHECK_ARCH)"; \
 	 $(MAKE) --no-print-directory $(B)/cuda-$(CHECK_ARCH)/ds4 $(B)/cuda-$(CHECK_ARCH)/test_backend_ops \
 	   $(B)/cuda-$(CHECK_ARCH)/ds4_bench $(B)/cuda-$(CHECK_ARCH)/matvec_table $(B)/cuda-$(CHECK_ARCH)/bandwidth $(B)/cuda-$(CHECK_ARCH)/launch_floor $(B)/cuda-$(CHECK_ARCH)/mma_peak \
-	   $(B)/cuda-$(CHECK_ARCH)/spot_check $(B)/cuda-$(CHECK_ARCH)/test_cuda_quant_host \
+	   $(B)/cuda-$(CHECK_ARCH)/spot_check $(B)/cuda-$(CHECK_ARCH)/test_rollback $(B)/cuda-$(CHECK_ARCH)/test_cuda_quant_host \
 	   CUDA_ARCH=$(CHECK_ARCH) && \
 	 $(B)/cuda-$(CHECK_ARCH)/test_cuda_quant_host
 
@@ -167,10 +170,15 @@ $(B)/tests/mtp_dump: tests/mtp_dump.c $(B)/cpu/ds4.o $(B)/cpu/ds4_synth.o $(B)/c
 	@mkdir -p $(B)/tests
 	$(CC) $(CFLAGS) -I. tests/mtp_dump.c $(B)/cpu/ds4.o $(B)/cpu/ds4_synth.o $(B)/cpu/ds4_hooks.o $(B)/cpu/ds4_quant.o $(B)/cpu/ds4_tok.o $(B)/cpu/ds4_msg.o -o $@ $(LDLIBS)
 
-test-c: $(B)/tests/test_gguf $(B)/tests/test_kernels $(B)/tests/test_hooks_plan
+$(B)/tests/test_rollback: tests/test_rollback.c $(B)/cpu/ds4.o $(B)/cpu/ds4_synth.o $(B)/cpu/ds4_hooks.o $(B)/cpu/ds4_quant.o $(B)/cpu/ds4_tok.o $(B)/cpu/ds4_msg.o
+	@mkdir -p $(B)/tests
+	$(CC) $(CFLAGS) -I. $^ -o $@ $(LDLIBS)
+
+test-c: $(B)/tests/test_gguf $(B)/tests/test_kernels $(B)/tests/test_hooks_plan $(B)/tests/test_rollback
 	$(B)/tests/test_gguf
 	$(B)/tests/test_kernels
 	$(B)/tests/test_hooks_plan
+	$(B)/tests/test_rollback
 
 # What the tests need beyond gcc and make: python3 with pytest and numpy, npm, git.
 # Installs the missing Debian packages as root; otherwise prints the command and stops.
@@ -206,7 +214,7 @@ test: test-deps
 	done; echo "make test: all done in $$(( $$(date +%s) - t0 )) s"
 
 # The inner loop: the CPU engine, the C tests and the pytest files that need no oracle.
-test-quick: test-deps cpu test-c
+test-quick: test-deps cpu test-c $(B)/tests/mtp_dump
 	TEST_QUICK=1 bash tests/run_pytest.sh
 .PHONY: test-quick
 

@@ -26,8 +26,11 @@
  * ds4_quant.c.  Fused ops of the contract (hc_pre, matmul_multi, ...) are
  * defined, and computed here, as compositions of the plain ops.
  *
- * What it is not.  No multi-sequence batching, no speculative
- * decoding (the MTP block is ignored), no simulation of the FP8/FP4
+ * Speculative decoding (ds4 --mtp-draft, in ds4_cli.c) drafts with the model's MTP block
+ * (ds4_mtp_eval, CPU backend) and takes back the positions of rejected drafts
+ * (ds4_ctx_checkpoint / ds4_ctx_rollback, through the backend's copies).
+ *
+ * What it is not.  No multi-sequence batching, no simulation of the FP8/FP4
  * quantisation-aware rounding of the official weights: like both reference
  * implementations, ds4 computes in f32.
  *
@@ -2611,8 +2614,8 @@ void ds4_model_describe(const ds4_model *m, FILE *f) {
             h->n_layer, n4, n128, h->n_embd, h->n_vocab, h->n_head, h->head_dim, h->n_swa,
             h->n_expert, h->n_expert_used, type_name(m->layers[0].q_b.type), m->weight_bytes / 1e9);
     if (h->n_mtp)
-        fprintf(f, "ds4: model: an MTP block (blk.%d, ratio %d, %s), %.2f GB; decoding does not speculate "
-                   "with it yet\n", h->n_layer, h->ratio[h->n_layer], type_name(m->mtp.eh_proj.type), m->mtp_bytes / 1e9);
+        fprintf(f, "ds4: model: an MTP block (blk.%d, ratio %d, %s), %.2f GB; --mtp-draft speculates with it "
+                   "(cpu backend)\n", h->n_layer, h->ratio[h->n_layer], type_name(m->mtp.eh_proj.type), m->mtp_bytes / 1e9);
 }
 
 int ds4_parse_wtype(const char *s) {
@@ -2689,13 +2692,47 @@ ds4_model *ds4_synth_open(const char *config, uint64_t seed, int wtype, int n_th
  *   st_kv/sc [c*r][c*d]        compressor inputs of the last c*r positions
  *   irows    [n_ctx/4 + 1][di] indexer compressed rows (ratio 4)
  *   ist_kv/sc[8][2*di]         indexer compressor state (ratio 4)
+ *   ck       [K][rings' widths] a checkpoint's saved slots, K = DS4_CHECKPOINT_MAX rows of each
+ *                              ring above (ring, st_kv, st_sc, ist_kv, ist_sc; ctx_rings)
  * ------------------------------------------------------------------------- */
 
 typedef struct ds4_layer_state {
     float *ring;
     float *comp, *st_kv, *st_sc;
     float *irows, *ist_kv, *ist_sc;
+    float *ck;
 } ds4_layer_state;
+
+/* A ring of a layer's state: the row of position p sits at slot p % slots. */
+typedef struct { float *buf; int slots, width; } ctx_ring;
+
+/* Layer il's position-indexed rings (buffers NULL before they are allocated): the window, and
+ * the compressors' state.  Returns how many (at most 5). */
+static int ctx_rings(const ds4_hparams *hp, const ds4_layer_state *S, int il, ctx_ring out[5]) {
+    const int r = hp->ratio[il], d = hp->head_dim, di = hp->idx_dim;
+    int n = 0;
+    out[n++] = (ctx_ring){ S->ring, hp->n_swa, d };
+    if (r) {
+        const int cc = r == 4 ? 2 : 1;
+        out[n++] = (ctx_ring){ S->st_kv, cc * r, cc * d };
+        out[n++] = (ctx_ring){ S->st_sc, cc * r, cc * d };
+    }
+    if (r == 4) {
+        out[n++] = (ctx_ring){ S->ist_kv, 8, 2 * di };
+        out[n++] = (ctx_ring){ S->ist_sc, 8, 2 * di };
+    }
+    return n;
+}
+
+/* The floats of layer il's checkpoint rows (ck). */
+static size_t ctx_ck_floats(const ds4_hparams *hp, int il) {
+    const ds4_layer_state none = { 0 };
+    ctx_ring rg[5];
+    const int n = ctx_rings(hp, &none, il, rg);
+    size_t w = 0;
+    for (int i = 0; i < n; i++) w += (size_t)rg[i].width;
+    return (size_t)DS4_CHECKPOINT_MAX * w;
+}
 
 struct ds4_ctx {
     ds4_model         *m;
@@ -2742,6 +2779,9 @@ struct ds4_ctx {
     void    *progress_user;
     int      last_rows;           /* rows of the last forward call (ds4_ctx_streams) */
     int      mtp_pos;             /* the MTP block's next position (ds4_mtp_eval) */
+    int      mtp_rows;            /* rows of the last call when it was ds4_mtp_eval (ds4_mtp_streams) */
+    struct { int pos, n; } ckp[2];  /* the checkpoint of each part (DS4_PART_*): position, width; n 0 = none */
+    int      restore;             /* DS4_ROLLBACK_RESTORE: bit 1 << part, that part's slots are restored */
     float   *mtp_cat;             /* its eh_proj input [B][hc][2D] (host: CPU backend), made on first use */
 };
 
@@ -2781,6 +2821,7 @@ size_t ds4_ctx_plan_bytes(const ds4_model *m, int n_ctx, int max_batch) {
         kv += (size_t)hp->n_swa * d * 4;
         if (r) kv += ((size_t)n_ctx / r + 1) * d * 4 + 2 * cc * r * cc * d * 4;
         if (r == 4) kv += ((size_t)n_ctx / 4 + 1) * di * 4 + 2 * 8 * 2 * di * 4;
+        kv += ctx_ck_floats(hp, il) * 4;
     }
     const size_t per_token = 4 * (1 + 3 * hc * D + (2 + hc) * hc + hc + hc * hc + D + hp->q_lora +
                                   2 * (size_t)hp->n_head * d + d + (size_t)hp->o_groups * hp->o_lora + D +
@@ -2864,6 +2905,7 @@ ds4_ctx *ds4_ctx_new(ds4_model *m, const ds4_backend *be, int n_ctx, int max_bat
     c->m = m; c->be = be; c->n_ctx = n_ctx; c->max_batch = max_batch;
     c->graphs = env.cuda_graphs;
     c->graph_layers = env.graph_layers;
+    c->restore = env.rollback_restore;
     ctx_init_rope(c);
 
     const size_t B = (size_t)max_batch, D = hp->n_embd, hc = hp->n_hc, d = hp->head_dim;
@@ -2885,6 +2927,15 @@ ds4_ctx *ds4_ctx_new(ds4_model *m, const ds4_backend *be, int n_ctx, int max_bat
             S->irows = ctx_alloc(c, ((size_t)n_ctx / 4 + 1) * di * 4, &fail);
             S->ist_kv = ctx_alloc(c, 8 * 2 * di * 4, &fail);
             S->ist_sc = ctx_alloc(c, 8 * 2 * di * 4, &fail);
+        }
+    }
+    {   /* every layer's checkpoint rows in one allocation */
+        size_t ck = 0;
+        for (int il = 0; il < hp->n_layer + hp->n_mtp; il++) ck += ctx_ck_floats(hp, il);
+        float *base = ctx_alloc(c, ck * 4, &fail);
+        for (int il = 0; base && il < hp->n_layer + hp->n_mtp; il++) {
+            c->L[il].ck = base;
+            base += ctx_ck_floats(hp, il);
         }
     }
     c->step = ctx_alloc(c, sizeof(ds4_step) + B * 4, &fail);
@@ -2999,8 +3050,93 @@ void ds4_ctx_reset(ds4_ctx *c) {
     c->pos = 0;
     c->mtp_pos = 0;
     c->last_rows = 0;
+    c->mtp_rows = 0;
+    c->ckp[0].n = c->ckp[1].n = 0;
     c->generation++;
     c->be->session_reset(c->sess);
+}
+
+/* Checkpoints (ds4.h, "taking positions back").  A part's layers, and its position. */
+static int ck_part(ds4_ctx *c, int part, int *l0, int *l1, int **pos, char *err, size_t errlen) {
+    const ds4_hparams *hp = &c->m->hp;
+    if (part == DS4_PART_TRUNK) { *l0 = 0; *l1 = hp->n_layer; *pos = &c->pos; return 0; }
+    if (part == DS4_PART_MTP && hp->n_mtp) { *l0 = hp->n_layer; *l1 = hp->n_layer + hp->n_mtp; *pos = &c->mtp_pos; return 0; }
+    if (part == DS4_PART_MTP) errf(err, errlen, "the model has no MTP block");
+    else errf(err, errlen, "unknown context part %d", part);
+    return -1;
+}
+
+/* Rows i0 .. i1-1 of a checkpoint taken at position p0 (saved row i: position p0 + i) between
+ * a ring and its saved rows: to_ring 0 saves them, 1 puts them back.  At most two copies (the
+ * slots wrap once: a checkpoint is no wider than the ring). */
+static void ck_copy(const ds4_backend *be, const ctx_ring *rg, float *saved, int p0, int i0, int i1, int to_ring) {
+    while (i0 < i1) {
+        const int slot = (p0 + i0) % rg->slots;
+        const int k = i1 - i0 < rg->slots - slot ? i1 - i0 : rg->slots - slot;
+        float *ring = rg->buf + (size_t)slot * rg->width, *sv = saved + (size_t)i0 * rg->width;
+        const size_t bytes = (size_t)k * rg->width * 4;
+        if (to_ring) be->copy(ring, sv, bytes);
+        else be->copy(sv, ring, bytes);
+        i0 += k;
+    }
+}
+
+/* The same for every ring of layers [l0, l1), each ring's rows at its place in the layer's ck. */
+static void ck_layers(ds4_ctx *c, int l0, int l1, int p0, int i0, int i1, int to_ring) {
+    void *prev = c->be->session_bind(c->sess);
+    for (int il = l0; il < l1; il++) {
+        ctx_ring rg[5];
+        const int nr = ctx_rings(&c->m->hp, &c->L[il], il, rg);
+        float *saved = c->L[il].ck;
+        for (int k = 0; k < nr; k++) {
+            ck_copy(c->be, &rg[k], saved, p0, i0, i1, to_ring);
+            saved += (size_t)DS4_CHECKPOINT_MAX * rg[k].width;
+        }
+    }
+    c->be->session_bind(prev);
+}
+
+int ds4_ctx_checkpoint(ds4_ctx *c, int part, int n, char *err, size_t errlen) {
+    int l0, l1, *pos;
+    if (ck_part(c, part, &l0, &l1, &pos, err, errlen) != 0) return -1;
+    if (n < 1 || n > DS4_CHECKPOINT_MAX) {
+        errf(err, errlen, "a checkpoint of %d positions is outside [1, %d]", n, DS4_CHECKPOINT_MAX);
+        return -1;
+    }
+    for (int il = l0; il < l1; il++) {
+        ctx_ring rg[5];
+        const int nr = ctx_rings(&c->m->hp, &c->L[il], il, rg);
+        for (int k = 0; k < nr; k++)
+            if (n > rg[k].slots) {
+                errf(err, errlen, "a checkpoint of %d positions is wider than a ring of layer %d (%d slots)", n, il,
+                     rg[k].slots);
+                return -1;
+            }
+    }
+    ck_layers(c, l0, l1, *pos, 0, n, 0);
+    c->ckp[part].pos = *pos;
+    c->ckp[part].n = n;
+    return 0;
+}
+
+int ds4_ctx_rollback(ds4_ctx *c, int part, int to, char *err, size_t errlen) {
+    int l0, l1, *pos;
+    if (ck_part(c, part, &l0, &l1, &pos, err, errlen) != 0) return -1;
+    const int p0 = c->ckp[part].pos, n = c->ckp[part].n, cur = *pos;
+    if (!n) { errf(err, errlen, "no checkpoint to roll back to"); return -1; }
+    if (cur > p0 + n) {
+        errf(err, errlen, "position %d is past the checkpoint's %d positions from %d", cur, n, p0);
+        return -1;
+    }
+    if (to < p0 || to > cur) {
+        errf(err, errlen, "cannot roll back to position %d (the checkpoint is at %d, the position is %d)", to, p0, cur);
+        return -1;
+    }
+    if (c->restore & (1 << part)) ck_layers(c, l0, l1, p0, to - p0, cur - p0, 1);
+    *pos = to;
+    int *rows = part == DS4_PART_TRUNK ? &c->last_rows : &c->mtp_rows;
+    *rows = *rows > cur - to ? *rows - (cur - to) : 0;
+    return 0;
 }
 
 /* ---------------------------------------------------------------------------
@@ -3244,6 +3380,7 @@ static int eval_chunk(ds4_ctx *c, const int32_t *tokens, int n, float *logits, i
     c->pos += n;
     c->hcalls++;
     c->last_rows = n;
+    c->mtp_rows = 0;
     if (ds4h_call_end(c->hk, err, errlen) != 0) return -1;
     return 0;
 }
@@ -3294,17 +3431,22 @@ int ds4_eval(ds4_ctx *c, const int32_t *tokens, int n, float *logits, int all_ro
 int ds4_model_has_mtp(const ds4_model *m) { return m->hp.n_mtp > 0; }
 int ds4_ctx_mtp_pos(const ds4_ctx *c) { return c->mtp_pos; }
 
-int ds4_ctx_streams(ds4_ctx *c, float *out, int rows) {
+/* The last rows rows of the first have rows of c->x. */
+static int ctx_x_rows(ds4_ctx *c, float *out, int rows, int have) {
     const ds4_hparams *hp = &c->m->hp;
-    if (rows < 0 || rows > c->last_rows) return -1;
+    if (rows < 0 || rows > have) return -1;
     const size_t w = (size_t)hp->n_hc * hp->n_embd;
     void *prev = c->be->session_bind(c->sess);
-    c->be->download(out, c->x + (size_t)(c->last_rows - rows) * w, (size_t)rows * w * 4);
+    c->be->download(out, c->x + (size_t)(have - rows) * w, (size_t)rows * w * 4);
     c->be->session_bind(prev);
     return 0;
 }
 
-int ds4_mtp_eval(ds4_ctx *c, const float *h, const int32_t *tokens, int n, float *logits, char *err, size_t errlen) {
+int ds4_ctx_streams(ds4_ctx *c, float *out, int rows) { return ctx_x_rows(c, out, rows, c->last_rows); }
+int ds4_mtp_streams(ds4_ctx *c, float *out, int rows) { return ctx_x_rows(c, out, rows, c->mtp_rows); }
+
+int ds4_mtp_eval(ds4_ctx *c, const float *h, const int32_t *tokens, int n, float *logits, int all_rows,
+                 char *err, size_t errlen) {
     const ds4_model *m = c->m;
     const ds4_hparams *hp = &m->hp;
     const ds4_backend *be = c->be;
@@ -3349,12 +3491,19 @@ int ds4_mtp_eval(ds4_ctx *c, const float *h, const int32_t *tokens, int n, float
      * block's head norm and projection */
     fwd_layer(c, il, NULL, n);
     fwd_head_norm(c, M->shared_head_norm.host ? &M->shared_head_norm : &m->output_norm, n);
-    be->matmul(M->shared_head_head.host ? &M->shared_head_head : &m->output, 0, c->h, c->logits, n);
-    be->download(logits, c->logits, (size_t)n * hp->n_vocab * 4);
+    if (logits) {
+        const ds4_weight *head = M->shared_head_head.host ? &M->shared_head_head : &m->output;
+        if (all_rows) be->matmul(head, 0, c->h, c->logits, n);
+        else be->matmul(head, 0, c->h + (size_t)(n - 1) * D, c->logits, 1);
+        be->download(logits, c->logits, (size_t)(all_rows ? n : 1) * hp->n_vocab * 4);
+    } else {
+        be->synchronize();
+    }
     c->hk = hk;
     be->session_bind(prev);
     c->mtp_pos += n;
     c->last_rows = 0;                            /* c->x now holds the block's streams */
+    c->mtp_rows = n;
     return 0;
 }
 
@@ -3394,10 +3543,9 @@ static int prob_desc(const void *a, const void *b) {
     return i - j;
 }
 
-int ds4_sample(ds4_sampler *s, const float *l, int n, void *scratch) {
-    if (s->temp <= 0.0f) return ds4_argmax(l, n);
-    float *p = scratch;
-    int *idx = (int *)(p + n);
+/* The softmax of l / temp into p, idx sorted by it (descending, ties by index); the size of the
+ * top-p nucleus, and its mass into *tot. */
+static int sample_nucleus(const ds4_sampler *s, const float *l, int n, float *p, int *idx, double *tot) {
     float mx = l[ds4_argmax(l, n)];
     double sum = 0.0;
     for (int i = 0; i < n; i++) { p[i] = expf((l[i] - mx) / s->temp); sum += p[i]; idx[i] = i; }
@@ -3409,9 +3557,30 @@ int ds4_sample(ds4_sampler *s, const float *l, int n, void *scratch) {
         double c = 0.0;
         for (int i = 0; i < n; i++) { c += p[idx[i]]; if (c >= s->top_p) { keep = i + 1; break; } }
     }
-    double tot = 0.0;
-    for (int i = 0; i < keep; i++) tot += p[idx[i]];
-    const double r = (double)(rng_next(&s->state) >> 11) * (1.0 / 9007199254740992.0) * tot;
+    double t = 0.0;
+    for (int i = 0; i < keep; i++) t += p[idx[i]];
+    *tot = t;
+    return keep;
+}
+
+double ds4_sampler_uniform(ds4_sampler *s) { return (double)(rng_next(&s->state) >> 11) * (1.0 / 9007199254740992.0); }
+
+void ds4_sampler_probs(const ds4_sampler *s, const float *l, int n, float *out, void *scratch) {
+    float *p = scratch;
+    int *idx = (int *)(p + n);
+    double tot;
+    const int keep = sample_nucleus(s, l, n, p, idx, &tot);
+    for (int i = 0; i < n; i++) out[i] = 0.0f;
+    for (int i = 0; i < keep; i++) out[idx[i]] = (float)(p[idx[i]] / tot);
+}
+
+int ds4_sample(ds4_sampler *s, const float *l, int n, void *scratch) {
+    if (s->temp <= 0.0f) return ds4_argmax(l, n);
+    float *p = scratch;
+    int *idx = (int *)(p + n);
+    double tot;
+    const int keep = sample_nucleus(s, l, n, p, idx, &tot);
+    const double r = ds4_sampler_uniform(s) * tot;
     double c = 0.0;
     for (int i = 0; i < keep; i++) { c += p[idx[i]]; if (r < c) return idx[i]; }
     return idx[keep - 1];
@@ -3452,7 +3621,7 @@ int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
     static const char *known[] = { "DS4_THREADS", "DS4_CUDA_GRAPHS", "DS4_LAUNCH_TRACE", "DS4_CUDA_GRAPH_LAYERS",
                                    "DS4_CUDA_GRAPH_CACHE", "DS4_CUDA_GRAPH_FAIL", "DS4_CUDA_GRAPH_PDL", "DS4_HOOKS", "DS4_HOOKS_OUT",
                                    "DS4_HOOKS_POLICY", "DS4_HOOKS_RING_MB", "DS4_HOOKS_THROTTLE_US", "DS4_UBATCH",
-                                   "DS4_CUDA_PREFILL_TC", "DS4_CUDA_PREFILL_ATTN" };
+                                   "DS4_CUDA_PREFILL_TC", "DS4_CUDA_PREFILL_ATTN", "DS4_ROLLBACK_RESTORE", "DS4_MTP_FORCE" };
     char shown[256];
     memset(env, 0, sizeof(*env));
     for (char **e = environ; e && *e; e++) {
@@ -3466,7 +3635,7 @@ int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
             errf(err, errlen, "unknown environment variable %s (ds4 reads: DS4_THREADS, DS4_CUDA_GRAPHS, DS4_CUDA_GRAPH_LAYERS, "
                  "DS4_CUDA_GRAPH_CACHE, DS4_CUDA_GRAPH_FAIL, DS4_CUDA_GRAPH_PDL, DS4_LAUNCH_TRACE, DS4_HOOKS, DS4_HOOKS_OUT, "
                  "DS4_HOOKS_POLICY, DS4_HOOKS_RING_MB, DS4_HOOKS_THROTTLE_US, DS4_UBATCH, DS4_CUDA_PREFILL_TC, "
-                 "DS4_CUDA_PREFILL_ATTN; see README)",
+                 "DS4_CUDA_PREFILL_ATTN, DS4_ROLLBACK_RESTORE, DS4_MTP_FORCE; see README)",
                  ds4_show(shown, sizeof shown, *e, nl, 48));
             return -1;
         }
@@ -3490,6 +3659,7 @@ int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
     env->graph_pdl = 1;
     env->prefill_tc = 1;
     env->prefill_attn = 1;
+    env->rollback_restore = 3;
     env->ubatch = DS4_UBATCH_DEFAULT;
     static const struct { const char *name; long lo, hi; const char *what; } ints[] = {
         { "DS4_CUDA_GRAPH_LAYERS", 0, 1024, "layers per recorded region, 0 = the whole step" },
@@ -3501,6 +3671,7 @@ int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
         { "DS4_UBATCH", 1, DS4_UBATCH_MAX, "the most tokens of one prefill chunk" },
         { "DS4_CUDA_PREFILL_TC", 0, 1, "1 = prefill products of Q8_0 and F16 weights on tensor cores" },
         { "DS4_CUDA_PREFILL_ATTN", 0, 1, "1 = a prefill batch's attention in row tiles shared by 32 heads" },
+        { "DS4_ROLLBACK_RESTORE", 0, 3, "debug: the parts a rollback restores, bit 0 the model's layers, bit 1 the MTP block's" },
     };
     for (size_t i = 0; i < sizeof ints / sizeof ints[0]; i++) {
         const char *v = getenv(ints[i].name);
@@ -3521,7 +3692,29 @@ int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
         else if (i == 5) env->hooks_throttle_us = (int)x;
         else if (i == 6) env->ubatch = (int)x;
         else if (i == 7) env->prefill_tc = (int)x;
-        else env->prefill_attn = (int)x;
+        else if (i == 8) env->prefill_attn = (int)x;
+        else env->rollback_restore = (int)x;
+    }
+    const char *mf = getenv("DS4_MTP_FORCE");
+    if (mf) {   /* P:FILE, P a decimal in [0, 1] */
+        const char *colon = strchr(mf, ':');
+        char num[32], *end;
+        const size_t pl = colon ? (size_t)(colon - mf) : 0;
+        float pv = -1.0f;
+        if (colon && pl > 0 && pl < sizeof num && mf[0] >= '0' && mf[0] <= '9') {
+            memcpy(num, mf, pl);
+            num[pl] = 0;
+            errno = 0;
+            pv = strtof(num, &end);
+            if (errno || *end) pv = -1.0f;
+        }
+        if (!(pv >= 0.0f && pv <= 1.0f) || !colon[1]) {
+            errf(err, errlen, "DS4_MTP_FORCE='%s' is not P:FILE (P in [0, 1], FILE the reference token ids)",
+                 ds4_show(shown, sizeof shown, mf, strlen(mf), 48));
+            return -1;
+        }
+        env->mtp_force_p = pv;
+        env->mtp_force_file = colon + 1;
     }
     const char *hk = getenv("DS4_HOOKS");
     if (hk) {

@@ -144,22 +144,48 @@ int      ds4_ctx_set_hook_sink(ds4_ctx *c, ds4_hook_sink fn, void *user, char *e
 int ds4_eval(ds4_ctx *c, const int32_t *tokens, int n, float *logits, int all_rows,
              char *err, size_t errlen);
 
+/* ---- taking positions back (speculative decoding) ----
+ *
+ * A call's rows can be taken back: ds4_ctx_checkpoint saves, before the calls, what the next n
+ * positions of one part of the context can overwrite that later positions still read -- the
+ * window ring's slots and the compressors' (and indexers') state slots of those positions, at
+ * most DS4_CHECKPOINT_MAX rows per ring and layer, copied on the backend -- and
+ * ds4_ctx_rollback(c, part, pos) puts them back for positions pos and after and makes pos the
+ * part's position again.  The compressed and indexer rows of blocks those positions closed are
+ * left as they are: no query before a block's last position sees its row, and the row is
+ * written again when that position is reached again.  The part: DS4_PART_TRUNK (the model's
+ * layers, at ds4_ctx_pos) or DS4_PART_MTP (the MTP block's own caches, at ds4_ctx_mtp_pos).  One
+ * checkpoint per part, replaced by the next and dropped by ds4_ctx_reset; it stays valid across
+ * rollbacks.  ds4_ctx_rollback needs pos in [the checkpoint's position, the part's position]
+ * and the part's position at most n past the checkpoint's.  0, or -1 with one line. */
+#define DS4_CHECKPOINT_MAX 4
+enum { DS4_PART_TRUNK = 0, DS4_PART_MTP = 1 };
+int ds4_ctx_checkpoint(ds4_ctx *c, int part, int n, char *err, size_t errlen);
+int ds4_ctx_rollback(ds4_ctx *c, int part, int pos, char *err, size_t errlen);
+
 /* ---- the MTP block (multi-token prediction; the model's, when ds4 info shows it) ---- */
 
 /* Whether the model has an MTP block (deepseek4.nextn_predict_layers = 1, read whole). */
 int ds4_model_has_mtp(const ds4_model *m);
 /* The trunk's final hidden streams ([n_hc][n_embd] a row: what the head reads, before it
  * mixes them) of the last rows rows of the last ds4_eval chunk, into out (host).  -1 when
- * the last chunk had fewer rows. */
+ * the last call was not a ds4_eval chunk or had fewer rows (a rollback takes the rows of the
+ * positions it takes back away). */
 int ds4_ctx_streams(ds4_ctx *c, float *out, int rows);
+/* The same for the MTP block: its output streams (what its head mixes) of the last rows rows
+ * of the last ds4_mtp_eval -- the hidden state a chained draft feeds back to the head. */
+int ds4_mtp_streams(ds4_ctx *c, float *out, int rows);
 /* The MTP head, CPU backend only (its specification; issue 27): n rows at the block's own
  * positions p = ds4_ctx_mtp_pos(c) .. p + n - 1, consecutive from 0 after ds4_ctx_reset.  Row
  * i pairs the trunk's final streams of position p + i - 1 (h[i], [n_hc][n_embd]; zeros for
  * position 0) with the token at position p + i (tokens[i]), as llama.cpp's MTP context does;
- * logits[i] ([n_vocab], host) is the block's prediction for the token at position p + i + 1.
- * The block's attention keeps its own window, compressed rows and indexer rows.  -1 with one
- * line on failure (no block, another backend, n outside [1, max_batch], the context full). */
-int ds4_mtp_eval(ds4_ctx *c, const float *h, const int32_t *tokens, int n, float *logits, char *err, size_t errlen);
+ * logits (host, may be NULL: the head's projection is skipped) receives [n][n_vocab] when
+ * all_rows, else only the last row; row i is the block's prediction for the token at position
+ * p + i + 1.  The block's attention keeps its own window, compressed rows and indexer rows.
+ * -1 with one line on failure (no block, another backend, n outside [1, max_batch], the
+ * context full). */
+int ds4_mtp_eval(ds4_ctx *c, const float *h, const int32_t *tokens, int n, float *logits, int all_rows,
+                 char *err, size_t errlen);
 int ds4_ctx_mtp_pos(const ds4_ctx *c);
 
 /* ---- sampling ---- */
@@ -174,6 +200,11 @@ void ds4_sampler_init(ds4_sampler *s, float temp, float top_p, uint64_t seed);
 int  ds4_argmax(const float *logits, int n);   /* first maximum */
 /* Deterministic for a given state; scratch must hold n floats + n ints. */
 int  ds4_sample(ds4_sampler *s, const float *logits, int n, void *scratch);
+/* The distribution ds4_sample draws from when temp > 0, into p[0:n): softmax(logits / temp),
+ * 0 outside the top-p nucleus, the nucleus renormalised.  scratch as ds4_sample's. */
+void ds4_sampler_probs(const ds4_sampler *s, const float *logits, int n, float *p, void *scratch);
+/* A uniform number in [0, 1) from the sampler's generator (the one ds4_sample advances). */
+double ds4_sampler_uniform(ds4_sampler *s);
 
 /* ---- messages ---- */
 
@@ -204,6 +235,11 @@ typedef struct ds4_env {
                                    cores (default), 0 = dequantise + cuBLAS */
     int prefill_attn;           /* DS4_CUDA_PREFILL_ATTN: 1 = a prefill batch's attention in row tiles shared
                                    by 32 heads (default), 0 = the per-query kernel decode uses */
+    int rollback_restore;       /* DS4_ROLLBACK_RESTORE: debug, the parts whose saved slots ds4_ctx_rollback
+                                   restores: bit 1 << DS4_PART_* (default 3, both); a part without its bit
+                                   only moves its position back (the tests show what breaks) */
+    float mtp_force_p;          /* DS4_MTP_FORCE=P:FILE: debug, each draft of --mtp-draft is FILE's reference */
+    const char *mtp_force_file; /*   token with probability P, else a token that differs (NULL = off) */
 } ds4_env;
 int ds4_env_read(ds4_env *env, char *err, size_t errlen);
 /* DS4_HOOKS against a model, before a context is made: its layer ranges fit the model and

@@ -1,7 +1,8 @@
 /* ds4_cli.c -- the `ds4` program: run a DeepSeek V4 model, or write a synthetic one.
  *
  *   ds4 [-m FILE] [-p TEXT [--chat [--think] [-i]] | --tokens IDS] [-n N] [--temp T] [--top-p P]
- *       [--seed S] [-c N] [--backend cpu|cuda] [--dump-logits FILE] [--force IDS] [--threads N] [-v]
+ *       [--seed S] [-c N] [--backend cpu|cuda] [--dump-logits FILE] [--force IDS] [--threads N]
+ *       [--mtp-draft D] [-v]
  *   ds4 synth --config NAME [--seed N] [--type f32|f16|bf16|q8_0] -o FILE
  *   ds4 info FILE
  *   ds4 collect -i CORPUS -o DIR --hooks SPEC   (ds4_collect.c)
@@ -102,9 +103,14 @@ static void usage(FILE *f) {
         "                      (as many ids as -n asks for; without -n, -n is their count)\n"
         "  --allow-nonfinite   go on when the logits hold NaN or Inf (default: stop, naming the row)\n"
         "  --threads N         CPU threads (default: DS4_THREADS or all cores)\n"
+        "  --mtp-draft D       speculative decoding: D tokens (1..3) drafted by the model's MTP\n"
+        "                      head, checked by the model in one call (CPU backend); greedy: the\n"
+        "                      tokens and logits are plain greedy decoding's; --temp > 0: each\n"
+        "                      token has plain sampling's distribution (default: off)\n"
         "  -v, --verbose       also print the prompt, the prompt ids and the generated ids (stderr)\n"
         "  --stats             after the run, the backend's counters over the decode steps:\n"
-        "                      launches per step, device allocations, frees and waits\n"
+        "                      launches per step, device allocations, frees and waits; with\n"
+        "                      --mtp-draft, the drafts made and accepted\n"
         "  -h, --help          this text\n"
         "\n"
         "synth options:\n"
@@ -221,6 +227,7 @@ struct cli_opts {
     int allow_nonfinite;                       /* --allow-nonfinite: NaN/Inf logits do not stop the run */
     int stats;                                 /* --stats */
     int threads;                               /* --threads in [1, 64]; 0: not given */
+    int mtp_draft;                             /* --mtp-draft in [1, 3]; 0: off */
 };
 
 static void cli_opts_free(struct cli_opts *o) {
@@ -235,12 +242,12 @@ static int cli_parse(int argc, char **argv, struct cli_opts *o, char *err, size_
     static const char *const opts[][2] = {
         { "-m", NULL }, { "-p", NULL }, { "--tokens", NULL }, { "-n", NULL }, { "--temp", NULL },
         { "--top-p", NULL }, { "--seed", NULL }, { "-c", "--ctx" }, { "--backend", NULL }, { "--dump-logits", NULL },
-        { "--force", NULL }, { "--threads", NULL }, { "-f", "--file" },
+        { "--force", NULL }, { "--threads", NULL }, { "-f", "--file" }, { "--mtp-draft", NULL },
         /* the flags without a value, from here */
         { "--chat", NULL }, { "--think", NULL }, { "-i", "--interactive" }, { "-v", "--verbose" },
         { "--allow-nonfinite", NULL }, { "--stats", NULL },
     };
-    enum { N_OPTS = sizeof opts / sizeof opts[0], FIRST_FLAG = 13 };
+    enum { N_OPTS = sizeof opts / sizeof opts[0], FIRST_FLAG = 14 };
     int seen[N_OPTS] = {0};
     char sh[SHOW_BUF];
     memset(o, 0, sizeof *o);
@@ -280,6 +287,7 @@ static int cli_parse(int argc, char **argv, struct cli_opts *o, char *err, size_
         else if (!strcmp(a, "--force")) rc = parse_ids(a, v, &o->force, &o->n_force, err, errlen);
         else if (!strcmp(a, "--threads")) rc = parse_int(a, v, 1, 64, &o->threads, err, errlen);
         else if (q == 12) o->prompt_file = v;
+        else if (!strcmp(a, "--mtp-draft")) rc = parse_int(a, v, 1, 3, &o->mtp_draft, err, errlen);
         if (rc) return -1;
         i++;
     }
@@ -679,6 +687,7 @@ typedef struct {
     int32_t *gen;                /* the generated ids of the current call */
     int n_done;                  /* how many */
     int stopped;                 /* why the loop ended early: 0 no, 1 Ctrl-C, 2 failure */
+    struct spec *sp;             /* --mtp-draft: the speculative decoder; NULL: off */
 } run;
 
 /* Between the prompt's chunks (ds4_ctx_set_progress): the meter, and Ctrl-C stops the prompt. */
@@ -688,11 +697,357 @@ static int on_chunk(void *user, int done, int total) {
     return g_interrupted != 0;
 }
 
+/* ---- speculative decoding with the MTP head (--mtp-draft D) ----
+ *
+ * Each step drafts D tokens with the model's MTP head and checks them with the model in one
+ * call of D + 1 rows: the token already chosen, then the drafts.  Row i's logits are those a
+ * plain step would have after the same tokens, so the model's choice after row i is the token
+ * plain greedy decoding takes there.  The drafts are taken while each equals the choice before
+ * it; the first that does not is replaced by that choice (the next step's token), and the
+ * positions of the drafts not taken are rolled back (ds4_ctx_rollback), so the next step sees
+ * the context plain decoding would.  On the CPU a call of n rows gives each row the bytes of n
+ * one-token calls (tests/test_chunks.py), so the tokens and the logits kept are plain greedy
+ * decoding's, byte for byte (tests/test_mtp_spec.py).  With --temp > 0 the check is speculative
+ * sampling's (spec_accept): each emitted token has plain sampling's distribution.
+ *
+ * The head follows the model as llama.cpp's MTP driver has it: its row at position k pairs the
+ * token at k with the model's final streams at k - 1 (zeros at 0) and predicts the token at
+ * k + 1.  Those rows are the head's history, in its own caches: one for every position the
+ * model keeps, the prompt's included.  A step's first draft comes from such a row (the token
+ * just chosen, the streams before it).  Draft i + 1 comes from a row that pairs draft i with
+ * the head's own output streams of the row before (llama.cpp chains them so); those rows are
+ * rolled back once the drafts are made (DS4_PART_MTP).  The rows of the drafts the model
+ * accepted, paired with its streams, wait in a queue and go with the next step's first row in
+ * one call.
+ *
+ * DS4_MTP_FORCE=P:FILE (a measurement knob for random-weight models, whose head is almost never
+ * right): draft k of the step at generated token j becomes FILE's id j + 1 + k with
+ * probability P (a generator seeded by --seed), else a token that differs from it; the head
+ * still runs. */
+typedef struct spec {
+    int D, V, hw;                /* drafts per step, vocabulary, floats of one row of streams */
+    float *h;                    /* [max_batch + 1][hw]: row 0 the model's streams before its next
+                                    position (zeros at 0), then a call's rows */
+    float *hq;                   /* [D + 1][hw] the queued head rows: their streams... */
+    int32_t *tq;                 /* [D + 1] ...and their tokens */
+    int nq;
+    float *hv;                   /* [D + 1][hw] the check call's streams */
+    float *g;                    /* [hw] the head's output streams of its last row */
+    float *mlog;                 /* [V] the head's logits of its last row */
+    float *vlog;                 /* [D + 1][V] the check call's logits, when no dump holds them */
+    int sampling;                /* --temp > 0 (and no --force): speculative sampling */
+    float *q;                    /* [D][V] sampling: the distributions the drafts were drawn from */
+    float *p;                    /* [V] sampling: the model's distribution of one row, then its residue */
+    float force_p;               /* DS4_MTP_FORCE */
+    int32_t *ref;
+    int n_ref;
+    uint64_t rng;
+    long base;                   /* tokens generated by earlier calls (-i turns): ref's index */
+    int32_t *first;              /* [-n] per generated token j of a call, the head's own choice of the
+                                    step's first draft when j is a step's first draft, else -1 (-v) */
+    long steps, drafted, accepted;
+} spec;
+
+static uint64_t spec_rand(uint64_t *s) {         /* splitmix64 */
+    uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+/* The id that inverse-CDF sampling with u in [0, 1) picks from the distribution p[0:n) (ids in
+ * order; the last id of non-zero mass when rounding leaves u past the sum). */
+static int32_t spec_draw(const float *p, int n, double u) {
+    double c = 0.0;
+    int last = 0;
+    for (int i = 0; i < n; i++) {
+        if (p[i] <= 0.0f) continue;
+        c += p[i];
+        last = i;
+        if (u < c) return i;
+    }
+    return last;
+}
+
+/* The draft for generated token idx, from the head's choice tok (DS4_MTP_FORCE: FILE's id, or
+ * one that differs from it). */
+static int32_t spec_pick(spec *s, int32_t tok, long idx) {
+    if (!s->ref) return tok;
+    const double u = (double)(spec_rand(&s->rng) >> 11) * (1.0 / 9007199254740992.0);
+    if (idx >= s->n_ref) return tok;
+    const int32_t want = s->ref[idx];
+    if (u < s->force_p) return want;
+    return tok != want ? tok : (want + 1) % s->V;
+}
+
+/* Draft k (from 0) of a step, for generated token idx, from the head's logits in s->mlog:
+ * sampling, drawn from the head's distribution with the run's sampler (kept in s->q for the
+ * check); else the head's choice, through DS4_MTP_FORCE. */
+static int32_t spec_choose(run *r, spec *s, int k, long idx) {
+    if (!s->sampling) return spec_pick(s, ds4_argmax(s->mlog, s->V), idx);
+    float *q = s->q + (size_t)k * s->V;
+    ds4_sampler_probs(&r->smp, s->mlog, s->V, q, r->scratch);
+    return spec_draw(q, s->V, ds4_sampler_uniform(&r->smp));
+}
+
+/* The queued head rows, if any, through the head: its logits of the last row into s->mlog
+ * when want_logits.  0, or -1 with the line printed. */
+static int spec_flush(run *r, spec *s, int want_logits) {
+    char err[1024];
+    if (!s->nq) return 0;
+    if (ds4_mtp_eval(r->c, s->hq, s->tq, s->nq, want_logits ? s->mlog : NULL, 0, err, sizeof err) != 0) {
+        fprintf(stderr, "ds4: the MTP head: %s\n", err);
+        return -1;
+    }
+    s->nq = 0;
+    return 0;
+}
+
+/* Queue the head's row of token tok, paired with the streams h. */
+static void spec_queue(spec *s, int32_t tok, const float *h) {
+    s->tq[s->nq] = tok;
+    memcpy(s->hq + (size_t)s->nq * s->hw, h, sizeof(float) * s->hw);
+    s->nq++;
+}
+
+/* n drafts for generated tokens j + 1 .. j + n into out: the queue (its last row the token just
+ * chosen) gives the first, each further one the head's row of the one before, paired with the
+ * head's own streams; those rows are then taken back.  0, or -1 with the line printed. */
+static int spec_draft(run *r, spec *s, int n, long j, int32_t *out) {
+    char err[1024];
+    ds4_ctx *c = r->c;
+    if (spec_flush(r, s, 1) != 0) return -1;
+    s->first[j + 1] = ds4_argmax(s->mlog, s->V);
+    out[0] = spec_choose(r, s, 0, s->base + j + 1);
+    if (n == 1) return 0;
+    const int mpos = ds4_ctx_mtp_pos(c);
+    if (ds4_ctx_checkpoint(c, DS4_PART_MTP, n - 1, err, sizeof err) != 0) goto fail;
+    for (int k = 1; k < n; k++) {
+        ds4_mtp_streams(c, s->g, 1);
+        if (ds4_mtp_eval(c, s->g, &out[k - 1], 1, s->mlog, 0, err, sizeof err) != 0) goto fail;
+        out[k] = spec_choose(r, s, k, s->base + j + 1 + k);
+    }
+    if (ds4_ctx_rollback(c, DS4_PART_MTP, mpos, err, sizeof err) != 0) goto fail;
+    return 0;
+fail:
+    fprintf(stderr, "ds4: the MTP head: %s\n", err);
+    return -1;
+}
+
+/* DS4_MTP_FORCE's FILE: token ids below V, commas or blanks between them, into *ref (malloc'd);
+ * a failure ends the program. */
+static int32_t *spec_read_ref(const char *path, int V, int *n_ref) {
+    char sh[SHOW_BUF];
+    FILE *f = fopen(path, "rb");
+    if (!f) die_run("DS4_MTP_FORCE: cannot read '%s': %s", show(sh, path), strerror(errno));
+    int32_t *ref = NULL;
+    int cap = 0, n = 0;
+    for (int ch = fgetc(f); ch != EOF;) {
+        if (ch == ',' || ch == ' ' || ch == '\t' || ch == '\n' || ch == '\r') { ch = fgetc(f); continue; }
+        if (ch < '0' || ch > '9') {
+            char b[8];
+            snprintf(b, sizeof b, ch >= 0x20 && ch < 0x7f ? "%c" : "\\x%02x", ch);
+            die_usage("DS4_MTP_FORCE: '%s' holds '%s', not token ids", show(sh, path), b);
+        }
+        long v = 0;
+        for (; ch >= '0' && ch <= '9'; ch = fgetc(f))
+            if ((v = v * 10 + (ch - '0')) >= V)
+                die_usage("DS4_MTP_FORCE: '%s' holds an id past the vocabulary (%d ids)", show(sh, path), V);
+        if (n == cap) {
+            cap = cap ? 2 * cap : 1024;
+            ref = realloc(ref, sizeof(int32_t) * (size_t)cap);
+            if (!ref) die_run("out of host memory for DS4_MTP_FORCE");
+        }
+        ref[n++] = (int32_t)v;
+    }
+    if (ferror(f)) die_run("DS4_MTP_FORCE: reading '%s' failed", show(sh, path));
+    fclose(f);
+    if (!n) die_usage("DS4_MTP_FORCE: '%s' holds no token ids", show(sh, path));
+    *n_ref = n;
+    return ref;
+}
+
+/* The decoder of --mtp-draft D for run r (its context made), with DS4_MTP_FORCE's reference ids
+ * (ref, NULL: none; the decoder frees them); out of memory ends the program. */
+static void spec_init(spec *s, run *r, int D, int n_gen, int sampling, float force_p, int32_t *ref, int n_ref,
+                      uint64_t seed) {
+    int n_layer, n_embd, n_hc, n_used;
+    ds4_model_dims(r->m, &n_layer, &n_embd, &n_hc, &n_used);
+    s->D = D;
+    s->V = r->V;
+    s->hw = n_hc * n_embd;
+    const size_t hw = (size_t)s->hw, mb = (size_t)ds4_ctx_max_batch(r->c);
+    s->h = calloc((mb + 1) * hw, sizeof(float));
+    s->hq = malloc((size_t)(D + 1) * hw * sizeof(float));
+    s->tq = malloc((size_t)(D + 1) * sizeof(int32_t));
+    s->hv = malloc((size_t)(D + 1) * hw * sizeof(float));
+    s->g = malloc(hw * sizeof(float));
+    s->mlog = malloc((size_t)s->V * sizeof(float));
+    s->vlog = malloc((size_t)(D + 1) * s->V * sizeof(float));
+    s->first = malloc((size_t)(n_gen + 1) * sizeof(int32_t));
+    s->sampling = sampling;
+    s->q = malloc((size_t)D * s->V * sizeof(float));
+    s->p = malloc((size_t)s->V * sizeof(float));
+    if (!s->h || !s->hq || !s->tq || !s->hv || !s->g || !s->mlog || !s->vlog || !s->first || !s->q || !s->p)
+        die_run("out of host memory for --mtp-draft");
+    s->force_p = force_p;
+    s->ref = ref;
+    s->n_ref = n_ref;
+    s->rng = seed;
+}
+
+static void spec_free(spec *s) {
+    free(s->h); free(s->hq); free(s->tq); free(s->hv); free(s->g); free(s->mlog); free(s->vlog); free(s->ref);
+    free(s->first); free(s->q); free(s->p);
+}
+
+/* prefill's work with the head: ids[0:n) through the model in chunks of its batch, each
+ * chunk's rows then through the head (paired with the streams before them). */
+static int spec_feed(run *r, const int32_t *ids, int n, float *rows_out, float *last) {
+    char err[1024];
+    spec *s = r->sp;
+    ds4_ctx *c = r->c;
+    const int mb = ds4_ctx_max_batch(c), pos0 = ds4_ctx_pos(c);
+    if (spec_flush(r, s, 0) != 0) return -1;
+    r->pmt.t0 = now_s();
+    r->pmt.last = 0;
+    for (int i = 0, nb; i < n; i += nb) {
+        nb = n - i < mb ? n - i : mb;
+        if (ds4_eval(c, ids + i, nb, rows_out ? rows_out + (size_t)i * r->V : last, rows_out != NULL, err, sizeof err) != 0 ||
+            ds4_ctx_streams(c, s->h + s->hw, nb) != 0 ||
+            ds4_mtp_eval(c, s->h, ids + i, nb, NULL, 0, err, sizeof err) != 0) {
+            meter_clear(&r->pmt);
+            fprintf(stderr, "ds4: %s\n", err);
+            return -1;
+        }
+        memcpy(s->h, s->h + (size_t)nb * s->hw, sizeof(float) * s->hw);
+        meter_show(&r->pmt, "prompt", i + nb, n);
+        if (i + nb < n && g_interrupted) { meter_clear(&r->pmt); return -3; }
+    }
+    meter_clear(&r->pmt);
+    const float *chk = rows_out ? rows_out : last;
+    const int nchk = rows_out ? n : 1, at = rows_out ? pos0 : pos0 + n - 1;
+    if (!r->allow_nonfinite && check_rows(chk, nchk, r->V, at, "the prompt") != 0) return -2;
+    if (rows_out) memcpy(last, rows_out + (size_t)(n - 1) * r->V, sizeof(float) * r->V);
+    return 0;
+}
+
+/* Speculative sampling's check of nd drafts (batch[1..nd], drawn from s->q) against the model's
+ * rows out[0..nd]: draft i + 1 is taken with probability min(1, p_i(x) / q_i(x)), p_i the
+ * distribution ds4_sample draws from after row i; the first one refused is replaced by a draw
+ * from the residue max(0, p_i - q_i), renormalised, and when every draft is taken the next token
+ * is drawn from p_nd.  Each emitted token then has the distribution plain sampling gives it
+ * (the tokens differ from plain sampling's with the same seed: the generator is drawn more
+ * often).  An EOS taken ends the drafts taken before it, as plain decoding stops there.
+ * *taken: the drafts taken; returns the next token. */
+static int32_t spec_accept(run *r, spec *s, const float *out, const int32_t *batch, int nd, int *taken) {
+    const int V = s->V;
+    int a = 0;
+    int32_t next;
+    for (;;) {
+        ds4_sampler_probs(&r->smp, out + (size_t)a * V, V, s->p, r->scratch);
+        if (a == nd) { next = spec_draw(s->p, V, ds4_sampler_uniform(&r->smp)); break; }
+        const float *q = s->q + (size_t)a * V;
+        const int32_t x = batch[a + 1];
+        if (ds4_sampler_uniform(&r->smp) * q[x] < s->p[x]) {
+            if (x == r->eos) { next = x; break; }
+            a++;
+            continue;
+        }
+        double sum = 0.0;
+        for (int i = 0; i < V; i++) {
+            s->p[i] = s->p[i] > q[i] ? s->p[i] - q[i] : 0.0f;
+            sum += s->p[i];
+        }
+        if (sum > 0.0)
+            for (int i = 0; i < V; i++) s->p[i] = (float)(s->p[i] / sum);
+        else   /* p below q nowhere: only rounding refused the draft; p itself */
+            ds4_sampler_probs(&r->smp, out + (size_t)a * V, V, s->p, r->scratch);
+        next = spec_draw(s->p, V, ds4_sampler_uniform(&r->smp));
+        break;
+    }
+    *taken = a;
+    return next;
+}
+
+/* generate's work with the head (its contract, greedy or --force): one step is the token
+ * chosen, up to D drafts, one call of the model over them, the drafts it accepts. */
+static void spec_generate(run *r, int n, const int32_t *force, const float *prev, float *rows, float *last) {
+    char err[1024];
+    spec *s = r->sp;
+    ds4_ctx *c = r->c;
+    const int V = r->V;
+    int32_t batch[DS4_CHECKPOINT_MAX], choice[DS4_CHECKPOINT_MAX];
+    r->n_done = 0;
+    r->stopped = 0;
+    for (int j = 0; j <= n; j++) s->first[j] = -1;
+    int32_t next = n <= 0 ? 0 : force ? force[0] : ds4_sample(&r->smp, prev, V, r->scratch);
+    for (int j = 0; j < n;) {
+        if (g_interrupted) { r->stopped = 1; return; }
+        if (next == r->eos) return;
+        r->gen[j] = next;
+        tx_token(&r->tx, r->m, r->tok, next);
+        if (tx_sync(&r->tx) != 0) { r->stopped = 2; return; }
+        const int nd = s->D < n - j - 1 ? s->D : n - j - 1;   /* drafts: no further than -n */
+        const int pos = ds4_ctx_pos(c);
+        batch[0] = next;
+        spec_queue(s, next, s->h);
+        if (nd > 0 && spec_draft(r, s, nd, j, batch + 1) != 0) { r->stopped = 2; return; }
+        float *out = rows ? rows + (size_t)j * V : s->vlog;
+        if ((nd > 0 && ds4_ctx_checkpoint(c, DS4_PART_TRUNK, nd + 1, err, sizeof err) != 0) ||
+            ds4_eval(c, batch, nd + 1, out, 1, err, sizeof err) != 0) {
+            fprintf(stderr, "ds4: %s\n", err);
+            r->stopped = 2;
+            return;
+        }
+        ds4_ctx_streams(c, s->hv, nd + 1);
+        /* the drafts taken: while each is the model's choice after the row before it (EOS never:
+         * plain decoding stops there, so it becomes the next step's token) */
+        int a = 0;
+        if (s->sampling) {
+            choice[0] = spec_accept(r, s, out, batch, nd, &a);
+        } else {
+            for (;; a++) {
+                choice[a] = force ? (j + a + 1 < n ? force[j + a + 1] : 0) : ds4_argmax(out + (size_t)a * V, V);
+                if (a == nd || batch[a + 1] != choice[a] || choice[a] == r->eos) break;
+            }
+        }
+        /* the rows kept are plain decoding's steps j .. j + a: each checked as a step is */
+        for (int i = 0; i <= a; i++) {
+            if (i > 0) {
+                r->gen[j + i] = batch[i];
+                tx_token(&r->tx, r->m, r->tok, batch[i]);
+            }
+            r->n_done = j + i + 1;
+            char what[64];
+            snprintf(what, sizeof what, "decode step %d", j + i);
+            if (!r->allow_nonfinite && check_rows(out + (size_t)i * V, 1, V, pos + i, what) != 0) { r->stopped = 2; return; }
+        }
+        if (tx_sync(&r->tx) != 0) { r->stopped = 2; return; }
+        if (a < nd && ds4_ctx_rollback(c, DS4_PART_TRUNK, pos + a + 1, err, sizeof err) != 0) {
+            fprintf(stderr, "ds4: %s\n", err);
+            r->stopped = 2;
+            return;
+        }
+        /* the head's rows of the drafts taken wait for the next step's first draft */
+        for (int i = 1; i <= a; i++) spec_queue(s, batch[i], s->hv + (size_t)(i - 1) * s->hw);
+        memcpy(s->h, s->hv + (size_t)a * s->hw, sizeof(float) * s->hw);
+        if (!rows) memcpy(last, out + (size_t)a * V, sizeof(float) * V);
+        s->steps++;
+        s->drafted += nd;
+        s->accepted += a;
+        j += a + 1;
+        meter_show(&r->mt, "generated", j, n);
+        next = choice[s->sampling ? 0 : a];
+    }
+}
+
 /* Feed ids[0:n) (ds4_eval chunks it); the logits of the last row into last (all rows into
  * rows_out when given).  -1 when a call failed, -2 when the logits are not finite, -3 when
  * Ctrl-C stopped it, with the line printed (-3: by the caller). */
 static int prefill(run *r, const int32_t *ids, int n, float *rows_out, float *last) {
     char err[1024];
+    if (r->sp) return spec_feed(r, ids, n, rows_out, last);
     const int pos0 = ds4_ctx_pos(r->c);
     r->pmt.t0 = now_s();
     r->pmt.last = 0;
@@ -712,6 +1067,11 @@ static int prefill(run *r, const int32_t *ids, int n, float *rows_out, float *la
  * given, [n][V]) or into last.  Stops at EOS (not fed, not printed), at Ctrl-C, at a failure. */
 static void generate(run *r, int n, const int32_t *force, const float *prev, float *rows, float *last) {
     char err[1024];
+    if (r->sp) {
+        spec_generate(r, n, force, prev, rows, last);
+        r->sp->base += r->n_done;
+        return;
+    }
     r->n_done = 0;
     r->stopped = 0;
     for (int j = 0; j < n; j++) {
@@ -859,6 +1219,13 @@ int main(int argc, char **argv) {
                 "returns; it has no rings and no drain to size or slow\n");
     if (env.launch_trace && !strcmp(be->name, "cpu"))
         fprintf(stderr, "ds4: DS4_LAUNCH_TRACE: the cpu backend launches no kernels; nothing is traced\n");
+    if (o.mtp_draft && strcmp(be->name, "cpu"))
+        die_usage("--mtp-draft: the MTP head runs on the cpu backend only (give --backend cpu)");
+    if (o.mtp_draft && env.hooks)
+        die_usage("--mtp-draft does not take DS4_HOOKS (the records would hold the rows of rejected drafts)");
+    if (env.mtp_force_file && !o.mtp_draft) die_usage("DS4_MTP_FORCE goes with --mtp-draft");
+    if (env.mtp_force_file && o.temp > 0.0f)
+        die_usage("DS4_MTP_FORCE goes with greedy decoding (its FILE holds greedy ids; give --temp 0)");
     if (env.cuda_graphs && !strcmp(be->name, "cpu"))
         fprintf(stderr, "ds4: DS4_CUDA_GRAPHS=1: the cpu backend records no graphs; every step runs eagerly\n");
     else if (env.cuda_graphs)
@@ -882,6 +1249,10 @@ int main(int argc, char **argv) {
     ds4_tok *tok = ds4_model_has_vocab(m) ? ds4_model_tokenizer(m, err, sizeof(err)) : NULL;
     if (ds4_model_has_vocab(m) && !tok) { fprintf(stderr, "ds4: %s\n", err); return EXIT_FAIL; }
     if (o.chat && !tok) die_usage("--chat needs a model with a vocabulary (this one has none)");
+    if (o.mtp_draft && !ds4_model_has_mtp(m))
+        die_usage("--mtp-draft needs a model with an MTP block (ds4 info shows it; this one has none)");
+    int n_force_ref = 0;
+    int32_t *force_ref = env.mtp_force_file && o.mtp_draft ? spec_read_ref(env.mtp_force_file, V, &n_force_ref) : NULL;
 
     /* -f: the file's bytes are the prompt text (a NUL in it ends the text: say so rather than cut) */
     char *file_text = NULL;
@@ -928,6 +1299,9 @@ int main(int argc, char **argv) {
     }
     if (P + n_gen > n_ctx && !o.interactive) die_usage("%d prompt + %d generated tokens exceed --ctx %d", P, n_gen, n_ctx);
     if (P > n_ctx) die_usage("the first turn's %d tokens exceed --ctx %d", P, n_ctx);
+    if (o.mtp_draft && env.ubatch < o.mtp_draft + 1 && env.ubatch < n_ctx)   /* a context's batch: both bound it */
+        die_usage("--mtp-draft %d checks %d tokens in one call: DS4_UBATCH=%d is too small", o.mtp_draft,
+                  o.mtp_draft + 1, env.ubatch);
 
     outfile dump;
     memset(&dump, 0, sizeof dump);
@@ -939,6 +1313,7 @@ int main(int argc, char **argv) {
     /* the prompt goes in chunks of at most DS4_UBATCH tokens (ds4_ctx_new caps the batch) */
     int max_batch = o.interactive ? n_ctx : (P > 0 ? P : 1);
     if (max_batch > env.ubatch) max_batch = env.ubatch;
+    if (max_batch < o.mtp_draft + 1) max_batch = o.mtp_draft + 1;   /* the drafts' check is one call */
     const size_t plan = ds4_ctx_plan_bytes(m, n_ctx, max_batch);
     if (plan >= ((size_t)1 << 30) || o.verbose)
         fprintf(stderr, "ds4: context of %d positions, batches of %d: %.2f GB on %s (window, compressed and indexer "
@@ -964,6 +1339,12 @@ int main(int argc, char **argv) {
     r.pmt.delay = 2.0;
     ds4_ctx_set_progress(c, on_chunk, &r);
     ds4_sampler_init(&r.smp, o.temp, o.top_p, o.seed);
+    spec sp;
+    memset(&sp, 0, sizeof sp);
+    if (o.mtp_draft) {
+        spec_init(&sp, &r, o.mtp_draft, n_gen, o.temp > 0.0f && !o.force, env.mtp_force_p, force_ref, n_force_ref, o.seed);
+        r.sp = &sp;
+    }
     const int rows = P + n_gen;
     float *logits = o.dump ? malloc(sizeof(float) * (size_t)rows * V) : NULL;
     float *last = malloc(sizeof(float) * V);
@@ -998,6 +1379,7 @@ int main(int argc, char **argv) {
         meter_clear(&r.mt);
         memcpy(fed + P, r.gen, sizeof(int32_t) * (size_t)r.n_done);
         if (o.verbose) print_ids("generated ids", r.gen, r.n_done);
+        if (o.verbose && r.sp) print_ids("mtp first drafts", sp.first, r.n_done);
     } else {
         /* -i: one turn per line of stdin; the history stays in the context, each answer closed
          * by EOS as the chat format has it */
@@ -1041,8 +1423,14 @@ int main(int argc, char **argv) {
             t_decode += now_s() - tq;
             n_decoded += r.n_done;
             if (o.verbose) print_ids("generated ids", r.gen, r.n_done);
+            if (o.verbose && r.sp) print_ids("mtp first drafts", sp.first, r.n_done);
             if (r.stopped) break;
-            if (ds4_eval(c, &eos, 1, last, 0, err, sizeof err) != 0) { fprintf(stderr, "ds4: %s\n", err); r.stopped = 2; }
+            if (r.sp) {                           /* the head follows the model: through prefill */
+                if (spec_feed(&r, &eos, 1, NULL, last) == -1) r.stopped = 2;
+            } else if (ds4_eval(c, &eos, 1, last, 0, err, sizeof err) != 0) {
+                fprintf(stderr, "ds4: %s\n", err);
+                r.stopped = 2;
+            }
             tx_put(&r.tx, "\n", 1);
             if (tx_sync(&r.tx) != 0) r.stopped = 2;
         }
@@ -1085,6 +1473,10 @@ int main(int argc, char **argv) {
                     (unsigned long long)bst.graph_nodes, (double)bst.graph_bytes / (1024.0 * 1024.0),
                     bst.graph_pdl ? "on" : "off");
     }
+    if (o.stats && r.sp)
+        fprintf(stderr, "stats: mtp: --mtp-draft %d%s: %ld steps, %ld drafted, %ld accepted (%.1f%%), %.2f tokens per step\n",
+                sp.D, sp.ref ? " (DS4_MTP_FORCE)" : "", sp.steps, sp.drafted, sp.accepted,
+                sp.drafted ? 100.0 * sp.accepted / sp.drafted : 0.0, sp.steps ? (double)n_decoded / sp.steps : 0.0);
     ds4_hooks_stats hst;
     if (ds4_ctx_hooks_stats(c, &hst) == 0) {      /* DS4_HOOKS: every record written by now */
         if (o.stats)
@@ -1111,6 +1503,7 @@ int main(int argc, char **argv) {
         else if (n_prefilled != P) outfile_abort(&dump);
         outfile_free(&dump);
     }
+    if (r.sp) spec_free(r.sp);
     free(r.gen); free(r.scratch); free(fed); free(last); free(logits);
     if (ids != o.prompt_ids) free(ids);
     free(file_text);

@@ -49,7 +49,7 @@ int main(int argc, char **argv) {
     if (ds4_eval(c, ids, P, NULL, 0, err, sizeof err) != 0) die("trunk", err);
     if (ds4_ctx_streams(c, h, P) != 0) die("trunk", "no streams for the prompt's rows");
     memcpy(in + w, h, sizeof(float) * (size_t)(P - 1) * w);      /* row k: position k - 1's */
-    if (ds4_mtp_eval(c, in, ids, P, logits, err, sizeof err) != 0) die("MTP", err);
+    if (ds4_mtp_eval(c, in, ids, P, logits, 1, err, sizeof err) != 0) die("MTP", err);
     for (int r = 0; r < P; r++) {
         int best = 0;
         for (int v = 1; v < V; v++) if (logits[(size_t)r * V + v] > logits[(size_t)r * V + best]) best = v;

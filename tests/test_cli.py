@@ -69,6 +69,10 @@ FLAG_CASES = [
     (["synth", "--config", "tiny@" + "0" * 82 + "16junk", "--vocab", "-o", os.path.join(OUT, "cut.gguf")],
      "unknown name or an expert count"),
     (["synth", "--config", "tiny", "--config", "small", "-o", "/tmp/x.gguf"], "--config is given twice"),
+    (["--mtp-draft", "0"], "--mtp-draft expects an integer in [1, 3]"),
+    (["--mtp-draft", "4"], "--mtp-draft expects an integer in [1, 3]"),
+    (["--mtp-draft", "x"], "--mtp-draft expects an integer in [1, 3]"),
+    (["--mtp-draft", "1"], "--mtp-draft needs a model with an MTP block"),   # tiny has none
 ]
 
 
@@ -88,6 +92,7 @@ STATUS_CASES = [
     (["synth", "--config", "tiny", "-o", "/nonexistent-dir/x.gguf"], 1),
     (["info"], 2), (["-m", "/nonexistent/model.gguf"], 1), (["info", "/nonexistent/model.gguf"], 1),
     (["--dump-logits", "/nonexistent-dir/x.bin", "-n", "1"], 1),
+    (["--mtp-draft", "0"], 2), (["--mtp-draft", "1"], 2),
 ]
 
 
@@ -118,6 +123,10 @@ ENV_CASES = [
     ({"DS4_CUDA_GRAPH_PDL": "on"}, "DS4_CUDA_GRAPH_PDL='on'"),
     ({"DS4_CUDA_PREFILL_TC": "2"}, "DS4_CUDA_PREFILL_TC='2' is not an integer in [0, 1]"),
     ({"DS4_CUDA_PREFILL_ATTN": "2"}, "DS4_CUDA_PREFILL_ATTN='2' is not an integer in [0, 1]"),
+    ({"DS4_ROLLBACK_RESTORE": "4"}, "DS4_ROLLBACK_RESTORE='4' is not an integer in [0, 3]"),
+    ({"DS4_MTP_FORCE": "0.5"}, "DS4_MTP_FORCE='0.5' is not P:FILE"),
+    ({"DS4_MTP_FORCE": "1.5:ref.txt"}, "DS4_MTP_FORCE='1.5:ref.txt' is not P:FILE"),
+    ({"DS4_MTP_FORCE": "1:ref.txt"}, "DS4_MTP_FORCE goes with --mtp-draft"),
     # found by tests/fuzz/fuzz_env: a newline in a value made the error two lines
     ({"DS4_THREADS": "1\n2"}, "DS4_THREADS='1\\x0a2'"),
 ]

@@ -14,7 +14,7 @@
  *   - on 0 the values are what the harness reads from argv on its own (a flag's value is the
  *     next argument, the last occurrence wins, -h/--help ends the reading) and lie in their
  *     documented ranges: -n in [0, 2^24], -c in [1, 2^24] (or 0, unset), --threads in [1, 64]
- *     (or 0), --experts in [1, 1024] (or 0), --temp in [0, 100], --top-p in [1e-6, 1], finite;
+ *     (or 0), --mtp-draft in [1, 3] (or 0), --experts in [1, 1024] (or 0), --temp in [0, 100], --top-p in [1e-6, 1], finite;
  *     --seed a non-negative decimal (no '-') whose value is the seed; the --tokens/--force
  *     lists have one id per comma-separated field, each >= 0 and equal to that field; the
  *     backend is one this build has; -p and --tokens not both, --think only with --chat,
@@ -112,14 +112,14 @@ static void check_ids(const char *v, const int32_t *ids, int n, const char *what
     }
 }
 
-enum { R_M, R_P, R_TOKENS, R_N, R_TEMP, R_TOPP, R_SEED, R_CTX, R_BACKEND, R_DUMP, R_FORCE, R_THREADS, R_FILE };
+enum { R_M, R_P, R_TOKENS, R_N, R_TEMP, R_TOPP, R_SEED, R_CTX, R_BACKEND, R_DUMP, R_FORCE, R_THREADS, R_FILE, R_MTP };
 
 static void check_run(const struct cli_opts *o, int argc, char **argv) {
     static const struct flag flags[] = {
         { "-m", R_M }, { "-p", R_P }, { "--tokens", R_TOKENS }, { "-n", R_N }, { "--temp", R_TEMP },
         { "--top-p", R_TOPP }, { "--seed", R_SEED }, { "-c", R_CTX }, { "--ctx", R_CTX }, { "--backend", R_BACKEND },
         { "--dump-logits", R_DUMP }, { "--force", R_FORCE }, { "--threads", R_THREADS }, { "-f", R_FILE }, { "--file", R_FILE },
-        { "--chat", -1 }, { "--think", -2 }, { "--stats", -3 }, { "-v", -4 }, { "--verbose", -4 },
+        { "--mtp-draft", R_MTP }, { "--chat", -1 }, { "--think", -2 }, { "--stats", -3 }, { "-v", -4 }, { "--verbose", -4 },
         { "-i", -5 }, { "--interactive", -5 }, { "--allow-nonfinite", -6 }, { NULL, 0 } };
     struct reading r;
     if (!read_argv(1, argc, argv, flags, &r)) bad("accepted an argument that is no option", argv, argc);
@@ -137,6 +137,7 @@ static void check_run(const struct cli_opts *o, int argc, char **argv) {
     check_seed(r.val[R_SEED], o->seed, argv, argc);
     check_int(r.val[R_THREADS], o->threads, 1, 64, 0, "--threads out of range or not as given", argv, argc);
     check_int(r.val[R_CTX], o->n_ctx, 1, 1 << 24, 0, "-c/--ctx out of range or not as given", argv, argc);
+    check_int(r.val[R_MTP], o->mtp_draft, 1, 3, 0, "--mtp-draft out of range or not as given", argv, argc);
     if (o->n_gen < 0 || o->n_gen > (1 << 24)) bad("-n out of [0, 2^24]", argv, argc);
     if (r.val[R_N]) check_int(r.val[R_N], o->n_gen, 0, 1 << 24, 0, "-n not as given", argv, argc);
     if (o->n_gen_set != (r.val[R_N] != NULL)) bad("n_gen_set not as given", argv, argc);
@@ -219,7 +220,7 @@ static int same_run(const struct cli_opts *a, const struct cli_opts *b) {
            a->n_gen == b->n_gen && a->n_gen_set == b->n_gen_set && a->n_ctx == b->n_ctx &&
            !memcmp(&a->temp, &b->temp, sizeof a->temp) && !memcmp(&a->top_p, &b->top_p, sizeof a->top_p) &&
            a->seed == b->seed && a->chat == b->chat && a->think == b->think && a->threads == b->threads &&
-           a->stats == b->stats;
+           a->stats == b->stats && a->mtp_draft == b->mtp_draft;
 }
 
 static int same_synth(const struct synth_opts *a, const struct synth_opts *b) {

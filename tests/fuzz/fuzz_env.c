@@ -44,6 +44,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
             fprintf(stderr, "fuzz_env: hook settings accepted out of range\n");
             abort();
         }
+        if (e.rollback_restore < 0 || e.rollback_restore > 3 ||
+            (e.mtp_force_file && (!e.mtp_force_file[0] || !(e.mtp_force_p >= 0.0f && e.mtp_force_p <= 1.0f)))) {
+            fprintf(stderr, "fuzz_env: DS4_ROLLBACK_RESTORE or DS4_MTP_FORCE accepted out of range\n");
+            abort();
+        }
     } else if (rc != -1 || !err[0]
 #ifndef DS4_FUZZ_ENV_ALLOW_NL   /* for a long run past the known finding (crashers/env/) */
                || strchr(err, '\n')
