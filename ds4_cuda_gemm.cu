@@ -32,8 +32,9 @@
  * 32 (w / 4); a lane's rows are spread so that its loads of A hit distinct banks (pg, in the
  * kernel), and the MMAs of two m tiles x two n tiles are issued interleaved (four accumulator
  * chains in flight, each in the order below).  Each thread's share of a stage's copies is
- * worked out once per block (tc_copy_plan): a stage differs from the last by its k offset.  The block streams K in stages of TC_BK = 64 through a TC_ST-deep cp.async
- * pipeline: a stage is the raw weight bytes of its 128 rows (Q8_0: two 34-byte blocks per
+ * worked out once per block (tc_copy_plan): a stage differs from the last by its k offset.
+ *   The block streams K in stages of TC_BK = 64 through a TC_ST-deep cp.async pipeline: a
+ * stage is the raw weight bytes of its 128 rows (Q8_0: two 34-byte blocks per
  * row, copied 4 bytes at a time; F16: 16-byte chunks) and the three parts of its 64 tokens
  * (16-byte chunks, swizzled so a quarter-warp's reads fall on distinct banks).  From a stage
  * a lane takes, per block of 32 k, one 16-byte read per n tile and part for B (the 8 halves
