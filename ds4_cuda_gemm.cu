@@ -362,7 +362,7 @@ k_tc_gemm(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const uin
             }
         }
     }
-    /* c0, c1: row g, tokens 2t, 2t+1; c2, c3: row g + 8 */
+    /* c0, c1: the lane's row pg + 4 mi (h = 0), tokens 2t, 2t+1; c2, c3: row pg + 4 mi + 2 (h = 1) */
     float *y = sg.y[si];
     const int64_t ldy = sg.ldy[si];
     const float *inv = (const float *)(xs + 3 * plane);
