@@ -2,26 +2,33 @@
  * tokens, with exact products, f32 sums and no dequantised copy of the weights.
  *
  * What it is.  gemm_tc_rows, the engine behind gemm_rows (ds4_cuda_matmul.cu) for the weight
- * types whose elements are exact f16 operands: Q8_0 (d * q, q an int8) and F16.  Every
- * prefill product of those types goes through it: the dense projections, the grouped
- * output projection, the shared expert and each routed expert's slice (ds4_cuda_moe.cu).
- * Other types (F32, BF16, the super-block types) keep the dequantise + cuBLAS path, and
+ * types whose elements are exact small integers (or halves) times a per-block factor: Q8_0
+ * (d * q, q an int8), F16, and the super-block types of the published files' routed experts,
+ * IQ2_XXS, Q2_K and Q4_K.  Every prefill product of those types goes through it: the dense
+ * projections, the grouped output projection, the shared expert and each routed expert's
+ * slice (ds4_cuda_moe.cu).  Other types (F32, BF16) keep the dequantise + cuBLAS path, and
  * DS4_CUDA_PREFILL_TC=0 sends every type there (to compare the two in one run).
  *
  * Numerics.  The same scheme as the decode matvec's f16 path (ds4_cuda_matvec_q.cuh), with
  * the tokens as the MMA's columns:
- *   - A (the weights): the exact integer q of a Q8_0 element, or an F16 element as it is.
+ *   - A (the weights): an exact integer a per element, and a factor s per block of 32 that
+ *     takes a to the weight (tc_frag_a): Q8_0 a = q, s = d; F16 the element itself, s = 1;
+ *     IQ2_XXS a = +-(8, 25 or 43), s = d (2 ls + 1) / 8; Q2_K a = sc q (<= 45), s = d; Q4_K
+ *     a = q, s = d sc.  Q2_K and Q4_K weights are s a - dmin m: their mins are a second A
+ *     (m per element, factor -dmin; Q4_K: 1, factor -dmin m), a second pass of MMAs over the
+ *     same B.  Each product is the weight ds4_quant.c computes (exactly rounded to f32 there,
+ *     exact here), split in two sums where the format has mins.
  *   - B (the activations): each token's row x scaled by a power of two 2^a so that
  *     2^14 <= max|x 2^a| < 2^15, then split into three f16 parts hi + mid + lo that add up to
  *     it (k_tc_split): hi = f16(v), mid = f16(v - hi), lo = f16(v - hi - mid), 33 significant
  *     bits for x's 24, so the split is exact for every element down to 2^-7 of the row's
  *     largest (lo is then a normal f16) and within 2^-39 of that largest below it (half of
  *     f16's subnormal step), far under f32's own rounding of the dot product.
- *   - Every product in the MMA (11 x 11 bits) is exact; the sums are the tensor core's f32
- *     accumulation, which is not IEEE round-to-nearest (it truncates, and chained through a
- *     whole row its error grows with K: bench/RESULTS.md).  So the 6 MMAs of one block of 32
- *     start from zero, and the block's sum goes into the running sum with one f32 FMA (Q8_0:
- *     scaled by the block's d) or FADD (F16), blocks in order.  Then y = sum * 2^-a.
+ *   - Every product in the MMA (at most 11 x 11 bits) is exact; the sums are the tensor
+ *     core's f32 accumulation, which is not IEEE round-to-nearest (it truncates, and chained
+ *     through a whole row its error grows with K: bench/RESULTS.md).  So the 6 MMAs of one
+ *     block of 32 (and pass) start from zero, and the block's sum goes into the running sum
+ *     with one f32 FMA by s (FADD for F16), blocks in order.  Then y = sum * 2^-a.
  * The result is an f32-accurate dot product in an order of its own, like every other matmul
  * of this backend: test_backend_ops holds it to TOL_DOT against the CPU.  A row's arithmetic
  * depends on K alone (not on the grid, the tile or the token count): the sum of a (row,
@@ -34,14 +41,17 @@
  * chains in flight, each in the order below).  Each thread's share of a stage's copies is
  * worked out once per block (tc_copy_plan): a stage differs from the last by its k offset.
  *   The block streams K in stages of TC_BK = 64 through a TC_ST-deep cp.async pipeline: a
- * stage is the raw weight bytes of its 128 rows (Q8_0: two 34-byte blocks per
- * row, copied 4 bytes at a time; F16: 16-byte chunks) and the three parts of its 64 tokens
+ * stage is the raw weight bytes of its 128 rows (Q8_0: two 34-byte blocks per row; F16:
+ * 128 bytes; a super-block type: the whole super-block the stage is a quarter of, the same
+ * bytes four stages running, from L2; tc_traits) and the three parts of its 64 tokens
  * (16-byte chunks, swizzled so a quarter-warp's reads fall on distinct banks).  From a stage
  * a lane takes, per block of 32 k, one 16-byte read per n tile and part for B (the 8 halves
  * it needs are adjacent because the k order inside the block is permuted, see below) and
- * its 8 quants (adjacent too) and d per A row, converts int8 to f16 exactly (a byte permute
- * into 1024 + (q + 128), then one f16x2 subtraction), and issues 2 MMAs x 3 parts per tile
- * pair.  The grid is row tiles x token tiles.  The row tiles are those of up to TC_SEG_MAX
+ * its 8 weights (adjacent too: in every format a lane's 8 elements sit in one scale group
+ * and in adjacent bytes or one grid entry) and the factors per A row, makes them exact f16
+ * integers (Q8_0: a byte permute into 1024 + (q + 128), then one f16x2 subtraction;
+ * IQ2_XXS: its grid entry, expanded per block into f16 magnitude pairs in shared memory,
+ * with the sign bits flipped in), and issues 2 MMAs x 3 parts per tile pair (and pass).  The grid is row tiles x token tiles.  The row tiles are those of up to TC_SEG_MAX
  * matrices of one type and K (segments, grid z): the projections of one input (matmul_multi,
  * gate|up), or the groups of a grouped projection, each group reading its own part of the
  * split.  So a batch's small projections fill the device together, in one launch, from one
@@ -53,8 +63,8 @@
  *   block the slots of lane t hold the elements 8t + 4j .. 8t + 4j + 3: a lane's 8 elements
  *   of the block are adjacent in memory in both operands.
  *
- * Shapes.  K a multiple of 256 (Q8_0 rows then start 16-byte aligned, F16 rows too), any
- * number of rows and tokens (rows past the end are read as row 0 and not stored; the split
+ * Shapes.  K a multiple of 256 and rows of a 16-byte multiple (Q8_0, F16 and Q4_K: any such
+ * K; Q2_K's 84 bytes per 256: K a multiple of 1024; IQ2_XXS's 66: of 2048), any number of rows and tokens (rows past the end are read as row 0 and not stored; the split
  * activations are zero-padded by at least TC_BN tokens, so a tile starting anywhere reads
  * inside them).  Anything else returns false to gemm_rows (gemm_tc_ok).
  *
@@ -74,7 +84,10 @@
 #define TC_THREADS 256
 /* TC_SEG_MAX (ds4_cuda_common.cuh): matrices of one launch */
 
-bool gemm_tc_type(int type) { return type == DS4_TYPE_Q8_0 || type == DS4_TYPE_F16; }
+bool gemm_tc_type(int type) {
+    return type == DS4_TYPE_Q8_0 || type == DS4_TYPE_F16 || type == DS4_TYPE_IQ2_XXS || type == DS4_TYPE_Q2_K ||
+           type == DS4_TYPE_Q4_K;
+}
 
 /* Bytes of one part of split activations, nt tokens of K elements: three f16 planes of
  * [ntp][K] and the per-token factors [ntp] (session_new sizes the scratch by it; a split of
@@ -149,23 +162,62 @@ __device__ __forceinline__ void tc_i8x4_f16(uint32_t q, uint32_t &p01, uint32_t 
     p23 = *(uint32_t *)&h23;
 }
 
-/* Shared memory per stage: A, TC_BM weight rows of one stage's TC_BK elements (Q8_0: two raw
- * 34-byte blocks, 68 bytes; F16: 128 bytes in 16-byte chunks), then B, three parts x TC_BN
- * tokens x TC_BK halves (128 bytes).  A 128-byte row's 16-byte chunk c sits at c ^ 4 (row &
- * 1): the eight lanes of a quarter-warp read rows g, g + 1 at chunks t (+ 4 j), which then
- * fall on different banks. */
-template <int TYPE> struct tc_traits { enum { AROW = TYPE == DS4_TYPE_Q8_0 ? 68 : 128 }; };
+/* The same for four unsigned bytes (0..255): 1024 + u, then 1024 comes off. */
+__device__ __forceinline__ void tc_u8x4_f16(uint32_t u, uint32_t &p01, uint32_t &p23) {
+    const __half2 bias = __halves2half2(__ushort_as_half(0x6400), __ushort_as_half(0x6400));   /* 1024 */
+    uint32_t v01 = __byte_perm(u, 0x64646464u, 0x4140), v23 = __byte_perm(u, 0x64646464u, 0x4342);
+    __half2 h01 = __hsub2(*(__half2 *)&v01, bias), h23 = __hsub2(*(__half2 *)&v23, bias);
+    p01 = *(uint32_t *)&h01;
+    p23 = *(uint32_t *)&h23;
+}
+
+/* What a stage holds of a weight row, per type.  A stage is TC_BK = 64 elements of K:
+ *   - Q8_0: its two raw 34-byte blocks (68 bytes, copied 4 bytes at a time);
+ *   - F16: its 128 bytes, in 16-byte chunks, chunk c at c ^ 4 (row & 1) (tc_swz): the eight
+ *     lanes of a quarter-warp read rows g, g + 1 at chunks t (+ 4 j), which then fall on
+ *     different banks;
+ *   - the super-block types (256 elements, SBB bytes), the whole super-block the stage is a
+ *     quarter of, every stage (the same bytes four stages running: they come from L2): Q2_K
+ *     84 bytes and IQ2_XXS 68 (its 66 bytes from the 4-byte boundary at or below them: a
+ *     super-block at an odd index starts 2 bytes into a word), copied 4 bytes at a time;
+ *     Q4_K 144 bytes in 16-byte chunks.
+ * AROW bytes a row, in pieces of PS bytes; then B, three parts x TC_BN tokens x TC_BK halves
+ * (128 bytes a token). */
+template <int TYPE> struct tc_traits {
+    enum {
+        SBB = TYPE == DS4_TYPE_Q2_K ? 84 : TYPE == DS4_TYPE_Q4_K ? 144 : TYPE == DS4_TYPE_IQ2_XXS ? 66 : 0,
+        AROW = TYPE == DS4_TYPE_Q8_0 || TYPE == DS4_TYPE_IQ2_XXS ? 68 : TYPE == DS4_TYPE_F16 ? 128 : SBB,
+        PS = TYPE == DS4_TYPE_F16 || TYPE == DS4_TYPE_Q4_K ? 16 : 4,
+        NP = AROW / PS,                 /* pieces a row */
+        RP = TC_THREADS / NP,           /* rows one pass of the threads copies */
+        NPASS = (TC_BM + RP - 1) / RP,
+        MIN = TYPE == DS4_TYPE_Q2_K || TYPE == DS4_TYPE_Q4_K,   /* a second A: the mins */
+        SMEM_EXTRA = TYPE == DS4_TYPE_IQ2_XXS ? 256 * 16 + 128 : 0,   /* the grid and sign tables */
+    };
+};
 template <int TYPE>
 __host__ __device__ constexpr int tc_stage_bytes() { return TC_BM * tc_traits<TYPE>::AROW + 3 * TC_BN * 128; }
+template <int TYPE>
+__host__ __device__ constexpr int tc_smem_bytes() { return TC_ST * tc_stage_bytes<TYPE>() + tc_traits<TYPE>::SMEM_EXTRA; }
 __device__ __forceinline__ int tc_swz(int row, int chunk) { return 16 * (chunk ^ ((row & 1) << 2)); }
 
+/* Byte offset in a weight row of what stage kb copies (the super-block types: rounded down
+ * to 4 bytes), and where, in the staged row, its first element's data starts. */
+template <int TYPE>
+__device__ __forceinline__ size_t tc_stage_src(int kb) {
+    if (TYPE == DS4_TYPE_Q8_0) return (size_t)kb * 68;
+    if (TYPE == DS4_TYPE_F16) return (size_t)kb * 128;
+    return ((size_t)(kb >> 2) * tc_traits<TYPE>::SBB) & ~(size_t)3;
+}
+
 /* A thread's share of a stage's copies, set up once per block: the stages then differ only by
- * their k offset.  Q8_0 A: thread tid < 255 copies word tid % 17 of the rows tid / 17 + 15 i
- * (i = 0 .. 8, while the row is in the tile), which lands at 4 tid + 1020 i of the stage; F16
- * A: chunk tid % 8 of the rows tid / 8 + 32 i (i = 0 .. 3); B: chunk tid % 8 of the tokens
- * tid / 8 + 32 h (h = 0, 1) of each part.  Rows past the matrix read row row0. */
+ * their k offset.  A, 4-byte pieces: thread tid < RP NP copies piece tid % NP of the rows
+ * tid / NP + RP i (i < NPASS, while the row is in the tile), which lands at PS tid + AROW RP i
+ * of the stage; F16: chunk tid % 8 of the rows tid / 8 + 32 i, swizzled; Q4_K: chunk tid % 9
+ * of the rows tid / 9 + 28 i.  B: chunk tid % 8 of the tokens tid / 8 + 32 h (h = 0, 1) of
+ * each part.  Rows past the matrix read row row0. */
 struct tc_copy {
-    const uint8_t *a;       /* the thread's piece of row row0 at stage 0 */
+    const uint8_t *a;       /* the thread's piece of row row0 at offset 0 */
     const __half *b;        /* the thread's first B piece (part 0) at stage 0 */
     int arow;               /* the thread's first A row of the tile (TC_BM: none) */
     int nv;                 /* rows of the tile inside the matrix */
@@ -175,41 +227,47 @@ struct tc_copy {
 template <int TYPE>
 __device__ __forceinline__ tc_copy tc_copy_plan(const uint8_t *w, size_t row_bytes, int row0, int nrows,
                                                 const __half *xs, int K, int t0) {
+    typedef tc_traits<TYPE> TT;
     tc_copy cp;
     const int tid = threadIdx.x;
-    if (TYPE == DS4_TYPE_Q8_0) {
-        cp.arow = tid < 15 * 17 ? tid / 17 : TC_BM;
-        cp.as = 4 * tid;
-        cp.a = w + (size_t)row0 * row_bytes + 4 * (tid - 17 * (tid / 17));
-    } else {
+    if (TYPE == DS4_TYPE_F16) {
         cp.arow = tid >> 3;
         cp.as = 128 * cp.arow + tc_swz(cp.arow, tid & 7);
         cp.a = w + (size_t)row0 * row_bytes + 16 * (tid & 7);
+    } else {
+        cp.arow = tid < TT::RP * TT::NP ? tid / TT::NP : TC_BM;
+        cp.as = TT::PS * tid;
+        cp.a = w + (size_t)row0 * row_bytes + TT::PS * (tid - TT::NP * (tid / TT::NP));
     }
     cp.nv = nrows - row0;
     const int n = tid >> 3;
     cp.b = xs + (size_t)(t0 + n) * K + 8 * (tid & 7);
-    cp.bs = TC_BM * tc_traits<TYPE>::AROW + 128 * n + tc_swz(n, tid & 7);
+    cp.bs = TC_BM * TT::AROW + 128 * n + tc_swz(n, tid & 7);
     return cp;
 }
 
-/* One stage in flight: the weight rows' and the tokens' elements kb*TC_BK .. + TC_BK. */
+/* One stage in flight: the weight rows' data of elements kb*TC_BK .. + TC_BK and the tokens'
+ * elements. */
 template <int TYPE>
 __device__ __forceinline__ void tc_load_stage(uint8_t *st, const tc_copy &cp, size_t row_bytes, size_t plane, int K,
                                               int kb) {
-    if (TYPE == DS4_TYPE_Q8_0) {
-        const uint8_t *a = cp.a + (size_t)kb * 68;
-#pragma unroll
-        for (int i = 0; i < 9; i++) {
-            const int r = cp.arow + 15 * i;
-            if (r < TC_BM) cp_async4(st + cp.as + 1020 * i, a + (size_t)(r < cp.nv ? r : 0) * row_bytes);
-        }
-    } else {
-        const uint8_t *a = cp.a + (size_t)kb * 128;
+    typedef tc_traits<TYPE> TT;
+    const uint8_t *a = cp.a + tc_stage_src<TYPE>(kb);
+    if (TYPE == DS4_TYPE_F16) {
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             const int r = cp.arow + 32 * i;
             cp_async16(st + cp.as + 4096 * i, a + (size_t)(r < cp.nv ? r : 0) * row_bytes);
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < TT::NPASS; i++) {
+            const int r = cp.arow + TT::RP * i;
+            if (r < TC_BM) {
+                const uint8_t *src = a + (size_t)(r < cp.nv ? r : 0) * row_bytes;
+                if (TT::PS == 16) cp_async16(st + cp.as + TT::AROW * TT::RP * i, src);
+                else cp_async4(st + cp.as + TT::AROW * TT::RP * i, src);
+            }
         }
     }
     const __half *b = cp.b + (size_t)kb * 64;
@@ -220,19 +278,31 @@ __device__ __forceinline__ void tc_load_stage(uint8_t *st, const tc_copy &cp, si
             cp_async16(st + cp.bs + (p * TC_BN + 32 * h) * 128, b + p * plane + (size_t)(32 * h) * K);
 }
 
-/* A lane's 8 elements 32 j + 8 t .. + 7 of staged row r, as four f16x2 registers (element pairs
- * 0-1, 2-3, 4-5, 6-7), and (Q8_0) the block's scale. */
+/* A lane's 8 elements 32 j + 8 t .. + 7 of stage kb's staged row r, as four f16x2 registers
+ * (element pairs 0-1, 2-3, 4-5, 6-7) of exact integers, and the factor s that takes their
+ * block of 32 to the weights; for the types with mins (tc_traits MIN) also the lane's min as
+ * an f16 pair m (the same for its 8 elements) and its factor s2, the weight of those 8
+ * elements being s a + s2 m:
+ *   - Q8_0: a = q, s = d.                                  F16: a = the element, s = 1.
+ *   - IQ2_XXS: a = +-mag (8, 25, 43; the group's sign bits flip the f16 signs), s =
+ *     d (2 ls + 1) / 8 (exact: ds4_quant.c's ((d (0.5 + ls)) 0.25) mag sign).
+ *   - Q2_K: a = sc q (<= 45, sc the 16-group's scale), s = d; m = the group's min, s2 = -dmin.
+ *   - Q4_K: a = q, s = d sc; m = 1, s2 = -dmin mn (sc, mn the 32-group's).
+ * grid, s8tab: IQ2_XXS's tables in shared memory. */
 template <int TYPE>
-__device__ __forceinline__ void tc_frag_a(const uint8_t *As, int r, int j, int t, uint32_t (&a)[4], float &d) {
+__device__ __forceinline__ void tc_frag_a(const uint8_t *As, int r, int j, int t, int kb, const uint4 *grid,
+                                          const uint8_t *s8tab, uint32_t (&a)[4], float &s, uint32_t &m, float &s2) {
+    m = 0;
+    s2 = 0.0f;
     if (TYPE == DS4_TYPE_F16) {
         const uint4 v = *(const uint4 *)(As + 128 * r + tc_swz(r, 4 * j + t));
         a[0] = v.x; a[1] = v.y; a[2] = v.z; a[3] = v.w;
-        d = 1.0f;
-    } else {
+        s = 1.0f;
+    } else if (TYPE == DS4_TYPE_Q8_0) {
         /* block j at 34 j of the row (68 r: 4-byte aligned): quants at + 2, the lane's at + 8 t,
          * 2 past a word boundary for j = 0, on one for j = 1 */
         const uint8_t *blk = As + 68 * r + 34 * j;
-        d = dsq_f16(*(const uint16_t *)blk);
+        s = dsq_f16(*(const uint16_t *)blk);
         const uint8_t *q = blk + 2 + 8 * t;
         uint32_t lo, hi;
         if (j) {
@@ -245,6 +315,49 @@ __device__ __forceinline__ void tc_frag_a(const uint8_t *As, int r, int j, int t
         }
         tc_i8x4_f16(lo, a[0], a[1]);
         tc_i8x4_f16(hi, a[2], a[3]);
+    } else if (TYPE == DS4_TYPE_IQ2_XXS) {
+        /* the super-block starts o = 0 or 2 bytes into the staged row (tc_stage_src); record
+         * jj = the stage's 32-block j of it, the lane's group t */
+        const int jj = 2 * (kb & 3) + j;
+        const uint32_t o = 2u * ((uint32_t)kb >> 2 & 1u);
+        const uint8_t *blk = As + 68 * r + o;
+        uint32_t iw, w;
+        dsq_iq2_rec(blk, jj, 2u - o, &iw, &w);
+        s = dsq_f16(*(const uint16_t *)blk) * (float)((w >> 27) | 1u) * 0.125f;   /* exact */
+        const uint32_t s8 = s8tab[(w >> (7 * t)) & 127u];
+        const uint4 G = grid[dsq_byte(iw, t)];
+        a[0] = G.x ^ ((s8 * 0x40008000u) & 0x80008000u);
+        a[1] = G.y ^ ((s8 * 0x10002000u) & 0x80008000u);
+        a[2] = G.z ^ ((s8 * 0x04000800u) & 0x80008000u);
+        a[3] = G.w ^ ((s8 * 0x01000200u) & 0x80008000u);
+    } else if (TYPE == DS4_TYPE_Q2_K) {
+        /* 32-block jj: groups 2 jj, 2 jj + 1 of 16; the lane's 8 elements are in group
+         * 2 jj + t / 2, qs bytes 16 + 32 (jj / 4) + 8 t .. + 7 at bit pair jj % 4 */
+        const int jj = 2 * (kb & 3) + j;
+        const uint8_t *blk = As + 84 * r;
+        const uint32_t scb = blk[2 * jj + (t >> 1)];
+        const uint32_t *qw = (const uint32_t *)(blk + 16 + 32 * (jj >> 2) + 8 * t);
+        const int sh = 2 * (jj & 3);
+        tc_u8x4_f16(((qw[0] >> sh) & 0x03030303u) * (scb & 15u), a[0], a[1]);
+        tc_u8x4_f16(((qw[1] >> sh) & 0x03030303u) * (scb & 15u), a[2], a[3]);
+        s = dsq_f16(*(const uint16_t *)(blk + 80));
+        s2 = -dsq_f16(*(const uint16_t *)(blk + 82));
+        uint32_t m1;
+        tc_u8x4_f16(scb >> 4, m, m1);
+        m = __byte_perm(m, m, 0x1010);                   /* (min, min) */
+    } else {                                              /* Q4_K */
+        /* 32-block jj = group jj: qs bytes 16 + 32 (jj / 2) + 8 t .. + 7, nibble jj % 2 */
+        const int jj = 2 * (kb & 3) + j;
+        const uint8_t *blk = As + 144 * r;
+        const uint32_t *qw = (const uint32_t *)(blk + 16 + 32 * (jj >> 1) + 8 * t);
+        const int sh = 4 * (jj & 1);
+        tc_u8x4_f16((qw[0] >> sh) & 0x0f0f0f0fu, a[0], a[1]);
+        tc_u8x4_f16((qw[1] >> sh) & 0x0f0f0f0fu, a[2], a[3]);
+        int sc, mn;
+        dsq_q4k_scale_min(blk + 4, jj, &sc, &mn);
+        s = dsq_mul(dsq_f16(*(const uint16_t *)blk), (float)sc);
+        s2 = -dsq_mul(dsq_f16(*(const uint16_t *)(blk + 2)), (float)mn);
+        m = 0x3c003c00u;                                  /* (1, 1) */
     }
 }
 
@@ -266,6 +379,7 @@ template <int TYPE>
 __global__ void __launch_bounds__(TC_THREADS, 2)
 k_tc_gemm(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const uint8_t *xs_all, int ntp,
           const int4 *tiles, int nt) {
+    typedef tc_traits<TYPE> TT;
     ds4_grid_dep();
     extern __shared__ __align__(16) uint8_t tc_smem[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -283,11 +397,20 @@ k_tc_gemm(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const uin
         t0 = tl.y;
         t1 = tl.z;
     }
+    /* IQ2_XXS: the grid as f16 magnitude pairs and the sign bytes, after the stages (the main
+     * loop's first barrier orders these stores before any read) */
+    const uint4 *grid = (const uint4 *)(tc_smem + TC_ST * tc_stage_bytes<TYPE>());
+    const uint8_t *s8tab = (const uint8_t *)(grid + 256);
+    if (TYPE == DS4_TYPE_IQ2_XXS) {
+        ((uint4 *)grid)[threadIdx.x] = dsq_iq2_grid_entry(threadIdx.x);
+        if (threadIdx.x < 128) ((uint8_t *)s8tab)[threadIdx.x] = (uint8_t)dsq_iq2_s8(threadIdx.x);
+    }
     const int wr0 = (warp & 3) * 32, wn0 = (warp >> 2) * 32;    /* the warp's rows and tokens in the block */
     /* the lane's rows: tile row g of (mi, h) (h = 0: the m16 tile's row g, 1: row g + 8) is the
      * warp's row pg + 4 mi + 2 h, so that the 8 rows one load touches (pg = 0, 1, 8, 9, 16, 17,
-     * 24, 25 plus a constant: 68-byte Q8_0 rows start on banks 17 pg mod 32 = 0, 17, 8, 25, 16,
-     * 1, 24, 9) and the lanes' word offsets 2 t fall on 32 distinct banks */
+     * 24, 25 plus a constant: 68-byte rows start on banks 17 pg mod 32 = 0, 17, 8, 25, 16, 1,
+     * 24, 9; 84-byte Q2_K rows on 21 pg mod 32 = 0, 21, 8, 29, 16, 5, 24, 13) and the lanes'
+     * word offsets 2 t fall on 32 distinct banks */
     const int pg = wr0 + (g & 1) + 8 * (g >> 1);
     constexpr int SB = tc_stage_bytes<TYPE>();
     const tc_copy cp = tc_copy_plan<TYPE>(w, row_bytes, row0, nrows, xs, K, t0);
@@ -313,16 +436,16 @@ k_tc_gemm(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const uin
             if (nx < nk) tc_load_stage<TYPE>(tc_smem + (nx % TC_ST) * SB, cp, row_bytes, plane, K, nx);
             cp_async_commit();
         }
-        const uint8_t *As = tc_smem + (kb % TC_ST) * SB, *Bs = As + TC_BM * tc_traits<TYPE>::AROW;
+        const uint8_t *As = tc_smem + (kb % TC_ST) * SB, *Bs = As + TC_BM * TT::AROW;
 #pragma unroll
         for (int j = 0; j < 2; j++) {
             /* the lane's A of both m tiles for block j, then one n tile's three parts at a time */
-            uint32_t a[2][2][4];
-            float d[2][2];
+            uint32_t a[2][2][4], m[2][2];
+            float d[2][2], d2[2][2];
 #pragma unroll
             for (int mi = 0; mi < 2; mi++) {
-                tc_frag_a<TYPE>(As, pg + 4 * mi, j, t, a[mi][0], d[mi][0]);
-                tc_frag_a<TYPE>(As, pg + 4 * mi + 2, j, t, a[mi][1], d[mi][1]);
+                tc_frag_a<TYPE>(As, pg + 4 * mi, j, t, kb, grid, s8tab, a[mi][0], d[mi][0], m[mi][0], d2[mi][0]);
+                tc_frag_a<TYPE>(As, pg + 4 * mi + 2, j, t, kb, grid, s8tab, a[mi][1], d[mi][1], m[mi][1], d2[mi][1]);
             }
 #pragma unroll
             for (int n2 = 0; n2 < 4; n2 += 2) {
@@ -333,32 +456,42 @@ k_tc_gemm(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const uin
 #pragma unroll
                     for (int p = 0; p < 3; p++) bf[q][p] = *(const uint4 *)(Bs + (p * TC_BN + n) * 128 + tc_swz(n, 4 * j + t));
                 }
-                float c[2][2][4] = {};
+                /* pass 0: the weights' integers a; pass 1 (types with mins): the min m */
 #pragma unroll
-                for (int p = 0; p < 3; p++)
+                for (int pass = 0; pass < 1 + TT::MIN; pass++) {
+                    float c[2][2][4] = {};
 #pragma unroll
-                    for (int hf = 0; hf < 2; hf++)
+                    for (int p = 0; p < 3; p++)
 #pragma unroll
-                        for (int mi = 0; mi < 2; mi++)
+                        for (int hf = 0; hf < 2; hf++)
 #pragma unroll
-                            for (int q = 0; q < 2; q++)
-                                mma_f16_16816(c[mi][q], a[mi][0][2 * hf], a[mi][1][2 * hf], a[mi][0][2 * hf + 1], a[mi][1][2 * hf + 1],
-                                              hf ? make_uint2(bf[q][p].z, bf[q][p].w) : make_uint2(bf[q][p].x, bf[q][p].y));
+                            for (int mi = 0; mi < 2; mi++)
 #pragma unroll
-                for (int mi = 0; mi < 2; mi++)
+                                for (int q = 0; q < 2; q++) {
+                                    const uint2 b = hf ? make_uint2(bf[q][p].z, bf[q][p].w) : make_uint2(bf[q][p].x, bf[q][p].y);
+                                    if (pass == 0)
+                                        mma_f16_16816(c[mi][q], a[mi][0][2 * hf], a[mi][1][2 * hf], a[mi][0][2 * hf + 1],
+                                                      a[mi][1][2 * hf + 1], b);
+                                    else
+                                        mma_f16_16816(c[mi][q], m[mi][0], m[mi][1], m[mi][0], m[mi][1], b);
+                                }
 #pragma unroll
-                    for (int q = 0; q < 2; q++) {
-                        float *ac = acc[mi][n2 + q];
-                        if (TYPE == DS4_TYPE_F16) {
+                    for (int mi = 0; mi < 2; mi++)
 #pragma unroll
-                            for (int e = 0; e < 4; e++) ac[e] += c[mi][q][e];
-                        } else {
-                            ac[0] = fmaf(d[mi][0], c[mi][q][0], ac[0]);
-                            ac[1] = fmaf(d[mi][0], c[mi][q][1], ac[1]);
-                            ac[2] = fmaf(d[mi][1], c[mi][q][2], ac[2]);
-                            ac[3] = fmaf(d[mi][1], c[mi][q][3], ac[3]);
+                        for (int q = 0; q < 2; q++) {
+                            float *ac = acc[mi][n2 + q];
+                            if (TYPE == DS4_TYPE_F16) {
+#pragma unroll
+                                for (int e = 0; e < 4; e++) ac[e] += c[mi][q][e];
+                            } else {
+                                const float f0 = pass ? d2[mi][0] : d[mi][0], f1 = pass ? d2[mi][1] : d[mi][1];
+                                ac[0] = fmaf(f0, c[mi][q][0], ac[0]);
+                                ac[1] = fmaf(f0, c[mi][q][1], ac[1]);
+                                ac[2] = fmaf(f1, c[mi][q][2], ac[2]);
+                                ac[3] = fmaf(f1, c[mi][q][3], ac[3]);
+                            }
                         }
-                    }
+                }
             }
         }
     }
@@ -384,17 +517,46 @@ k_tc_gemm(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const uin
     }
 }
 
-void gemm_tc_setup(void) {
-    DS4_CUDA_CHECK(cudaFuncSetAttribute(k_tc_gemm<DS4_TYPE_Q8_0>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        TC_ST * tc_stage_bytes<DS4_TYPE_Q8_0>()));
-    DS4_CUDA_CHECK(cudaFuncSetAttribute(k_tc_gemm<DS4_TYPE_F16>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        TC_ST * tc_stage_bytes<DS4_TYPE_F16>()));
+/* The shared memory a block of each type needs, set where the device allows it: a device
+ * with less per block (sm_86, sm_89: 99 KB) sends that type to cuBLAS (gemm_tc_ok). */
+static int tc_smem_opt;     /* the device's largest opt-in shared memory per block */
+
+static int tc_smem_need(int type) {
+    switch (type) {
+    case DS4_TYPE_Q8_0:    return tc_smem_bytes<DS4_TYPE_Q8_0>();
+    case DS4_TYPE_F16:     return tc_smem_bytes<DS4_TYPE_F16>();
+    case DS4_TYPE_IQ2_XXS: return tc_smem_bytes<DS4_TYPE_IQ2_XXS>();
+    case DS4_TYPE_Q2_K:    return tc_smem_bytes<DS4_TYPE_Q2_K>();
+    case DS4_TYPE_Q4_K:    return tc_smem_bytes<DS4_TYPE_Q4_K>();
+    default:               return 0;
+    }
 }
 
-/* Whether gemm_tc_* takes this matrix: the type, K a multiple of 256 (then rows of both types
- * are 16-byte multiples), 16-byte aligned rows. */
+template <int TYPE>
+static void tc_smem_setup(void) {
+    if (tc_smem_bytes<TYPE>() <= tc_smem_opt)
+        DS4_CUDA_CHECK(cudaFuncSetAttribute(k_tc_gemm<TYPE>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            tc_smem_bytes<TYPE>()));
+}
+
+void gemm_tc_setup(void) {
+    int dev = 0;
+    DS4_CUDA_CHECK(cudaGetDevice(&dev));
+    DS4_CUDA_CHECK(cudaDeviceGetAttribute(&tc_smem_opt, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+    tc_smem_setup<DS4_TYPE_Q8_0>();
+    tc_smem_setup<DS4_TYPE_F16>();
+    tc_smem_setup<DS4_TYPE_IQ2_XXS>();
+    tc_smem_setup<DS4_TYPE_Q2_K>();
+    tc_smem_setup<DS4_TYPE_Q4_K>();
+}
+
+/* Whether gemm_tc_* takes this matrix: the type, K a multiple of 256, rows 16-byte multiples
+ * that start 16-byte aligned (F16 and Q4_K rows are copied in 16-byte pieces, the others in
+ * 4-byte pieces at offsets the stage rounds to 4 within the row; one rule for all).  Q4_K's
+ * stages (43 KB) leave one block per SM instead of two. */
 bool gemm_tc_ok(int type, const void *w, size_t row_bytes, int64_t K) {
-    return sess()->lim.prefill_tc != 0 && gemm_tc_type(type) && K % 256 == 0 && K <= (1 << 24) &&
+    return sess()->lim.prefill_tc != 0 && gemm_tc_type(type) && tc_smem_need(type) <= tc_smem_opt &&
+           K % 256 == 0 && K <= (1 << 24) &&
            ((uintptr_t)w & 15) == 0 && (row_bytes & 15) == 0;
 }
 
@@ -417,6 +579,13 @@ tc_split gemm_tc_split(const float *x, int64_t ldx, int64_t K, int64_t n, int pa
 int gemm_tc_parts_fit(int64_t n, int64_t K) {
     const size_t one = gemm_tc_scratch_bytes(n, K), cap = sess()->tc_x.cap;
     return one ? (int)(cap / one) : 0;
+}
+
+template <int TYPE>
+static void tc_launch(dim3 grid, const tc_segs &sg, size_t mat_bytes, size_t row_bytes, const tc_split &sp,
+                      const int4 *tiles) {
+    DS4_LAUNCH(k_tc_gemm<TYPE>, grid, TC_THREADS, tc_smem_bytes<TYPE>(), sg, mat_bytes, row_bytes, (int)sp.K,
+               (const uint8_t *)sp.xs, (int)sp.ntp, tiles, (int)sp.n);
 }
 
 /* One launch over the segments seg[0 .. n - 1] (n <= TC_SEG_MAX, one type, K = sp.K, rows
@@ -444,12 +613,14 @@ void gemm_tc_multi(int type, size_t mat_bytes, size_t row_bytes, const tc_split 
     if (rows <= 0) return;
     /* blocks past a segment's rows return at once (a launch's segments are of similar sizes) */
     const dim3 grid((unsigned)((rows + TC_BM - 1) / TC_BM), ny, (unsigned)n);
-    if (type == DS4_TYPE_Q8_0)
-        DS4_LAUNCH(k_tc_gemm<DS4_TYPE_Q8_0>, grid, TC_THREADS, TC_ST * tc_stage_bytes<DS4_TYPE_Q8_0>(), sg, mat_bytes,
-                   row_bytes, (int)sp.K, (const uint8_t *)sp.xs, (int)sp.ntp, tiles, (int)sp.n);
-    else
-        DS4_LAUNCH(k_tc_gemm<DS4_TYPE_F16>, grid, TC_THREADS, TC_ST * tc_stage_bytes<DS4_TYPE_F16>(), sg, mat_bytes,
-                   row_bytes, (int)sp.K, (const uint8_t *)sp.xs, (int)sp.ntp, tiles, (int)sp.n);
+    switch (type) {
+    case DS4_TYPE_Q8_0:    tc_launch<DS4_TYPE_Q8_0>(grid, sg, mat_bytes, row_bytes, sp, tiles); break;
+    case DS4_TYPE_F16:     tc_launch<DS4_TYPE_F16>(grid, sg, mat_bytes, row_bytes, sp, tiles); break;
+    case DS4_TYPE_IQ2_XXS: tc_launch<DS4_TYPE_IQ2_XXS>(grid, sg, mat_bytes, row_bytes, sp, tiles); break;
+    case DS4_TYPE_Q2_K:    tc_launch<DS4_TYPE_Q2_K>(grid, sg, mat_bytes, row_bytes, sp, tiles); break;
+    case DS4_TYPE_Q4_K:    tc_launch<DS4_TYPE_Q4_K>(grid, sg, mat_bytes, row_bytes, sp, tiles); break;
+    default: ds4_fatal("gemm_tc_multi: weight type %d is not one the engine takes", type);
+    }
 }
 
 /* The tiles of a grouped product: expert e's rows off[e] .. off[e+1] - 1 in chunks of TC_BN,

@@ -11,10 +11,14 @@
 # peak: bench/mma_peak (mma.sync f16 and s8 on every SM); bench, attn and q2 then print each
 # prefill's TFLOP/s as a share of that f16 peak (ds4_bench --tc-peak).
 # vs, same: PREV=DIR, another tree (e.g. `git archive REV` unpacked), built beside this one; vs:
-# flash16 (and VS_MODELS) prefill, PREV and this tree alternating VS_ROUNDS (2) rounds; same:
+# VS_MODELS (flash16) prefill, PREV and this tree alternating VS_ROUNDS (2) rounds; same:
 # CUDA logits of a 300-token prompt + 32 greedy steps on small Q8_0 and F16 from both trees,
 # compared byte for byte (for a change that keeps every sum).
-#   scripts/gpu-prefill.sh [peak] [test] [bench] [attn] [q2] [vs] [same] [report] [prof] [stall] [exact] [san] [peer]
+# exact: CUDA against the CPU on EXACT_MODELS (config/type, e.g. "small/q8_0 small-q4/"), the tree's
+# prefill paths switched off and on.  tcsame: CUDA logits with DS4_CUDA_PREFILL_TC=1 against 0 on
+# TCSAME_MODEL (flash-q2@16: the published layout's experts at Flash's shapes, where the CPU would
+# take hours), written to $TMPDIR.  san: compute-sanitizer on prefills of SAN_MODELS.
+#   scripts/gpu-prefill.sh [peak] [test] [bench] [attn] [q2] [vs] [same] [report] [prof] [stall] [exact] [tcsame] [san] [peer]
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-build/gpu-out}; mkdir -p "$OUT"
@@ -71,7 +75,7 @@ if want q2; then
 fi
 if want vs; then
   step "prefill, PREV against this tree, ${VS_ROUNDS:-2} rounds alternating"
-  for m in flash16 ${VS_MODELS:-}; do
+  for m in ${VS_MODELS:-flash16}; do
     for r in $(seq 1 "${VS_ROUNDS:-2}"); do
       for tree in prev head; do
         bin=build/cuda-"$ARCH"/ds4_bench; [ $tree = prev ] && bin="$PREV/$bin"
@@ -137,27 +141,44 @@ if want stall; then
   echo "rc $?"; grep -E '^  [a-zA-Z_].*\(|gpu__time|hmma|inst_executed.sum|issue_active|bank|wavefronts|lts__t_bytes|stalled' "$OUT/stall.log"
 fi
 if want exact; then
-  step "CUDA against the CPU on Q8_0, F16 and F32 models: a 300-token prompt (prefill) + 32 greedy steps"
+  step "CUDA against the CPU (EXACT_MODELS: config/type): a 300-token prompt (prefill) + 32 greedy steps"
   P=$(python3 -c "print(','.join(str((i * 7919) % 1000 + 1) for i in range(300)))")
-  for ty in q8_0 f16 f32; do
-    ./ds4 synth --config small --seed 1 --type $ty -o "$OUT/small-$ty.gguf" > /dev/null 2>&1
-    ./ds4 -m "$OUT/small-$ty.gguf" --backend cpu --tokens "$P" -n 32 --dump-logits "$OUT/cpu-$ty.ds4logit" > /dev/null 2>&1
+  for m in ${EXACT_MODELS:-small/q8_0 small/f16 small/f32}; do
+    cfg=${m%%/*}; ty=${m#*/}; [ "$ty" = "$m" ] && ty=""; tag=$cfg${ty:+-$ty}
+    ./ds4 synth --config "$cfg" --seed 1 ${ty:+--type $ty} -o "$OUT/$tag.gguf" > /dev/null 2>&1
+    ./ds4 -m "$OUT/$tag.gguf" --backend cpu --tokens "$P" -n 32 --dump-logits "$OUT/cpu-$tag.ds4logit" > /dev/null 2>&1
     for v in "0 0" "1 0" "1 1"; do
       set -- $v
-      DS4_CUDA_PREFILL_TC=$1 DS4_CUDA_PREFILL_ATTN=$2 ./ds4 -m "$OUT/small-$ty.gguf" --backend cuda --tokens "$P" -n 32 \
-        --dump-logits "$OUT/cuda-$ty-$1$2.ds4logit" > /dev/null 2>&1
-      echo "small $ty TC=$1 ATTN=$2 vs CPU: $(python3 tests/oracle/ds4logit.py compare "$OUT/cpu-$ty.ds4logit" \
-        "$OUT/cuda-$ty-$1$2.ds4logit" --tol 5e-5 2>&1 | tr '\n' ' ') rc ${PIPESTATUS[0]}"
+      DS4_CUDA_PREFILL_TC=$1 DS4_CUDA_PREFILL_ATTN=$2 ./ds4 -m "$OUT/$tag.gguf" --backend cuda --tokens "$P" -n 32 \
+        --dump-logits "$OUT/cuda-$tag-$1$2.ds4logit" > /dev/null 2>&1
+      echo "$tag TC=$1 ATTN=$2 vs CPU: $(python3 tests/oracle/ds4logit.py compare "$OUT/cpu-$tag.ds4logit" \
+        "$OUT/cuda-$tag-$1$2.ds4logit" --tol 5e-5 2>&1 | tr '\n' ' ') rc ${PIPESTATUS[0]}"
     done
     rm -f "$OUT"/*.gguf "$OUT"/*.ds4logit
   done
 fi
+if want tcsame; then
+  step "CUDA logits, the engine (TC=1) against dequantise + cuBLAS (TC=0): ${TCSAME_MODEL:-flash-q2@16}, a 200-token prompt + 8 greedy steps"
+  P=$(python3 -c "print(','.join(str((i * 7919) % 1000 + 1) for i in range(200)))")
+  G=${TMPDIR:-/tmp}/tcsame.gguf
+  ./ds4 synth --config "${TCSAME_MODEL:-flash-q2@16}" --seed 1 -o "$G" > "$OUT/tcsame-synth.log" 2>&1 || tail -3 "$OUT/tcsame-synth.log"
+  for tc in 0 1; do
+    DS4_CUDA_PREFILL_TC=$tc ./ds4 -m "$G" --backend cuda --tokens "$P" -n 8 --dump-logits "${G%.gguf}-$tc.ds4logit" \
+      > "$OUT/tcsame-$tc.log" 2>&1 || { echo "TC=$tc: rc $?"; tail -3 "$OUT/tcsame-$tc.log"; }
+  done
+  echo "TC=1 vs TC=0: $(python3 tests/oracle/ds4logit.py compare "${G%.gguf}-0.ds4logit" "${G%.gguf}-1.ds4logit" --tol 5e-5 \
+    2>&1 | tr '\n' ' ') rc ${PIPESTATUS[0]}"
+  rm -f "$G" "${G%.gguf}"-*.ds4logit
+fi
 if want san; then
-  step "compute-sanitizer on the tensor-core engine: small (Q8_0) prefill of 200 tokens; test_backend_ops"
-  for tool in memcheck racecheck; do
-    timeout 200 compute-sanitizer --tool $tool --error-exitcode 1 build/cuda-"$ARCH"/ds4_bench --model small \
-      --type q8_0 --backend cuda --reps 1 --decode 2 --prefill 200 --no-warmup > "$OUT/san-$tool.log" 2>&1
-    echo "$tool small q8_0 prefill 200: rc $? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/san-$tool.log" | tail -1) $(grep -c '^prefill' "$OUT/san-$tool.log") prefill line"
+  step "compute-sanitizer on the tensor-core engine: prefills of 200 tokens (SAN_MODELS: config/type); test_backend_ops"
+  for m in ${SAN_MODELS:-small/q8_0}; do
+    cfg=${m%%/*}; ty=${m#*/}; [ "$ty" = "$m" ] && ty=""
+    for tool in memcheck racecheck; do
+      timeout 200 compute-sanitizer --tool $tool --error-exitcode 1 build/cuda-"$ARCH"/ds4_bench --model "$cfg" \
+        ${ty:+--type $ty} --backend cuda --reps 1 --decode 2 --prefill 200 --no-warmup > "$OUT/san-$tool.log" 2>&1
+      echo "$tool $m prefill 200: rc $? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/san-$tool.log" | tail -1) $(grep -c '^prefill' "$OUT/san-$tool.log") prefill line"
+    done
   done
   if [ "${SAN_OPS:-1}" = 1 ]; then
     timeout 300 compute-sanitizer --tool memcheck --error-exitcode 1 build/cuda-"$ARCH"/test_backend_ops > "$OUT/san-ops.log" 2>&1

@@ -1758,7 +1758,7 @@ int main(void) {
 
     test_quant_types();
 
-    /* prefill on tensor cores (ds4_cuda_gemm.cu, Q8_0 and F16): the batch sizes 1, 2, 7, 64, 512
+    /* prefill on tensor cores (ds4_cuda_gemm.cu, Q8_0, F16, then the super-block types): the batch sizes 1, 2, 7, 64, 512
      * and 4096, rows that do not fill a tile, the grouped and expert paths with experts that get
      * 0 or 1 token, wide-range activations; several matrices in one launch (matmul_multi with
      * types mixed, gate|up, the groups of a grouped product, more groups than one launch or
@@ -1800,6 +1800,24 @@ int main(void) {
             test_matmul_multi(4, mixed, r4, 2048, 512, 1, 1, 5, 128);   /* two launches and cuBLAS */
             test_matmul_multi(4, mixed, r4, 2048, 77, 0, 1, 3, 4);
         }
+        /* the super-block types (the published files' routed experts) on the engine: the same
+         * batch sizes, an expert's slice, grouped products, gate|up, the MoE with experts that
+         * get 0 or 1 token, a multi-matrix launch; K = 2048 n, so that IQ2_XXS rows (66 bytes
+         * per 256) are 16-byte multiples (Q2_K's 84 need K = 1024 n) */
+        const int sbt[3] = { DS4_TYPE_IQ2_XXS, DS4_TYPE_Q2_K, DS4_TYPE_Q4_K };
+        for (int ti = 0; ti < 3; ti++) {
+            for (int ni = 0; ni < 6; ni++) test_matmul(sbt[ti], 4096, 300, 1, 0, tcn[ni]);
+            test_matmul(sbt[ti], 2048, 129, 3, 2, 77);
+            test_matmul_grouped(sbt[ti], 2048, 8, 128, 512);
+            test_matmul_swiglu(sbt[ti], 2048, 640, 512, 7.0f);
+            test_matmul_range(sbt[ti], 4096, 256, 200);
+            test_moe_experts(sbt[ti], 2048, 2048, 64, 6, 512, 10.0f, 2);
+            const int t3[3] = { sbt[ti], sbt[ti], sbt[ti] };
+            const int r3[3] = { 1024, 77, 256 };
+            test_matmul_multi(3, t3, r3, 4096, 200, 0, 1, 37, 4);
+        }
+        /* the published Flash layout's experts at its D and F: IQ2_XXS gate|up, Q2_K down */
+        test_moe_experts_t(DS4_TYPE_IQ2_XXS, DS4_TYPE_Q2_K, 4096, 2048, 64, 6, 512, 10.0f, 2, 1);
         /* the split scratch (sized for the MoE's 6 x 4096 rows of 4096) holds 5 parts of
          * 4096 x 4096: the 8 groups go as two launches of 4 */
         test_matmul_grouped(DS4_TYPE_Q8_0, 4096, 8, 64, 4096);
