@@ -3669,7 +3669,7 @@ int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
         { "DS4_HOOKS_RING_MB", 0, 65536, "MiB of the hook payload ring, 0 = sized from the model and the selection" },
         { "DS4_HOOKS_THROTTLE_US", 0, 1000000, "debug: microseconds the hook drain pauses after each batch" },
         { "DS4_UBATCH", 1, DS4_UBATCH_MAX, "the most tokens of one prefill chunk" },
-        { "DS4_CUDA_PREFILL_TC", 0, 1, "1 = prefill products of Q8_0 and F16 weights on tensor cores" },
+        { "DS4_CUDA_PREFILL_TC", 0, 1, "1 = prefill products of Q8_0, F16, IQ2_XXS, Q2_K and Q4_K weights on tensor cores" },
         { "DS4_CUDA_PREFILL_ATTN", 0, 1, "1 = a prefill batch's attention in row tiles shared by 32 heads" },
         { "DS4_ROLLBACK_RESTORE", 0, 3, "debug: the parts a rollback restores, bit 0 the model's layers, bit 1 the MTP block's" },
     };

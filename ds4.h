@@ -231,8 +231,8 @@ typedef struct ds4_env {
                                    model and the selection */
     int hooks_throttle_us;      /* DS4_HOOKS_THROTTLE_US: debug, the drain pauses after each batch */
     int ubatch;                 /* DS4_UBATCH: the most tokens of one prefill chunk (DS4_UBATCH_DEFAULT) */
-    int prefill_tc;             /* DS4_CUDA_PREFILL_TC: 1 = prefill products of Q8_0/F16 weights on tensor
-                                   cores (default), 0 = dequantise + cuBLAS */
+    int prefill_tc;             /* DS4_CUDA_PREFILL_TC: 1 = prefill products of Q8_0, F16, IQ2_XXS, Q2_K and
+                                   Q4_K weights on tensor cores (default), 0 = dequantise + cuBLAS */
     int prefill_attn;           /* DS4_CUDA_PREFILL_ATTN: 1 = a prefill batch's attention in row tiles shared
                                    by 32 heads (default), 0 = the per-query kernel decode uses */
     int rollback_restore;       /* DS4_ROLLBACK_RESTORE: debug, the parts whose saved slots ds4_ctx_rollback
