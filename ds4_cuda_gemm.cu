@@ -379,8 +379,8 @@ template <int TYPE>
 __global__ void __launch_bounds__(TC_THREADS, 2)
 k_tc_gemm(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const uint8_t *xs_all, int ntp,
           const int4 *tiles, int nt) {
-    typedef tc_traits<TYPE> TT;
     ds4_grid_dep();
+    typedef tc_traits<TYPE> TT;
     extern __shared__ __align__(16) uint8_t tc_smem[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int si = blockIdx.z;                      /* the block's segment */
