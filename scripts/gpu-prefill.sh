@@ -6,8 +6,9 @@
 # rounds, alternating), logs under $OUT.
 # prof: ncu (clocks as found) on two k_attention_tiles launches (layers 2 and 3: ratio 4 and 128)
 # and PROF_GEMMS k_tc_gemm launches of a flash16 prefill of PROF_N (4096) tokens.
-# stall: ncu metrics of two k_tc_gemm launches there: instructions per MMA, tensor pipe, shared-memory
-# bank conflicts, L2 bytes and the sampled stall reasons.
+# stall: ncu metrics of STALL_COUNT (2) launches of STALL_KERNEL (a regex on the demangled name,
+# k_tc_gemm) after STALL_SKIP (40) in a STALL_MODEL (flash16) prefill: instructions per MMA,
+# tensor pipe, shared-memory bank conflicts, L2 bytes and the sampled stall reasons.
 # peak: bench/mma_peak (mma.sync f16 and s8 on every SM); bench, attn and q2 then print each
 # prefill's TFLOP/s as a share of that f16 peak (ds4_bench --tc-peak).
 # vs, same: PREV=DIR, another tree (e.g. `git archive REV` unpacked), built beside this one; vs:
@@ -17,7 +18,8 @@
 # exact: CUDA against the CPU on EXACT_MODELS (config/type, e.g. "small/q8_0 small-q4/"), the tree's
 # prefill paths switched off and on.  tcsame: CUDA logits with DS4_CUDA_PREFILL_TC=1 against 0 on
 # TCSAME_MODEL (flash-q2@16: the published layout's experts at Flash's shapes, where the CPU would
-# take hours), written to $TMPDIR.  san: compute-sanitizer on prefills of SAN_MODELS.
+# take hours), written to $TMPDIR.  san: compute-sanitizer on prefills of SAN_MODELS and on
+# test_backend_ops (SAN_OPS: 1 every case, tc the tensor-core engine's, 0 none).
 #   scripts/gpu-prefill.sh [peak] [test] [bench] [attn] [q2] [vs] [same] [report] [prof] [stall] [exact] [tcsame] [san] [peer]
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
@@ -127,7 +129,8 @@ if want prof; then
   done
 fi
 if want stall; then
-  step "ncu metrics: k_tc_gemm launches 41-42 of a flash16 prefill of ${PROF_N:-4096} tokens (issue, tensor pipe, banks, stalls)"
+  SM=${STALL_MODEL:-flash16}; SK=${STALL_KERNEL:-k_tc_gemm}; SS=${STALL_SKIP:-40}; SC=${STALL_COUNT:-2}
+  step "ncu metrics: $SC launches of $SK after $SS in a $SM prefill of ${PROF_N:-4096} tokens (issue, tensor pipe, banks, stalls)"
   NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
   M=gpu__time_duration.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active
   M=$M,sm__inst_executed_pipe_tensor_op_hmma.sum,smsp__inst_executed.sum,smsp__issue_active.avg.pct_of_peak_sustained_active
@@ -135,8 +138,9 @@ if want stall; then
   M=$M,lts__t_bytes.sum,lts__throughput.avg.pct_of_peak_sustained_elapsed,l1tex__throughput.avg.pct_of_peak_sustained_active
   for r in barrier long_scoreboard short_scoreboard math_pipe_throttle mio_throttle wait not_selected selected dispatch_stall \
            lg_throttle no_instructions; do M=$M,smsp__pcsamp_warps_issue_stalled_$r; done
-  timeout 200 "$NCU" --clock-control none -k regex:k_tc_gemm --launch-skip 40 --launch-count 2 --metrics "$M" \
-    build/cuda-"$ARCH"/ds4_bench --model flash16 --backend cuda --reps 1 --decode 2 --prefill "${PROF_N:-4096}" \
+  timeout 240 "$NCU" --clock-control none --kernel-name-base demangled -k "regex:$SK" --launch-skip "$SS" \
+    --launch-count "$SC" --metrics "$M" \
+    build/cuda-"$ARCH"/ds4_bench --model "$SM" --backend cuda --reps 1 --decode 2 --prefill "${PROF_N:-4096}" \
     --no-warmup > "$OUT/stall.log" 2>&1
   echo "rc $?"; grep -E '^  [a-zA-Z_].*\(|gpu__time|hmma|inst_executed.sum|issue_active|bank|wavefronts|lts__t_bytes|stalled' "$OUT/stall.log"
 fi
@@ -180,9 +184,10 @@ if want san; then
       echo "$tool $m prefill 200: rc $? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/san-$tool.log" | tail -1) $(grep -c '^prefill' "$OUT/san-$tool.log") prefill line"
     done
   done
-  if [ "${SAN_OPS:-1}" = 1 ]; then
-    timeout 300 compute-sanitizer --tool memcheck --error-exitcode 1 build/cuda-"$ARCH"/test_backend_ops > "$OUT/san-ops.log" 2>&1
-    echo "memcheck test_backend_ops: rc $? $(grep -E 'ERROR SUMMARY' "$OUT/san-ops.log" | tail -1) $(grep -E 'passed, ' "$OUT/san-ops.log" | tail -1)"
+  if [ "${SAN_OPS:-1}" != 0 ]; then   # 1: every case; tc: the tensor-core engine's cases only
+    timeout 300 compute-sanitizer --tool memcheck --error-exitcode 1 build/cuda-"$ARCH"/test_backend_ops \
+      $([ "${SAN_OPS:-1}" = tc ] && echo tc) > "$OUT/san-ops.log" 2>&1
+    echo "memcheck test_backend_ops ${SAN_OPS:-1}: rc $? $(grep -E 'ERROR SUMMARY' "$OUT/san-ops.log" | tail -1) $(grep -E 'passed, ' "$OUT/san-ops.log" | tail -1)"
   fi
 fi
 if want peer; then

@@ -1464,7 +1464,84 @@ static void session_pop(void *ps[2], void *prev[2]) {
     }
 }
 
-int main(void) {
+/* Prefill on tensor cores, in a session sized for 4096-token batches (`test_backend_ops tc`
+ * runs this alone, e.g. under compute-sanitizer). */
+static int test_tc_engine(const ds4_limits *lim0) {
+    const ds4_limits lim = *lim0;
+    /* prefill on tensor cores (ds4_cuda_gemm.cu, Q8_0, F16, then the super-block types): the batch sizes 1, 2, 7, 64, 512
+     * and 4096, rows that do not fill a tile, the grouped and expert paths with experts that get
+     * 0 or 1 token, wide-range activations; several matrices in one launch (matmul_multi with
+     * types mixed, gate|up, the groups of a grouped product, more groups than one launch or
+     * the split scratch takes); in a session sized for 4096-token batches */
+    {
+        ds4_limits pl = lim;
+        pl.max_batch = 4096;
+        pl.n_ctx = 8192;
+        pl.n_embd = 4096;
+        pl.n_head = 8;
+        pl.head_dim = 128;
+        pl.idx_topk = 0;
+        pl.n_expert = 64;
+        pl.n_expert_used = 6;
+        pl.n_ff_exp = 1024;
+        pl.max_k = 4096;
+        pl.max_matrix = (int64_t)4096 * 4096;
+        void *ps[2], *prev[2];
+        if (session_push(&pl, ps, prev) != 0) return 2;
+        const int tcn[6] = { 1, 2, 7, 64, 512, 4096 };
+        const int tct[2] = { DS4_TYPE_Q8_0, DS4_TYPE_F16 };
+        for (int ti = 0; ti < 2; ti++) {
+            for (int ni = 0; ni < 6; ni++) test_matmul(tct[ti], 4096, 1000, 1, 0, tcn[ni]);
+            test_matmul(tct[ti], 1024, 129, 3, 2, 77);      /* an expert's slice, rows not a tile multiple */
+            test_matmul(tct[ti], 2048, 4096, 1, 0, 512);
+            test_matmul_grouped(tct[ti], 1024, 8, 128, 512);
+            test_matmul_grouped(tct[ti], 256, 12, 100, 512);       /* 12 groups: two launches of 6 */
+            test_matmul_swiglu(tct[ti], 1024, 640, 512, 7.0f);
+            test_matmul_range(tct[ti], 4096, 256, 200);
+            test_moe_experts(tct[ti], 4096, 1024, 64, 6, 512, 10.0f, 2);
+            /* the attention input's seven projections of a ratio-4 layer, one launch */
+            const int t7[7] = { tct[ti], tct[ti], tct[ti], tct[ti], tct[ti], tct[ti], tct[ti] };
+            const int r7[7] = { 1024, 512, 1024, 1024, 256, 256, 64 };
+            test_matmul_multi(7, t7, r7, 4096, 512, 0, 1, 37, 4);
+        }
+        {
+            const int mixed[4] = { DS4_TYPE_Q8_0, DS4_TYPE_F32, DS4_TYPE_F16, DS4_TYPE_Q8_0 };
+            const int r4[4] = { 300, 64, 515, 100 };
+            test_matmul_multi(4, mixed, r4, 2048, 512, 1, 1, 5, 128);   /* two launches and cuBLAS */
+            test_matmul_multi(4, mixed, r4, 2048, 77, 0, 1, 3, 4);
+        }
+        /* the super-block types (the published files' routed experts) on the engine: the same
+         * batch sizes, an expert's slice, grouped products, gate|up, the MoE with experts that
+         * get 0 or 1 token, a multi-matrix launch; K = 2048 n, so that IQ2_XXS rows (66 bytes
+         * per 256) are 16-byte multiples (Q2_K's 84 need K = 1024 n) */
+        const int sbt[3] = { DS4_TYPE_IQ2_XXS, DS4_TYPE_Q2_K, DS4_TYPE_Q4_K };
+        for (int ti = 0; ti < 3; ti++) {
+            for (int ni = 0; ni < 6; ni++) test_matmul(sbt[ti], 4096, 300, 1, 0, tcn[ni]);
+            test_matmul(sbt[ti], 2048, 129, 3, 2, 77);
+            test_matmul_grouped(sbt[ti], 2048, 8, 128, 512);
+            test_matmul_swiglu(sbt[ti], 2048, 640, 512, 7.0f);
+            test_matmul_range(sbt[ti], 4096, 256, 200);
+            test_moe_experts(sbt[ti], 2048, 2048, 64, 6, 512, 10.0f, 2);
+            const int t3[3] = { sbt[ti], sbt[ti], sbt[ti] };
+            const int r3[3] = { 1024, 77, 256 };
+            test_matmul_multi(3, t3, r3, 4096, 200, 0, 1, 37, 4);
+        }
+        /* the published Flash layout's experts at its D and F: IQ2_XXS gate|up, Q2_K down */
+        test_moe_experts_t(DS4_TYPE_IQ2_XXS, DS4_TYPE_Q2_K, 4096, 2048, 64, 6, 512, 10.0f, 2, 1);
+        /* the split scratch (sized for the MoE's 6 x 4096 rows of 4096) holds 5 parts of
+         * 4096 x 4096: the 8 groups go as two launches of 4 */
+        test_matmul_grouped(DS4_TYPE_Q8_0, 4096, 8, 64, 4096);
+        test_moe_experts(DS4_TYPE_Q8_0, 2048, 512, 16, 6, 4096, 10.0f, 0);
+        session_pop(ps, prev);
+    }
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    if (argc > 2 || (argc == 2 && strcmp(argv[1], "tc") != 0)) {
+        fprintf(stderr, "usage: test_backend_ops [tc]   (tc: only the tensor-core engine's cases)\n");
+        return 2;
+    }
     B[0] = ds4_backend_cpu();
     B[1] = ds4_backend_cuda();
     if (B[1]->init() != 0) {
@@ -1496,6 +1573,11 @@ int main(void) {
         B[bi]->session_bind(s);
     }
     g_n_ctx = lim.n_ctx;
+    if (argc == 2) {
+        if (test_tc_engine(&lim) != 0) return 2;
+        printf("%d passed, %d failed\n", g_pass, g_fail);
+        return g_fail ? 1 : 0;
+    }
 
     const int types[4] = { DS4_TYPE_F32, DS4_TYPE_F16, DS4_TYPE_BF16, DS4_TYPE_Q8_0 };
     const int nts[3] = { 1, 3, 64 };
@@ -1758,72 +1840,7 @@ int main(void) {
 
     test_quant_types();
 
-    /* prefill on tensor cores (ds4_cuda_gemm.cu, Q8_0, F16, then the super-block types): the batch sizes 1, 2, 7, 64, 512
-     * and 4096, rows that do not fill a tile, the grouped and expert paths with experts that get
-     * 0 or 1 token, wide-range activations; several matrices in one launch (matmul_multi with
-     * types mixed, gate|up, the groups of a grouped product, more groups than one launch or
-     * the split scratch takes); in a session sized for 4096-token batches */
-    {
-        ds4_limits pl = lim;
-        pl.max_batch = 4096;
-        pl.n_ctx = 8192;
-        pl.n_embd = 4096;
-        pl.n_head = 8;
-        pl.head_dim = 128;
-        pl.idx_topk = 0;
-        pl.n_expert = 64;
-        pl.n_expert_used = 6;
-        pl.n_ff_exp = 1024;
-        pl.max_k = 4096;
-        pl.max_matrix = (int64_t)4096 * 4096;
-        void *ps[2], *prev[2];
-        if (session_push(&pl, ps, prev) != 0) return 2;
-        const int tcn[6] = { 1, 2, 7, 64, 512, 4096 };
-        const int tct[2] = { DS4_TYPE_Q8_0, DS4_TYPE_F16 };
-        for (int ti = 0; ti < 2; ti++) {
-            for (int ni = 0; ni < 6; ni++) test_matmul(tct[ti], 4096, 1000, 1, 0, tcn[ni]);
-            test_matmul(tct[ti], 1024, 129, 3, 2, 77);      /* an expert's slice, rows not a tile multiple */
-            test_matmul(tct[ti], 2048, 4096, 1, 0, 512);
-            test_matmul_grouped(tct[ti], 1024, 8, 128, 512);
-            test_matmul_grouped(tct[ti], 256, 12, 100, 512);       /* 12 groups: two launches of 6 */
-            test_matmul_swiglu(tct[ti], 1024, 640, 512, 7.0f);
-            test_matmul_range(tct[ti], 4096, 256, 200);
-            test_moe_experts(tct[ti], 4096, 1024, 64, 6, 512, 10.0f, 2);
-            /* the attention input's seven projections of a ratio-4 layer, one launch */
-            const int t7[7] = { tct[ti], tct[ti], tct[ti], tct[ti], tct[ti], tct[ti], tct[ti] };
-            const int r7[7] = { 1024, 512, 1024, 1024, 256, 256, 64 };
-            test_matmul_multi(7, t7, r7, 4096, 512, 0, 1, 37, 4);
-        }
-        {
-            const int mixed[4] = { DS4_TYPE_Q8_0, DS4_TYPE_F32, DS4_TYPE_F16, DS4_TYPE_Q8_0 };
-            const int r4[4] = { 300, 64, 515, 100 };
-            test_matmul_multi(4, mixed, r4, 2048, 512, 1, 1, 5, 128);   /* two launches and cuBLAS */
-            test_matmul_multi(4, mixed, r4, 2048, 77, 0, 1, 3, 4);
-        }
-        /* the super-block types (the published files' routed experts) on the engine: the same
-         * batch sizes, an expert's slice, grouped products, gate|up, the MoE with experts that
-         * get 0 or 1 token, a multi-matrix launch; K = 2048 n, so that IQ2_XXS rows (66 bytes
-         * per 256) are 16-byte multiples (Q2_K's 84 need K = 1024 n) */
-        const int sbt[3] = { DS4_TYPE_IQ2_XXS, DS4_TYPE_Q2_K, DS4_TYPE_Q4_K };
-        for (int ti = 0; ti < 3; ti++) {
-            for (int ni = 0; ni < 6; ni++) test_matmul(sbt[ti], 4096, 300, 1, 0, tcn[ni]);
-            test_matmul(sbt[ti], 2048, 129, 3, 2, 77);
-            test_matmul_grouped(sbt[ti], 2048, 8, 128, 512);
-            test_matmul_swiglu(sbt[ti], 2048, 640, 512, 7.0f);
-            test_matmul_range(sbt[ti], 4096, 256, 200);
-            test_moe_experts(sbt[ti], 2048, 2048, 64, 6, 512, 10.0f, 2);
-            const int t3[3] = { sbt[ti], sbt[ti], sbt[ti] };
-            const int r3[3] = { 1024, 77, 256 };
-            test_matmul_multi(3, t3, r3, 4096, 200, 0, 1, 37, 4);
-        }
-        /* the published Flash layout's experts at its D and F: IQ2_XXS gate|up, Q2_K down */
-        test_moe_experts_t(DS4_TYPE_IQ2_XXS, DS4_TYPE_Q2_K, 4096, 2048, 64, 6, 512, 10.0f, 2, 1);
-        /* the split scratch (sized for the MoE's 6 x 4096 rows of 4096) holds 5 parts of
-         * 4096 x 4096: the 8 groups go as two launches of 4 */
-        test_matmul_grouped(DS4_TYPE_Q8_0, 4096, 8, 64, 4096);
-        test_moe_experts(DS4_TYPE_Q8_0, 2048, 512, 16, 6, 4096, 10.0f, 0);
-        session_pop(ps, prev);
-    }
+    if (test_tc_engine(&lim) != 0) return 2;
 
     /* prefill attention (k_attention_tiles): the Flash shape (64 heads x 512, window 128,
      * ratio 4 with 512 picks, ratio 128) at the batch sizes 1, 2, 7, 64, 512 and 4096 (16 heads
