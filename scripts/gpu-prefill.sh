@@ -15,12 +15,13 @@
 # VS_MODELS (flash16) prefill, PREV and this tree alternating VS_ROUNDS (2) rounds; same:
 # CUDA logits of a 300-token prompt + 32 greedy steps on small Q8_0 and F16 from both trees,
 # compared byte for byte (for a change that keeps every sum).
+# hooks: flash16 prefill with DS4_HOOKS=attn (to /dev/null) against none, HOOKS_ROUNDS (2) rounds.
 # exact: CUDA against the CPU on EXACT_MODELS (config/type, e.g. "small/q8_0 small-q4/"), the tree's
 # prefill paths switched off and on.  tcsame: CUDA logits with DS4_CUDA_PREFILL_TC=1 against 0 on
 # TCSAME_MODEL (flash-q2@16: the published layout's experts at Flash's shapes, where the CPU would
 # take hours), written to $TMPDIR.  san: compute-sanitizer on prefills of SAN_MODELS and on
 # test_backend_ops (SAN_OPS: 1 every case, tc the tensor-core engine's, 0 none).
-#   scripts/gpu-prefill.sh [peak] [test] [bench] [attn] [q2] [vs] [same] [report] [prof] [stall] [exact] [tcsame] [san] [peer]
+#   scripts/gpu-prefill.sh [peak] [test] [bench] [attn] [q2] [hooks] [vs] [same] [report] [prof] [stall] [exact] [tcsame] [san] [peer]
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-build/gpu-out}; mkdir -p "$OUT"
@@ -74,6 +75,21 @@ if want q2; then
   step "flash-q2@64 prefill, TC 0 vs 1"
   bench flash-q2@64 0 512,4096 3
   bench flash-q2@64 1 512,4096 3
+fi
+if want hooks; then
+  step "flash16 prefill with DS4_HOOKS=attn (DS4_HOOKS_OUT=/dev/null) and without, ${HOOKS_ROUNDS:-2} rounds alternating"
+  for r in $(seq 1 "${HOOKS_ROUNDS:-2}"); do
+    for h in off attn; do
+      log="$OUT/hooks-$h-$r.log"
+      if [ $h = off ]; then
+        timeout 300 build/cuda-"$ARCH"/ds4_bench --model flash16 --backend cuda --reps 3 --decode 8 --prefill 512,4096 > "$log" 2>&1
+      else
+        DS4_HOOKS=attn DS4_HOOKS_OUT=/dev/null timeout 300 build/cuda-"$ARCH"/ds4_bench --model flash16 --backend cuda \
+          --reps 3 --decode 8 --prefill 512,4096 > "$log" 2>&1
+      fi
+      echo "hooks $h round $r: $(grep -E '^prefill' "$log" | sed 's/ (.*//' | tr '\n' ' ') $(grep -E '^hooks:' "$log" | head -1)"
+    done
+  done
 fi
 if want vs; then
   step "prefill, PREV against this tree, ${VS_ROUNDS:-2} rounds alternating"
