@@ -122,11 +122,12 @@ if want same; then
   done
 fi
 if want report; then
-  step "kernel report: flash16 prefill 4096 (REPORT_TC: 1 = this tree's paths; 0 = cuBLAS and the per-token attention)"
+  RM=${REPORT_MODEL:-flash16}
+  step "kernel report: $RM prefill 4096 (REPORT_TC: 1 = this tree's paths; 0 = cuBLAS and the per-token attention)"
   for tc in ${REPORT_TC:-1}; do
-    DS4_CUDA_PREFILL_TC=$tc DS4_CUDA_PREFILL_ATTN=$tc PLAIN=0 timeout "${REPORT_LIMIT:-400}" bash scripts/kernel_report.sh flash16 "$OUT/kr-tc$tc" -- \
+    DS4_CUDA_PREFILL_TC=$tc DS4_CUDA_PREFILL_ATTN=$tc PLAIN=0 timeout "${REPORT_LIMIT:-400}" bash scripts/kernel_report.sh "$RM" "$OUT/kr-tc$tc" -- \
       --prefill 4096 --profile-prefill --profile-timed 2 > "$OUT/kr-tc$tc.log" 2>&1
-    tail -12 "$OUT/kr-tc$tc/kernels-flash16.md"
+    tail -14 "$OUT/kr-tc$tc/kernels-$RM.md"
   done
 fi
 if want prof; then
