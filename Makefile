@@ -117,6 +117,9 @@ $(B)/cuda-%/spot_check: tests/spot_check.c $(ENGINE_CUDA)
 $(B)/cuda-%/test_rollback: tests/test_rollback.c $(ENGINE_CUDA)
 	$(CC) $(CUDA_CFLAGS) -I. $^ -o $@ $(CUDA_LIBS)
 
+$(B)/cuda-%/mtp_dump: tests/mtp_dump.c $(ENGINE_CUDA)
+	$(CC) $(CUDA_CFLAGS) -I. $^ -o $@ $(CUDA_LIBS)
+
 $(B)/cuda-%/matvec_table: bench/matvec_table.c ds4_stream.h $(ENGINE_CUDA)
 	$(CC) $(CUDA_CFLAGS) -I. -I$(CUDA_HOME)/include $(filter-out %.h,$^) -o $@ $(CUDA_LIBS)
 
@@ -147,7 +150,7 @@ cuda-check:
 	 echo "cuda-check: compiling and linking the CUDA build for $(CHECK_ARCH)"; \
 	 $(MAKE) --no-print-directory $(B)/cuda-$(CHECK_ARCH)/ds4 $(B)/cuda-$(CHECK_ARCH)/test_backend_ops \
 	   $(B)/cuda-$(CHECK_ARCH)/ds4_bench $(B)/cuda-$(CHECK_ARCH)/matvec_table $(B)/cuda-$(CHECK_ARCH)/bandwidth $(B)/cuda-$(CHECK_ARCH)/launch_floor $(B)/cuda-$(CHECK_ARCH)/mma_peak \
-	   $(B)/cuda-$(CHECK_ARCH)/spot_check $(B)/cuda-$(CHECK_ARCH)/test_rollback $(B)/cuda-$(CHECK_ARCH)/test_cuda_quant_host \
+	   $(B)/cuda-$(CHECK_ARCH)/spot_check $(B)/cuda-$(CHECK_ARCH)/test_rollback $(B)/cuda-$(CHECK_ARCH)/mtp_dump $(B)/cuda-$(CHECK_ARCH)/test_cuda_quant_host \
 	   CUDA_ARCH=$(CHECK_ARCH) && \
 	 $(B)/cuda-$(CHECK_ARCH)/test_cuda_quant_host
 

@@ -27,8 +27,8 @@
  * defined, and computed here, as compositions of the plain ops.
  *
  * Speculative decoding (ds4 --mtp-draft, in ds4_cli.c) drafts with the model's MTP block
- * (ds4_mtp_eval, CPU backend) and takes back the positions of rejected drafts
- * (ds4_ctx_checkpoint / ds4_ctx_rollback, through the backend's copies).
+ * (ds4_mtp_eval) and takes back the positions of rejected drafts (ds4_ctx_checkpoint /
+ * ds4_ctx_rollback), both through the backend's ops and copies, so on either backend.
  *
  * What it is not.  No multi-sequence batching, no simulation of the FP8/FP4
  * quantisation-aware rounding of the official weights: like both reference
@@ -2614,8 +2614,7 @@ void ds4_model_describe(const ds4_model *m, FILE *f) {
             h->n_layer, n4, n128, h->n_embd, h->n_vocab, h->n_head, h->head_dim, h->n_swa,
             h->n_expert, h->n_expert_used, type_name(m->layers[0].q_b.type), m->weight_bytes / 1e9);
     if (h->n_mtp)
-        fprintf(f, "ds4: model: an MTP block (blk.%d, ratio %d, %s), %.2f GB; --mtp-draft speculates with it "
-                   "(cpu backend)\n", h->n_layer, h->ratio[h->n_layer], type_name(m->mtp.eh_proj.type), m->mtp_bytes / 1e9);
+        fprintf(f, "ds4: model: an MTP block (blk.%d, ratio %d, %s), %.2f GB; --mtp-draft speculates with it\n", h->n_layer, h->ratio[h->n_layer], type_name(m->mtp.eh_proj.type), m->mtp_bytes / 1e9);
 }
 
 int ds4_parse_wtype(const char *s) {
@@ -2782,7 +2781,7 @@ struct ds4_ctx {
     int      mtp_rows;            /* rows of the last call when it was ds4_mtp_eval (ds4_mtp_streams) */
     struct { int pos, n; } ckp[2];  /* the checkpoint of each part (DS4_PART_*): position, width; n 0 = none */
     int      restore;             /* DS4_ROLLBACK_RESTORE: bit 1 << part, that part's slots are restored */
-    float   *mtp_cat;             /* its eh_proj input [B][hc][2D] (host: CPU backend), made on first use */
+    float   *mtp_cat;             /* its eh_proj input [B][hc][2D] (a model with the block) */
 };
 
 /* DS4_HOOKS against the model (ds4.h); the hooks module checks it (ds4_hooks.c). */
@@ -2826,7 +2825,8 @@ size_t ds4_ctx_plan_bytes(const ds4_model *m, int n_ctx, int max_batch) {
     const size_t per_token = 4 * (1 + 3 * hc * D + (2 + hc) * hc + hc + hc * hc + D + hp->q_lora +
                                   2 * (size_t)hp->n_head * d + d + (size_t)hp->o_groups * hp->o_lora + D +
                                   4 * d + 4 * (di ? di : 1) + (Hi * di != 0 ? Hi * di : 1) + (Hi ? Hi : 1) + topk +
-                                  hp->n_expert + 2 * (size_t)hp->n_expert_used + 2 * F + D + hp->n_vocab);
+                                  hp->n_expert + 2 * (size_t)hp->n_expert_used + 2 * F + D + hp->n_vocab +
+                                  (hp->n_mtp ? 2 * hc * D : 0));   /* the MTP head's eh_proj input */
     return kv + B * per_token;
 }
 
@@ -2969,6 +2969,7 @@ ds4_ctx *ds4_ctx_new(ds4_model *m, const ds4_backend *be, int n_ctx, int max_bat
     c->su   = ctx_alloc(c, B * F * 4, &fail);
     c->sd   = ctx_alloc(c, B * D * 4, &fail);
     c->logits = ctx_alloc(c, B * (size_t)hp->n_vocab * 4, &fail);
+    if (hp->n_mtp) c->mtp_cat = ctx_alloc(c, B * hc * 2 * D * 4, &fail);
     if (fail) {
         errf(err, errlen, "cannot allocate context buffers on backend '%s' (n_ctx %d, batch %d)",
              be->name, n_ctx, max_batch);
@@ -2980,6 +2981,7 @@ ds4_ctx *ds4_ctx_new(ds4_model *m, const ds4_backend *be, int n_ctx, int max_bat
     ds4_limits lim;
     memset(&lim, 0, sizeof lim);
     lim.max_batch = max_batch;
+    lim.max_rows = hp->n_mtp ? max_batch * hp->n_hc : max_batch;   /* ds4_mtp_eval's eh_proj */
     lim.n_ctx = n_ctx;
     lim.n_embd = hp->n_embd;
     lim.n_head = hp->n_head;
@@ -3032,7 +3034,6 @@ void ds4_ctx_free(ds4_ctx *c) {
     if (!c) return;
     if (c->sess) c->be->session_free(c->sess);
     free(c->step_host);
-    free(c->mtp_cat);
     ds4h_close(c->hk);                          /* after the session: its emitter writes to the stream */
     for (int i = 0; i < c->n_allocs; i++) c->be->free(c->allocs[i]);
     free(c);
@@ -3331,23 +3332,35 @@ static void fwd_span(ds4_ctx *c, int l0, int l1, int nt, int all_rows) {
     ds4h_publish(c->hk);
 }
 
-/* A decode step (one token, the last row's logits) with DS4_CUDA_GRAPHS=1 runs
- * as recorded regions (ds4_gpu.h region_begin/end): the whole step, or
- * clusters of DS4_CUDA_GRAPH_LAYERS layers.  A region's key names everything
- * its ops bake in: its layers, the token count and the context generation
- * (the buffers are the context's own, the position is in the step block).
- * A prompt's batch runs eagerly. */
+/* With DS4_CUDA_GRAPHS=1 a decode step (one token, the last row's logits) and a
+ * check of speculative drafts (2 .. DS4_GRAPH_MAX_ROWS tokens, every row's
+ * logits; without hooks, which --mtp-draft refuses) run as recorded regions
+ * (ds4_gpu.h region_begin/end): the whole step, or clusters of
+ * DS4_CUDA_GRAPH_LAYERS layers.  A region's key names everything its ops bake
+ * in: its layers, the token count, whether every row's logits are made, and
+ * the context generation (the buffers are the context's own, the position is
+ * in the step block; the ops of a call of up to 8 tokens choose their kernels
+ * from its shape alone).  So each width is one recording, replayed from then
+ * on.  Other batches (a prompt's chunks) run eagerly. */
+#define DS4_GRAPH_MAX_ROWS 4
+static int fwd_recorded(const ds4_ctx *c, int nt, int all_rows) {
+    if (!c->graphs) return 0;
+    if (nt == 1) return !all_rows;
+    return nt <= DS4_GRAPH_MAX_ROWS && all_rows && !c->hk;
+}
+
 static void fwd_batch(ds4_ctx *c, int nt, int all_rows) {
     const ds4_backend *be = c->be;
     const int L = c->m->hp.n_layer;
-    if (!(c->graphs && nt == 1 && !all_rows)) {
+    if (!fwd_recorded(c, nt, all_rows)) {
         fwd_span(c, 0, L, nt, all_rows);
         return;
     }
     const int per = c->graph_layers > 0 && c->graph_layers < L ? c->graph_layers : L;
     for (int l0 = 0; l0 < L; l0 += per) {
         const int l1 = l0 + per < L ? l0 + per : L;
-        const uint64_t key = (uint64_t)l0 | (uint64_t)l1 << 12 | (uint64_t)nt << 24 | (uint64_t)c->generation << 32;
+        const uint64_t key = (uint64_t)l0 | (uint64_t)l1 << 12 | (uint64_t)nt << 24 | (uint64_t)all_rows << 30 |
+                             (uint64_t)c->generation << 32;
         if (be->region_begin(key) == DS4_REGION_REPLAYED) continue;
         fwd_span(c, l0, l1, nt, all_rows);
         if (be->region_end(key) == DS4_REGION_REISSUE) fwd_span(c, l0, l1, nt, all_rows);
@@ -3424,8 +3437,9 @@ int ds4_eval(ds4_ctx *c, const int32_t *tokens, int n, float *logits, int all_ro
  * (2D -> D) makes the block's input streams.  Then the block is a layer as any other (mHC
  * pre, attention over its own caches at the rows' positions, mHC post, mHC pre, routed MoE
  * with the shared expert), and the model's mHC head with nextn.shared_head_norm (else
- * output_norm) and nextn.shared_head_head (else output) gives the logits.  CPU backend only:
- * the concatenation is made on the host.
+ * output_norm) and nextn.shared_head_head (else output) gives the logits.  Every op goes
+ * through the backend: the concatenation is the backend's ordered copies, so the head runs
+ * where the model does (eagerly: its rows are uploaded from the host each call).
  * ------------------------------------------------------------------------- */
 
 int ds4_model_has_mtp(const ds4_model *m) { return m->hp.n_mtp > 0; }
@@ -3451,7 +3465,6 @@ int ds4_mtp_eval(ds4_ctx *c, const float *h, const int32_t *tokens, int n, float
     const ds4_hparams *hp = &m->hp;
     const ds4_backend *be = c->be;
     if (!hp->n_mtp) { errf(err, errlen, "the model has no MTP block"); return -1; }
-    if (be != ds4_backend_cpu()) { errf(err, errlen, "the MTP head runs on the CPU backend only (for now)"); return -1; }
     if (n < 1 || n > c->max_batch) { errf(err, errlen, "MTP rows %d outside [1, %d]", n, c->max_batch); return -1; }
     if (c->mtp_pos + n > c->n_ctx) {
         errf(err, errlen, "MTP context full: position %d + %d rows exceeds --ctx %d", c->mtp_pos, n, c->n_ctx);
@@ -3468,10 +3481,6 @@ int ds4_mtp_eval(ds4_ctx *c, const float *h, const int32_t *tokens, int n, float
              hp->ratio[il]);
         return -1;
     }
-    if (!c->mtp_cat && !(c->mtp_cat = malloc((size_t)c->max_batch * hc * 2 * D * sizeof(float)))) {
-        errf(err, errlen, "out of memory for the MTP block's input");
-        return -1;
-    }
     const ds4_mtp_w *M = &m->mtp;
     void *prev = be->session_bind(c->sess);
     ds4h_ctx *hk = c->hk;                        /* the block's ops emit no hook records */
@@ -3483,8 +3492,8 @@ int ds4_mtp_eval(ds4_ctx *c, const float *h, const int32_t *tokens, int n, float
     be->upload(c->x2, h, (size_t)n * hc * D * 4);
     be->rmsnorm(c->x2, M->hnorm.dev, c->x2, n * hc, D, hp->rms_eps);
     for (int r = 0; r < n * hc; r++) {
-        memcpy(c->mtp_cat + (size_t)r * 2 * D, c->f + (size_t)(r / hc) * D, (size_t)D * 4);
-        memcpy(c->mtp_cat + (size_t)r * 2 * D + D, c->x2 + (size_t)r * D, (size_t)D * 4);
+        be->copy(c->mtp_cat + (size_t)r * 2 * D, c->f + (size_t)(r / hc) * D, (size_t)D * 4);
+        be->copy(c->mtp_cat + (size_t)r * 2 * D + D, c->x2 + (size_t)r * D, (size_t)D * 4);
     }
     be->matmul(&M->eh_proj, 0, c->mtp_cat, c->x, n * hc);
     /* the block as a layer (its input streams need no update first), the model's mHC head, the

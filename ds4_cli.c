@@ -104,9 +104,9 @@ static void usage(FILE *f) {
         "  --allow-nonfinite   go on when the logits hold NaN or Inf (default: stop, naming the row)\n"
         "  --threads N         CPU threads (default: DS4_THREADS or all cores)\n"
         "  --mtp-draft D       speculative decoding: D tokens (1..3) drafted by the model's MTP\n"
-        "                      head, checked by the model in one call (CPU backend); greedy: the\n"
-        "                      tokens and logits are plain greedy decoding's; --temp > 0: each\n"
-        "                      token has plain sampling's distribution (default: off)\n"
+        "                      head, checked by the model in one call; greedy: the tokens are\n"
+        "                      plain greedy decoding's (CPU: the logits too, byte for byte);\n"
+        "                      --temp > 0: each token has plain sampling's distribution (default: off)\n"
         "  -v, --verbose       also print the prompt, the prompt ids and the generated ids (stderr)\n"
         "  --stats             after the run, the backend's counters over the decode steps:\n"
         "                      launches per step, device allocations, frees and waits; with\n"
@@ -746,6 +746,7 @@ typedef struct spec {
     int32_t *first;              /* [-n] per generated token j of a call, the head's own choice of the
                                     step's first draft when j is a step's first draft, else -1 (-v) */
     long steps, drafted, accepted;
+    double t_draft, t_check;     /* seconds in the head's calls (drafting) and in the checks */
 } spec;
 
 static uint64_t spec_rand(uint64_t *s) {         /* splitmix64 */
@@ -992,7 +993,9 @@ static void spec_generate(run *r, int n, const int32_t *force, const float *prev
         const int pos = ds4_ctx_pos(c);
         batch[0] = next;
         spec_queue(s, next, s->h);
+        const double t0 = now_s();
         if (nd > 0 && spec_draft(r, s, nd, j, batch + 1) != 0) { r->stopped = 2; return; }
+        const double t1 = now_s();
         float *out = rows ? rows + (size_t)j * V : s->vlog;
         if ((nd > 0 && ds4_ctx_checkpoint(c, DS4_PART_TRUNK, nd + 1, err, sizeof err) != 0) ||
             ds4_eval(c, batch, nd + 1, out, 1, err, sizeof err) != 0) {
@@ -1001,6 +1004,8 @@ static void spec_generate(run *r, int n, const int32_t *force, const float *prev
             return;
         }
         ds4_ctx_streams(c, s->hv, nd + 1);
+        s->t_draft += t1 - t0;
+        s->t_check += now_s() - t1;
         /* the drafts taken: while each is the model's choice after the row before it (EOS never:
          * plain decoding stops there, so it becomes the next step's token) */
         int a = 0;
@@ -1219,8 +1224,6 @@ int main(int argc, char **argv) {
                 "returns; it has no rings and no drain to size or slow\n");
     if (env.launch_trace && !strcmp(be->name, "cpu"))
         fprintf(stderr, "ds4: DS4_LAUNCH_TRACE: the cpu backend launches no kernels; nothing is traced\n");
-    if (o.mtp_draft && strcmp(be->name, "cpu"))
-        die_usage("--mtp-draft: the MTP head runs on the cpu backend only (give --backend cpu)");
     if (o.mtp_draft && env.hooks)
         die_usage("--mtp-draft does not take DS4_HOOKS (the records would hold the rows of rejected drafts)");
     if (env.mtp_force_file && !o.mtp_draft) die_usage("DS4_MTP_FORCE goes with --mtp-draft");
@@ -1474,9 +1477,11 @@ int main(int argc, char **argv) {
                     bst.graph_pdl ? "on" : "off");
     }
     if (o.stats && r.sp)
-        fprintf(stderr, "stats: mtp: --mtp-draft %d%s: %ld steps, %ld drafted, %ld accepted (%.1f%%), %.2f tokens per step\n",
+        fprintf(stderr, "stats: mtp: --mtp-draft %d%s: %ld steps, %ld drafted, %ld accepted (%.1f%%), %.2f tokens per step; "
+                "a step %.3f ms drafting, %.3f ms checking\n",
                 sp.D, sp.ref ? " (DS4_MTP_FORCE)" : "", sp.steps, sp.drafted, sp.accepted,
-                sp.drafted ? 100.0 * sp.accepted / sp.drafted : 0.0, sp.steps ? (double)n_decoded / sp.steps : 0.0);
+                sp.drafted ? 100.0 * sp.accepted / sp.drafted : 0.0, sp.steps ? (double)n_decoded / sp.steps : 0.0,
+                sp.steps ? 1e3 * sp.t_draft / sp.steps : 0.0, sp.steps ? 1e3 * sp.t_check / sp.steps : 0.0);
     ds4_hooks_stats hst;
     if (ds4_ctx_hooks_stats(c, &hst) == 0) {      /* DS4_HOOKS: every record written by now */
         if (o.stats)

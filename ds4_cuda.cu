@@ -693,12 +693,13 @@ static void *cuda_session_new(const ds4_limits *lim) {
         }
     }
     /* dequantised rows for cuBLAS (gemm_rows: tiles of at most DEQ_CAP_FLOATS, whole rows) */
-    if (B > MV_MAX_NT) {
+    const int64_t R = lim->max_rows > B ? lim->max_rows : B;   /* a matmul's rows */
+    if (R > MV_MAX_NT) {
         int64_t deq = lim->max_matrix < DEQ_CAP_FLOATS ? lim->max_matrix : DEQ_CAP_FLOATS;
         if (deq < lim->max_k) deq = lim->max_k;
         ok = ok && session_scratch(&S->deq, "dequantised weight rows", (size_t)deq * sizeof(float));
         /* the split activations: a batch of any product, or every (token, expert) pair of the MoE */
-        size_t tcb = gemm_tc_scratch_bytes(B, lim->max_k);
+        size_t tcb = gemm_tc_scratch_bytes(R, lim->max_k);
         if (k > 0 && D > 0 && F > 0) {
             const size_t m = gemm_tc_scratch_bytes(B * k, D > F ? D : F);
             if (m > tcb) tcb = m;

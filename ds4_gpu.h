@@ -172,6 +172,8 @@ typedef struct ds4_limits {
     int     n_expert, n_expert_used, n_ff_exp;   /* routed experts {D, F, E}, k used per token */
     int     n_vocab;
     int64_t max_k;            /* the longest weight row (K) of any matmul */
+    int     max_rows;         /* the most activation rows of one matmul, when above max_batch: the
+                               * MTP head's eh_proj takes a row per token and stream (0: max_batch) */
     int64_t max_matrix;       /* the most elements of one weight matrix (K x N) */
     /* recorded regions (region_begin/region_end): 0 = never record */
     int     graphs;           /* DS4_CUDA_GRAPHS */

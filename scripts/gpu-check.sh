@@ -31,7 +31,11 @@
 #             which parses and scans, against a CUDA run's load, weights uploaded)
 #   mtp       the MTP block (patch 0025) on CUDA: small with and without it (ds4 synth --mtp), a
 #             300-token prompt + 32 greedy steps: the CUDA logits byte-identical (the block goes up
-#             with the model and is not run), ds4 info's line
+#             with the model and is not run), ds4 info's line; then speculative decoding on CUDA:
+#             tests/test_mtp_cuda.py (MTP_PYTEST=0: skip; MTP_PYTEST_K: its -k; TEST_MTP_CUDA_STEPS),
+#             and the speed on MTP_MODELS (default "flash16 flash-q2@64"; empty: none), each written
+#             with an MTP block: plain greedy decoding with graphs, then --mtp-draft D = 1, 2, 3 with
+#             DS4_MTP_FORCE at P = 0, 0.5, 0.8, 1 (MTP_N steps, default 256; graphs on)
 #   long      chunked prefill (patch 0007): flash16 declared with a 262144-token context, prefill of
 #             512..65536 tokens (LONG_PREFILL) in DS4_UBATCH chunks and 64 decode steps with graphs at
 #             that depth, device memory; the prefill of 16384 tokens in chunks of 1024..8192
@@ -473,6 +477,39 @@ if want mtp; then
   if cmp -s "$OUT/mtp-plain.ds4logit" "$OUT/mtp-block.ds4logit"; then
     row "mtp: small's CUDA logits with and without the MTP block byte-identical ($(stat -c %s "$OUT/mtp-block.ds4logit") bytes)"
   else row "mtp: CUDA LOGITS DIFFER with the MTP block"; fi
+  if [ "${MTP_PYTEST:-1}" != 0 ]; then
+    step "speculative decoding on CUDA: tests/test_mtp_cuda.py"
+    make --no-print-directory build/cuda-"$ARCH"/mtp_dump build/tests/mtp_dump CUDA_ARCH="$ARCH" >> "$OUT/build.log" 2>&1 \
+      || echo "mtp: building mtp_dump failed"
+    TEST_DS4_CUDA_BIN=$PWD/ds4 CUDA_ARCH="$ARCH" PYTHONUNBUFFERED=1 timeout "${MTP_PYTEST_LIMIT:-600}" \
+      $PY -m pytest -q -rs -s tests/test_mtp_cuda.py ${MTP_PYTEST_K:+-k "$MTP_PYTEST_K"} > "$OUT/mtp-pytest.log" 2>&1
+    tail -25 "$OUT/mtp-pytest.log"
+    row "mtp pytest: $(tail -1 "$OUT/mtp-pytest.log")"
+    grep -E "byte-identical to plain|the MTP head, cuda" "$OUT/mtp-pytest.log" | sed 's/^/mtp: /' >> "$OUT/table.txt"
+  fi
+  MTP_TOKS=$($PY -c "import random; r=random.Random(5); print(','.join(str(r.randrange(1000) + 1) for _ in range(64)))")
+  for M in ${MTP_MODELS-flash16 flash-q2@64}; do
+    T=${M//@/-}
+    F=build/test-out/mtp-speed-$T.gguf
+    step "speculative decoding speed: $M with an MTP block (graphs on, ${MTP_N:-256} steps)"
+    [ -f "$F" ] || timeout 400 ./ds4 synth --config "$M" --seed 1 --mtp -o "$F" > "$OUT/mtp-synth-$T.log" 2>&1 \
+      || { tail -3 "$OUT/mtp-synth-$T.log"; continue; }
+    DS4_CUDA_GRAPHS=1 timeout 300 ./ds4 -m "$F" --backend cuda --tokens "$MTP_TOKS" -n "${MTP_N:-256}" -v --stats \
+      > /dev/null 2> "$OUT/mtp-speed-$T-plain.log" || { tail -3 "$OUT/mtp-speed-$T-plain.log"; continue; }
+    sed -n 's/^generated ids: //p' "$OUT/mtp-speed-$T-plain.log" > "$OUT/mtp-speed-$T.ref"
+    PLAIN=$(sed -n 's/.*decode [0-9]* tokens in [0-9.]* s (\([0-9.]*\) tok\/s).*/\1/p' "$OUT/mtp-speed-$T-plain.log")
+    row "mtp speed $M: plain greedy with graphs $PLAIN tok/s"
+    for D in 1 2 3; do
+      for P in 0 0.5 0.8 1; do
+        L="$OUT/mtp-speed-$T-D$D-P$P.log"
+        DS4_CUDA_GRAPHS=1 DS4_MTP_FORCE="$P:$OUT/mtp-speed-$T.ref" timeout 300 ./ds4 -m "$F" --backend cuda \
+          --tokens "$MTP_TOKS" -n "${MTP_N:-256}" --mtp-draft "$D" --stats > /dev/null 2> "$L" || echo "mtp $M D=$D P=$P: rc $?"
+        S=$(sed -n 's/.*decode [0-9]* tokens in [0-9.]* s (\([0-9.]*\) tok\/s).*/\1/p' "$L")
+        row "mtp speed $M D=$D P=$P: ${S:-?} tok/s ($(awk -v s="${S:-0}" -v p="${PLAIN:-0}" 'BEGIN { printf "%.2f", p > 0 ? s / p : 0 }')x plain); $(grep -o 'stats: mtp: .*' "$L" | sed 's/^stats: mtp: //'); $(grep -o '[0-9]* captures.*fallbacks' "$L")"
+      done
+    done
+    rm -f "$F"
+  done
 fi
 
 echo

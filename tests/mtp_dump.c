@@ -1,9 +1,10 @@
-/* mtp_dump -- the MTP head's logits at every row of a prompt, on the CPU backend, as a DS4LOGIT
- * dump, and the trunk's final hidden streams of every row (f32, [P][n_hc * n_embd]).
- * tests/test_mtp.py feeds those streams to llama_oracle --mtp (llama.cpp's MTP graph) and
- * compares the two dumps: the head on the same inputs.
+/* mtp_dump -- the MTP head's logits at every row of a prompt, as a DS4LOGIT dump, and the
+ * trunk's final hidden streams of every row (f32, [P][n_hc * n_embd]).  tests/test_mtp.py feeds
+ * those streams to llama_oracle --mtp (llama.cpp's MTP graph) and compares the two dumps: the
+ * head on the same inputs.  With `cuda` last (a CUDA build: make build/cuda-ARCH/mtp_dump) the
+ * trunk and the head run on the GPU; tests/test_mtp_cuda.py holds that dump to the CPU's.
  *
- *   mtp_dump MODEL.gguf ID,ID,... OUT.ds4logit STREAMS.f32
+ *   mtp_dump MODEL.gguf ID,ID,... OUT.ds4logit STREAMS.f32 [cuda]
  *
  * The prompt goes through the trunk in one batch; row k of the MTP head then pairs the trunk's
  * final streams of position k - 1 (zeros at k = 0) with the prompt's token k, as llama.cpp's
@@ -21,9 +22,17 @@ static void die(const char *what, const char *why) {
 }
 
 int main(int argc, char **argv) {
-    if (argc != 5) {
-        fprintf(stderr, "usage: mtp_dump MODEL.gguf ID,ID,... OUT.ds4logit STREAMS.f32\n");
+    if (argc != 5 && !(argc == 6 && !strcmp(argv[5], "cuda"))) {
+        fprintf(stderr, "usage: mtp_dump MODEL.gguf ID,ID,... OUT.ds4logit STREAMS.f32 [cuda]\n");
         return 2;
+    }
+    const ds4_backend *be = ds4_backend_cpu();
+    if (argc == 6) {
+#ifdef DS4_CUDA
+        be = ds4_backend_cuda();
+#else
+        die("cuda", "this build has no CUDA backend");
+#endif
     }
     char err[512];
     int P = 0;
@@ -36,7 +45,7 @@ int main(int argc, char **argv) {
     ds4_model *m = ds4_model_open(argv[1], err, sizeof err);
     if (!m) die(argv[1], err);
     if (!ds4_model_has_mtp(m)) die(argv[1], "the model has no MTP block");
-    ds4_ctx *c = ds4_ctx_new(m, ds4_backend_cpu(), P + 1, P, err, sizeof err);
+    ds4_ctx *c = ds4_ctx_new(m, be, P + 1, P, err, sizeof err);
     if (!c) die("context", err);
     int L, D, hc, k;
     ds4_model_dims(m, &L, &D, &hc, &k);

@@ -1,0 +1,163 @@
+"""Speculative decoding on the CUDA backend (`ds4 --mtp-draft D --backend cuda`, issue 27).
+
+Runs only where a GPU exists and TEST_DS4_CUDA_BIN names a CUDA build of ds4 (make test-gpu,
+scripts/gpu-check.sh mtp); elsewhere every test here is skipped with a visible reason.  What
+must hold:
+  - the MTP head on CUDA against the CPU's, on the same rows (tests/mtp_dump: a prompt through
+    the trunk, then every row through the head, on each backend): max |dlogit| within GPU_TOL,
+    argmax identical;
+  - greedy decoding with --mtp-draft 1, 2, 3 emits plain CUDA greedy decoding's tokens and
+    logits rows (--dump-logits), byte for byte, over 4096 steps (TEST_MTP_CUDA_STEPS) on tiny and
+    small, with DS4_MTP_FORCE at 0, 0.5 and 1, with graphs off and on.  A check call of D + 1
+    rows runs the batch paths of the matvecs (D + 1 tokens a launch), attention and the
+    compressors; each of them computes a row in the order the one-token call does, so the
+    bytes hold as on the CPU;
+  - with DS4_CUDA_GRAPHS=1 the dump is byte-identical to the eager run's, the check calls are
+    replayed graphs (one recording per width, DS4_GRAPH_MAX_ROWS in ds4.c), no region falls back
+    to eager launches and nothing is recorded twice: the steady state makes no re-captures.
+
+The models are tiny and small (ds4 synth --mtp, seed 1) declared with a 65,536-token context,
+so that 4096 steps fit; the prompts are the CPU test's (tests/test_mtp_spec.py)."""
+import os
+import re
+
+import numpy as np
+import pytest
+
+from conftest import BUILD, CUDA_BIN, OUT, ds4_run, run
+from test_gpu import GPU_TOL, skip_no_gpu
+from test_mtp_spec import check_stats, ids_line, prompt
+
+import ds4logit
+
+pytestmark = pytest.mark.gpu
+
+STEPS = int(os.environ.get("TEST_MTP_CUDA_STEPS", "4096"))
+PROMPTS = {"tiny": 40, "small": 140, "small-q8": 140}
+ARCH = os.environ.get("CUDA_ARCH", "sm_90")
+MTP_DUMP_CUDA = os.path.join(BUILD, f"cuda-{ARCH}", "mtp_dump")
+
+
+def model(name):
+    """tiny, small (f32) or small-q8 (small with Q8_0 matrices: the head's eh_proj of a prompt's
+    rows, one per token and stream, goes to the tensor-core engine, whose scratch the session
+    sizes for them), each with an MTP block and a 65,536-token context."""
+    p = os.path.join(OUT, f"{name}-mtp-cuda.gguf")
+    if not os.path.exists(p):
+        typ = ["--type", "q8_0"] if name.endswith("-q8") else []
+        ds4_run(["synth", "--config", name.removesuffix("-q8"), "--seed", "1", "--mtp", "--ctx", "65536", "-o", p]
+                + typ)
+    return p
+
+
+def env(**kv):
+    e = {k: x for k, x in os.environ.items() if not k.startswith("DS4_")}
+    e.update({k: str(v) for k, v in kv.items()})
+    return e
+
+
+def gen(name, tag, *extra, **envkv):
+    """A CUDA run of STEPS greedy steps: (stdout, stderr, the dump's path)."""
+    dump = os.path.join(OUT, f"mtp-cuda.{name}.{tag}.ds4logit")
+    r = ds4_run(["-m", model(name), "--backend", "cuda", "--tokens", prompt(PROMPTS[name]), "-n", str(STEPS),
+                 "--dump-logits", dump, "-v", "--stats"] + list(extra), binary=CUDA_BIN, env=env(**envkv))
+    return r.stdout, r.stderr, dump
+
+
+_plain = {}
+
+
+def plain(name):
+    """Plain CUDA greedy decoding (eager), and the file of its generated ids (DS4_MTP_FORCE's FILE)."""
+    if name not in _plain:
+        out, err, dump = gen(name, "plain")
+        ref = os.path.join(OUT, f"mtp-cuda.{name}.ref")
+        ids = ids_line(err, "generated ids")
+        assert len(ids) == STEPS
+        open(ref, "w").write(" ".join(map(str, ids)) + "\n")
+        _plain[name] = (out, dump, ref)
+    return _plain[name]
+
+
+def spec_stats(err):
+    st = re.search(r"stats: mtp: .*?: (\d+) steps, (\d+) drafted, (\d+) accepted", err)
+    assert st, err[-2000:]
+    return tuple(int(x) for x in st.groups())
+
+
+def graph_stats(err):
+    g = re.search(r"stats: graphs: (\d+) captures .*?, (\d+) replays, (\d+) eager fallbacks", err)
+    assert g, err[-2000:]
+    return tuple(int(x) for x in g.groups())
+
+
+_eager = {}
+
+
+def spec_case(name, D, force, graphs):
+    out0, dump0, ref = plain(name)
+    key = (name, D, force)
+    out, err, dump = gen(name, f"D{D}-{force}-g{graphs}", "--mtp-draft", str(D),
+                         DS4_MTP_FORCE=f"{force}:{ref}", DS4_CUDA_GRAPHS=graphs)
+    assert out == out0, "the text differs from plain greedy decoding's"
+    a, b = ds4logit.read(dump), ds4logit.read(dump0)
+    assert np.array_equal(a.tokens, b.tokens), "the tokens differ from plain greedy decoding's"
+    assert np.array_equal(a.argmax, b.argmax)
+    worst = float(np.abs(a.logits.astype(np.float64) - b.logits).max())
+    assert open(dump, "rb").read() == open(dump0, "rb").read(), f"logits differ from plain decoding's: {worst:.3g}"
+    check_stats(spec_stats(err), force, D, STEPS)
+    if graphs:
+        captures, replays, fallbacks = graph_stats(err)
+        # every check call is D + 1 rows but the last steps' (fewer drafts near the end of -n):
+        # one recording per width at most, and none made twice
+        assert fallbacks == 0 and 0 < captures <= D + 1 and replays >= STEPS // (D + 1) // 2, (captures, replays,
+                                                                                                fallbacks)
+        if key in _eager:
+            assert open(dump, "rb").read() == open(_eager[key], "rb").read(), "graphs changed the logits"
+    else:
+        _eager[key] = dump
+    print(f"{name} D={D} P={force} graphs={graphs}: tokens and logits byte-identical to plain decoding's "
+          f"over {STEPS} steps")
+
+
+CASES = [(D, f, g) for D in (1, 2, 3) for f in ("0", "0.5", "1") for g in (0, 1)]
+
+
+@skip_no_gpu
+@pytest.mark.parametrize("D,force,graphs", CASES, ids=[f"D{D}-{f}-g{g}" for D, f, g in CASES])
+def test_tiny_greedy_identical(D, force, graphs):
+    spec_case("tiny", D, force, graphs)
+
+
+@skip_no_gpu
+@pytest.mark.parametrize("D,force,graphs", CASES, ids=[f"D{D}-{f}-g{g}" for D, f, g in CASES])
+def test_small_greedy_identical(D, force, graphs):
+    spec_case("small", D, force, graphs)
+
+
+@skip_no_gpu
+@pytest.mark.parametrize("D", [1, 3])
+def test_small_q8_0_greedy_identical(D):
+    spec_case("small-q8", D, "0.5", 1)
+
+
+@skip_no_gpu
+@pytest.mark.parametrize("name", ["tiny", "small", "small-q8"])
+def test_head_matches_cpu(name):
+    """The head's logits on CUDA against the CPU's on the same rows: a 200-token sequence through
+    the trunk, then all its rows through the head in one call, on each backend."""
+    assert os.path.exists(MTP_DUMP_CUDA), f"{MTP_DUMP_CUDA} missing: make {MTP_DUMP_CUDA} CUDA_ARCH={ARCH}"
+    cpu_bin = os.path.join(BUILD, "tests", "mtp_dump")
+    assert os.path.exists(cpu_bin), f"{cpu_bin} missing: make test-py builds it"
+    seq = prompt(200)
+    dumps = []
+    for tag, cmd in (("cpu", [cpu_bin]), ("cuda", [MTP_DUMP_CUDA])):
+        d = os.path.join(OUT, f"mtp-cuda.head.{name}.{tag}.ds4logit")
+        r = run(cmd + [model(name), seq, d, d + ".f32"] + (["cuda"] if tag == "cuda" else []), env=env())
+        assert r.returncode == 0, r.stderr
+        dumps.append(ds4logit.read(d))
+    a, b = dumps
+    worst = float(np.abs(a.logits.astype(np.float64) - b.logits).max())
+    assert worst <= GPU_TOL, f"max |dlogit| of the head, cuda vs cpu {worst:.3g} > {GPU_TOL:g}"
+    assert np.array_equal(a.argmax, b.argmax)
+    print(f"{name}: the MTP head, cuda vs cpu, 200 rows: max |dlogit| {worst:.3g}, argmax identical")
