@@ -175,15 +175,15 @@ int ds4_ctx_streams(ds4_ctx *c, float *out, int rows);
 /* The same for the MTP block: its output streams (what its head mixes) of the last rows rows
  * of the last ds4_mtp_eval -- the hidden state a chained draft feeds back to the head. */
 int ds4_mtp_streams(ds4_ctx *c, float *out, int rows);
-/* The MTP head, CPU backend only (its specification; issue 27): n rows at the block's own
+/* The MTP head, on the context's backend (the CPU's is its specification): n rows at the block's own
  * positions p = ds4_ctx_mtp_pos(c) .. p + n - 1, consecutive from 0 after ds4_ctx_reset.  Row
  * i pairs the trunk's final streams of position p + i - 1 (h[i], [n_hc][n_embd]; zeros for
  * position 0) with the token at position p + i (tokens[i]), as llama.cpp's MTP context does;
  * logits (host, may be NULL: the head's projection is skipped) receives [n][n_vocab] when
  * all_rows, else only the last row; row i is the block's prediction for the token at position
  * p + i + 1.  The block's attention keeps its own window, compressed rows and indexer rows.
- * -1 with one line on failure (no block, another backend, n outside [1, max_batch], the
- * context full). */
+ * -1 with one line on failure (no block, a block of another compress ratio, n outside
+ * [1, max_batch], the context full). */
 int ds4_mtp_eval(ds4_ctx *c, const float *h, const int32_t *tokens, int n, float *logits, int all_rows,
                  char *err, size_t errlen);
 int ds4_ctx_mtp_pos(const ds4_ctx *c);

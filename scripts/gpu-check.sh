@@ -508,6 +508,31 @@ if want mtp; then
         row "mtp speed $M D=$D P=$P: ${S:-?} tok/s ($(awk -v s="${S:-0}" -v p="${PLAIN:-0}" 'BEGIN { printf "%.2f", p > 0 ? s / p : 0 }')x plain); $(grep -o 'stats: mtp: .*' "$L" | sed 's/^stats: mtp: //'); $(grep -o '[0-9]* captures.*fallbacks' "$L")"
       done
     done
+    # byte identity at the full shape: plain against --mtp-draft 3 with every draft forced right
+    # (every check 4 rows); the first row that differs, when one does (MTP_DUMPS=0: skip)
+    if [ "${MTP_DUMPS:-1}" != 0 ]; then
+      DS4_CUDA_GRAPHS=1 timeout 300 ./ds4 -m "$F" --backend cuda --tokens "$MTP_TOKS" -n "${MTP_N:-256}" \
+        --dump-logits "$OUT/mtp-dump-$T-plain.ds4logit" > /dev/null 2> "$OUT/mtp-dump-$T-plain.log"
+      DS4_CUDA_GRAPHS=1 DS4_MTP_FORCE="1:$OUT/mtp-speed-$T.ref" timeout 300 ./ds4 -m "$F" --backend cuda \
+        --tokens "$MTP_TOKS" -n "${MTP_N:-256}" --mtp-draft 3 --dump-logits "$OUT/mtp-dump-$T-D3.ds4logit" \
+        > /dev/null 2> "$OUT/mtp-dump-$T-D3.log"
+      row "mtp dump $M, plain against --mtp-draft 3 (P = 1): $($PY - "$OUT/mtp-dump-$T-plain.ds4logit" \
+        "$OUT/mtp-dump-$T-D3.ds4logit" <<'PYEOF'
+import sys
+sys.path.insert(0, "tests/oracle")
+import numpy as np, ds4logit
+a, b = ds4logit.read(sys.argv[1]), ds4logit.read(sys.argv[2])
+n = min(len(a.logits), len(b.logits))
+d = np.nonzero(np.any(a.logits[:n] != b.logits[:n], axis=1))[0]
+if not d.size:
+    print(f"byte-identical over {n} rows")
+else:
+    r = int(d[0])
+    print(f"{d.size} of {n} rows differ, the first at row {r} (max |dlogit| "
+          f"{float(np.abs(a.logits[r].astype(np.float64) - b.logits[r]).max()):.3g}, argmax {int(a.argmax[r])} / {int(b.argmax[r])})")
+PYEOF
+)"
+    fi
     rm -f "$F"
   done
 fi
