@@ -38,8 +38,10 @@ pytestmark = pytest.mark.gpu
 
 STEPS = int(os.environ.get("TEST_MTP_CUDA_STEPS", "4096"))
 PROMPTS = {"tiny": 40, "small": 140, "small-q8": 140, "small-q2": 140, "small-q4": 140}
-ARCH = os.environ.get("CUDA_ARCH", "sm_90")
-MTP_DUMP_CUDA = os.path.join(BUILD, f"cuda-{ARCH}", "mtp_dump")
+# the CUDA build of tests/mtp_dump: beside TEST_DS4_CUDA_BIN (make test-gpu), else build/cuda-$CUDA_ARCH
+MTP_DUMP_CUDA = os.path.join(os.path.dirname(CUDA_BIN), "mtp_dump") if CUDA_BIN else ""
+if not os.path.exists(MTP_DUMP_CUDA):
+    MTP_DUMP_CUDA = os.path.join(BUILD, f"cuda-{os.environ.get('CUDA_ARCH', 'sm_90')}", "mtp_dump")
 
 
 def model(name):
@@ -163,7 +165,7 @@ def test_quant_greedy_identical(name, D):
 def test_head_matches_cpu(name):
     """The head's logits on CUDA against the CPU's on the same rows: a 200-token sequence through
     the trunk, then all its rows through the head in one call, on each backend."""
-    assert os.path.exists(MTP_DUMP_CUDA), f"{MTP_DUMP_CUDA} missing: make {MTP_DUMP_CUDA} CUDA_ARCH={ARCH}"
+    assert os.path.exists(MTP_DUMP_CUDA), f"{MTP_DUMP_CUDA} missing: make it (make cuda-check builds it)"
     cpu_bin = os.path.join(BUILD, "tests", "mtp_dump")
     assert os.path.exists(cpu_bin), f"{cpu_bin} missing: make test-py builds it"
     seq = prompt(200)
