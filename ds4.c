@@ -2793,6 +2793,10 @@ int ds4_ctx_hooks_stats(ds4_ctx *c, ds4_hooks_stats *st) { return ds4h_stats(c->
 int ds4_ctx_set_hook_sink(ds4_ctx *c, ds4_hook_sink fn, void *user, char *err, size_t errlen) {
     return ds4h_set_sink(c->hk, fn, user, err, errlen);
 }
+int ds4_ctx_hooks_hold(ds4_ctx *c, char *err, size_t errlen) { return ds4h_hold(c->hk, err, errlen); }
+int ds4_ctx_hooks_commit(ds4_ctx *c, int pos_end, char *err, size_t errlen) {
+    return ds4h_commit(c->hk, pos_end, err, errlen);
+}
 
 static void *ctx_alloc(ds4_ctx *c, size_t bytes, int *fail) {
     if (*fail) return NULL;

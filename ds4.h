@@ -134,6 +134,13 @@ int      ds4_ctx_hooks_stats(ds4_ctx *c, struct ds4_hooks_stats *st);
 struct ds4h_record;
 typedef void (*ds4_hook_sink)(void *user, const struct ds4h_record *r, const void *payload);
 int      ds4_ctx_set_hook_sink(ds4_ctx *c, ds4_hook_sink fn, void *user, char *err, size_t errlen);
+/* DS4_HOOKS with speculative checks (ds4 --mtp-draft): after ds4_ctx_hooks_hold the records of
+ * the calls that follow are kept back; ds4_ctx_hooks_commit writes them cut to the rows at
+ * positions below pos_end (the rows the sequence keeps), so a stream never holds a rejected
+ * draft's row.  The CPU backend's writer; hold is -1 with one line for a device emitter.
+ * Both do nothing when hooks are off. */
+int      ds4_ctx_hooks_hold(ds4_ctx *c, char *err, size_t errlen);
+int      ds4_ctx_hooks_commit(ds4_ctx *c, int pos_end, char *err, size_t errlen);
 
 /* Feed n tokens at the current position: a prefill in chunks of at most the context's batch
  * (ds4_ctx_max_batch: max_batch of ds4_ctx_new capped by DS4_UBATCH) when n > 1, one decode

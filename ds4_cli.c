@@ -998,7 +998,7 @@ static void spec_generate(run *r, int n, const int32_t *force, const float *prev
         const double t1 = now_s();
         float *out = rows ? rows + (size_t)j * V : s->vlog;
         if ((nd > 0 && ds4_ctx_checkpoint(c, DS4_PART_TRUNK, nd + 1, err, sizeof err) != 0) ||
-            ds4_eval(c, batch, nd + 1, out, 1, err, sizeof err) != 0) {
+            ds4_ctx_hooks_hold(c, err, sizeof err) != 0 || ds4_eval(c, batch, nd + 1, out, 1, err, sizeof err) != 0) {
             fprintf(stderr, "ds4: %s\n", err);
             r->stopped = 2;
             return;
@@ -1016,6 +1016,12 @@ static void spec_generate(run *r, int n, const int32_t *force, const float *prev
                 choice[a] = force ? (j + a + 1 < n ? force[j + a + 1] : 0) : ds4_argmax(out + (size_t)a * V, V);
                 if (a == nd || batch[a + 1] != choice[a] || choice[a] == r->eos) break;
             }
+        }
+        /* the hook records of the rows kept (DS4_HOOKS: held since the check began) */
+        if (ds4_ctx_hooks_commit(c, pos + a + 1, err, sizeof err) != 0) {
+            fprintf(stderr, "ds4: %s\n", err);
+            r->stopped = 2;
+            return;
         }
         /* the rows kept are plain decoding's steps j .. j + a: each checked as a step is */
         for (int i = 0; i <= a; i++) {
@@ -1224,8 +1230,9 @@ int main(int argc, char **argv) {
                 "returns; it has no rings and no drain to size or slow\n");
     if (env.launch_trace && !strcmp(be->name, "cpu"))
         fprintf(stderr, "ds4: DS4_LAUNCH_TRACE: the cpu backend launches no kernels; nothing is traced\n");
-    if (o.mtp_draft && env.hooks)
-        die_usage("--mtp-draft does not take DS4_HOOKS (the records would hold the rows of rejected drafts)");
+    if (o.mtp_draft && env.hooks && strcmp(be->name, "cpu"))
+        die_usage("--mtp-draft with DS4_HOOKS: the cpu backend only (the %s emitter cannot yet hold back the rows "
+                  "of rejected drafts)", be->name);
     if (env.mtp_force_file && !o.mtp_draft) die_usage("DS4_MTP_FORCE goes with --mtp-draft");
     if (env.mtp_force_file && o.temp > 0.0f)
         die_usage("DS4_MTP_FORCE goes with greedy decoding (its FILE holds greedy ids; give --temp 0)");

@@ -13,7 +13,9 @@
  *               capture as it was; the JSON header a reader names and shapes records by
  *   Writer      with the CPU backend a record goes to the file as the op that made it
  *               returns (synchronous: nothing is ever dropped); a failed write stops the run
- *               with one line (ds4_eval returns the error), never a silent loss
+ *               with one line (ds4_eval returns the error), never a silent loss.  Between
+ *               ds4h_hold and ds4h_commit (a speculative check) it keeps the records back and
+ *               then writes only the rows the sequence keeps
  *   Emitter     with a device emitter (ds4_gpu.h hooks_open; CUDA: ds4_hooks.cu) the records
  *               of one point go to the backend as one producer (hook_put), into rings sized
  *               here from what one decode step of the selection produces
@@ -164,6 +166,9 @@ struct ds4h_ctx {
     float             *ptmp;          /* one token's [H][n+1], packed for its record */
     void             (*sink)(void *user, const ds4h_record *r, const void *payload);   /* ds4h_set_sink */
     void              *sink_user;
+    int                hold;          /* ds4h_hold .. ds4h_commit: the CPU writer keeps records back */
+    uint8_t           *held;          /* their descriptors and payloads, back to back, each padded to 8 */
+    size_t             held_n, held_cap;
 };
 
 int ds4h_check(int n_layer, const ds4_env *env, char *err, size_t errlen) {
@@ -383,6 +388,73 @@ void ds4h_publish(ds4h_ctx *h) {
     if (h && h->dev) h->be->hooks_publish();
 }
 
+/* The CPU writer: record r (its seq assigned here) and its payload to the stream and the sink. */
+static void ds4h_write(ds4h_ctx *h, ds4h_record *r, const void *data) {
+    static const uint8_t zeros[8];
+    r->seq = h->seq;
+    const size_t pad = (size_t)((8 - r->nbytes % 8) % 8);
+    if (fwrite(r, sizeof *r, 1, h->f) != 1 || fwrite(data, 1, (size_t)r->nbytes, h->f) != r->nbytes ||
+        (pad && fwrite(zeros, 1, pad, h->f) != pad)) {
+        h->err = errno ? errno : EIO;
+        return;
+    }
+    h->seq++;
+    h->bytes += r->nbytes;
+    if (h->sink) h->sink(h->sink_user, r, data);
+}
+
+/* Held: r and its payload appended to the held records. */
+static void ds4h_keep(ds4h_ctx *h, const ds4h_record *r, const void *data) {
+    const size_t need = h->held_n + sizeof *r + (size_t)((r->nbytes + 7) / 8 * 8);
+    if (need > h->held_cap) {
+        size_t cap = h->held_cap ? h->held_cap : 1 << 20;
+        while (cap < need) cap *= 2;
+        uint8_t *p = realloc(h->held, cap);
+        if (!p) { h->err = ENOMEM; return; }
+        h->held = p;
+        h->held_cap = cap;
+    }
+    memcpy(h->held + h->held_n, r, sizeof *r);
+    memcpy(h->held + h->held_n + sizeof *r, data, (size_t)r->nbytes);
+    h->held_n = need;
+}
+
+int ds4h_hold(ds4h_ctx *h, char *err, size_t errlen) {
+    if (!h) return 0;
+    if (h->dev) {
+        errf(err, errlen, "DS4_HOOKS: the %s backend's hook emitter cannot hold a call's records back", h->be->name);
+        return -1;
+    }
+    h->hold = 1;
+    h->held_n = 0;
+    return 0;
+}
+
+int ds4h_commit(ds4h_ctx *h, int pos_end, char *err, size_t errlen) {
+    if (!h || !h->hold) return 0;
+    h->hold = 0;
+    for (size_t off = 0; off < h->held_n && !h->err;) {
+        ds4h_record r;
+        memcpy(&r, h->held + off, sizeof r);
+        const uint8_t *data = h->held + off + sizeof r;
+        off += sizeof r + (size_t)((r.nbytes + 7) / 8 * 8);
+        if ((int64_t)r.pos >= pos_end) continue;             /* rows the sequence does not keep */
+        if (r.hook != DS4H_ATTN_PROBS) {                      /* rows from pos on: cut at pos_end */
+            const uint32_t keep = (uint32_t)(pos_end - (int64_t)r.pos) < r.shape[0]
+                                      ? (uint32_t)(pos_end - (int64_t)r.pos) : r.shape[0];
+            r.nbytes = r.nbytes / r.shape[0] * keep;
+            r.shape[0] = keep;
+        }
+        ds4h_write(h, &r, data);
+    }
+    h->held_n = 0;
+    if (h->err) {
+        errf(err, errlen, "DS4_HOOKS_OUT: writing %s failed: %s", h->path, strerror(h->err));
+        return -1;
+    }
+    return 0;
+}
+
 void ds4h_emit(ds4h_ctx *h, int hook, int layer, const void *data, int dtype, int ndim, uint32_t d0, uint32_t d1,
                uint32_t d2, int pos_add) {
     if (!h || !h->f || h->err || !ds4h_selected(&h->sel, hook, layer)) return;
@@ -397,7 +469,6 @@ void ds4h_emit(ds4h_ctx *h, int hook, int layer, const void *data, int dtype, in
     memset(&r, 0, sizeof r);
     r.magic = DS4H_RECORD_MAGIC;
     r.hook = (uint32_t)hook;
-    r.seq = h->seq;
     r.layer = layer;
     r.pos = (uint32_t)(h->pos + pos_add);
     r.step = h->call;
@@ -405,16 +476,8 @@ void ds4h_emit(ds4h_ctx *h, int hook, int layer, const void *data, int dtype, in
     r.ndim = (uint8_t)ndim;
     r.shape[0] = d0; r.shape[1] = d1; r.shape[2] = d2; r.shape[3] = 1;
     r.nbytes = (uint64_t)d0 * d1 * d2 * 4;
-    static const uint8_t zeros[8];
-    const size_t pad = (size_t)((8 - r.nbytes % 8) % 8);
-    if (fwrite(&r, sizeof r, 1, h->f) != 1 || fwrite(data, 1, (size_t)r.nbytes, h->f) != r.nbytes ||
-        (pad && fwrite(zeros, 1, pad, h->f) != pad)) {
-        h->err = errno ? errno : EIO;
-        return;
-    }
-    h->seq++;
-    h->bytes += r.nbytes;
-    if (h->sink) h->sink(h->sink_user, &r, data);
+    if (h->hold) ds4h_keep(h, &r, data);
+    else ds4h_write(h, &r, data);
 }
 
 int ds4h_set_sink(ds4h_ctx *h, void (*fn)(void *user, const ds4h_record *r, const void *payload), void *user,
@@ -482,6 +545,7 @@ void ds4h_close(ds4h_ctx *h) {
     free(h->tmp);
     free(h->path);
     free(h->ptmp);
+    free(h->held);                            /* a call held and never committed: rows not kept */
     if (h->probs) h->be->free(h->probs);
     free(h);
 }

@@ -160,6 +160,13 @@ void   ds4h_emit_probs(ds4h_ctx *h, int layer, int nt, int ratio, int k);
 void   ds4h_join(ds4h_ctx *h);
 void   ds4h_publish(ds4h_ctx *h);
 int    ds4h_call_end(ds4h_ctx *h, char *err, size_t errlen);
+/* Speculative checks (the CPU writer): after ds4h_hold the records are kept back, without
+ * sequence numbers; ds4h_commit(pos_end) writes them, in the order made, each cut to its rows
+ * at positions below pos_end (an attn_probs record, one token's, whole or not at all), then
+ * writes as before.  So the stream holds the rows of the sequence and no others.  ds4h_hold:
+ * -1 with one line for a device emitter (its records are produced on the device). */
+int    ds4h_hold(ds4h_ctx *h, char *err, size_t errlen);
+int    ds4h_commit(ds4h_ctx *h, int pos_end, char *err, size_t errlen);
 int    ds4h_stats(ds4h_ctx *h, struct ds4_hooks_stats *st);
 void   ds4h_close(ds4h_ctx *h);
 /* A sink beside the stream (ds4 collect): the writer also hands each record it writes,

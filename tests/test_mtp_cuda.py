@@ -180,3 +180,13 @@ def test_head_matches_cpu(name):
     assert worst <= GPU_TOL, f"max |dlogit| of the head, cuda vs cpu {worst:.3g} > {GPU_TOL:g}"
     assert np.array_equal(a.argmax, b.argmax)
     print(f"{name}: the MTP head, cuda vs cpu, 200 rows: max |dlogit| {worst:.3g}, argmax identical")
+
+
+@skip_no_gpu
+def test_hooks_refused_in_one_line():
+    """The CUDA emitter produces its records on the device and cannot yet hold back a check
+    call's rows (the CPU writer does: tests/test_mtp_spec.py), so the pair is refused."""
+    r = run([CUDA_BIN, "-m", model("tiny"), "--backend", "cuda", "--tokens", "1,2,3", "-n", "4", "--mtp-draft", "1"],
+            env=env(DS4_HOOKS="attn"))
+    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and "the cpu backend only" in lines[0], r.stderr

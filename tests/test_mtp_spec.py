@@ -26,10 +26,12 @@ on that machine one thread is faster than two sharing it; one run checks 2 threa
 import os
 import random
 import re
+import sys
 
+import numpy as np
 import pytest
 
-from conftest import BUILD, OUT, ds4_run, run, DS4
+from conftest import BUILD, OUT, REPO, ds4_run, run, DS4
 
 import ds4logit
 
@@ -206,6 +208,45 @@ def test_interactive():
     assert st and st.group(1) == st.group(2) != "0", r.stderr
 
 
+HOOKS = "attn,resid,moe,logits,attn_probs"
+
+
+def hook_arrays(path):
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    import ds4hooks
+    st = ds4hooks.read(path)
+    assert not st.truncated and st.dropped() == 0
+    return st, st.arrays()
+
+
+@pytest.mark.parametrize("D", [1, 3])
+def test_hooks_hold_only_the_sequences_rows(D):
+    """DS4_HOOKS with --mtp-draft: a check call's records are held until the drafts taken are
+    known, then written cut to the rows kept (ds4_ctx_hooks_hold / commit).  Joined by (hook,
+    layer, position), every hook's rows equal plain greedy decoding's, byte for byte, with no
+    row of a rejected draft: the same positions, once each, the same values."""
+    _, _, ref = plain("tiny")
+    P, n = 40, 200
+    streams = {}
+    for tag, extra, kv in (("plain", [], {}), (f"D{D}", ["--mtp-draft", str(D)], {"DS4_MTP_FORCE": f"0.5:{ref}"})):
+        path = os.path.join(OUT, f"mtp-spec.hooks-{tag}.ds4h")
+        _, _, _, st = gen(model("tiny"), prompt(P), n, f"tiny-hooks-{tag}", *extra, DS4_HOOKS=HOOKS,
+                          DS4_HOOKS_OUT=path, **kv)
+        if extra:
+            assert 0 < st[2] < st[1], st             # drafts taken and drafts refused
+        streams[tag] = hook_arrays(path)
+    (s0, a0), (s1, a1) = streams["plain"], streams[f"D{D}"]
+    assert a0.keys() == a1.keys() and len(a0) > 4 * 8
+    for key in a0:
+        (p0, v0), (p1, v1) = a0[key], a1[key]
+        assert np.array_equal(p0, p1), key           # every position once, none past the sequence
+        if isinstance(v0, list):
+            assert len(v0) == len(v1) and all(np.array_equal(x, y) for x, y in zip(v0, v1)), key
+        else:
+            assert v0.dtype == v1.dtype and np.array_equal(v0, v1), key
+    assert len(s1.records) < len(s0.records)         # a check call's rows share a record
+
+
 def one_line_error(args, needle, status, **envkv):
     r = run([DS4] + args, env=env(**envkv))
     assert r.returncode == status, (args, r.returncode, r.stderr)
@@ -229,7 +270,6 @@ def test_bad_input():
     one_line_error(base + ["--mtp-draft", "2", "--temp", "0.7"], "DS4_MTP_FORCE goes with greedy decoding", 2,
                    DS4_MTP_FORCE=f"1:{ref}")
     one_line_error(["-m", plain_model, "--tokens", "1,2", "--mtp-draft", "1"], "needs a model with an MTP block", 2)
-    one_line_error(base + ["--mtp-draft", "1"], "does not take DS4_HOOKS", 2, DS4_HOOKS="resid")
     one_line_error(base, "DS4_MTP_FORCE goes with --mtp-draft", 2, DS4_MTP_FORCE=f"1:{ref}")
     for v in ("", "x", "0.5", "0.5:", "2:f", "-0.1:f", "nan:f", ":f", " 1:f"):
         one_line_error(base + ["--mtp-draft", "1"], "is not P:FILE", 2, DS4_MTP_FORCE=v)
