@@ -47,7 +47,7 @@ typedef struct {
     float *out, *part_o, *part_ml;
     const ds4_step *step;   /* pos0 is read from here when the kernel runs */
     int W, H, d, ratio, k;
-    int want;               /* row chunks wanted (the grid's y); the chunking of a step: att_chunks */
+    int want;               /* row chunks wanted (the grid's y); a query's chunking: att_chunks */
     float scale;
     int nt;
     int derot;          /* attention_step: de-rotate the output (inverse RoPE at P) as it is written */
@@ -100,13 +100,14 @@ __device__ __forceinline__ void att_online2(float sa, float sb, const float (&va
     for (int k = 0; k < DM; k++) o[k] = fmaf(pb, vb[k], fmaf(pa, va[k], o[k] * corr));
 }
 
-/* How a step's rows are split: the longest row list of the batch (its last
- * query's) into chunks of a multiple of 16 rows (two per warp per step), at
- * least 32, so that about `want` chunks run; one chunk when the list is
- * short or want is 1.  A function of the position, computed where it runs. */
-__host__ __device__ __forceinline__ void att_chunks(int pos0, int nt, int W, int ratio, int k, int want,
-                                                   int *chunks, int *chunk_rows) {
-    const int Lmax = ds4_att_rows(pos0 + nt - 1, W, ratio, k);
+/* How the rows of the query at position P are split: its row list into
+ * chunks of a multiple of 16 rows (two per warp per step), at least 32, so
+ * that about `want` chunks run; one chunk when the list is short or want is
+ * 1.  A function of the query's position and `want` alone (not of the batch
+ * it came in), computed where it runs. */
+__host__ __device__ __forceinline__ void att_chunks(int P, int W, int ratio, int k, int want, int *chunks,
+                                                   int *chunk_rows) {
+    const int Lmax = ds4_att_rows(P, W, ratio, k);
     int c = 1, rows = Lmax > 0 ? Lmax : 1;
     if (want > 1 && Lmax > 32) {
         rows = (Lmax + want - 1) / want;
@@ -134,7 +135,7 @@ __global__ void __launch_bounds__(ATT_THREADS) k_attention(const attn_args a) {
         q_s[hb][e] = (h < a.H && e < a.d) ? a.q[((int64_t)t * a.H + h) * a.d + e] : 0.0f;
     }
     int chunks, chunk_rows;
-    att_chunks(pos0, a.nt, a.W, a.ratio, a.k, a.want, &chunks, &chunk_rows);
+    att_chunks(pos0 + t, a.W, a.ratio, a.k, a.want, &chunks, &chunk_rows);
     if (c >= chunks) return;                     /* the grid is sized for `want` chunks */
     const int P = pos0 + t;
     const int n_win = ds4_win_rows(P, a.W);
@@ -274,7 +275,7 @@ __global__ void k_attention_combine(const attn_args a) {
 #pragma unroll
     for (int c = 0; c < ATT_MAX_CHUNKS; c++) v[c] = c < a.want && e < d ? a.part_o[(base + c) * d + e] : 0.0f;
     int chunks, chunk_rows;
-    att_chunks(pos0, a.nt, a.W, a.ratio, a.k, a.want, &chunks, &chunk_rows);
+    att_chunks(pos0 + t, a.W, a.ratio, a.k, a.want, &chunks, &chunk_rows);
     if (chunks == 1) {
         if (a.ring_out && h == 0 && e < d && t >= a.nt - a.W)
             a.ring_out[(int64_t)((pos0 + t) % a.W) * d + e] = a.kv[(int64_t)t * d + e];
@@ -601,8 +602,15 @@ static int attention_dm(int d) { return d <= 64 ? 2 : d <= 128 ? 4 : d <= 256 ? 
 /* Row chunks a launch of nt queries of H heads asks for: decode has few
  * (query, head group) blocks, so its rows are split until the launch fills
  * one wave of resident blocks (at most ATT_MAX_CHUNKS); 1 when the blocks
- * fill the device already.  A shape, not a position. */
+ * fill the device already.  A shape, not a position.  A call of up to
+ * ATT_STEP_SPLIT_NT queries splits each query's rows as a one-token call
+ * does (the chunks decide the order of the softmax sums): a speculative
+ * check's rows then get the bytes of one-token steps (ds4 --mtp-draft).
+ * Its launch is up to ATT_STEP_SPLIT_NT waves; the partials' scratch is
+ * sized for them (attention_part_floats). */
+#define ATT_STEP_SPLIT_NT 4
 static int attention_want(int nt, int H, int d) {
+    if (nt <= ATT_STEP_SPLIT_NT) nt = 1;
     const int64_t hgroups = (H + ATT_HB - 1) / ATT_HB;
     const int64_t base_blocks = hgroups * nt;
     const int64_t wave = (int64_t)g_cuda.att_bps[attention_dm(d)] * g_cuda.n_sm;
@@ -613,12 +621,13 @@ static int attention_want(int nt, int H, int d) {
 }
 
 /* Partial rows (one per query, head and chunk) of the largest split: nt*H*want
- * <= H*wave/hgroups <= ATT_HB*wave, whatever nt and H. */
+ * <= H*wave/hgroups <= ATT_HB*wave above ATT_STEP_SPLIT_NT queries, and
+ * ATT_STEP_SPLIT_NT times that at or below, whatever H. */
 size_t attention_part_floats(int d) {
     int64_t wave = 0;
     for (int dm = 2; dm <= 16; dm *= 2)
         if ((int64_t)g_cuda.att_bps[dm] * g_cuda.n_sm > wave) wave = (int64_t)g_cuda.att_bps[dm] * g_cuda.n_sm;
-    return (size_t)(ATT_HB * wave) * (size_t)(d + 2);
+    return (size_t)(ATT_STEP_SPLIT_NT * ATT_HB * wave) * (size_t)(d + 2);
 }
 
 /* attention, and for attention_step (ring_out != NULL) the ring update and

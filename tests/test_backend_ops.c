@@ -785,6 +785,62 @@ static void test_attention_step(int W, int pos0, int nt, int H, int d, int ratio
     test_attention_rp(W, pos0, nt, H, d, ratio, k, &rp);
 }
 
+/* A batch of nt queries through attention_step against nt one-token calls at its positions, on
+ * the CUDA backend alone, byte for byte: the outputs and the ring.  A speculative check (ds4
+ * --mtp-draft) is such a batch, and its rows must be the one-token steps' (tests/test_mtp_cuda.py
+ * checks whole runs on models whose head counts do not show it; Flash's 64 heads do).  pos0 is
+ * chosen so that the queries of one batch see different row counts (ratio 4: a compressed row
+ * more for the last). */
+static void test_attention_rows_as_steps(int W, int pos0, int nt, int H, int d, int ratio, int k) {
+    const int bi = 1, P_last = pos0 + nt - 1;
+    const int n_comp = ratio ? (P_last + 1) / ratio + 1 : 0;
+    const ds4_rope rp = test_rope_params(64, 1);
+    float *q = rnd_vec((size_t)nt * H * d, 1.0f), *kv = rnd_vec((size_t)nt * d, 1.0f);
+    float *ring = rnd_vec((size_t)W * d, 1.0f);
+    float *comp = ratio ? rnd_vec((size_t)n_comp * d, 1.0f) : NULL;
+    float *sinks = rnd_vec(H, 2.0f);
+    int32_t *topk = ratio == 4 ? rnd_topk(pos0, nt, k) : NULL;
+    const float scale = 1.0f / sqrtf((float)d);
+    const size_t n = (size_t)nt * H * d, row = (size_t)H * d;
+    float *out[2], *rg[2];
+    for (int one = 0; one < 2; one++) {
+        float *dr = dev_put(bi, ring, (size_t)W * d * 4);
+        float *dc = ratio ? dev_put(bi, comp, (size_t)n_comp * d * 4) : NULL;
+        float *ds = dev_put(bi, sinks, (size_t)H * 4);
+        out[one] = malloc(n * 4);
+        for (int t0 = 0; t0 < nt; t0 += one ? 1 : nt) {
+            const int m = one ? 1 : nt;
+            float *dq = dev_put(bi, q + (size_t)t0 * row, (size_t)m * row * 4);
+            float *dkv = dev_put(bi, kv + (size_t)t0 * d, (size_t)m * d * 4);
+            int32_t *dt = topk ? dev_put(bi, topk + (size_t)t0 * k, (size_t)m * k * 4) : NULL;
+            float *dy = dev_poison(bi, (size_t)m * row);
+            B[bi]->attention_step(dq, dkv, dr, W, at(bi, pos0 + t0), m, H, d, dc, ratio, dt, ratio == 4 ? k : 0, ds,
+                                  scale, &rp, dy);
+            float *y = dev_get(bi, dy, (size_t)m * row * 4);
+            memcpy(out[one] + (size_t)t0 * row, y, (size_t)m * row * 4);
+            free(y);
+        }
+        rg[one] = dev_get(bi, dr, (size_t)W * d * 4);
+        dev_free_all(bi);
+    }
+    char shape[120];
+    snprintf(shape, sizeof shape, "rows as steps W=%d pos0=%d nt=%d H=%d d=%d ratio=%d", W, pos0, nt, H, d, ratio);
+    const int ok = memcmp(out[0], out[1], n * 4) == 0 && memcmp(rg[0], rg[1], (size_t)W * d * 4) == 0;
+    printf("%-15s %-44s %s\n", "attention_step", shape, ok ? "ok" : "FAIL (a batch's rows differ from one-token calls)");
+    if (ok) g_pass++; else g_fail++;
+    for (int i = 0; i < 2; i++) { free(out[i]); free(rg[i]); }
+    free(q); free(kv); free(ring); free(comp); free(sinks); free(topk);
+}
+
+static void test_attention_rows(void) {
+    for (int nt = 2; nt <= 4; nt++) {
+        test_attention_rows_as_steps(128, 37, nt, 64, 512, 0, 0);      /* the window filling */
+        test_attention_rows_as_steps(128, 300, nt, 64, 512, 0, 0);
+        test_attention_rows_as_steps(128, 301, nt, 64, 512, 4, 512);   /* picks among 75 or 76 visible rows */
+        test_attention_rows_as_steps(128, 2046, nt, 64, 512, 128, 0);  /* a ratio-128 row more for the last */
+    }
+}
+
 /* attention_probs (the attn_probs hook): the weight attention gives each row a query
  * attended, then the sink's share, in rows of pitch ld sized as the core sizes them (ds4.c
  * hooks_open: W + max(k, n_ctx/128 + 1) + 1 for the session's n_ctx; the CUDA op checks the
@@ -1538,8 +1594,9 @@ static int test_tc_engine(const ds4_limits *lim0) {
 }
 
 int main(int argc, char **argv) {
-    if (argc > 2 || (argc == 2 && strcmp(argv[1], "tc") != 0)) {
-        fprintf(stderr, "usage: test_backend_ops [tc]   (tc: only the tensor-core engine's cases)\n");
+    if (argc > 2 || (argc == 2 && strcmp(argv[1], "tc") != 0 && strcmp(argv[1], "rows") != 0)) {
+        fprintf(stderr, "usage: test_backend_ops [tc|rows]   (tc: only the tensor-core engine's cases; rows: only "
+                        "attention's batch rows against one-token calls)\n");
         return 2;
     }
     B[0] = ds4_backend_cpu();
@@ -1573,6 +1630,11 @@ int main(int argc, char **argv) {
         B[bi]->session_bind(s);
     }
     g_n_ctx = lim.n_ctx;
+    if (argc == 2 && !strcmp(argv[1], "rows")) {
+        test_attention_rows();
+        printf("%d passed, %d failed\n", g_pass, g_fail);
+        return g_fail ? 1 : 0;
+    }
     if (argc == 2) {
         if (test_tc_engine(&lim) != 0) return 2;
         printf("%d passed, %d failed\n", g_pass, g_fail);
@@ -1649,6 +1711,7 @@ int main(int argc, char **argv) {
     test_attention(128, 37, 3, 64, 512, 0, 0);
     test_attention(16, 200, 64, 5, 128, 0, 0);
     test_attention(32, 5, 40, 3, 96, 0, 0);
+    test_attention_rows();
     test_attention(128, 2000, 1, 64, 512, 4, 512);
     test_attention(128, 130, 3, 8, 512, 4, 16);
     test_attention(32, 10, 64, 5, 128, 4, 40);

@@ -10,10 +10,10 @@ must hold:
     logits rows (--dump-logits), byte for byte, over 4096 steps (TEST_MTP_CUDA_STEPS) on tiny and
     small, with DS4_MTP_FORCE at 0, 0.5 and 1, with graphs off and on.  A check call of D + 1
     rows runs the batch paths of the matvecs (D + 1 tokens a launch), attention and the
-    compressors; on these models they gave each row the one-token call's bytes (measured, and
-    held here).  At the full Flash shape with 64 IQ2_XXS/Q2_K experts one H200 run did not
-    (bench/RESULTS.md, 2026-12-03, "speculative decoding on CUDA"): scripts/gpu-check.sh mtp
-    compares the dumps at that shape;
+    compressors; each gives a row the one-token call's bytes.  These models' 8 and 16 heads
+    cannot show attention's part of it (its row chunks hit the same cap for one query and for
+    four): test_backend_ops `rows` checks it at Flash's 64 heads, and scripts/gpu-check.sh mtp
+    compares whole runs' dumps at the full shape;
   - with DS4_CUDA_GRAPHS=1 the dump is byte-identical to the eager run's, the check calls are
     replayed graphs (one recording per width, DS4_GRAPH_MAX_ROWS in ds4.c), no region falls back
     to eager launches and nothing is recorded twice: the steady state makes no re-captures.
