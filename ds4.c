@@ -2614,7 +2614,8 @@ void ds4_model_describe(const ds4_model *m, FILE *f) {
             h->n_layer, n4, n128, h->n_embd, h->n_vocab, h->n_head, h->head_dim, h->n_swa,
             h->n_expert, h->n_expert_used, type_name(m->layers[0].q_b.type), m->weight_bytes / 1e9);
     if (h->n_mtp)
-        fprintf(f, "ds4: model: an MTP block (blk.%d, ratio %d, %s), %.2f GB; --mtp-draft speculates with it\n", h->n_layer, h->ratio[h->n_layer], type_name(m->mtp.eh_proj.type), m->mtp_bytes / 1e9);
+        fprintf(f, "ds4: model: an MTP block (blk.%d, ratio %d, %s), %.2f GB; --mtp-draft speculates with it\n",
+                h->n_layer, h->ratio[h->n_layer], type_name(m->mtp.eh_proj.type), m->mtp_bytes / 1e9);
 }
 
 int ds4_parse_wtype(const char *s) {
@@ -3338,7 +3339,7 @@ static void fwd_span(ds4_ctx *c, int l0, int l1, int nt, int all_rows) {
 
 /* With DS4_CUDA_GRAPHS=1 a decode step (one token, the last row's logits) and a
  * check of speculative drafts (2 .. DS4_GRAPH_MAX_ROWS tokens, every row's
- * logits; without hooks, which --mtp-draft refuses) run as recorded regions
+ * logits, hooks off) run as recorded regions
  * (ds4_gpu.h region_begin/end): the whole step, or clusters of
  * DS4_CUDA_GRAPH_LAYERS layers.  A region's key names everything its ops bake
  * in: its layers, the token count, whether every row's logits are made, and
