@@ -742,15 +742,38 @@ static void test_rope(int nt, int nh, int dh, int n_rot, int pos0, int step, int
 /* rp == NULL: the attention op.  Otherwise attention_step, which also stores
  * the ring and de-rotates by rp (d - n_rot odd, e.g. d = 49, takes the
  * unfused de-rotation). */
+/* Random inputs of an attention call of nt queries at pos0: queries, kv rows, the window
+ * ring, the compressed rows it may see, sinks and (ratio 4) picks. */
+typedef struct {
+    float *q, *kv, *ring, *comp, *sinks;
+    int32_t *topk;
+    int n_comp;
+    float scale;
+} att_inputs;
+
+static att_inputs att_inputs_new(int W, int pos0, int nt, int H, int d, int ratio, int k) {
+    att_inputs a;
+    a.n_comp = ratio ? (pos0 + nt) / ratio + 1 : 0;
+    a.q = rnd_vec((size_t)nt * H * d, 1.0f);
+    a.kv = rnd_vec((size_t)nt * d, 1.0f);
+    a.ring = rnd_vec((size_t)W * d, 1.0f);
+    a.comp = ratio ? rnd_vec((size_t)a.n_comp * d, 1.0f) : NULL;
+    a.sinks = rnd_vec(H, 2.0f);
+    a.topk = ratio == 4 ? rnd_topk(pos0, nt, k) : NULL;
+    a.scale = 1.0f / sqrtf((float)d);
+    return a;
+}
+
+static void att_inputs_free(att_inputs *a) {
+    free(a->q); free(a->kv); free(a->ring); free(a->comp); free(a->sinks); free(a->topk);
+}
+
 static void test_attention_rp(int W, int pos0, int nt, int H, int d, int ratio, int k, const ds4_rope *rp) {
-    const int P_last = pos0 + nt - 1;
-    const int n_comp = ratio ? (P_last + 1) / ratio + 1 : 0;
-    float *q = rnd_vec((size_t)nt * H * d, 1.0f), *kv = rnd_vec((size_t)nt * d, 1.0f);
-    float *ring = rnd_vec((size_t)W * d, 1.0f);
-    float *comp = ratio ? rnd_vec((size_t)n_comp * d, 1.0f) : NULL;
-    float *sinks = rnd_vec(H, 2.0f);
-    int32_t *topk = ratio == 4 ? rnd_topk(pos0, nt, k) : NULL;
-    const float scale = 1.0f / sqrtf((float)d);
+    att_inputs in = att_inputs_new(W, pos0, nt, H, d, ratio, k);
+    const int n_comp = in.n_comp;
+    float *q = in.q, *kv = in.kv, *ring = in.ring, *comp = in.comp, *sinks = in.sinks;
+    int32_t *topk = in.topk;
+    const float scale = in.scale;
     const size_t n = (size_t)nt * H * d;
     float *out[2], *rg[2];
     for (int bi = 0; bi < 2; bi++) {
@@ -773,7 +796,7 @@ static void test_attention_rp(int W, int pos0, int nt, int H, int d, int ratio, 
     check_f32(rp ? "attention_step" : "attention", shape, out[0], out[1], n, TOL_CHAIN);
     if (rp) check_f32("attention_step ring", shape, rg[0], rg[1], (size_t)W * d, TOL_EXACT);
     for (int bi = 0; bi < 2; bi++) { free(out[bi]); free(rg[bi]); }
-    free(q); free(kv); free(ring); free(comp); free(sinks); free(topk);
+    att_inputs_free(&in);
 }
 
 static void test_attention(int W, int pos0, int nt, int H, int d, int ratio, int k) {
@@ -792,15 +815,13 @@ static void test_attention_step(int W, int pos0, int nt, int H, int d, int ratio
  * chosen so that the queries of one batch see different row counts (ratio 4: a compressed row
  * more for the last). */
 static void test_attention_rows_as_steps(int W, int pos0, int nt, int H, int d, int ratio, int k) {
-    const int bi = 1, P_last = pos0 + nt - 1;
-    const int n_comp = ratio ? (P_last + 1) / ratio + 1 : 0;
+    const int bi = 1;
     const ds4_rope rp = test_rope_params(64, 1);
-    float *q = rnd_vec((size_t)nt * H * d, 1.0f), *kv = rnd_vec((size_t)nt * d, 1.0f);
-    float *ring = rnd_vec((size_t)W * d, 1.0f);
-    float *comp = ratio ? rnd_vec((size_t)n_comp * d, 1.0f) : NULL;
-    float *sinks = rnd_vec(H, 2.0f);
-    int32_t *topk = ratio == 4 ? rnd_topk(pos0, nt, k) : NULL;
-    const float scale = 1.0f / sqrtf((float)d);
+    att_inputs in = att_inputs_new(W, pos0, nt, H, d, ratio, k);
+    const int n_comp = in.n_comp;
+    const float *q = in.q, *kv = in.kv, *ring = in.ring, *comp = in.comp, *sinks = in.sinks;
+    const int32_t *topk = in.topk;
+    const float scale = in.scale;
     const size_t n = (size_t)nt * H * d, row = (size_t)H * d;
     float *out[2], *rg[2];
     for (int one = 0; one < 2; one++) {
@@ -829,7 +850,7 @@ static void test_attention_rows_as_steps(int W, int pos0, int nt, int H, int d, 
     printf("%-15s %-44s %s\n", "attention_step", shape, ok ? "ok" : "FAIL (a batch's rows differ from one-token calls)");
     if (ok) g_pass++; else g_fail++;
     for (int i = 0; i < 2; i++) { free(out[i]); free(rg[i]); }
-    free(q); free(kv); free(ring); free(comp); free(sinks); free(topk);
+    att_inputs_free(&in);
 }
 
 static void test_attention_rows(void) {
