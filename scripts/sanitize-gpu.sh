@@ -10,7 +10,8 @@
 # not a benchmark; it needs a GPU and compute-sanitizer, and says so and exits 2 without them.
 #
 #   scripts/sanitize-gpu.sh [--bin PATH] [--out DIR] [--tools "memcheck racecheck synccheck"]
-#                           [--models "tiny small other small-q2 small-q4"] [--timeout S] [--ops-timeout S]
+#                           [--models "tiny small other small-q2 small-q4 tiny-mtp small-mtp"]
+#                           [--timeout S] [--ops-timeout S]
 #                           [--jobs N] [--no-ops]
 #
 # Environment equivalents: SANITIZE_BIN (default ./ds4), SANITIZE_OUT (build/sanitize-out),
@@ -29,6 +30,11 @@
 #              emits ratio-4 rows and the first ratio-128 row, with more than top_k compressed
 #              rows (top_k: tiny 8, small 16, other 6)
 #   p24+n12    decode across the sliding window's wrap (window: tiny 32, other 24)
+# tiny-mtp and small-mtp (not in the default list) are those models written with an MTP block
+# (ds4 synth --mtp), run with speculative decoding: each run first makes its plain greedy ids
+# without the sanitizer, then runs `--mtp-draft 3` under it with DS4_MTP_FORCE=0.5 on those
+# ids, so checks of every width 1..4 occur and are rolled back; the second and third runs with
+# DS4_CUDA_GRAPHS=1 (the check widths' graphs).
 # Each run is `compute-sanitizer --tool T --error-exitcode 1 [--racecheck-report all]
 # --log-file OUT/NAME.log ds4 -m MODEL --backend cuda --tokens IDS -n N`; the tool's report goes
 # to NAME.log, the program's output to NAME.out.  One line per run on stdout, then
@@ -71,8 +77,8 @@ for t in $TOOLS; do
   case "$t" in memcheck|racecheck|synccheck|initcheck) ;; *) die_env "unknown tool '$t'" ;; esac
 done
 for m in $MODELS; do
-  case "$m" in tiny|small|other|small-q2|small-q4) ;;
-    *) die_env "unknown model '$m' (tiny, small, other, small-q2, small-q4)" ;; esac
+  case "$m" in tiny|small|other|small-q2|small-q4|tiny-mtp|small-mtp) ;;
+    *) die_env "unknown model '$m' (tiny, small, other, small-q2, small-q4, tiny-mtp, small-mtp)" ;; esac
 done
 [[ "$JOBS" =~ ^[1-9][0-9]*$ ]] || die_env "--jobs must be a positive integer"
 [[ "$TMO" =~ ^[1-9][0-9]*$ && "$OPS_TMO" =~ ^[1-9][0-9]*$ ]] || die_env "timeouts must be positive integers (seconds)"
@@ -116,6 +122,9 @@ for m in $(printf '%s\n' tiny $MODELS | awk '!seen[$0]++'); do
     tiny|small)
       timeout 120 "$BIN" synth --config "$m" --seed 1 --type f32 -o "$p" > "$OUTDIR/synth-$m.log" 2>&1 \
         || die_env "ds4 synth --config $m failed: $(tail -1 "$OUTDIR/synth-$m.log")" ;;
+    tiny-mtp|small-mtp)
+      timeout 120 "$BIN" synth --config "${m%-mtp}" --seed 1 --type f32 --mtp -o "$p" > "$OUTDIR/synth-$m.log" 2>&1 \
+        || die_env "ds4 synth --config ${m%-mtp} --mtp failed: $(tail -1 "$OUTDIR/synth-$m.log")" ;;
     small-q2|small-q4)
       timeout 120 "$BIN" synth --config "$m" --seed 1 -o "$p" > "$OUTDIR/synth-$m.log" 2>&1 \
         || die_env "ds4 synth --config $m failed: $(tail -1 "$OUTDIR/synth-$m.log")" ;;
@@ -234,8 +243,20 @@ for m in $MODELS; do
       ORDER+=("$name")
       throttle
       # -v: the CLI prints the generated ids (the line that says the run finished) only then
-      run_one "$name" "$tool" "$m" "p$P+n$N" "$TMO" '^generated ids:' \
-        "$BIN" -m "${MODEL_PATH[$m]}" --backend cuda --tokens "$(ids "$P" "$seed")" -n "$N" -v &
+      case "$m" in
+        *-mtp)
+          ref=$OUTDIR/$name.ref
+          "$BIN" -m "${MODEL_PATH[$m]}" --backend cuda --tokens "$(ids "$P" "$seed")" -n "$N" -v 2>&1 > /dev/null \
+            | sed -n 's/^generated ids: //p' > "$ref"
+          graphs=0; [ "$seed" -gt 1 ] && graphs=1
+          ( export DS4_MTP_FORCE="0.5:$ref" DS4_CUDA_GRAPHS=$graphs
+            run_one "$name" "$tool" "$m" "p$P+n$N D3 g$graphs" "$TMO" '^generated ids:' \
+              "$BIN" -m "${MODEL_PATH[$m]}" --backend cuda --tokens "$(ids "$P" "$seed")" -n "$N" -v \
+              --mtp-draft 3 --stats ) & ;;
+        *)
+          run_one "$name" "$tool" "$m" "p$P+n$N" "$TMO" '^generated ids:' \
+            "$BIN" -m "${MODEL_PATH[$m]}" --backend cuda --tokens "$(ids "$P" "$seed")" -n "$N" -v & ;;
+      esac
       seed=$((seed + 1))
     done
   done
