@@ -3003,6 +3003,7 @@ ds4_ctx *ds4_ctx_new(ds4_model *m, const ds4_backend *be, int n_ctx, int max_bat
     lim.graph_pdl = env.graph_pdl;
     lim.prefill_tc = env.prefill_tc;
     lim.prefill_attn = env.prefill_attn;
+    lim.decode_group = env.decode_group;
     ds4_weight **ws = malloc(sizeof(*ws) * DS4_MAX_WEIGHTS);
     if (!ws) { errf(err, errlen, "out of memory"); ds4_ctx_free(c); return NULL; }
     const int nw = model_weights(m, ws, DS4_MAX_WEIGHTS, 1);
@@ -3635,7 +3636,8 @@ int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
     static const char *known[] = { "DS4_THREADS", "DS4_CUDA_GRAPHS", "DS4_LAUNCH_TRACE", "DS4_CUDA_GRAPH_LAYERS",
                                    "DS4_CUDA_GRAPH_CACHE", "DS4_CUDA_GRAPH_FAIL", "DS4_CUDA_GRAPH_PDL", "DS4_HOOKS", "DS4_HOOKS_OUT",
                                    "DS4_HOOKS_POLICY", "DS4_HOOKS_RING_MB", "DS4_HOOKS_THROTTLE_US", "DS4_UBATCH",
-                                   "DS4_CUDA_PREFILL_TC", "DS4_CUDA_PREFILL_ATTN", "DS4_ROLLBACK_RESTORE", "DS4_MTP_FORCE" };
+                                   "DS4_CUDA_PREFILL_TC", "DS4_CUDA_PREFILL_ATTN", "DS4_CUDA_DECODE_GROUP", "DS4_ROLLBACK_RESTORE",
+                                   "DS4_MTP_FORCE" };
     char shown[256];
     memset(env, 0, sizeof(*env));
     for (char **e = environ; e && *e; e++) {
@@ -3649,7 +3651,7 @@ int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
             errf(err, errlen, "unknown environment variable %s (ds4 reads: DS4_THREADS, DS4_CUDA_GRAPHS, DS4_CUDA_GRAPH_LAYERS, "
                  "DS4_CUDA_GRAPH_CACHE, DS4_CUDA_GRAPH_FAIL, DS4_CUDA_GRAPH_PDL, DS4_LAUNCH_TRACE, DS4_HOOKS, DS4_HOOKS_OUT, "
                  "DS4_HOOKS_POLICY, DS4_HOOKS_RING_MB, DS4_HOOKS_THROTTLE_US, DS4_UBATCH, DS4_CUDA_PREFILL_TC, "
-                 "DS4_CUDA_PREFILL_ATTN, DS4_ROLLBACK_RESTORE, DS4_MTP_FORCE; see README)",
+                 "DS4_CUDA_PREFILL_ATTN, DS4_CUDA_DECODE_GROUP, DS4_ROLLBACK_RESTORE, DS4_MTP_FORCE; see README)",
                  ds4_show(shown, sizeof shown, *e, nl, 48));
             return -1;
         }
@@ -3673,6 +3675,7 @@ int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
     env->graph_pdl = 1;
     env->prefill_tc = 1;
     env->prefill_attn = 1;
+    env->decode_group = 1;
     env->rollback_restore = 3;
     env->ubatch = DS4_UBATCH_DEFAULT;
     static const struct { const char *name; long lo, hi; const char *what; } ints[] = {
@@ -3685,6 +3688,7 @@ int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
         { "DS4_UBATCH", 1, DS4_UBATCH_MAX, "the most tokens of one prefill chunk" },
         { "DS4_CUDA_PREFILL_TC", 0, 1, "1 = prefill products of Q8_0, F16, IQ2_XXS, Q2_K and Q4_K weights on tensor cores" },
         { "DS4_CUDA_PREFILL_ATTN", 0, 1, "1 = a prefill batch's attention in row tiles shared by 32 heads" },
+        { "DS4_CUDA_DECODE_GROUP", 0, 1, "1 = a call of 2..4 tokens streams each matrix and chosen expert once" },
         { "DS4_ROLLBACK_RESTORE", 0, 3, "debug: the parts a rollback restores, bit 0 the model's layers, bit 1 the MTP block's" },
     };
     for (size_t i = 0; i < sizeof ints / sizeof ints[0]; i++) {
@@ -3707,6 +3711,7 @@ int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
         else if (i == 6) env->ubatch = (int)x;
         else if (i == 7) env->prefill_tc = (int)x;
         else if (i == 8) env->prefill_attn = (int)x;
+        else if (i == 9) env->decode_group = (int)x;
         else env->rollback_restore = (int)x;
     }
     const char *mf = getenv("DS4_MTP_FORCE");

@@ -64,7 +64,16 @@
 #ifndef MV_MIN_BLOCKS
 #define MV_MIN_BLOCKS 2
 #endif
-template <int MODE> struct mv_stages { static const int n = (MODE == MV_GATE_UP) ? MV_ST_GATE_UP : MV_ST_DENSE; };
+/* The MoE modes with NT >= 2 are the grouped form (a check call's experts, below k_matvec): at
+ * NT >= 3 one block fits an SM (the activations fill the registers), so its warps keep one row
+ * more in flight to stream as many bytes per SM. */
+#ifndef MV_ST_GROUP_DEEPER
+#define MV_ST_GROUP_DEEPER 1
+#endif
+template <int MODE, int NT> struct mv_stages {
+    static const int n = ((MODE == MV_GATE_UP) ? MV_ST_GATE_UP : MV_ST_DENSE) +
+                         (MODE != MV_DENSE && NT >= 3 ? MV_ST_GROUP_DEEPER : 0);
+};
 
 /* Activations of one token, staged for the register load: S slices of 1024
  * floats, each 32-float group followed by 4 floats of padding so that lanes
@@ -74,15 +83,15 @@ __host__ __device__ __forceinline__ int mv_xs_addr(int e) { return e + 4 * (e >>
 
 /* Dynamic shared memory: [S][MV_XS_FLOATS] activations, then the Q8_0 ring,
  * then (in_norm only) the norm weights staged like the activations. */
-template <int TYPE, int MODE>
+template <int TYPE, int MODE, int NT>
 __host__ __device__ constexpr size_t mv_ring_bytes() {
     return TYPE == DS4_TYPE_Q8_0
-        ? (size_t)MV_WARPS * mv_stages<MODE>::n * (MODE == MV_GATE_UP ? 2 : 1) * MV_Q8_SLICE
+        ? (size_t)MV_WARPS * mv_stages<MODE, NT>::n * (MODE == MV_GATE_UP ? 2 : 1) * MV_Q8_SLICE
         : 0;
 }
-template <int TYPE, int MODE>
+template <int TYPE, int MODE, int NT>
 static size_t mv_smem_bytes(int S, bool in_norm) {
-    return (size_t)S * MV_XS_FLOATS * sizeof(float) * (in_norm ? 2 : 1) + mv_ring_bytes<TYPE, MODE>();
+    return (size_t)S * MV_XS_FLOATS * sizeof(float) * (in_norm ? 2 : 1) + mv_ring_bytes<TYPE, MODE, NT>();
 }
 
 /* Which element of its slice lane `lane` multiplies into its m-th product:
@@ -128,6 +137,38 @@ __device__ __forceinline__ void mv_dot_q8(const uint8_t *slot, int lane, const f
     for (int u = 0; u < NT; u++) acc[u] = d * s[u];
 }
 
+/* mv_dot_q8 for the first m of NT tokens (the grouped MoE modes: an expert's m pairs).  Each
+ * token's sum takes the same fmaf chain in the same order as mv_dot_q8's, so its bits are a
+ * one-token call's; the weights are decoded once into registers, and a token past m costs a
+ * uniform branch instead of 32 predicated FMAs. */
+template <int NT>
+__device__ __forceinline__ void mv_dot_q8_m(const uint8_t *slot, int lane, const float (&xr)[NT][32],
+                                            float (&acc)[NT], int m) {
+    const int odd = lane & 1;
+    const uint32_t *wp = (const uint32_t *)(slot + 34 * lane - 2 * odd);
+    uint32_t wd[9];
+#pragma unroll
+    for (int i = 0; i < 9; i++) wd[i] = wp[i];
+    const float d = dsq_f16((uint16_t)(odd ? (wd[0] >> 16) : (wd[0] & 0xffffu)));
+    const unsigned sh = odd ? 32u : 16u;
+    float f[32];
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        const uint32_t q = __funnelshift_rc(wd[i], wd[i + 1], sh) ^ 0x80808080u;
+#pragma unroll
+        for (int b = 0; b < 4; b++)
+            f[4 * i + b] = __int_as_float((int)__byte_perm(q, 0x4B000000u, 0x7440u + b)) - 8388736.0f;
+    }
+#pragma unroll
+    for (int u = 0; u < NT; u++) {
+        if (u >= m) break;
+        float s = 0.0f;
+#pragma unroll
+        for (int e = 0; e < 32; e++) s = fmaf(f[e], xr[u][e], s);
+        acc[u] = d * s;
+    }
+}
+
 /* Dot of the lane's F32/F16/BF16 chunks of a slice with its activations. */
 template <int TYPE, int NT>
 __device__ __forceinline__ void mv_dot_vec(const uint4 *v, const float (&xr)[NT][32], float (&acc)[NT]) {
@@ -162,16 +203,52 @@ __device__ __forceinline__ void mv_dot_vec(const uint4 *v, const float (&xr)[NT]
     }
 }
 
+/* The grouped MoE modes (MODE gate|up or down with NT >= 2 tokens): the launch's grid is the
+ * per-pair one, (tiles, k, nt), but block (bx, y, z) takes the q-th distinct expert of sel in
+ * pair order, q = z*k + y, with all m <= NT of the pairs that chose it (in token order), so a
+ * check call streams each chosen expert once.  Blocks past the last distinct expert return
+ * at once; they come last in the launch order.  Pair p = t*k + j reads x + t*x_tok + j*x_prob
+ * and writes y + t*y_tok + j*y_prob.  Without sel (gate|up for the shared expert, k = 1) every
+ * token is a pair of matrix 0: one group.  Needs nt*k <= MV_THREADS and k distinct experts per
+ * token (matvec_run and the routing see to both). */
+struct mv_group_s { int e, m; int pair[4]; };
+template <int NT>
+__device__ __forceinline__ void mv_group(const mv_args &a, mv_group_s &g, int *gsel, int *gfirst) {
+    const int k = (int)gridDim.y;      /* a.k; 1 for the shared expert (sel NULL: matrix 0) */
+    const int P = (int)gridDim.z * k, q = (int)blockIdx.z * k + (int)blockIdx.y, i = threadIdx.x;
+    if (i == 0) g.e = -1;
+    if (i < P) gsel[i] = a.sel ? a.sel[i] : 0;
+    __syncthreads();
+    if (i < P) {
+        int first = 1;
+        for (int j = 0; j < i; j++) first &= gsel[j] != gsel[i];
+        gfirst[i] = first;
+    }
+    __syncthreads();
+    if (i < P && gfirst[i]) {
+        int rank = 0;
+        for (int j = 0; j < i; j++) rank += gfirst[j];
+        if (rank == q) {
+            int m = 0;
+            for (int j = i; j < P && m < NT; j++)
+                if (gsel[j] == gsel[i]) g.pair[m++] = j;
+            g.e = gsel[i];
+            g.m = m;
+        }
+    }
+    __syncthreads();
+}
+
 template <int TYPE, int NT, int MODE>
-__global__ void __launch_bounds__(MV_THREADS, NT >= 4 ? 1 : NT >= 2 ? 2 : MV_MIN_BLOCKS) k_matvec(const mv_args a) {
+__global__ void __launch_bounds__(MV_THREADS, NT >= 3 ? 1 : NT >= 2 ? 2 : MV_MIN_BLOCKS) k_matvec(const mv_args a) {
     /* NOTE(pdl prologue): dense mode reads nothing another kernel writes until its grid wait
      * below -- the weights and the step block are the host's -- so its first rows' copies can
      * be in flight while the kernel before it finishes */
     if (MODE != MV_DENSE) ds4_grid_dep();   /* NOTE(pdl prologue): the MoE modes read the experts chosen */
     constexpr bool DUAL = MODE == MV_GATE_UP;
+    constexpr bool GROUPED = MODE != MV_DENSE && NT > 1;
     constexpr int NMAT = DUAL ? 2 : 1;
-    constexpr int NPLANE = DUAL ? 2 : NT;
-    static_assert(!(DUAL && NT != 1), "gate|up mode is single-token");
+    constexpr int NPLANE = NMAT * NT;         /* plane mt * NT + u: matrix mt, token u */
     extern __shared__ __align__(16) uint8_t mv_smem[];
     __shared__ float part[NPLANE][MV_PART];   /* [plane][local row * S + slice] */
 
@@ -182,18 +259,30 @@ __global__ void __launch_bounds__(MV_THREADS, NT >= 4 ? 1 : NT >= 2 ? 2 : MV_MIN
     const int prob = blockIdx.y, tok = blockIdx.z;
     float *xs = (float *)mv_smem;                                    /* [S][MV_XS_FLOATS] */
     uint8_t *stage = mv_smem + (size_t)S * MV_XS_FLOATS * sizeof(float);
-    float *ws = (float *)(stage + mv_ring_bytes<TYPE, MODE>());      /* in_norm: [S][MV_XS_FLOATS] */
+    float *ws = (float *)(stage + mv_ring_bytes<TYPE, MODE, NT>());      /* in_norm: [S][MV_XS_FLOATS] */
 
     const uint8_t *W[NMAT];            /* the block's problem (mv_problem) */
     const float *x, *tab; float *y; int rows, bx, tab_pos0; int64_t y_tok;
-    mv_problem<MODE, NMAT>(a, prob, tok, W, x, y, rows, bx, y_tok, tab, tab_pos0);
+    int m = NT;                        /* tokens of the block: NT, or the group's m */
+    __shared__ mv_group_s grp;
+    if constexpr (GROUPED) {
+        __shared__ int gsel[MV_THREADS], gfirst[MV_THREADS];
+        mv_group<NT>(a, grp, gsel, gfirst);
+        if (grp.e < 0) return;         /* past the last distinct expert (uniform) */
+        m = grp.m;
+        W[0] = a.w + (size_t)grp.e * a.mat_bytes;
+        if (NMAT == 2) W[NMAT - 1] = a.w2 + (size_t)grp.e * a.mat_bytes;
+        x = a.x; y = a.y; rows = a.rows; bx = blockIdx.x; y_tok = a.y_tok; tab = NULL; tab_pos0 = 0;
+    } else {
+        mv_problem<MODE, NMAT>(a, prob, tok, W, x, y, rows, bx, y_tok, tab, tab_pos0);
+    }
 
     /* my rows: first + G*i, i < n_mine */
     const int first = bx * tile + g;
     const int n_mine = first < rows ? min(a.rpg, (rows - 1 - first) / G + 1) : 0;
 
     /* Q8_0: put the first rows in flight before anything else */
-    constexpr int ST = mv_stages<MODE>::n;
+    constexpr int ST = mv_stages<MODE, NT>::n;
     uint8_t *ring = stage + (size_t)warp * ST * NMAT * MV_Q8_SLICE;
     if (TYPE == DS4_TYPE_Q8_0) {
 #pragma unroll
@@ -218,7 +307,14 @@ __global__ void __launch_bounds__(MV_THREADS, NT >= 4 ? 1 : NT >= 2 ? 2 : MV_MIN
     __shared__ double nred[MV_WARPS];
 #pragma unroll
     for (int u = 0; u < NT; u++) {
-        const float *xu = x + (int64_t)u * a.x_tok;
+        if (GROUPED && u >= m) {           /* no such pair: zeros, never written out */
+#pragma unroll
+            for (int e = 0; e < 32; e++) xr[u][e] = 0.0f;
+            continue;
+        }
+        const int kq = (int)gridDim.y;
+        const float *xu = GROUPED ? x + (int64_t)(grp.pair[u] / kq) * a.x_tok + (int64_t)(grp.pair[u] % kq) * a.x_prob
+                                  : x + (int64_t)u * a.x_tok;
         double ss = 0.0;
 #pragma unroll 8
         for (int e = threadIdx.x; e < S * MV_SLICE; e += MV_THREADS) {
@@ -242,19 +338,19 @@ __global__ void __launch_bounds__(MV_THREADS, NT >= 4 ? 1 : NT >= 2 ? 2 : MV_MIN
         }
         const float *xw = xs + s * MV_XS_FLOATS;
 #pragma unroll
-        for (int m = 0; m < 32; m += 4) {
-            const float4 v = *(const float4 *)(xw + mv_xs_addr(mv_xidx<TYPE>(lane, m)));
-            xr[u][m] = v.x; xr[u][m + 1] = v.y; xr[u][m + 2] = v.z; xr[u][m + 3] = v.w;
+        for (int m4 = 0; m4 < 32; m4 += 4) {
+            const float4 v = *(const float4 *)(xw + mv_xs_addr(mv_xidx<TYPE>(lane, m4)));
+            xr[u][m4] = v.x; xr[u][m4 + 1] = v.y; xr[u][m4 + 2] = v.z; xr[u][m4 + 3] = v.w;
         }
         if (a.in_norm) {
             const float *ww = ws + s * MV_XS_FLOATS;
 #pragma unroll
-            for (int m = 0; m < 32; m += 4) {
-                const float4 g = *(const float4 *)(ww + mv_xs_addr(mv_xidx<TYPE>(lane, m)));
-                xr[u][m]     = __fmul_rn(__fmul_rn(xr[u][m], nsc), g.x);
-                xr[u][m + 1] = __fmul_rn(__fmul_rn(xr[u][m + 1], nsc), g.y);
-                xr[u][m + 2] = __fmul_rn(__fmul_rn(xr[u][m + 2], nsc), g.z);
-                xr[u][m + 3] = __fmul_rn(__fmul_rn(xr[u][m + 3], nsc), g.w);
+            for (int m4 = 0; m4 < 32; m4 += 4) {
+                const float4 gv = *(const float4 *)(ww + mv_xs_addr(mv_xidx<TYPE>(lane, m4)));
+                xr[u][m4]     = __fmul_rn(__fmul_rn(xr[u][m4], nsc), gv.x);
+                xr[u][m4 + 1] = __fmul_rn(__fmul_rn(xr[u][m4 + 1], nsc), gv.y);
+                xr[u][m4 + 2] = __fmul_rn(__fmul_rn(xr[u][m4 + 2], nsc), gv.z);
+                xr[u][m4 + 3] = __fmul_rn(__fmul_rn(xr[u][m4 + 3], nsc), gv.w);
             }
         }
         __syncthreads();
@@ -279,11 +375,13 @@ __global__ void __launch_bounds__(MV_THREADS, NT >= 4 ? 1 : NT >= 2 ? 2 : MV_MIN
 #pragma unroll
             for (int mt = 0; mt < NMAT; mt++) {
                 float acc[NT];
-                mv_dot_q8<NT>(ring + (size_t)((i % ST) * NMAT + mt) * MV_Q8_SLICE, lane, xr, acc);
+                if (GROUPED) mv_dot_q8_m<NT>(ring + (size_t)((i % ST) * NMAT + mt) * MV_Q8_SLICE, lane, xr, acc, m);
+                else mv_dot_q8<NT>(ring + (size_t)((i % ST) * NMAT + mt) * MV_Q8_SLICE, lane, xr, acc);
 #pragma unroll
                 for (int u = 0; u < NT; u++) {
+                    if (GROUPED && u >= m) break;
                     const float r = warp_sum(acc[u]);
-                    if (lane == 0) part[DUAL ? mt : u][lr * S + s] = r;
+                    if (lane == 0) part[mt * NT + u][lr * S + s] = r;
                 }
             }
             __syncwarp();              /* slot (i % ST) is refilled next iteration */
@@ -307,14 +405,33 @@ __global__ void __launch_bounds__(MV_THREADS, NT >= 4 ? 1 : NT >= 2 ? 2 : MV_MIN
                 mv_dot_vec<TYPE, NT>(v[mt], xr, acc);
 #pragma unroll
                 for (int u = 0; u < NT; u++) {
+                    if (GROUPED && u >= m) break;
                     const float r = warp_sum(acc[u]);
-                    if (lane == 0) part[DUAL ? mt : u][lr * S + s] = r;
+                    if (lane == 0) part[mt * NT + u][lr * S + s] = r;
                 }
             }
         }
     }
     __syncthreads();
 
+    if (GROUPED) {
+        /* each pair's rows, summed as mv_write_rows sums them */
+        for (int idx = threadIdx.x; idx < tile * m; idx += MV_THREADS) {
+            const int lr = idx % tile, u = idx / tile;
+            const int row = bx * tile + lr;
+            if (row >= rows) continue;
+            const int t = grp.pair[u] / (int)gridDim.y, j = grp.pair[u] % (int)gridDim.y;
+            float v0 = 0.0f;
+            for (int q = 0; q < S; q++) v0 += part[u][lr * S + q];
+            if (DUAL) {
+                float v1 = 0.0f;
+                for (int q = 0; q < S; q++) v1 += part[NT + u][lr * S + q];
+                v0 = silu_mul(v0, v1, a.clamp);
+            }
+            y[(int64_t)t * a.y_tok + (int64_t)j * a.y_prob + row] = v0;
+        }
+        return;
+    }
     mv_write_rows<DUAL, NT>(part, tile, bx * tile, rows, S, a, y, y_tok, tab, tab_pos0);
 }
 
@@ -367,12 +484,12 @@ template <int TYPE, int NT, int MODE> int mv_occ<TYPE, NT, MODE>::bps[MV_WARPS +
 template <int TYPE, int NT, int MODE>
 static void mv_setup_t(void) {
     DS4_CUDA_CHECK(cudaFuncSetAttribute(k_matvec<TYPE, NT, MODE>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        (int)mv_smem_bytes<TYPE, MODE>(MV_WARPS, MODE == MV_DENSE)));
+                                        (int)mv_smem_bytes<TYPE, MODE, NT>(MV_WARPS, MODE == MV_DENSE)));
     for (int S = 1; S <= MV_WARPS; S *= 2)
         for (int norm = 0; norm < 2; norm++) {
             int n = 0;
             DS4_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k_matvec<TYPE, NT, MODE>, MV_THREADS,
-                                                                         mv_smem_bytes<TYPE, MODE>(S, norm != 0)));
+                                                                         mv_smem_bytes<TYPE, MODE, NT>(S, norm != 0)));
             mv_occ<TYPE, NT, MODE>::bps[S][norm] = n > 0 ? n : 1;
         }
 }
@@ -380,9 +497,16 @@ static void mv_setup_t(void) {
 template <int TYPE>
 static void mv_setup_type(void) {
     mv_setup_t<TYPE, 1, MV_GATE_UP>();
+    mv_setup_t<TYPE, 2, MV_GATE_UP>();
+    mv_setup_t<TYPE, 3, MV_GATE_UP>();
+    mv_setup_t<TYPE, 4, MV_GATE_UP>();
     mv_setup_t<TYPE, 1, MV_DOWN>();
+    mv_setup_t<TYPE, 2, MV_DOWN>();
+    mv_setup_t<TYPE, 3, MV_DOWN>();
+    mv_setup_t<TYPE, 4, MV_DOWN>();
     mv_setup_t<TYPE, 1, MV_DENSE>();
     mv_setup_t<TYPE, 2, MV_DENSE>();
+    mv_setup_t<TYPE, 3, MV_DENSE>();
     mv_setup_t<TYPE, 4, MV_DENSE>();
 }
 
@@ -390,7 +514,7 @@ static void mv_setup_type(void) {
 template <int TYPE, int NT, int MODE>
 static void launch_matvec_fast_t(mv_args a, int n_prob, int n_tok_grid) {
     const bool norm = a.in_norm != NULL;
-    const size_t smem = mv_smem_bytes<TYPE, MODE>(a.S, norm);
+    const size_t smem = mv_smem_bytes<TYPE, MODE, NT>(a.S, norm);
     const int bps = mv_occ<TYPE, NT, MODE>::bps[a.S][norm];
     if (bps < 1) {
         ds4_fatal("matvec: no occupancy for S = %d (ops_setup did not run)", a.S);
@@ -399,24 +523,30 @@ static void launch_matvec_fast_t(mv_args a, int n_prob, int n_tok_grid) {
     DS4_LAUNCH(k_matvec<TYPE, NT, MODE>, grid, MV_THREADS, smem, a);
 }
 
+/* nt: the dense tokens of the launch (1..4), or in the MoE modes 1 (a block per pair) or the
+ * grouped form's tokens (2..4, the call's nt) */
+template <int TYPE, int MODE>
+static void matvec_fast_nt(const mv_args &a, int n_prob, int n_tok_grid, int nt) {
+    if (nt == 4) launch_matvec_fast_t<TYPE, 4, MODE>(a, n_prob, n_tok_grid);
+    else if (nt == 3) launch_matvec_fast_t<TYPE, 3, MODE>(a, n_prob, n_tok_grid);
+    else if (nt == 2) launch_matvec_fast_t<TYPE, 2, MODE>(a, n_prob, n_tok_grid);
+    else launch_matvec_fast_t<TYPE, 1, MODE>(a, n_prob, n_tok_grid);
+}
 template <int TYPE>
 static void matvec_fast_type(const mv_args &a, int n_prob, int n_tok_grid, int mode, int nt) {
-    if (mode == MV_GATE_UP) launch_matvec_fast_t<TYPE, 1, MV_GATE_UP>(a, n_prob, n_tok_grid);
-    else if (mode == MV_DOWN) launch_matvec_fast_t<TYPE, 1, MV_DOWN>(a, n_prob, n_tok_grid);
-    else if (nt == 4) launch_matvec_fast_t<TYPE, 4, MV_DENSE>(a, n_prob, n_tok_grid);
-    else if (nt == 2) launch_matvec_fast_t<TYPE, 2, MV_DENSE>(a, n_prob, n_tok_grid);
-    else launch_matvec_fast_t<TYPE, 1, MV_DENSE>(a, n_prob, n_tok_grid);
+    if (mode == MV_GATE_UP) matvec_fast_nt<TYPE, MV_GATE_UP>(a, n_prob, n_tok_grid, nt);
+    else if (mode == MV_DOWN) matvec_fast_nt<TYPE, MV_DOWN>(a, n_prob, n_tok_grid, nt);
+    else matvec_fast_nt<TYPE, MV_DENSE>(a, n_prob, n_tok_grid, nt);
 }
 
-/* A dense launch over nt_dense tokens in chunks: each the largest power of two <= max_chunk
- * that fits what is left (the fast kernels keep a chunk's activations on chip); fn gets the
- * chunk's arguments and its token count. */
+/* A dense launch over nt_dense tokens in chunks of max_chunk, the last one what is left (the
+ * fast kernels keep a chunk's activations on chip, and a token's arithmetic does not depend
+ * on the chunk); fn gets the chunk's arguments and its token count. */
 template <typename F>
 static void mv_token_chunks(const mv_args &a, int nt_dense, int max_chunk, F fn) {
     int done = 0;
     while (done < nt_dense) {
-        int chunk = 1;
-        while (chunk * 2 <= max_chunk && chunk * 2 <= nt_dense - done) chunk *= 2;
+        const int chunk = nt_dense - done < max_chunk ? nt_dense - done : max_chunk;
         mv_args c = a;
         c.x = a.x + (int64_t)done * a.x_tok;
         c.y = a.y + (int64_t)done * a.y_tok;
@@ -523,15 +653,29 @@ void matvec_run(int type, int mode, mv_args a, int n_prob, int n_tok_grid, int n
         }
         return;
     }
-    /* dense tokens in chunks of 4, 2, 1 (the activations of a chunk live in registers); the
+    /* dense tokens in chunks of up to 4 (the activations of a chunk live in registers); the
      * super-block types' kernel takes two at most (three f16 parts per token fill 6 of the
-     * MMA's 8 columns) and sets the slices itself (mvq_plan) */
+     * MMA's 8 columns) and sets the slices itself (mvq_plan).  With DS4_CUDA_DECODE_GROUP=0,
+     * chunks of 4, 2, 1 (a call of 3 streams its matrices twice). */
+    const bool group = sess()->lim.decode_group != 0;
     int max_chunk = 4;
     if (quant) {
         if (mode != MV_DENSE) nt_dense = 1;
         max_chunk = mode == MV_DENSE && mvq_shape_ok(type, mode, 2, a.K, a.row_bytes, a.mat_bytes, a.w, a.w2) ? 2 : 1;
     } else {
         a.S = a.K / MV_SLICE;
+        if (!group && nt_dense == 3) max_chunk = 2;
+        /* the MoE modes over 2..4 tokens (a speculative check's): the grouped form, each chosen
+         * matrix streamed once for every token that chose it (k_matvec) */
+        if (group && mode != MV_DENSE && n_tok_grid >= 2 && n_tok_grid <= 4 && (int64_t)n_tok_grid * n_prob <= MV_THREADS) {
+            switch (type) {
+            case DS4_TYPE_F32:  matvec_fast_type<DS4_TYPE_F32>(a, n_prob, n_tok_grid, mode, n_tok_grid); break;
+            case DS4_TYPE_F16:  matvec_fast_type<DS4_TYPE_F16>(a, n_prob, n_tok_grid, mode, n_tok_grid); break;
+            case DS4_TYPE_BF16: matvec_fast_type<DS4_TYPE_BF16>(a, n_prob, n_tok_grid, mode, n_tok_grid); break;
+            default:            matvec_fast_type<DS4_TYPE_Q8_0>(a, n_prob, n_tok_grid, mode, n_tok_grid); break;
+            }
+            return;
+        }
     }
     mv_token_chunks(a, nt_dense, max_chunk, [&](const mv_args &c, int chunk) {
         switch (type) {

@@ -550,6 +550,7 @@ int main(int argc, char **argv) {
     ds4_limits lim;
     memset(&lim, 0, sizeof lim);
     lim.max_batch = 1;
+    lim.decode_group = 1;                /* the default (DS4_CUDA_DECODE_GROUP) */
     lim.n_ctx = 1024;
     lim.n_embd = F_D;
     lim.n_head = F_HEADS;

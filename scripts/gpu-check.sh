@@ -34,8 +34,9 @@
 #             with the model and is not run), ds4 info's line; then speculative decoding on CUDA:
 #             tests/test_mtp_cuda.py (MTP_PYTEST=0: skip; MTP_PYTEST_K: its -k; TEST_MTP_CUDA_STEPS),
 #             and the speed on MTP_MODELS (default "flash16 flash-q2@64"; empty: none), each written
-#             with an MTP block: plain greedy decoding with graphs, then --mtp-draft D = 1, 2, 3 with
-#             DS4_MTP_FORCE at P = 0, 0.5, 0.8, 1 (MTP_N steps, default 256; graphs on)
+#             with an MTP block: plain greedy decoding with graphs, then --mtp-draft D = 1, 2, 3 (MTP_DS)
+#             with DS4_MTP_FORCE at P = 0, 0.5, 0.8, 1 (MTP_PS), each with DS4_CUDA_DECODE_GROUP = 1
+#             (MTP_GROUPS="1 0": both, side by side) (MTP_N steps, default 256; graphs on)
 #   long      chunked prefill (patch 0007): flash16 declared with a 262144-token context, prefill of
 #             512..65536 tokens (LONG_PREFILL) in DS4_UBATCH chunks and 64 decode steps with graphs at
 #             that depth, device memory; the prefill of 16384 tokens in chunks of 1024..8192
@@ -499,13 +500,16 @@ if want mtp; then
     sed -n 's/^generated ids: //p' "$OUT/mtp-speed-$T-plain.log" > "$OUT/mtp-speed-$T.ref"
     PLAIN=$(sed -n 's/.*decode [0-9]* tokens in [0-9.]* s (\([0-9.]*\) tok\/s).*/\1/p' "$OUT/mtp-speed-$T-plain.log")
     row "mtp speed $M: plain greedy with graphs $PLAIN tok/s"
-    for D in 1 2 3; do
-      for P in 0 0.5 0.8 1; do
-        L="$OUT/mtp-speed-$T-D$D-P$P.log"
-        DS4_CUDA_GRAPHS=1 DS4_MTP_FORCE="$P:$OUT/mtp-speed-$T.ref" timeout 300 ./ds4 -m "$F" --backend cuda \
-          --tokens "$MTP_TOKS" -n "${MTP_N:-256}" --mtp-draft "$D" --stats > /dev/null 2> "$L" || echo "mtp $M D=$D P=$P: rc $?"
-        S=$(sed -n 's/.*decode [0-9]* tokens in [0-9.]* s (\([0-9.]*\) tok\/s).*/\1/p' "$L")
-        row "mtp speed $M D=$D P=$P: ${S:-?} tok/s ($(awk -v s="${S:-0}" -v p="${PLAIN:-0}" 'BEGIN { printf "%.2f", p > 0 ? s / p : 0 }')x plain); $(grep -o 'stats: mtp: .*' "$L" | sed 's/^stats: mtp: //'); $(grep -o '[0-9]* captures.*fallbacks' "$L")"
+    for D in ${MTP_DS:-1 2 3}; do
+      for P in ${MTP_PS:-0 0.5 0.8 1}; do
+        for G in ${MTP_GROUPS:-1}; do
+          L="$OUT/mtp-speed-$T-D$D-P$P-G$G.log"
+          DS4_CUDA_DECODE_GROUP=$G DS4_CUDA_GRAPHS=1 DS4_MTP_FORCE="$P:$OUT/mtp-speed-$T.ref" timeout 300 ./ds4 -m "$F" \
+            --backend cuda --tokens "$MTP_TOKS" -n "${MTP_N:-256}" --mtp-draft "$D" --stats > /dev/null 2> "$L" \
+            || echo "mtp $M D=$D P=$P G=$G: rc $?"
+          S=$(sed -n 's/.*decode [0-9]* tokens in [0-9.]* s (\([0-9.]*\) tok\/s).*/\1/p' "$L")
+          row "mtp speed $M D=$D P=$P DS4_CUDA_DECODE_GROUP=$G: ${S:-?} tok/s ($(awk -v s="${S:-0}" -v p="${PLAIN:-0}" 'BEGIN { printf "%.2f", p > 0 ? s / p : 0 }')x plain); $(grep -o 'stats: mtp: .*' "$L" | sed 's/^stats: mtp: //'); $(grep -o '[0-9]* captures.*fallbacks' "$L")"
+        done
       done
     done
     # byte identity at the full shape: plain against --mtp-draft 3 with every draft forced right

@@ -862,6 +862,88 @@ static void test_attention_rows(void) {
     }
 }
 
+/* The weight products of a speculative check (2..8 tokens at decode: dense matmul, the shared
+ * expert's matmul_swiglu, the routed experts) against nt one-token calls, on the CUDA backend
+ * alone, byte for byte.  A check call streams each matrix once for all its tokens (dense chunks
+ * of up to 4, each chosen expert once for the tokens that chose it: k_matvec's grouped form),
+ * and every token's row must still be a one-token step's.  which: 0 matmul, 1 matmul_swiglu,
+ * 2 moe_experts (gate|up of type, down of tdown; E experts, k per token, routing skew as
+ * test_routing). */
+static void test_routing(int nt, int k, int E, int skew, int32_t *sel, float *wts);
+static void test_products_rows_as_steps(int which, int type, int tdown, int64_t K, int64_t N, int E, int k,
+                                        int nt_lo, int nt_hi, int skew) {
+    const int bi = 1;
+    const int ne = which == 2 ? E : 1;
+    ds4_weight w = make_weight(type, K, N, ne, 1.0f / sqrtf((float)K));
+    ds4_weight u = make_weight(type, K, N, ne, 1.0f / sqrtf((float)K));
+    ds4_weight dn = which == 2 ? make_weight(tdown, N, K, E, 1.0f / sqrtf((float)N)) : w;
+    ds4_weight wb = weight_on(bi, &w), ub = weight_on(bi, &u), db = which == 2 ? weight_on(bi, &dn) : wb;
+    const int64_t nin = K, nout = which == 2 ? K : N;
+    static const char *op[3] = { "matmul", "matmul_swiglu", "moe_experts" };
+    char tn[32];
+    if (which < 2 || tdown == type) snprintf(tn, sizeof tn, "%s", type_name(type));
+    else snprintf(tn, sizeof tn, "%s/%s", type_name(type), type_name(tdown));
+    for (int nt = nt_lo; nt <= nt_hi; nt++) {
+        float *x = rnd_vec((size_t)nt * nin, 2.0f);
+        int32_t *sel = malloc((size_t)nt * k * sizeof(int32_t));
+        float *wts = malloc((size_t)nt * k * sizeof(float));
+        if (which == 2) test_routing(nt, k, E, skew, sel, wts);
+        float *out[2];
+        for (int one = 0; one < 2; one++) {
+            out[one] = malloc((size_t)nt * nout * 4);
+            for (int t0 = 0; t0 < nt; t0 += one ? 1 : nt) {
+                const int m = one ? 1 : nt;
+                float *dx = dev_put(bi, x + (size_t)t0 * nin, (size_t)m * nin * 4);
+                float *dy = dev_poison(bi, (size_t)m * nout);
+                if (which == 0) {
+                    B[bi]->matmul(&wb, 0, dx, dy, m);
+                } else if (which == 1) {
+                    float *dg = dev_poison(bi, (size_t)m * N), *du = dev_poison(bi, (size_t)m * N);
+                    B[bi]->matmul_swiglu(&wb, &ub, dx, dy, m, 10.0f, dg, du);
+                } else {
+                    int32_t *ds = dev_put(bi, sel + (size_t)t0 * k, (size_t)m * k * 4);
+                    float *dw = dev_put(bi, wts + (size_t)t0 * k, (size_t)m * k * 4);
+                    B[bi]->moe_experts(dx, ds, dw, &wb, &ub, &db, m, k, 10.0f, NULL, dy);
+                }
+                float *y = dev_get(bi, dy, (size_t)m * nout * 4);
+                memcpy(out[one] + (size_t)t0 * nout, y, (size_t)m * nout * 4);
+                free(y);
+                dev_free_all(bi);
+            }
+        }
+        char shape[120];
+        if (which == 2)
+            snprintf(shape, sizeof shape, "rows as steps %s D=%lld F=%lld E=%d k=%d nt=%d%s", tn, (long long)K,
+                     (long long)N, E, k, nt, skew == 1 ? " same experts" : "");
+        else
+            snprintf(shape, sizeof shape, "rows as steps %s K=%lld N=%lld nt=%d", tn, (long long)K, (long long)N, nt);
+        const int ok = memcmp(out[0], out[1], (size_t)nt * nout * 4) == 0;
+        printf("%-15s %-44s %s\n", op[which], shape, ok ? "ok" : "FAIL (a batch's rows differ from one-token calls)");
+        if (ok) g_pass++; else g_fail++;
+        free(out[0]); free(out[1]); free(x); free(sel); free(wts);
+    }
+    B[bi]->release_weight(&wb); B[bi]->release_weight(&ub);
+    if (which == 2) { B[bi]->release_weight(&db); free_weight(&dn); }
+    free_weight(&w); free_weight(&u);
+}
+
+static void test_products_rows(void) {
+    const int dense[7] = { DS4_TYPE_Q8_0, DS4_TYPE_F16, DS4_TYPE_F32, DS4_TYPE_BF16,
+                           DS4_TYPE_IQ2_XXS, DS4_TYPE_Q2_K, DS4_TYPE_Q4_K };
+    for (int ti = 0; ti < 7; ti++) test_products_rows_as_steps(0, dense[ti], dense[ti], 4096, 300, 1, 1, 2, 8, 0);
+    for (int ti = 0; ti < 4; ti++) test_products_rows_as_steps(1, dense[ti], dense[ti], 4096, 1024, 1, 1, 2, 4, 0);
+    /* Flash's experts (D = 4096, F = 2048) at 16 of them, as flash16 has: tokens share experts;
+     * 64 experts at a smaller F; the published types (their kernel takes a block per pair) */
+    test_products_rows_as_steps(2, DS4_TYPE_Q8_0, DS4_TYPE_Q8_0, 4096, 2048, 16, 6, 2, 8, 0);
+    test_products_rows_as_steps(2, DS4_TYPE_Q8_0, DS4_TYPE_Q8_0, 4096, 2048, 16, 6, 2, 4, 1);   /* one group each */
+    test_products_rows_as_steps(2, DS4_TYPE_Q8_0, DS4_TYPE_Q8_0, 4096, 512, 64, 6, 2, 4, 0);
+    test_products_rows_as_steps(2, DS4_TYPE_IQ2_XXS, DS4_TYPE_Q2_K, 4096, 2048, 16, 6, 2, 4, 0);
+    test_products_rows_as_steps(2, DS4_TYPE_Q4_K, DS4_TYPE_Q4_K, 4096, 1024, 16, 6, 2, 4, 0);
+    test_products_rows_as_steps(2, DS4_TYPE_F32, DS4_TYPE_F32, 1024, 1024, 8, 4, 2, 4, 0);
+    test_products_rows_as_steps(2, DS4_TYPE_F16, DS4_TYPE_F16, 1024, 1024, 8, 4, 2, 4, 1);
+    test_products_rows_as_steps(2, DS4_TYPE_BF16, DS4_TYPE_BF16, 1024, 1024, 8, 4, 2, 4, 0);
+}
+
 /* attention_probs (the attn_probs hook): the weight attention gives each row a query
  * attended, then the sink's share, in rows of pitch ld sized as the core sizes them (ds4.c
  * hooks_open: W + max(k, n_ctx/128 + 1) + 1 for the session's n_ctx; the CUDA op checks the
@@ -1208,20 +1290,10 @@ static void test_moe_route(int nt, int E, int k, int hash, int norm, float wscal
     free(logits); free(bias); free(tok); free((void *)tid.host);
 }
 
-/* Routed experts.  sel/wts are a valid routing (k distinct experts per
- * token); `skew` concentrates tokens on few experts, which moves a large
- * batch from the per-token kernels to the grouped GEMM path. */
-/* gate and up of type `type`, down of type `tdown` (the Flash files: IQ2_XXS / Q2_K) */
-static void test_moe_experts_t(int type, int tdown, int64_t D, int64_t F, int E, int k, int nt, float clamp,
-                               int skew, int with_add) {
-    ds4_weight g = make_weight(type, D, F, E, 1.0f / sqrtf((float)D));
-    ds4_weight u = make_weight(type, D, F, E, 1.0f / sqrtf((float)D));
-    ds4_weight dn = make_weight(tdown, F, D, E, 1.0f / sqrtf((float)F));
-    float *x = rnd_vec((size_t)nt * D, 2.0f);
-    int32_t *sel = malloc((size_t)nt * k * sizeof(int32_t));
-    float *wts = malloc((size_t)nt * k * sizeof(float));
-    /* skew 1: every token picks experts 0..k-1; skew 2: the tokens pick among 0..E-3, then
-     * token 0's first pick becomes E-1, so expert E-2 gets no token and E-1 exactly one */
+/* A valid routing of nt tokens (k distinct experts of E each) and its weights.  skew 1: every
+ * token picks experts 0..k-1; skew 2: the tokens pick among 0..E-3, then token 0's first pick
+ * becomes E-1, so expert E-2 gets no token and E-1 exactly one; 0: random starts. */
+static void test_routing(int nt, int k, int E, int skew, int32_t *sel, float *wts) {
     const int Er = skew == 2 ? E - 2 : E;
     for (int t = 0; t < nt; t++) {
         const int start = skew == 1 ? 0 : rnd_int(Er);
@@ -1239,6 +1311,21 @@ static void test_moe_experts_t(int type, int tdown, int64_t D, int64_t F, int E,
                     jj = -1;
                 }
     if (skew == 2) sel[0] = E - 1;
+}
+
+/* Routed experts.  sel/wts are a valid routing (k distinct experts per
+ * token); `skew` concentrates tokens on few experts, which moves a large
+ * batch from the per-token kernels to the grouped GEMM path. */
+/* gate and up of type `type`, down of type `tdown` (the Flash files: IQ2_XXS / Q2_K) */
+static void test_moe_experts_t(int type, int tdown, int64_t D, int64_t F, int E, int k, int nt, float clamp,
+                               int skew, int with_add) {
+    ds4_weight g = make_weight(type, D, F, E, 1.0f / sqrtf((float)D));
+    ds4_weight u = make_weight(type, D, F, E, 1.0f / sqrtf((float)D));
+    ds4_weight dn = make_weight(tdown, F, D, E, 1.0f / sqrtf((float)F));
+    float *x = rnd_vec((size_t)nt * D, 2.0f);
+    int32_t *sel = malloc((size_t)nt * k * sizeof(int32_t));
+    float *wts = malloc((size_t)nt * k * sizeof(float));
+    test_routing(nt, k, E, skew, sel, wts);
     const size_t n = (size_t)nt * D;
     float *add = rnd_vec(n, 1.0f);
     float *out[2];
@@ -1617,7 +1704,7 @@ static int test_tc_engine(const ds4_limits *lim0) {
 int main(int argc, char **argv) {
     if (argc > 2 || (argc == 2 && strcmp(argv[1], "tc") != 0 && strcmp(argv[1], "rows") != 0)) {
         fprintf(stderr, "usage: test_backend_ops [tc|rows]   (tc: only the tensor-core engine's cases; rows: only "
-                        "attention's batch rows against one-token calls)\n");
+                        "a batch's rows against one-token calls: attention, the weight products)\n");
         return 2;
     }
     B[0] = ds4_backend_cpu();
@@ -1634,6 +1721,7 @@ int main(int argc, char **argv) {
     lim.max_batch = 256;                 /* test_compress_pool(0, 256, ...) */
     lim.prefill_tc = 1;                  /* the default (DS4_CUDA_PREFILL_TC) */
     lim.prefill_attn = 1;                /* the default (DS4_CUDA_PREFILL_ATTN) */
+    lim.decode_group = 1;                /* the default (DS4_CUDA_DECODE_GROUP) */
     lim.n_ctx = 32768;                   /* attention and indexer at position 20000 */
     lim.n_embd = 8192;
     lim.n_head = 64;
@@ -1653,6 +1741,7 @@ int main(int argc, char **argv) {
     g_n_ctx = lim.n_ctx;
     if (argc == 2 && !strcmp(argv[1], "rows")) {
         test_attention_rows();
+        test_products_rows();
         printf("%d passed, %d failed\n", g_pass, g_fail);
         return g_fail ? 1 : 0;
     }
@@ -1733,6 +1822,7 @@ int main(int argc, char **argv) {
     test_attention(16, 200, 64, 5, 128, 0, 0);
     test_attention(32, 5, 40, 3, 96, 0, 0);
     test_attention_rows();
+    test_products_rows();
     test_attention(128, 2000, 1, 64, 512, 4, 512);
     test_attention(128, 130, 3, 8, 512, 4, 16);
     test_attention(32, 10, 64, 5, 128, 4, 40);
@@ -1822,6 +1912,9 @@ int main(int argc, char **argv) {
         test_moe_experts(types[ti], 96, 64, 4, 2, 3, 0.0f, 0);
     }
     test_moe_experts(DS4_TYPE_Q8_0, 4096, 2048, 16, 6, 1, 10.0f, 0);
+    test_moe_experts(DS4_TYPE_Q8_0, 4096, 2048, 16, 6, 2, 10.0f, 0);    /* the grouped form (k_matvec) */
+    test_moe_experts(DS4_TYPE_Q8_0, 4096, 2048, 16, 6, 4, 10.0f, 0);
+    test_moe_experts(DS4_TYPE_Q8_0, 4096, 2048, 16, 6, 3, 10.0f, 1);
     test_moe_experts(DS4_TYPE_Q8_0, 1024, 1024, 32, 4, 12, 10.0f, 0);
     test_moe_experts(DS4_TYPE_Q8_0, 1024, 1024, 8, 4, 64, 10.0f, 1);
     test_moe_experts(DS4_TYPE_F16, 1024, 1024, 8, 4, 64, 10.0f, 1);
