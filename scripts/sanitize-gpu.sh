@@ -242,7 +242,8 @@ for m in $MODELS; do
       name=$tool-$m-p${P}n$N
       ORDER+=("$name")
       throttle
-      # -v: the CLI prints the generated ids (the line that says the run finished) only then
+      # -v: the CLI prints the generated ids (the line that says the run finished) only then; the
+      # streamed text before it has no newline, so the pattern is not anchored
       case "$m" in
         *-mtp)
           ref=$OUTDIR/$name.ref
@@ -250,11 +251,11 @@ for m in $MODELS; do
             | sed -n 's/^generated ids: //p' > "$ref"
           graphs=0; [ "$seed" -gt 1 ] && graphs=1
           ( export DS4_MTP_FORCE="0.5:$ref" DS4_CUDA_GRAPHS=$graphs
-            run_one "$name" "$tool" "$m" "p$P+n$N D3 g$graphs" "$TMO" '^generated ids:' \
+            run_one "$name" "$tool" "$m" "p$P+n$N D3 g$graphs" "$TMO" 'generated ids:' \
               "$BIN" -m "${MODEL_PATH[$m]}" --backend cuda --tokens "$(ids "$P" "$seed")" -n "$N" -v \
               --mtp-draft 3 --stats ) & ;;
         *)
-          run_one "$name" "$tool" "$m" "p$P+n$N" "$TMO" '^generated ids:' \
+          run_one "$name" "$tool" "$m" "p$P+n$N" "$TMO" 'generated ids:' \
             "$BIN" -m "${MODEL_PATH[$m]}" --backend cuda --tokens "$(ids "$P" "$seed")" -n "$N" -v & ;;
       esac
       seed=$((seed + 1))
