@@ -64,16 +64,7 @@
 #ifndef MV_MIN_BLOCKS
 #define MV_MIN_BLOCKS 2
 #endif
-/* The MoE modes with NT >= 2 are the grouped form (a check call's experts, below k_matvec): at
- * NT >= 3 one block fits an SM (the activations fill the registers), so its warps keep one row
- * more in flight to stream as many bytes per SM. */
-#ifndef MV_ST_GROUP_DEEPER
-#define MV_ST_GROUP_DEEPER 1
-#endif
-template <int MODE, int NT> struct mv_stages {
-    static const int n = ((MODE == MV_GATE_UP) ? MV_ST_GATE_UP : MV_ST_DENSE) +
-                         (MODE != MV_DENSE && NT >= 3 ? MV_ST_GROUP_DEEPER : 0);
-};
+template <int MODE> struct mv_stages { static const int n = (MODE == MV_GATE_UP) ? MV_ST_GATE_UP : MV_ST_DENSE; };
 
 /* Activations of one token, staged for the register load: S slices of 1024
  * floats, each 32-float group followed by 4 floats of padding so that lanes
@@ -83,15 +74,15 @@ __host__ __device__ __forceinline__ int mv_xs_addr(int e) { return e + 4 * (e >>
 
 /* Dynamic shared memory: [S][MV_XS_FLOATS] activations, then the Q8_0 ring,
  * then (in_norm only) the norm weights staged like the activations. */
-template <int TYPE, int MODE, int NT>
+template <int TYPE, int MODE>
 __host__ __device__ constexpr size_t mv_ring_bytes() {
     return TYPE == DS4_TYPE_Q8_0
-        ? (size_t)MV_WARPS * mv_stages<MODE, NT>::n * (MODE == MV_GATE_UP ? 2 : 1) * MV_Q8_SLICE
+        ? (size_t)MV_WARPS * mv_stages<MODE>::n * (MODE == MV_GATE_UP ? 2 : 1) * MV_Q8_SLICE
         : 0;
 }
-template <int TYPE, int MODE, int NT>
+template <int TYPE, int MODE>
 static size_t mv_smem_bytes(int S, bool in_norm) {
-    return (size_t)S * MV_XS_FLOATS * sizeof(float) * (in_norm ? 2 : 1) + mv_ring_bytes<TYPE, MODE, NT>();
+    return (size_t)S * MV_XS_FLOATS * sizeof(float) * (in_norm ? 2 : 1) + mv_ring_bytes<TYPE, MODE>();
 }
 
 /* Which element of its slice lane `lane` multiplies into its m-th product:
@@ -203,50 +194,38 @@ __device__ __forceinline__ void mv_dot_vec(const uint4 *v, const float (&xr)[NT]
     }
 }
 
-/* The grouped MoE modes (MODE gate|up or down with NT >= 2 tokens): the launch's grid is the
- * per-pair one, (tiles, k, nt), but block (bx, y, z) takes the q-th distinct expert of sel in
- * pair order, q = z*k + y, with all m <= NT of the pairs that chose it (in token order), so a
- * check call streams each chosen expert once.  Blocks past the last distinct expert return
- * at once; they come last in the launch order.  Pair p = t*k + j reads x + t*x_tok + j*x_prob
- * and writes y + t*y_tok + j*y_prob.  Without sel (gate|up for the shared expert, k = 1) every
- * token is a pair of matrix 0: one group.  Needs nt*k <= MV_THREADS and k distinct experts per
- * token (matvec_run and the routing see to both). */
-struct mv_group_s { int e, m; int pair[4]; };
-template <int NT>
-__device__ __forceinline__ void mv_group(const mv_args &a, mv_group_s &g, int *gsel, int *gfirst) {
-    const int k = (int)gridDim.y;      /* a.k; 1 for the shared expert (sel NULL: matrix 0) */
-    const int P = (int)gridDim.z * k, q = (int)blockIdx.z * k + (int)blockIdx.y, i = threadIdx.x;
-    if (i == 0) g.e = -1;
-    if (i < P) gsel[i] = a.sel ? a.sel[i] : 0;
-    __syncthreads();
-    if (i < P) {
-        int first = 1;
-        for (int j = 0; j < i; j++) first &= gsel[j] != gsel[i];
-        gfirst[i] = first;
+/* The grouped MoE modes (MODE gate|up or down with NT = 2): the launch's grid is the per-pair
+ * one, (tiles, k, nt), and block (bx, y, z) takes unit q = z*k + y: one expert with one or two
+ * of the pairs that chose it, so a check call streams an expert chosen by m of its tokens
+ * ceil(m/2) times instead of m.  The units come from k_moe_group (ds4_cuda_moe.cu): a.units[0]
+ * is their count, then (expert, m, p0, p1) each; blocks past the count return at once (they
+ * come last in the launch order).  Without sel (gate|up for the shared expert, k = 1) unit q
+ * is tokens 2q and 2q+1 of matrix 0.  Pair p = t*k + j reads x + t*x_tok + j*x_prob and writes
+ * y + t*y_tok + j*y_prob. */
+struct mv_unit_s { int e, m, pair[2]; };
+__device__ __forceinline__ bool mv_unit(const mv_args &a, mv_unit_s &u) {
+    const int q = (int)blockIdx.z * (int)gridDim.y + (int)blockIdx.y;
+    if (!a.sel) {
+        const int P = (int)gridDim.z * (int)gridDim.y;
+        if (2 * q >= P) return false;
+        u.e = 0; u.m = min(2, P - 2 * q); u.pair[0] = 2 * q; u.pair[1] = 2 * q + 1;
+        return true;
     }
-    __syncthreads();
-    if (i < P && gfirst[i]) {
-        int rank = 0;
-        for (int j = 0; j < i; j++) rank += gfirst[j];
-        if (rank == q) {
-            int m = 0;
-            for (int j = i; j < P && m < NT; j++)
-                if (gsel[j] == gsel[i]) g.pair[m++] = j;
-            g.e = gsel[i];
-            g.m = m;
-        }
-    }
-    __syncthreads();
+    if (q >= __ldg(a.units)) return false;
+    const int4 v = __ldg((const int4 *)(a.units + 4) + q);
+    u.e = v.x; u.m = v.y; u.pair[0] = v.z; u.pair[1] = v.w;
+    return true;
 }
 
 template <int TYPE, int NT, int MODE>
-__global__ void __launch_bounds__(MV_THREADS, NT >= 3 ? 1 : NT >= 2 ? 2 : MV_MIN_BLOCKS) k_matvec(const mv_args a) {
+__global__ void __launch_bounds__(MV_THREADS, NT >= 4 ? 1 : NT >= 2 ? 2 : MV_MIN_BLOCKS) k_matvec(const mv_args a) {
     /* NOTE(pdl prologue): dense mode reads nothing another kernel writes until its grid wait
      * below -- the weights and the step block are the host's -- so its first rows' copies can
      * be in flight while the kernel before it finishes */
     if (MODE != MV_DENSE) ds4_grid_dep();   /* NOTE(pdl prologue): the MoE modes read the experts chosen */
     constexpr bool DUAL = MODE == MV_GATE_UP;
     constexpr bool GROUPED = MODE != MV_DENSE && NT > 1;
+    static_assert(MODE == MV_DENSE || NT <= 2, "the MoE modes take one pair, or a unit of two");
     constexpr int NMAT = DUAL ? 2 : 1;
     constexpr int NPLANE = NMAT * NT;         /* plane mt * NT + u: matrix mt, token u */
     extern __shared__ __align__(16) uint8_t mv_smem[];
@@ -259,16 +238,14 @@ __global__ void __launch_bounds__(MV_THREADS, NT >= 3 ? 1 : NT >= 2 ? 2 : MV_MIN
     const int prob = blockIdx.y, tok = blockIdx.z;
     float *xs = (float *)mv_smem;                                    /* [S][MV_XS_FLOATS] */
     uint8_t *stage = mv_smem + (size_t)S * MV_XS_FLOATS * sizeof(float);
-    float *ws = (float *)(stage + mv_ring_bytes<TYPE, MODE, NT>());      /* in_norm: [S][MV_XS_FLOATS] */
+    float *ws = (float *)(stage + mv_ring_bytes<TYPE, MODE>());      /* in_norm: [S][MV_XS_FLOATS] */
 
     const uint8_t *W[NMAT];            /* the block's problem (mv_problem) */
     const float *x, *tab; float *y; int rows, bx, tab_pos0; int64_t y_tok;
     int m = NT;                        /* tokens of the block: NT, or the group's m */
-    __shared__ mv_group_s grp;
+    mv_unit_s grp;
     if constexpr (GROUPED) {
-        __shared__ int gsel[MV_THREADS], gfirst[MV_THREADS];
-        mv_group<NT>(a, grp, gsel, gfirst);
-        if (grp.e < 0) return;         /* past the last distinct expert (uniform) */
+        if (!mv_unit(a, grp)) return;  /* past the last unit (uniform) */
         m = grp.m;
         W[0] = a.w + (size_t)grp.e * a.mat_bytes;
         if (NMAT == 2) W[NMAT - 1] = a.w2 + (size_t)grp.e * a.mat_bytes;
@@ -282,7 +259,7 @@ __global__ void __launch_bounds__(MV_THREADS, NT >= 3 ? 1 : NT >= 2 ? 2 : MV_MIN
     const int n_mine = first < rows ? min(a.rpg, (rows - 1 - first) / G + 1) : 0;
 
     /* Q8_0: put the first rows in flight before anything else */
-    constexpr int ST = mv_stages<MODE, NT>::n;
+    constexpr int ST = mv_stages<MODE>::n;
     uint8_t *ring = stage + (size_t)warp * ST * NMAT * MV_Q8_SLICE;
     if (TYPE == DS4_TYPE_Q8_0) {
 #pragma unroll
@@ -484,12 +461,12 @@ template <int TYPE, int NT, int MODE> int mv_occ<TYPE, NT, MODE>::bps[MV_WARPS +
 template <int TYPE, int NT, int MODE>
 static void mv_setup_t(void) {
     DS4_CUDA_CHECK(cudaFuncSetAttribute(k_matvec<TYPE, NT, MODE>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        (int)mv_smem_bytes<TYPE, MODE, NT>(MV_WARPS, MODE == MV_DENSE)));
+                                        (int)mv_smem_bytes<TYPE, MODE>(MV_WARPS, MODE == MV_DENSE)));
     for (int S = 1; S <= MV_WARPS; S *= 2)
         for (int norm = 0; norm < 2; norm++) {
             int n = 0;
             DS4_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k_matvec<TYPE, NT, MODE>, MV_THREADS,
-                                                                         mv_smem_bytes<TYPE, MODE, NT>(S, norm != 0)));
+                                                                         mv_smem_bytes<TYPE, MODE>(S, norm != 0)));
             mv_occ<TYPE, NT, MODE>::bps[S][norm] = n > 0 ? n : 1;
         }
 }
@@ -498,12 +475,8 @@ template <int TYPE>
 static void mv_setup_type(void) {
     mv_setup_t<TYPE, 1, MV_GATE_UP>();
     mv_setup_t<TYPE, 2, MV_GATE_UP>();
-    mv_setup_t<TYPE, 3, MV_GATE_UP>();
-    mv_setup_t<TYPE, 4, MV_GATE_UP>();
     mv_setup_t<TYPE, 1, MV_DOWN>();
     mv_setup_t<TYPE, 2, MV_DOWN>();
-    mv_setup_t<TYPE, 3, MV_DOWN>();
-    mv_setup_t<TYPE, 4, MV_DOWN>();
     mv_setup_t<TYPE, 1, MV_DENSE>();
     mv_setup_t<TYPE, 2, MV_DENSE>();
     mv_setup_t<TYPE, 3, MV_DENSE>();
@@ -514,7 +487,7 @@ static void mv_setup_type(void) {
 template <int TYPE, int NT, int MODE>
 static void launch_matvec_fast_t(mv_args a, int n_prob, int n_tok_grid) {
     const bool norm = a.in_norm != NULL;
-    const size_t smem = mv_smem_bytes<TYPE, MODE, NT>(a.S, norm);
+    const size_t smem = mv_smem_bytes<TYPE, MODE>(a.S, norm);
     const int bps = mv_occ<TYPE, NT, MODE>::bps[a.S][norm];
     if (bps < 1) {
         ds4_fatal("matvec: no occupancy for S = %d (ops_setup did not run)", a.S);
@@ -523,20 +496,20 @@ static void launch_matvec_fast_t(mv_args a, int n_prob, int n_tok_grid) {
     DS4_LAUNCH(k_matvec<TYPE, NT, MODE>, grid, MV_THREADS, smem, a);
 }
 
-/* nt: the dense tokens of the launch (1..4), or in the MoE modes 1 (a block per pair) or the
- * grouped form's tokens (2..4, the call's nt) */
-template <int TYPE, int MODE>
-static void matvec_fast_nt(const mv_args &a, int n_prob, int n_tok_grid, int nt) {
-    if (nt == 4) launch_matvec_fast_t<TYPE, 4, MODE>(a, n_prob, n_tok_grid);
-    else if (nt == 3) launch_matvec_fast_t<TYPE, 3, MODE>(a, n_prob, n_tok_grid);
-    else if (nt == 2) launch_matvec_fast_t<TYPE, 2, MODE>(a, n_prob, n_tok_grid);
-    else launch_matvec_fast_t<TYPE, 1, MODE>(a, n_prob, n_tok_grid);
-}
+/* nt: the dense tokens of the launch (1..4), or in the MoE modes 1 (a block per pair) or 2
+ * (the grouped form's units) */
 template <int TYPE>
 static void matvec_fast_type(const mv_args &a, int n_prob, int n_tok_grid, int mode, int nt) {
-    if (mode == MV_GATE_UP) matvec_fast_nt<TYPE, MV_GATE_UP>(a, n_prob, n_tok_grid, nt);
-    else if (mode == MV_DOWN) matvec_fast_nt<TYPE, MV_DOWN>(a, n_prob, n_tok_grid, nt);
-    else matvec_fast_nt<TYPE, MV_DENSE>(a, n_prob, n_tok_grid, nt);
+    if (mode == MV_GATE_UP) {
+        if (nt == 2) launch_matvec_fast_t<TYPE, 2, MV_GATE_UP>(a, n_prob, n_tok_grid);
+        else launch_matvec_fast_t<TYPE, 1, MV_GATE_UP>(a, n_prob, n_tok_grid);
+    } else if (mode == MV_DOWN) {
+        if (nt == 2) launch_matvec_fast_t<TYPE, 2, MV_DOWN>(a, n_prob, n_tok_grid);
+        else launch_matvec_fast_t<TYPE, 1, MV_DOWN>(a, n_prob, n_tok_grid);
+    } else if (nt == 4) launch_matvec_fast_t<TYPE, 4, MV_DENSE>(a, n_prob, n_tok_grid);
+    else if (nt == 3) launch_matvec_fast_t<TYPE, 3, MV_DENSE>(a, n_prob, n_tok_grid);
+    else if (nt == 2) launch_matvec_fast_t<TYPE, 2, MV_DENSE>(a, n_prob, n_tok_grid);
+    else launch_matvec_fast_t<TYPE, 1, MV_DENSE>(a, n_prob, n_tok_grid);
 }
 
 /* A dense launch over nt_dense tokens in chunks of max_chunk, the last one what is left (the
@@ -657,22 +630,25 @@ void matvec_run(int type, int mode, mv_args a, int n_prob, int n_tok_grid, int n
      * super-block types' kernel takes two at most (three f16 parts per token fill 6 of the
      * MMA's 8 columns) and sets the slices itself (mvq_plan).  With DS4_CUDA_DECODE_GROUP=0,
      * chunks of 4, 2, 1 (a call of 3 streams its matrices twice). */
-    const bool group = sess()->lim.decode_group != 0;
+    const int group = sess()->lim.decode_group;
     int max_chunk = 4;
     if (quant) {
         if (mode != MV_DENSE) nt_dense = 1;
         max_chunk = mode == MV_DENSE && mvq_shape_ok(type, mode, 2, a.K, a.row_bytes, a.mat_bytes, a.w, a.w2) ? 2 : 1;
     } else {
         a.S = a.K / MV_SLICE;
-        if (!group && nt_dense == 3) max_chunk = 2;
-        /* the MoE modes over 2..4 tokens (a speculative check's): the grouped form, each chosen
-         * matrix streamed once for every token that chose it (k_matvec) */
-        if (group && mode != MV_DENSE && n_tok_grid >= 2 && n_tok_grid <= 4 && (int64_t)n_tok_grid * n_prob <= MV_THREADS) {
+        if (group == 0 && nt_dense == 3) max_chunk = 2;
+        /* the MoE modes over 2..4 tokens (a speculative check's) with DS4_CUDA_DECODE_GROUP=2:
+         * the grouped form, units of one expert and up to two of the pairs that chose it
+         * (k_matvec; the routed experts' units from k_moe_group, the shared expert's tokens
+         * two by two) */
+        if (group == 2 && mode != MV_DENSE && n_tok_grid >= 2 && n_tok_grid <= MOE_GROUP_MAX_NT &&
+            (!a.sel || a.units)) {
             switch (type) {
-            case DS4_TYPE_F32:  matvec_fast_type<DS4_TYPE_F32>(a, n_prob, n_tok_grid, mode, n_tok_grid); break;
-            case DS4_TYPE_F16:  matvec_fast_type<DS4_TYPE_F16>(a, n_prob, n_tok_grid, mode, n_tok_grid); break;
-            case DS4_TYPE_BF16: matvec_fast_type<DS4_TYPE_BF16>(a, n_prob, n_tok_grid, mode, n_tok_grid); break;
-            default:            matvec_fast_type<DS4_TYPE_Q8_0>(a, n_prob, n_tok_grid, mode, n_tok_grid); break;
+            case DS4_TYPE_F32:  matvec_fast_type<DS4_TYPE_F32>(a, n_prob, n_tok_grid, mode, 2); break;
+            case DS4_TYPE_F16:  matvec_fast_type<DS4_TYPE_F16>(a, n_prob, n_tok_grid, mode, 2); break;
+            case DS4_TYPE_BF16: matvec_fast_type<DS4_TYPE_BF16>(a, n_prob, n_tok_grid, mode, 2); break;
+            default:            matvec_fast_type<DS4_TYPE_Q8_0>(a, n_prob, n_tok_grid, mode, 2); break;
             }
             return;
         }

@@ -1721,7 +1721,7 @@ int main(int argc, char **argv) {
     lim.max_batch = 256;                 /* test_compress_pool(0, 256, ...) */
     lim.prefill_tc = 1;                  /* the default (DS4_CUDA_PREFILL_TC) */
     lim.prefill_attn = 1;                /* the default (DS4_CUDA_PREFILL_ATTN) */
-    lim.decode_group = 1;                /* the default (DS4_CUDA_DECODE_GROUP) */
+    lim.decode_group = 2;                /* DS4_CUDA_DECODE_GROUP: its every path (2 includes 1) */
     lim.n_ctx = 32768;                   /* attention and indexer at position 20000 */
     lim.n_embd = 8192;
     lim.n_head = 64;
