@@ -47,9 +47,14 @@
  * How to run it (GPU machine; CI only compiles and links it):
  *   make build/cuda-sm_90/matvec_table CUDA_ARCH=sm_90
  *   build/cuda-sm_90/matvec_table [--reps 7] [--calls 64] [--pool-mb 128]
- *                                 [--copy-bw GBps] [--only NAME]
+ *                                 [--copy-bw GBps] [--only NAME] [--nt N] [--group G]
  * --copy-bw (from bench/bandwidth, read+write) adds a "% of copy BW" column;
- * --only runs the rows whose name contains NAME.  Output: markdown tables,
+ * --only runs the rows whose name contains NAME.  --nt N (1..4) calls the plain
+ * ops of section 1 with N tokens, as a speculative check calls them (the routed
+ * experts: token 0 on experts 1 4 6 9 12 15, the others on 6 of the 16 from a
+ * fixed generator), with DS4_CUDA_DECODE_GROUP's form G (--group, default 1);
+ * the other rows are skipped, and GB/s stays one token's bytes per call (compare
+ * us/call).  Output: markdown tables,
  * then one `RESULT bench=matvec_table ...` line per row and per total.  Without
  * a GPU it prints "skipped: no GPU" and exits 0.
  */
@@ -305,6 +310,8 @@ static void *make_host(const wspec *s) {
     return p;
 }
 
+static int g_nt = 1;                 /* --nt: tokens per call of the plain ops */
+
 /* ---- device buffers shared by all rows ---- */
 static const ds4_backend *be;
 static struct {
@@ -350,13 +357,26 @@ static void buffers_init(void) {
     for (int i = 0; i < F_HC * F_HC; i++) comb[i] = i % (F_HC + 1) == 0 ? 1.0f : 0.0f;
     d.hpost = dev_put(post, sizeof post);
     d.hcomb = dev_put(comb, sizeof comb);
-    const int32_t sel[F_USED] = { 1, 4, 6, 9, 12, 15 };   /* six distinct experts of 16 */
-    float wts[F_USED];
-    for (int j = 0; j < F_USED; j++) wts[j] = 1.0f / F_USED;
+    /* token 0: six distinct experts of 16; tokens 1..3 (--nt): six of 16 from a fixed generator */
+    int32_t sel[4 * F_USED] = { 1, 4, 6, 9, 12, 15 };
+    uint32_t g = 12345u;
+    for (int t = 1; t < 4; t++)
+        for (int j = 0; j < F_USED; j++) {
+            int e, dup;
+            do {
+                g = g * 1103515245u + 12345u;
+                e = (int)((g >> 16) % F_EXPERTS);
+                dup = 0;
+                for (int i = 0; i < j; i++) dup |= sel[t * F_USED + i] == e;
+            } while (dup);
+            sel[t * F_USED + j] = e;
+        }
+    float wts[4 * F_USED];
+    for (int j = 0; j < 4 * F_USED; j++) wts[j] = 1.0f / F_USED;
     d.sel = dev_put(sel, sizeof sel);
     d.wts = dev_put(wts, sizeof wts);
-    d.add = dev_rnd(F_D, 1.0f);
-    d.out = dev_rnd(F_D, 0.0f);
+    d.add = dev_rnd(4 * F_D, 1.0f);
+    d.out = dev_rnd(4 * F_D, 0.0f);
     float *ones = malloc(F_Q_LORA * sizeof(float));
     for (int i = 0; i < F_Q_LORA; i++) ones[i] = 1.0f;
     d.qnorm = dev_put(ones, F_Q_LORA * sizeof(float));
@@ -369,10 +389,10 @@ static void buffers_init(void) {
 static void run_call(const row_t *r, ds4_weight *W, const float *const *tabs) {
     const float clamp = 10.0f, eps = 1e-6f;
     switch (r->op) {
-    case OP_MATMUL:  be->matmul(&W[0], 0, d.x, d.y[0], 1); break;
-    case OP_GROUPED: be->matmul_grouped(&W[0], r->groups, d.x, d.y[0], 1); break;
+    case OP_MATMUL:  be->matmul(&W[0], 0, d.x, d.y[0], g_nt); break;
+    case OP_GROUPED: be->matmul_grouped(&W[0], r->groups, d.x, d.y[0], g_nt); break;
     case OP_EXPERTS:
-        be->moe_experts(d.x, d.sel, d.wts, &W[0], &W[1], &W[2], 1, F_USED, clamp, d.add, d.out);
+        be->moe_experts(d.x, d.sel, d.wts, &W[0], &W[1], &W[2], g_nt, F_USED, clamp, d.add, d.out);
         break;
     case OP_HC_PRE:
         be->hc_pre(d.hf, d.hxres, d.hx, &W[0], d.hscale, d.hbase, d.hnorm, 1, F_D, F_HC, r->head, eps, eps, 20,
@@ -385,7 +405,7 @@ static void run_call(const row_t *r, ds4_weight *W, const float *const *tabs) {
         break;
     }
     case OP_SWIGLU:
-        be->matmul_swiglu(&W[0], &W[1], d.x, d.y[0], 1, clamp, d.y[1], d.y[2]);
+        be->matmul_swiglu(&W[0], &W[1], d.x, d.y[0], g_nt, clamp, d.y[1], d.y[2]);
         break;
     }
 }
@@ -511,13 +531,15 @@ static void result_token(char *s) {
 }
 
 static void usage(FILE *f) {
-    fprintf(f, "usage: matvec_table [--reps N] [--calls N] [--pool-mb MB] [--copy-bw GBps] [--only NAME]\n");
+    fprintf(f, "usage: matvec_table [--reps N] [--calls N] [--pool-mb MB] [--copy-bw GBps] [--only NAME] [--nt N] "
+               "[--group G]\n");
 }
 
 int main(int argc, char **argv) {
     int reps = 7, calls = 64;
     double pool_mb = 128;
     const char *only = NULL;
+    int group = 1;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(stdout); return 0; }
@@ -528,10 +550,12 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--pool-mb")) pool_mb = atof(v);
         else if (!strcmp(a, "--copy-bw")) g_copy_bw = atof(v);
         else if (!strcmp(a, "--only")) only = v;
+        else if (!strcmp(a, "--nt")) g_nt = atoi(v);
+        else if (!strcmp(a, "--group")) group = atoi(v);
         else { fprintf(stderr, "matvec_table: unknown option %s\n", a); usage(stderr); return 2; }
     }
-    if (reps < 1 || calls < 1 || pool_mb < 0) {
-        fprintf(stderr, "matvec_table: --reps and --calls must be >= 1, --pool-mb >= 0\n");
+    if (reps < 1 || calls < 1 || pool_mb < 0 || g_nt < 1 || g_nt > 4 || group < 0 || group > 2) {
+        fprintf(stderr, "matvec_table: --reps and --calls must be >= 1, --pool-mb >= 0, --nt in 1..4, --group in 0..2\n");
         return 2;
     }
     setvbuf(stdout, NULL, _IOLBF, 0);   /* rows survive a time limit */
@@ -549,8 +573,8 @@ int main(int argc, char **argv) {
     /* one session (ds4_gpu.h), sized for one flash16 token; its stream is the current one */
     ds4_limits lim;
     memset(&lim, 0, sizeof lim);
-    lim.max_batch = 1;
-    lim.decode_group = 1;                /* the default (DS4_CUDA_DECODE_GROUP) */
+    lim.max_batch = g_nt;
+    lim.decode_group = group;            /* DS4_CUDA_DECODE_GROUP (default 1) */
     lim.n_ctx = 1024;
     lim.n_embd = F_D;
     lim.n_head = F_HEADS;
@@ -573,9 +597,9 @@ int main(int argc, char **argv) {
     buffers_init();
     build_rows();
 
-    printf("matvec_table: flash16 decode (one token), CUDA backend; L2 %.0f MB; each row rotates weight copies so "
-           ">= %.0f MB are read between two uses of one copy; median of %d repetitions of %d calls\n",
-           l2 / MB, pool / MB, reps, calls);
+    printf("matvec_table: flash16 decode (%d token%s a call, DS4_CUDA_DECODE_GROUP form %d), CUDA backend; L2 %.0f MB; "
+           "each row rotates weight copies so >= %.0f MB are read between two uses of one copy; median of %d "
+           "repetitions of %d calls\n", g_nt, g_nt > 1 ? "s" : "", group, l2 / MB, pool / MB, reps, calls);
     printf("us/call: GPU pace (calls queued behind a host hold, then run back to back); issued: the same calls "
            "issued eagerly; GB/s: weight bytes read per call / us/call\n");
 
@@ -583,6 +607,8 @@ int main(int argc, char **argv) {
     for (int i = 0; i < g_nrows; i++) {
         row_t *r = &g_rows[i];
         if (only && !strstr(r->name, only)) continue;
+        if (g_nt > 1 && (r->section != 1 || r->op == OP_GROUPED ||
+                         (size_t)g_nt * (size_t)(r->op == OP_EXPERTS ? F_D : r->w[0].N) > Y_FLOATS)) continue;
         if (r->section != section) { section = r->section; table_header(section); }
         measure(r, pool, reps, calls);
         table_row(r);
