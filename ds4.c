@@ -3688,7 +3688,7 @@ int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
         { "DS4_UBATCH", 1, DS4_UBATCH_MAX, "the most tokens of one prefill chunk" },
         { "DS4_CUDA_PREFILL_TC", 0, 1, "1 = prefill products of Q8_0, F16, IQ2_XXS, Q2_K and Q4_K weights on tensor cores" },
         { "DS4_CUDA_PREFILL_ATTN", 0, 1, "1 = a prefill batch's attention in row tiles shared by 32 heads" },
-        { "DS4_CUDA_DECODE_GROUP", 0, 2, "calls of 2..4 tokens: 1 = dense products in one launch, 2 = and experts grouped" },
+        { "DS4_CUDA_DECODE_GROUP", 0, 1, "1 = a call of up to 4 tokens streams each dense matrix once, in one launch" },
         { "DS4_ROLLBACK_RESTORE", 0, 3, "debug: the parts a rollback restores, bit 0 the model's layers, bit 1 the MTP block's" },
     };
     for (size_t i = 0; i < sizeof ints / sizeof ints[0]; i++) {

@@ -242,9 +242,9 @@ typedef struct ds4_env {
                                    Q4_K weights on tensor cores (default), 0 = dequantise + cuBLAS */
     int prefill_attn;           /* DS4_CUDA_PREFILL_ATTN: 1 = a prefill batch's attention in row tiles shared
                                    by 32 heads (default), 0 = the per-query kernel decode uses */
-    int decode_group;           /* DS4_CUDA_DECODE_GROUP, calls of 2..4 tokens (speculative checks): 1 = the
-                                   dense products in one launch (default), 2 = and the experts in units
-                                   of one expert and two of its tokens, 0 = dense chunks of 4, 2, 1 */
+    int decode_group;           /* DS4_CUDA_DECODE_GROUP: 1 = a call of up to 4 tokens (a speculative check)
+                                   streams each dense matrix once, in one launch (default); 0 = chunks of
+                                   4, 2, 1 (a call of 3 streams them twice) */
     int rollback_restore;       /* DS4_ROLLBACK_RESTORE: debug, the parts whose saved slots ds4_ctx_rollback
                                    restores: bit 1 << DS4_PART_* (default 3, both); a part without its bit
                                    only moves its position back (the tests show what breaks) */

@@ -544,7 +544,6 @@ static void session_release(ds4_session *S) {
     for (scratch_t *x : all) dev_free(x->p);
     dev_free(S->hc_count);
     dev_free(S->gate_count);
-    dev_free(S->moe_units);
     dev_free(S->blas_ws);
     host_free(S->host_idx);
     host_free(S->up_stage);
@@ -657,7 +656,6 @@ static void *cuda_session_new(const ds4_limits *lim) {
     /* the counters hc_pre and k_moe_gate leave at zero */
     ok = ok && dev_malloc((void **)&S->hc_count, HC_SPLIT_MAX_NT * sizeof(unsigned)) == cudaSuccess;
     ok = ok && dev_malloc((void **)&S->gate_count, HC_SPLIT_MAX_NT * sizeof(unsigned)) == cudaSuccess;
-    ok = ok && dev_malloc((void **)&S->moe_units, (4 + 4 * MOE_GROUP_MAX_P) * sizeof(int32_t)) == cudaSuccess;
     if (!ok) {
         fprintf(stderr, "ds4: cannot allocate the context's block counters\n");
         (void)cudaGetLastError();

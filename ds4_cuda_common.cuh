@@ -50,8 +50,6 @@
 
 /* Sizes the session plans scratch by (and the ops ask within). */
 #define MOE_DECODE_MAX_NT  8    /* MoE: no host copy of the routing up to here (ds4_cuda_moe.cu) */
-#define MOE_GROUP_MAX_NT   4    /* MoE: the grouped form up to here (k_moe_group, k_matvec) */
-#define MOE_GROUP_MAX_P    256  /* ... and up to this many (token, expert) pairs */
 #define IX_SCORE_CAP ((int64_t)64 << 20)    /* floats of score scratch */
 #define IX_MIN_RATIO 4                      /* score rows hold n_ctx/4 + 1 entries */
 
@@ -87,7 +85,6 @@ struct ds4_session {
     int64_t        ix_chunk;          /* queries scored per pass */
     unsigned      *hc_count;          /* hc_pre: blocks done per token, zero between launches */
     unsigned      *gate_count;        /* k_moe_gate: blocks done per token */
-    int32_t       *moe_units;         /* k_moe_group: the grouped experts' units of a check call */
     int32_t       *host_idx;          /* MoE prefill host tables (pinned): sel, perm, pos, offsets */
     size_t         host_idx_cap;
     unsigned char *up_stage;          /* pinned staging of the step's uploads (bump, reset at each wait) */
@@ -492,8 +489,6 @@ typedef struct {
     float   *y;
     int64_t  y_prob, y_tok;
     const int32_t *sel;        /* MoE: [nt][k] expert ids; NULL in gate|up mode = matrix 0 (shared expert) */
-    const int32_t *units;      /* MoE, grouped form: k_moe_group's units ([0] the count, then
-                                * (expert, m, p0, p1) each); NULL: a block per pair */
     int      k;
     float    clamp;            /* MV_GATE_UP: swiglu limit */
     /* dense mode, several matrices of one K and type sharing x (matmul_multi):

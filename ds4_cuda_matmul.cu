@@ -37,7 +37,11 @@
  *     The same kernel serves the MoE decode path: "gate|up" mode dots two
  *     matrices per row and writes swiglu(gate, up); "down" mode takes its
  *     activations per (token, expert slot).  The expert id is read from sel
- *     on the device.
+ *     on the device.  A call of several tokens (a speculative check) keeps a
+ *     block per (token, slot) pair even where tokens share an expert: a block
+ *     taking one expert for two tokens streams fewer bytes but issues more per
+ *     byte, and measured slower (bench/RESULTS.md); its dense products do take
+ *     up to 4 tokens a launch.
  *  2. The generic matvec (k_matvec_generic): a warp per row for any K, any
  *     type; slower, and used only for shapes the fast kernel does not take.
  *  3. Prefill (nt > MV_MAX_NT): dequantize row tiles into an f32 scratch and
@@ -128,38 +132,6 @@ __device__ __forceinline__ void mv_dot_q8(const uint8_t *slot, int lane, const f
     for (int u = 0; u < NT; u++) acc[u] = d * s[u];
 }
 
-/* mv_dot_q8 for the first m of NT tokens (the grouped MoE modes: an expert's m pairs).  Each
- * token's sum takes the same fmaf chain in the same order as mv_dot_q8's, so its bits are a
- * one-token call's; the weights are decoded once into registers, and a token past m costs a
- * uniform branch instead of 32 predicated FMAs. */
-template <int NT>
-__device__ __forceinline__ void mv_dot_q8_m(const uint8_t *slot, int lane, const float (&xr)[NT][32],
-                                            float (&acc)[NT], int m) {
-    const int odd = lane & 1;
-    const uint32_t *wp = (const uint32_t *)(slot + 34 * lane - 2 * odd);
-    uint32_t wd[9];
-#pragma unroll
-    for (int i = 0; i < 9; i++) wd[i] = wp[i];
-    const float d = dsq_f16((uint16_t)(odd ? (wd[0] >> 16) : (wd[0] & 0xffffu)));
-    const unsigned sh = odd ? 32u : 16u;
-    float f[32];
-#pragma unroll
-    for (int i = 0; i < 8; i++) {
-        const uint32_t q = __funnelshift_rc(wd[i], wd[i + 1], sh) ^ 0x80808080u;
-#pragma unroll
-        for (int b = 0; b < 4; b++)
-            f[4 * i + b] = __int_as_float((int)__byte_perm(q, 0x4B000000u, 0x7440u + b)) - 8388736.0f;
-    }
-#pragma unroll
-    for (int u = 0; u < NT; u++) {
-        if (u >= m) break;
-        float s = 0.0f;
-#pragma unroll
-        for (int e = 0; e < 32; e++) s = fmaf(f[e], xr[u][e], s);
-        acc[u] = d * s;
-    }
-}
-
 /* Dot of the lane's F32/F16/BF16 chunks of a slice with its activations. */
 template <int TYPE, int NT>
 __device__ __forceinline__ void mv_dot_vec(const uint4 *v, const float (&xr)[NT][32], float (&acc)[NT]) {
@@ -194,29 +166,6 @@ __device__ __forceinline__ void mv_dot_vec(const uint4 *v, const float (&xr)[NT]
     }
 }
 
-/* The grouped MoE modes (MODE gate|up or down with NT = 2): the launch's grid is the per-pair
- * one, (tiles, k, nt), and block (bx, y, z) takes unit q = z*k + y: one expert with one or two
- * of the pairs that chose it, so a check call streams an expert chosen by m of its tokens
- * ceil(m/2) times instead of m.  The units come from k_moe_group (ds4_cuda_moe.cu): a.units[0]
- * is their count, then (expert, m, p0, p1) each; blocks past the count return at once (they
- * come last in the launch order).  Without sel (gate|up for the shared expert, k = 1) unit q
- * is tokens 2q and 2q+1 of matrix 0.  Pair p = t*k + j reads x + t*x_tok + j*x_prob and writes
- * y + t*y_tok + j*y_prob. */
-struct mv_unit_s { int e, m, pair[2]; };
-__device__ __forceinline__ bool mv_unit(const mv_args &a, mv_unit_s &u) {
-    const int q = (int)blockIdx.z * (int)gridDim.y + (int)blockIdx.y;
-    if (!a.sel) {
-        const int P = (int)gridDim.z * (int)gridDim.y;
-        if (2 * q >= P) return false;
-        u.e = 0; u.m = min(2, P - 2 * q); u.pair[0] = 2 * q; u.pair[1] = 2 * q + 1;
-        return true;
-    }
-    if (q >= __ldg(a.units)) return false;
-    const int4 v = __ldg((const int4 *)(a.units + 4) + q);
-    u.e = v.x; u.m = v.y; u.pair[0] = v.z; u.pair[1] = v.w;
-    return true;
-}
-
 template <int TYPE, int NT, int MODE>
 __global__ void __launch_bounds__(MV_THREADS, NT >= 4 ? 1 : NT >= 2 ? 2 : MV_MIN_BLOCKS) k_matvec(const mv_args a) {
     /* NOTE(pdl prologue): dense mode reads nothing another kernel writes until its grid wait
@@ -224,10 +173,9 @@ __global__ void __launch_bounds__(MV_THREADS, NT >= 4 ? 1 : NT >= 2 ? 2 : MV_MIN
      * be in flight while the kernel before it finishes */
     if (MODE != MV_DENSE) ds4_grid_dep();   /* NOTE(pdl prologue): the MoE modes read the experts chosen */
     constexpr bool DUAL = MODE == MV_GATE_UP;
-    constexpr bool GROUPED = MODE != MV_DENSE && NT > 1;
-    static_assert(MODE == MV_DENSE || NT <= 2, "the MoE modes take one pair, or a unit of two");
     constexpr int NMAT = DUAL ? 2 : 1;
-    constexpr int NPLANE = NMAT * NT;         /* plane mt * NT + u: matrix mt, token u */
+    constexpr int NPLANE = DUAL ? 2 : NT;
+    static_assert(!(DUAL && NT != 1), "gate|up mode is single-token");
     extern __shared__ __align__(16) uint8_t mv_smem[];
     __shared__ float part[NPLANE][MV_PART];   /* [plane][local row * S + slice] */
 
@@ -242,17 +190,7 @@ __global__ void __launch_bounds__(MV_THREADS, NT >= 4 ? 1 : NT >= 2 ? 2 : MV_MIN
 
     const uint8_t *W[NMAT];            /* the block's problem (mv_problem) */
     const float *x, *tab; float *y; int rows, bx, tab_pos0; int64_t y_tok;
-    int m = NT;                        /* tokens of the block: NT, or the group's m */
-    mv_unit_s grp;
-    if constexpr (GROUPED) {
-        if (!mv_unit(a, grp)) return;  /* past the last unit (uniform) */
-        m = grp.m;
-        W[0] = a.w + (size_t)grp.e * a.mat_bytes;
-        if (NMAT == 2) W[NMAT - 1] = a.w2 + (size_t)grp.e * a.mat_bytes;
-        x = a.x; y = a.y; rows = a.rows; bx = blockIdx.x; y_tok = a.y_tok; tab = NULL; tab_pos0 = 0;
-    } else {
-        mv_problem<MODE, NMAT>(a, prob, tok, W, x, y, rows, bx, y_tok, tab, tab_pos0);
-    }
+    mv_problem<MODE, NMAT>(a, prob, tok, W, x, y, rows, bx, y_tok, tab, tab_pos0);
 
     /* my rows: first + G*i, i < n_mine */
     const int first = bx * tile + g;
@@ -284,14 +222,7 @@ __global__ void __launch_bounds__(MV_THREADS, NT >= 4 ? 1 : NT >= 2 ? 2 : MV_MIN
     __shared__ double nred[MV_WARPS];
 #pragma unroll
     for (int u = 0; u < NT; u++) {
-        if (GROUPED && u >= m) {           /* no such pair: zeros, never written out */
-#pragma unroll
-            for (int e = 0; e < 32; e++) xr[u][e] = 0.0f;
-            continue;
-        }
-        const int kq = (int)gridDim.y;
-        const float *xu = GROUPED ? x + (int64_t)(grp.pair[u] / kq) * a.x_tok + (int64_t)(grp.pair[u] % kq) * a.x_prob
-                                  : x + (int64_t)u * a.x_tok;
+        const float *xu = x + (int64_t)u * a.x_tok;
         double ss = 0.0;
 #pragma unroll 8
         for (int e = threadIdx.x; e < S * MV_SLICE; e += MV_THREADS) {
@@ -315,19 +246,19 @@ __global__ void __launch_bounds__(MV_THREADS, NT >= 4 ? 1 : NT >= 2 ? 2 : MV_MIN
         }
         const float *xw = xs + s * MV_XS_FLOATS;
 #pragma unroll
-        for (int m4 = 0; m4 < 32; m4 += 4) {
-            const float4 v = *(const float4 *)(xw + mv_xs_addr(mv_xidx<TYPE>(lane, m4)));
-            xr[u][m4] = v.x; xr[u][m4 + 1] = v.y; xr[u][m4 + 2] = v.z; xr[u][m4 + 3] = v.w;
+        for (int m = 0; m < 32; m += 4) {
+            const float4 v = *(const float4 *)(xw + mv_xs_addr(mv_xidx<TYPE>(lane, m)));
+            xr[u][m] = v.x; xr[u][m + 1] = v.y; xr[u][m + 2] = v.z; xr[u][m + 3] = v.w;
         }
         if (a.in_norm) {
             const float *ww = ws + s * MV_XS_FLOATS;
 #pragma unroll
-            for (int m4 = 0; m4 < 32; m4 += 4) {
-                const float4 gv = *(const float4 *)(ww + mv_xs_addr(mv_xidx<TYPE>(lane, m4)));
-                xr[u][m4]     = __fmul_rn(__fmul_rn(xr[u][m4], nsc), gv.x);
-                xr[u][m4 + 1] = __fmul_rn(__fmul_rn(xr[u][m4 + 1], nsc), gv.y);
-                xr[u][m4 + 2] = __fmul_rn(__fmul_rn(xr[u][m4 + 2], nsc), gv.z);
-                xr[u][m4 + 3] = __fmul_rn(__fmul_rn(xr[u][m4 + 3], nsc), gv.w);
+            for (int m = 0; m < 32; m += 4) {
+                const float4 g = *(const float4 *)(ww + mv_xs_addr(mv_xidx<TYPE>(lane, m)));
+                xr[u][m]     = __fmul_rn(__fmul_rn(xr[u][m], nsc), g.x);
+                xr[u][m + 1] = __fmul_rn(__fmul_rn(xr[u][m + 1], nsc), g.y);
+                xr[u][m + 2] = __fmul_rn(__fmul_rn(xr[u][m + 2], nsc), g.z);
+                xr[u][m + 3] = __fmul_rn(__fmul_rn(xr[u][m + 3], nsc), g.w);
             }
         }
         __syncthreads();
@@ -352,13 +283,11 @@ __global__ void __launch_bounds__(MV_THREADS, NT >= 4 ? 1 : NT >= 2 ? 2 : MV_MIN
 #pragma unroll
             for (int mt = 0; mt < NMAT; mt++) {
                 float acc[NT];
-                if (GROUPED) mv_dot_q8_m<NT>(ring + (size_t)((i % ST) * NMAT + mt) * MV_Q8_SLICE, lane, xr, acc, m);
-                else mv_dot_q8<NT>(ring + (size_t)((i % ST) * NMAT + mt) * MV_Q8_SLICE, lane, xr, acc);
+                mv_dot_q8<NT>(ring + (size_t)((i % ST) * NMAT + mt) * MV_Q8_SLICE, lane, xr, acc);
 #pragma unroll
                 for (int u = 0; u < NT; u++) {
-                    if (GROUPED && u >= m) break;
                     const float r = warp_sum(acc[u]);
-                    if (lane == 0) part[mt * NT + u][lr * S + s] = r;
+                    if (lane == 0) part[DUAL ? mt : u][lr * S + s] = r;
                 }
             }
             __syncwarp();              /* slot (i % ST) is refilled next iteration */
@@ -382,33 +311,14 @@ __global__ void __launch_bounds__(MV_THREADS, NT >= 4 ? 1 : NT >= 2 ? 2 : MV_MIN
                 mv_dot_vec<TYPE, NT>(v[mt], xr, acc);
 #pragma unroll
                 for (int u = 0; u < NT; u++) {
-                    if (GROUPED && u >= m) break;
                     const float r = warp_sum(acc[u]);
-                    if (lane == 0) part[mt * NT + u][lr * S + s] = r;
+                    if (lane == 0) part[DUAL ? mt : u][lr * S + s] = r;
                 }
             }
         }
     }
     __syncthreads();
 
-    if (GROUPED) {
-        /* each pair's rows, summed as mv_write_rows sums them */
-        for (int idx = threadIdx.x; idx < tile * m; idx += MV_THREADS) {
-            const int lr = idx % tile, u = idx / tile;
-            const int row = bx * tile + lr;
-            if (row >= rows) continue;
-            const int t = grp.pair[u] / (int)gridDim.y, j = grp.pair[u] % (int)gridDim.y;
-            float v0 = 0.0f;
-            for (int q = 0; q < S; q++) v0 += part[u][lr * S + q];
-            if (DUAL) {
-                float v1 = 0.0f;
-                for (int q = 0; q < S; q++) v1 += part[NT + u][lr * S + q];
-                v0 = silu_mul(v0, v1, a.clamp);
-            }
-            y[(int64_t)t * a.y_tok + (int64_t)j * a.y_prob + row] = v0;
-        }
-        return;
-    }
     mv_write_rows<DUAL, NT>(part, tile, bx * tile, rows, S, a, y, y_tok, tab, tab_pos0);
 }
 
@@ -474,9 +384,7 @@ static void mv_setup_t(void) {
 template <int TYPE>
 static void mv_setup_type(void) {
     mv_setup_t<TYPE, 1, MV_GATE_UP>();
-    mv_setup_t<TYPE, 2, MV_GATE_UP>();
     mv_setup_t<TYPE, 1, MV_DOWN>();
-    mv_setup_t<TYPE, 2, MV_DOWN>();
     mv_setup_t<TYPE, 1, MV_DENSE>();
     mv_setup_t<TYPE, 2, MV_DENSE>();
     mv_setup_t<TYPE, 3, MV_DENSE>();
@@ -496,17 +404,11 @@ static void launch_matvec_fast_t(mv_args a, int n_prob, int n_tok_grid) {
     DS4_LAUNCH(k_matvec<TYPE, NT, MODE>, grid, MV_THREADS, smem, a);
 }
 
-/* nt: the dense tokens of the launch (1..4), or in the MoE modes 1 (a block per pair) or 2
- * (the grouped form's units) */
 template <int TYPE>
 static void matvec_fast_type(const mv_args &a, int n_prob, int n_tok_grid, int mode, int nt) {
-    if (mode == MV_GATE_UP) {
-        if (nt == 2) launch_matvec_fast_t<TYPE, 2, MV_GATE_UP>(a, n_prob, n_tok_grid);
-        else launch_matvec_fast_t<TYPE, 1, MV_GATE_UP>(a, n_prob, n_tok_grid);
-    } else if (mode == MV_DOWN) {
-        if (nt == 2) launch_matvec_fast_t<TYPE, 2, MV_DOWN>(a, n_prob, n_tok_grid);
-        else launch_matvec_fast_t<TYPE, 1, MV_DOWN>(a, n_prob, n_tok_grid);
-    } else if (nt == 4) launch_matvec_fast_t<TYPE, 4, MV_DENSE>(a, n_prob, n_tok_grid);
+    if (mode == MV_GATE_UP) launch_matvec_fast_t<TYPE, 1, MV_GATE_UP>(a, n_prob, n_tok_grid);
+    else if (mode == MV_DOWN) launch_matvec_fast_t<TYPE, 1, MV_DOWN>(a, n_prob, n_tok_grid);
+    else if (nt == 4) launch_matvec_fast_t<TYPE, 4, MV_DENSE>(a, n_prob, n_tok_grid);
     else if (nt == 3) launch_matvec_fast_t<TYPE, 3, MV_DENSE>(a, n_prob, n_tok_grid);
     else if (nt == 2) launch_matvec_fast_t<TYPE, 2, MV_DENSE>(a, n_prob, n_tok_grid);
     else launch_matvec_fast_t<TYPE, 1, MV_DENSE>(a, n_prob, n_tok_grid);
@@ -626,32 +528,18 @@ void matvec_run(int type, int mode, mv_args a, int n_prob, int n_tok_grid, int n
         }
         return;
     }
-    /* dense tokens in chunks of up to 4 (the activations of a chunk live in registers); the
-     * super-block types' kernel takes two at most (three f16 parts per token fill 6 of the
-     * MMA's 8 columns) and sets the slices itself (mvq_plan).  With DS4_CUDA_DECODE_GROUP=0,
-     * chunks of 4, 2, 1 (a call of 3 streams its matrices twice). */
-    const int group = sess()->lim.decode_group;
+    /* dense tokens in chunks of up to 4 (the activations of a chunk live in registers; a
+     * call of 3, a speculative check's, is one launch); with DS4_CUDA_DECODE_GROUP=0 chunks of
+     * 4, 2, 1 as before (a call of 3 streams its matrices twice).  The super-block types'
+     * kernel takes two at most (three f16 parts per token fill 6 of the MMA's 8 columns) and
+     * sets the slices itself (mvq_plan) */
     int max_chunk = 4;
     if (quant) {
         if (mode != MV_DENSE) nt_dense = 1;
         max_chunk = mode == MV_DENSE && mvq_shape_ok(type, mode, 2, a.K, a.row_bytes, a.mat_bytes, a.w, a.w2) ? 2 : 1;
     } else {
         a.S = a.K / MV_SLICE;
-        if (group == 0 && nt_dense == 3) max_chunk = 2;
-        /* the MoE modes over 2..4 tokens (a speculative check's) with DS4_CUDA_DECODE_GROUP=2:
-         * the grouped form, units of one expert and up to two of the pairs that chose it
-         * (k_matvec; the routed experts' units from k_moe_group, the shared expert's tokens
-         * two by two) */
-        if (group == 2 && mode != MV_DENSE && n_tok_grid >= 2 && n_tok_grid <= MOE_GROUP_MAX_NT &&
-            (!a.sel || a.units)) {
-            switch (type) {
-            case DS4_TYPE_F32:  matvec_fast_type<DS4_TYPE_F32>(a, n_prob, n_tok_grid, mode, 2); break;
-            case DS4_TYPE_F16:  matvec_fast_type<DS4_TYPE_F16>(a, n_prob, n_tok_grid, mode, 2); break;
-            case DS4_TYPE_BF16: matvec_fast_type<DS4_TYPE_BF16>(a, n_prob, n_tok_grid, mode, 2); break;
-            default:            matvec_fast_type<DS4_TYPE_Q8_0>(a, n_prob, n_tok_grid, mode, 2); break;
-            }
-            return;
-        }
+        if (sess()->lim.decode_group == 0 && nt_dense == 3) max_chunk = 2;
     }
     mv_token_chunks(a, nt_dense, max_chunk, [&](const mv_args &c, int chunk) {
         switch (type) {

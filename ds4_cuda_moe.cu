@@ -298,47 +298,6 @@ static void launch_moe_gather(const float *x, const int32_t *perm, int k, int64_
     DS4_LAUNCH(k_moe_gather, grid_for(n_pairs * D), 256, 0, x, perm, k, n_pairs, D, xg);
 }
 
-/* The grouped form's units (DS4_CUDA_DECODE_GROUP=2, k_matvec): the distinct experts of sel
- * in pair order, each with the pairs that chose it in token order, two at a time:
- * units[0] = the count, then (expert, m, p0, p1) per unit (m = 1: p1 = p0, never written).
- * One block; P = nt*k <= MOE_GROUP_MAX_P pairs. */
-__global__ void k_moe_group(const int32_t *sel, int P, int32_t *units) {
-    ds4_grid_dep();
-    __shared__ int s[MOE_GROUP_MAX_P], nun[MOE_GROUP_MAX_P];
-    const int i = threadIdx.x;
-    if (i < P) s[i] = sel[i];
-    __syncthreads();
-    int first = i < P, cnt = 0;
-    if (first) {
-        for (int j = 0; j < i; j++) first &= s[j] != s[i];
-        if (first)
-            for (int j = i; j < P; j++) cnt += s[j] == s[i];
-    }
-    nun[i] = first ? (cnt + 1) / 2 : 0;
-    __syncthreads();
-    if (first) {
-        int u = 0;
-        for (int j = 0; j < i; j++) u += nun[j];
-        int p0 = -1;
-        for (int j = i; j < P; j++) {
-            if (s[j] != s[i]) continue;
-            if (p0 < 0) { p0 = j; continue; }
-            *(int4 *)(units + 4 + 4 * u++) = make_int4(s[i], 2, p0, j);
-            p0 = -1;
-        }
-        if (p0 >= 0) *(int4 *)(units + 4 + 4 * u) = make_int4(s[i], 1, p0, p0);
-    }
-    if (i == 0) {
-        int n = 0;
-        for (int j = 0; j < P; j++) n += nun[j];
-        units[0] = n;
-    }
-}
-
-static void launch_moe_group(const int32_t *sel, int P, int32_t *units) {
-    DS4_LAUNCH(k_moe_group, 1, MOE_GROUP_MAX_P, 0, sel, P, units);
-}
-
 static void moe_decode(const float *x, const int32_t *sel, const float *wts,
                        const ds4_weight *gate, const ds4_weight *up, const ds4_weight *down,
                        int nt, int k, float clamp, const float *add, float *out) {
@@ -347,14 +306,6 @@ static void moe_decode(const float *x, const int32_t *sel, const float *wts,
     const int64_t pairs = (int64_t)nt * k;
     float *h = (float *)scratch_get(&sess()->moe_h, (size_t)(pairs * F) * sizeof(float));
     float *tmp = (float *)scratch_get(&sess()->moe_tmp, (size_t)(pairs * D) * sizeof(float));
-    /* a check call's experts as units (DS4_CUDA_DECODE_GROUP=2; k_matvec, the non-super-block
-     * types) */
-    const int32_t *units = NULL;
-    if (sess()->lim.decode_group == 2 && nt >= 2 && nt <= MOE_GROUP_MAX_NT && pairs <= MOE_GROUP_MAX_P &&
-        !dsq_is_type(gate->type) && !dsq_is_type(down->type)) {
-        launch_moe_group(sel, (int)pairs, sess()->moe_units);
-        units = sess()->moe_units;
-    }
 
     mv_args a;
     memset(&a, 0, sizeof a);
@@ -366,7 +317,7 @@ static void moe_decode(const float *x, const int32_t *sel, const float *wts,
     a.rows = (int)F;
     a.x = x; a.x_prob = 0; a.x_tok = D;
     a.y = h; a.y_prob = F; a.y_tok = (int64_t)k * F;
-    a.sel = sel; a.k = k; a.clamp = clamp; a.units = units;
+    a.sel = sel; a.k = k; a.clamp = clamp;
     matvec_run(gate->type, MV_GATE_UP, a, k, nt, 1);
 
     mv_args b;
@@ -378,7 +329,7 @@ static void moe_decode(const float *x, const int32_t *sel, const float *wts,
     b.rows = (int)D;
     b.x = h; b.x_prob = F; b.x_tok = (int64_t)k * F;
     b.y = tmp; b.y_prob = D; b.y_tok = (int64_t)k * D;
-    b.sel = sel; b.k = k; b.units = units;
+    b.sel = sel; b.k = k;
     matvec_run(down->type, MV_DOWN, b, k, nt, 1);
 
     launch_moe_combine(tmp, NULL, wts, nt, k, D, add, out);

@@ -186,10 +186,8 @@ typedef struct ds4_limits {
     int     prefill_attn;     /* attention in row tiles shared by a block's heads: 1, for a batch that
                                * fills the device (DS4_CUDA_PREFILL_ATTN); 2, for any batch the kernel
                                * takes (tests); 0, never (CUDA) */
-    int     decode_group;     /* calls of 2..4 tokens (speculative checks), DS4_CUDA_DECODE_GROUP (CUDA):
-                               * 1, the dense products in one launch; 2, and the experts in units of
-                               * one expert and up to two of the tokens that chose it (k_moe_group);
-                               * 0, dense chunks of 4, 2, 1 and a block per (token, expert) */
+    int     decode_group;     /* DS4_CUDA_DECODE_GROUP (CUDA): 1, a call of up to 4 tokens (a speculative
+                               * check) takes its dense products in one launch; 0, chunks of 4, 2, 1 */
 } ds4_limits;
 
 /* What a session has done: kernel launches and cuBLAS calls (and the host

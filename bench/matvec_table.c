@@ -52,7 +52,7 @@
  * --only runs the rows whose name contains NAME.  --nt N (1..4) calls the plain
  * ops of section 1 with N tokens, as a speculative check calls them (the routed
  * experts: token 0 on experts 1 4 6 9 12 15, the others on 6 of the 16 from a
- * fixed generator), with DS4_CUDA_DECODE_GROUP's form G (--group, default 1);
+ * fixed generator), with DS4_CUDA_DECODE_GROUP = G (--group 0 or 1, default 1);
  * the other rows are skipped, and GB/s stays one token's bytes per call (compare
  * us/call).  Output: markdown tables,
  * then one `RESULT bench=matvec_table ...` line per row and per total.  Without
@@ -554,8 +554,8 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--group")) group = atoi(v);
         else { fprintf(stderr, "matvec_table: unknown option %s\n", a); usage(stderr); return 2; }
     }
-    if (reps < 1 || calls < 1 || pool_mb < 0 || g_nt < 1 || g_nt > 4 || group < 0 || group > 2) {
-        fprintf(stderr, "matvec_table: --reps and --calls must be >= 1, --pool-mb >= 0, --nt in 1..4, --group in 0..2\n");
+    if (reps < 1 || calls < 1 || pool_mb < 0 || g_nt < 1 || g_nt > 4 || group < 0 || group > 1) {
+        fprintf(stderr, "matvec_table: --reps and --calls must be >= 1, --pool-mb >= 0, --nt in 1..4, --group in 0..1\n");
         return 2;
     }
     setvbuf(stdout, NULL, _IOLBF, 0);   /* rows survive a time limit */
@@ -597,7 +597,7 @@ int main(int argc, char **argv) {
     buffers_init();
     build_rows();
 
-    printf("matvec_table: flash16 decode (%d token%s a call, DS4_CUDA_DECODE_GROUP form %d), CUDA backend; L2 %.0f MB; "
+    printf("matvec_table: flash16 decode (%d token%s a call, DS4_CUDA_DECODE_GROUP=%d), CUDA backend; L2 %.0f MB; "
            "each row rotates weight copies so >= %.0f MB are read between two uses of one copy; median of %d "
            "repetitions of %d calls\n", g_nt, g_nt > 1 ? "s" : "", group, l2 / MB, pool / MB, reps, calls);
     printf("us/call: GPU pace (calls queued behind a host hold, then run back to back); issued: the same calls "

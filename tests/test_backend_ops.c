@@ -864,9 +864,8 @@ static void test_attention_rows(void) {
 
 /* The weight products of a speculative check (2..8 tokens at decode: dense matmul, the shared
  * expert's matmul_swiglu, the routed experts) against nt one-token calls, on the CUDA backend
- * alone, byte for byte.  A check call streams each matrix once for all its tokens (dense chunks
- * of up to 4, each chosen expert once for the tokens that chose it: k_matvec's grouped form),
- * and every token's row must still be a one-token step's.  which: 0 matmul, 1 matmul_swiglu,
+ * alone, byte for byte.  A check call takes its dense products in chunks of up to 4 tokens a
+ * launch, and every token's row must still be a one-token step's.  which: 0 matmul, 1 matmul_swiglu,
  * 2 moe_experts (gate|up of type, down of tdown; E experts, k per token, routing skew as
  * test_routing). */
 static void test_routing(int nt, int k, int E, int skew, int32_t *sel, float *wts);
@@ -1721,7 +1720,7 @@ int main(int argc, char **argv) {
     lim.max_batch = 256;                 /* test_compress_pool(0, 256, ...) */
     lim.prefill_tc = 1;                  /* the default (DS4_CUDA_PREFILL_TC) */
     lim.prefill_attn = 1;                /* the default (DS4_CUDA_PREFILL_ATTN) */
-    lim.decode_group = 2;                /* DS4_CUDA_DECODE_GROUP: its every path (2 includes 1) */
+    lim.decode_group = 1;                /* the default (DS4_CUDA_DECODE_GROUP) */
     lim.n_ctx = 32768;                   /* attention and indexer at position 20000 */
     lim.n_embd = 8192;
     lim.n_head = 64;
@@ -1912,7 +1911,7 @@ int main(int argc, char **argv) {
         test_moe_experts(types[ti], 96, 64, 4, 2, 3, 0.0f, 0);
     }
     test_moe_experts(DS4_TYPE_Q8_0, 4096, 2048, 16, 6, 1, 10.0f, 0);
-    test_moe_experts(DS4_TYPE_Q8_0, 4096, 2048, 16, 6, 2, 10.0f, 0);    /* the grouped form (k_matvec) */
+    test_moe_experts(DS4_TYPE_Q8_0, 4096, 2048, 16, 6, 2, 10.0f, 0);    /* a speculative check's widths */
     test_moe_experts(DS4_TYPE_Q8_0, 4096, 2048, 16, 6, 4, 10.0f, 0);
     test_moe_experts(DS4_TYPE_Q8_0, 4096, 2048, 16, 6, 3, 10.0f, 1);
     test_moe_experts(DS4_TYPE_Q8_0, 1024, 1024, 32, 4, 12, 10.0f, 0);
