@@ -932,9 +932,9 @@ static void test_products_rows(void) {
     for (int ti = 0; ti < 7; ti++) test_products_rows_as_steps(0, dense[ti], dense[ti], 4096, 300, 1, 1, 2, 8, 0);
     for (int ti = 0; ti < 4; ti++) test_products_rows_as_steps(1, dense[ti], dense[ti], 4096, 1024, 1, 1, 2, 4, 0);
     /* Flash's experts (D = 4096, F = 2048) at 16 of them, as flash16 has: tokens share experts;
-     * 64 experts at a smaller F; the published types (their kernel takes a block per pair) */
+     * 64 experts at a smaller F; the published types */
     test_products_rows_as_steps(2, DS4_TYPE_Q8_0, DS4_TYPE_Q8_0, 4096, 2048, 16, 6, 2, 8, 0);
-    test_products_rows_as_steps(2, DS4_TYPE_Q8_0, DS4_TYPE_Q8_0, 4096, 2048, 16, 6, 2, 4, 1);   /* one group each */
+    test_products_rows_as_steps(2, DS4_TYPE_Q8_0, DS4_TYPE_Q8_0, 4096, 2048, 16, 6, 2, 4, 1);   /* all on experts 0..5 */
     test_products_rows_as_steps(2, DS4_TYPE_Q8_0, DS4_TYPE_Q8_0, 4096, 512, 64, 6, 2, 4, 0);
     test_products_rows_as_steps(2, DS4_TYPE_IQ2_XXS, DS4_TYPE_Q2_K, 4096, 2048, 16, 6, 2, 4, 0);
     test_products_rows_as_steps(2, DS4_TYPE_Q4_K, DS4_TYPE_Q4_K, 4096, 1024, 16, 6, 2, 4, 0);
