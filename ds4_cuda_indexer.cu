@@ -12,7 +12,12 @@
  * lanes on consecutive heads hit distinct banks) next to the row tile stored
  * transposed; a thread computes one head's dots with 4 rows, then the
  * weighted ReLU terms are summed over heads in head order, as the CPU does.
- * k_indexer_select: one block per query.  A radix select over the scores'
+ * That serves decode and a speculative check (a few queries: the blocks split
+ * the rows); a prompt's batch takes k_indexer_tiles (below), whose blocks
+ * share the rows among queries and compute the same bits.
+ * k_indexer_select: one block per query.  When the query sees at most k
+ * rows, every one is taken and only the sort below runs.  Otherwise a radix
+ * select over the scores'
  * order-preserving bit patterns (four 8-bit histogram passes) finds the k-th
  * largest score T; the rows above T and the lowest-numbered rows equal to T
  * (an ordered ballot scan) are collected, and only those k keys are sorted by
@@ -135,6 +140,152 @@ static void launch_indexer_scores(const float *q, const float *w, float w_scale,
                scores, ld, rp ? 1 : 0, r);
 }
 
+/* k_indexer_tiles: the scores of a batch of queries (a prompt's), the same
+ * bits as k_indexer_scores.  k_indexer_scores stages one query (Hi x di
+ * floats, 32 KiB for Flash) per block of IX_RT rows, so a prompt of n queries
+ * reads its queries n_vis / IX_RT times over, and a thread's four dots share
+ * nothing with its neighbours'.  Here the scores of a query tile are one
+ * register-tiled product: a block holds IXT_M = 128 (query, head) pairs, i.e.
+ * IXT_M / Hi consecutive queries with every head, staged once (transposed,
+ * [di][IXT_M], rotated in place for indexer_step), and walks the row tiles
+ * of IXT_R = 64 rows its queries see: blockIdx.y, then every gridDim.y-th.
+ * Thread (ty, tx) keeps 4 pairs x 8 rows of dots in registers (pairs 4 ty ..,
+ * rows 4 tx .. and 32 + 4 tx ..): per element of the head, three 16-byte
+ * shared loads (one 64-byte broadcast, two 128-byte rows) for 32 FMAs.
+ * Each dot is the same FMA chain as k_indexer_scores' (c = 0 .. di-1 from
+ * 0), the weighted ReLU the same product, and the sum over heads the same
+ * left-to-right chain (one thread per (query, row), from the tile's terms in
+ * shared memory, where the row tile was), so the scores are the same bits
+ * and the selections the same rows, whichever kernel a batch takes.
+ * Shared memory for Hi = 64, di = 128: queries 64 KiB + rows or terms
+ * 33 KiB, two blocks per SM.  Shapes: Hi divides IXT_M, di a multiple of 4
+ * up to 128, the buffers 16-byte aligned (ix_tiles_take). */
+#define IXT_M       128                    /* (query, head) pairs per block */
+#define IXT_R       64                     /* rows per tile */
+#define IXT_THREADS 256                    /* 32 x 8: 4 pairs x 8 rows each */
+#define IXT_MAX_DI  128
+#define IXT_MIN_NQ  8                      /* batches from this many queries take the tiles */
+
+static size_t ixt_smem_bytes(int Hi, int di) {
+    const size_t rows = (size_t)di * IXT_R, terms = (size_t)(IXT_M / Hi) * IXT_R * (Hi + 1);
+    return ((size_t)di * IXT_M + IXT_M + (rows > terms ? rows : terms)) * sizeof(float);
+}
+
+__global__ void __launch_bounds__(IXT_THREADS, 2) k_indexer_tiles(const float *q, const float *w, float w_scale,
+                                                                  const float *rows, const ds4_step *step, int t0,
+                                                                  int n_q, int Hi, int di, int ratio, float *scores,
+                                                                  int64_t ld, int do_rope, rope_args rr) {
+    ds4_grid_dep();
+    extern __shared__ __align__(16) float ixt_s[];
+    float *q_s = ixt_s;                            /* [di][IXT_M]: pair m = query tl * Hi + head h */
+    float *w_s = q_s + (size_t)di * IXT_M;         /* [IXT_M] */
+    float *r_s = w_s + IXT_M;                      /* [di][IXT_R], then the terms [TQ][IXT_R][Hi + 1] */
+    const int TQ = IXT_M / Hi;
+    const int tq0 = blockIdx.x * TQ;               /* the block's first query, from t0 */
+    const int nq = n_q - tq0 < TQ ? n_q - tq0 : TQ;
+    const int pos0 = step->pos0;
+    const int n_vis = ds4_comp_rows(pos0 + t0 + tq0 + nq - 1, ratio);   /* the block's last query sees most */
+    if ((int)blockIdx.y * IXT_R >= n_vis) return;
+
+    const int d4 = di / 4;
+    const float *qb = q + (int64_t)(t0 + tq0) * Hi * di;
+    for (int i = threadIdx.x; i < IXT_M * d4; i += IXT_THREADS) {
+        const int m = i % IXT_M, c = 4 * (i / IXT_M);
+        const float4 v = m / Hi < nq ? *(const float4 *)(qb + (int64_t)m * di + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+        q_s[(c + 0) * IXT_M + m] = v.x; q_s[(c + 1) * IXT_M + m] = v.y;
+        q_s[(c + 2) * IXT_M + m] = v.z; q_s[(c + 3) * IXT_M + m] = v.w;
+    }
+    for (int m = threadIdx.x; m < IXT_M; m += IXT_THREADS)
+        w_s[m] = m / Hi < nq ? __fmul_rn(w[(int64_t)(t0 + tq0) * Hi + m], w_scale) : 0.0f;
+    if (do_rope) {
+        /* indexer_step: each query's rotation (the rope op's rope_pair, on the staged copy) */
+        __syncthreads();
+        const int half = rr.n_rot / 2, c0 = di - rr.n_rot;
+        for (int task = threadIdx.x; task < nq * Hi * half; task += IXT_THREADS) {
+            const int m = task / half, i = task % half;
+            float v[2] = { q_s[(c0 + 2 * i) * IXT_M + m], q_s[(c0 + 2 * i + 1) * IXT_M + m] };
+            rope_pair(v, rr, pos0 + t0 + tq0 + m / Hi, i, 0);
+            q_s[(c0 + 2 * i) * IXT_M + m] = v[0];
+            q_s[(c0 + 2 * i + 1) * IXT_M + m] = v[1];
+        }
+    }
+
+    const int ty = threadIdx.x / 8, tx = threadIdx.x % 8;
+    const int vld = Hi + 1;
+    for (int r0 = blockIdx.y * IXT_R; r0 < n_vis; r0 += gridDim.y * IXT_R) {
+        __syncthreads();                           /* q_s and w_s written; the last tile's terms read */
+        for (int i = threadIdx.x; i < IXT_R * d4; i += IXT_THREADS) {
+            const int r = i % IXT_R, c = 4 * (i / IXT_R);
+            const float4 v = r0 + r < n_vis ? *(const float4 *)(rows + (int64_t)(r0 + r) * di + c)
+                                            : make_float4(0.f, 0.f, 0.f, 0.f);
+            r_s[(c + 0) * IXT_R + r] = v.x; r_s[(c + 1) * IXT_R + r] = v.y;
+            r_s[(c + 2) * IXT_R + r] = v.z; r_s[(c + 3) * IXT_R + r] = v.w;
+        }
+        __syncthreads();
+        float acc[4][8];
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+#pragma unroll
+            for (int j = 0; j < 8; j++) acc[i][j] = 0.0f;
+#pragma unroll 4
+        for (int c = 0; c < di; c++) {
+            const float4 qv = *(const float4 *)(q_s + c * IXT_M + 4 * ty);
+            const float4 ra = *(const float4 *)(r_s + c * IXT_R + 4 * tx);
+            const float4 rb = *(const float4 *)(r_s + c * IXT_R + 32 + 4 * tx);
+            const float qa[4] = { qv.x, qv.y, qv.z, qv.w };
+            const float rv[8] = { ra.x, ra.y, ra.z, ra.w, rb.x, rb.y, rb.z, rb.w };
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+#pragma unroll
+                for (int j = 0; j < 8; j++) acc[i][j] = fmaf(qa[i], rv[j], acc[i][j]);
+        }
+        __syncthreads();                           /* every read of the row tile done: the terms go there */
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int m = 4 * ty + i, tl = m / Hi, h = m % Hi;
+            const float wv = w_s[m];
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                const int r = (j < 4 ? 4 * tx : 32 + 4 * tx) + (j & 3);
+                r_s[(tl * IXT_R + r) * vld + h] = __fmul_rn(wv, acc[i][j] > 0.0f ? acc[i][j] : 0.0f);
+            }
+        }
+        __syncthreads();
+        for (int i = threadIdx.x; i < TQ * IXT_R; i += IXT_THREADS) {
+            const int tl = i / IXT_R, r = i % IXT_R;
+            if (tl >= nq || r0 + r >= ds4_comp_rows(pos0 + t0 + tq0 + tl, ratio)) continue;
+            const float *v = r_s + (size_t)(tl * IXT_R + r) * vld;
+            float sacc = 0.0f;
+            for (int h = 0; h < Hi; h++) sacc += v[h];
+            scores[(int64_t)(tq0 + tl) * ld + r0 + r] = sacc;
+        }
+    }
+}
+
+/* The tiles serve a batch of at least IXT_MIN_NQ queries (decode and a
+ * speculative check keep k_indexer_scores, whose blocks split the rows of one
+ * query) when the shapes fit. */
+static bool ix_tiles_take(const float *q, const float *rows, int n_q, int Hi, int di) {
+    return n_q >= IXT_MIN_NQ && Hi >= 1 && Hi <= IXT_M && IXT_M % Hi == 0 && di % 4 == 0 && di <= IXT_MAX_DI &&
+           ((uintptr_t)q & 15) == 0 && ((uintptr_t)rows & 15) == 0 && ixt_smem_bytes(Hi, di) <= g_cuda.smem_optin;
+}
+
+/* Query tiles x row-tile strides: enough blocks for four per SM, no more
+ * strides than the widest row list has tiles. */
+static void launch_indexer_tiles(const float *q, const float *w, float w_scale, const float *rows,
+                                 const ds4_step *step, int t0, int n_q, int Hi, int di, int ratio, int64_t ld,
+                                 float *scores, const ds4_rope *rp) {
+    const int64_t gx = (n_q + IXT_M / Hi - 1) / (IXT_M / Hi), row_tiles = (ld + IXT_R - 1) / IXT_R;
+    int64_t gy = (4 * (int64_t)g_cuda.n_sm + gx - 1) / gx;
+    if (gy > row_tiles) gy = row_tiles;
+    if (gy < 1) gy = 1;
+    rope_args r;
+    memset(&r, 0, sizeof r);
+    if (rp) r = rope_args_of(rp);
+    DS4_LAUNCH(k_indexer_tiles, dim3((unsigned)gx, (unsigned)gy), IXT_THREADS, ixt_smem_bytes(Hi, di), q, w,
+               w_scale, rows, step, t0, n_q, Hi, di, ratio, scores, ld, rp ? 1 : 0, r);
+}
+
 /* Order-preserving bits of a score (-0 counts as +0, so equal scores tie). */
 __device__ __forceinline__ uint32_t ix_ukey(float s) {
     const uint32_t u = __float_as_uint(s + 0.0f);
@@ -192,7 +343,11 @@ __global__ void __launch_bounds__(IX_SEL) k_indexer_select(const float *scores, 
     }
     const int n = ds4_comp_rows(step->pos0 + t, ratio);
     const int kk = k < n ? k : n;
-    if (kk > 0) {
+    if (kk > 0 && kk == n) {
+        /* every visible row is taken (n <= k <= IX_SEL: one per thread): no
+         * selection, only the order */
+        if (tid < n) sel[tid] = ((uint64_t)ix_ukey(sv[0]) << 32) | (uint64_t)(0xffffffffu - (uint32_t)tid);
+    } else if (kk > 0) {
         /* radix select: T = the kk-th largest key; `remaining` of the keys
          * equal to T belong to the top kk */
         uint32_t uk[IX_CACHE];                      /* the first IX_CACHE*IX_SEL keys, read once */
@@ -277,6 +432,8 @@ __global__ void __launch_bounds__(IX_SEL) k_indexer_select(const float *scores, 
             __syncthreads();
         }
         /* n_sel == kk; the insertion order above does not matter: keys are unique */
+    }
+    if (kk > 0) {
         int sz = 1;
         while (sz < kk) sz <<= 1;
         if (tid >= kk && tid < sz) sel[tid] = 0ull;
@@ -316,7 +473,10 @@ static void indexer_run(const float *q, const float *w, float w_scale, const flo
     float *scores = (float *)scratch_get(&S->ix_scores, (size_t)(chunk * S->ix_ld) * sizeof(float));
     for (int t0 = 0; t0 < nt; t0 += (int)chunk) {
         const int n_q = nt - t0 < chunk ? nt - t0 : (int)chunk;
-        launch_indexer_scores(q, w, w_scale, rows, step, t0, n_q, Hi, di, ratio, S->ix_ld, scores, rp);
+        if (ix_tiles_take(q, rows, n_q, Hi, di))
+            launch_indexer_tiles(q, w, w_scale, rows, step, t0, n_q, Hi, di, ratio, S->ix_ld, scores, rp);
+        else
+            launch_indexer_scores(q, w, w_scale, rows, step, t0, n_q, Hi, di, ratio, S->ix_ld, scores, rp);
         launch_indexer_select(scores, S->ix_ld, step, t0, n_q, ratio, k, out);
     }
 }
@@ -334,9 +494,11 @@ static void cuda_indexer_step(float *q, const float *w, float w_scale, const flo
     indexer_run(q, w, w_scale, rows, step, nt, Hi, di, ratio, k, rp && rp->n_rot > 0 ? rp : NULL, out);
 }
 
-/* k_indexer_scores has only dynamic shared memory: allow all of it (once, at init). */
+/* The scores kernels have only dynamic shared memory: allow all of it (once, at init). */
 void indexer_setup(void) {
     DS4_CUDA_CHECK(cudaFuncSetAttribute(k_indexer_scores, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        (int)g_cuda.smem_optin));
+    DS4_CUDA_CHECK(cudaFuncSetAttribute(k_indexer_tiles, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         (int)g_cuda.smem_optin));
 }
 

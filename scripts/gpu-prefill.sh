@@ -16,12 +16,15 @@
 # CUDA logits of a 300-token prompt + 32 greedy steps on small Q8_0 and F16 from both trees,
 # compared byte for byte (for a change that keeps every sum).
 # hooks: flash16 prefill with DS4_HOOKS=attn (to /dev/null) against none, HOOKS_ROUNDS (2) rounds.
+# dprof: ncu sections (as prof) on the first launch of each kernel of DPROF_KERNELS (a regex list,
+# default the decode step's non-matvec kernels) in one flash16 decode step (ds4_bench
+# --profile-step, position 536 after a 512-token prefill).
 # exact: CUDA against the CPU on EXACT_MODELS (config/type, e.g. "small/q8_0 small-q4/"), the tree's
 # prefill paths switched off and on.  tcsame: CUDA logits with DS4_CUDA_PREFILL_TC=1 against 0 on
 # TCSAME_MODEL (flash-q2@16: the published layout's experts at Flash's shapes, where the CPU would
 # take hours), written to $TMPDIR.  san: compute-sanitizer on prefills of SAN_MODELS and on
 # test_backend_ops (SAN_OPS: 1 every case, tc the tensor-core engine's, 0 none).
-#   scripts/gpu-prefill.sh [peak] [test] [bench] [attn] [q2] [hooks] [vs] [same] [report] [prof] [stall] [exact] [tcsame] [san] [peer]
+#   scripts/gpu-prefill.sh [peak] [test] [bench] [attn] [q2] [hooks] [vs] [same] [report] [prof] [dprof] [stall] [exact] [tcsame] [san] [peer]
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-build/gpu-out}; mkdir -p "$OUT"
@@ -99,7 +102,7 @@ if want vs; then
         bin=build/cuda-"$ARCH"/ds4_bench; [ $tree = prev ] && bin="$PREV/$bin"
         log="$OUT/vs-$m-$tree-$r.log"
         timeout 300 "$bin" --model "$m" --backend cuda --reps 3 --decode 8 --prefill 512,4096 --tc-peak "$PEAK" > "$log" 2>&1
-        echo "$m $tree round $r: $(grep -E '^prefill' "$log" | sed 's/ (.*//' | tr '\n' ' ')"
+        echo "$m $tree round $r: $(grep -E '^prefill|^decode: median' "$log" | sed 's/ (.*//' | tr '\n' ' ')"
       done
     done
   done
@@ -143,6 +146,18 @@ if want prof; then
       --no-warmup > "$OUT/prof-$1.log" 2>&1
     echo "$1: rc $? $(grep -cE '^  [a-z_]+.*\(' "$OUT/prof-$1.log") launches profiled"
     grep -E '^  [a-zA-Z_].*\(|Duration|Compute \(SM\) Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Issue Slots Busy|No Eligible|Executed Ipc A' "$OUT/prof-$1.log" | head -60
+  done
+fi
+if want dprof; then
+  step "ncu: one launch of each of DPROF_KERNELS in a flash16 decode step"
+  NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  for k in ${DPROF_KERNELS:-k_hc_pre k_moe_gate k_indexer_scores k_indexer_select k_attention< k_attention_combine k_head_norm_rope k_moe_combine}; do
+    f="$OUT/dprof-$(echo "$k" | tr -cd 'a-z_').log"
+    timeout 200 "$NCU" --clock-control none --profile-from-start off --kernel-name-base demangled -k "regex:$k" --launch-count 1 \
+      --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats --section SchedulerStats \
+      build/cuda-"$ARCH"/ds4_bench --model flash16 --backend cuda --reps 0 --prefill 512 --profile-step > "$f" 2>&1
+    echo "$k: rc $?"
+    grep -E 'Duration|Registers Per|Block Size|Grid Size|Achieved Occupancy|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|Stall' "$f" | head -14
   done
 fi
 if want stall; then

@@ -1187,6 +1187,44 @@ static void test_indexer(int pos0, int nt, int Hi, int di, int ratio, int k) {
     test_indexer_rp(pos0, nt, Hi, di, ratio, k, 0);
 }
 
+/* A batch of nt queries against nt one-query calls at their positions, on the CUDA backend
+ * alone: the selections byte for byte.  A prompt's batch (from 8 queries) is scored by
+ * k_indexer_tiles, a single query by k_indexer_scores; the two compute the same score bits, so
+ * even rows whose scores nearly tie come out in the same order.  n_rot > 0: indexer_step. */
+static void test_indexer_rows_as_steps(int pos0, int nt, int Hi, int di, int k, int n_rot) {
+    const int bi = 1, ratio = 4;
+    const ds4_rope rp = test_rope_params(n_rot, 1);
+    const int n_rows = (pos0 + nt) / ratio + 1;
+    const float w_scale = 1.0f / sqrtf((float)di * (float)Hi);
+    float *q = rnd_vec((size_t)nt * Hi * di, 1.0f), *w = rnd_vec((size_t)nt * Hi, 1.0f);
+    float *rows = rnd_vec((size_t)n_rows * di, 1.0f);
+    ds4_step *st = calloc((size_t)nt, sizeof *st);
+    for (int t = 0; t < nt; t++) st[t].pos0 = pos0 + t;
+    int32_t *out[2];
+    for (int one = 0; one < 2; one++) {
+        float *dq = dev_put(bi, q, (size_t)nt * Hi * di * 4), *dw = dev_put(bi, w, (size_t)nt * Hi * 4);
+        float *dr = dev_put(bi, rows, (size_t)n_rows * di * 4);
+        const ds4_step *ds = dev_put(bi, st, (size_t)nt * sizeof *st);
+        int32_t *dy = dev_poison_i32(bi, (size_t)nt * k);
+        for (int t0 = 0; t0 < nt; t0 += one ? 1 : nt) {
+            const int m = one ? 1 : nt;
+            float *qt = dq + (size_t)t0 * Hi * di, *wt = dw + (size_t)t0 * Hi;
+            if (n_rot > 0) B[bi]->indexer_step(qt, wt, w_scale, dr, ds + t0, m, Hi, di, ratio, k, &rp, dy + (size_t)t0 * k);
+            else B[bi]->indexer_topk(qt, wt, w_scale, dr, ds + t0, m, Hi, di, ratio, k, dy + (size_t)t0 * k);
+        }
+        out[one] = dev_get(bi, dy, (size_t)nt * k * 4);
+        dev_free_all(bi);
+    }
+    char shape[120];
+    snprintf(shape, sizeof shape, "rows as steps pos0=%d nt=%d Hi=%d di=%d k=%d%s", pos0, nt, Hi, di, k,
+             n_rot > 0 ? " step" : "");
+    const int ok = memcmp(out[0], out[1], (size_t)nt * k * 4) == 0;
+    printf("%-15s %-44s %s\n", n_rot > 0 ? "indexer_step" : "indexer_topk", shape,
+           ok ? "ok" : "FAIL (a batch's selections differ from one-query calls)");
+    if (ok) g_pass++; else g_fail++;
+    free(out[0]); free(out[1]); free(q); free(w); free(rows); free(st);
+}
+
 /* A hash layer's tid2eid table, I32 {k, V}: row v = (v*mult + 3j) % E, or an
  * empty weight (host NULL) when !hash. */
 static ds4_weight make_tid2eid(int V, int k, int E, int mult, int hash) {
@@ -1886,6 +1924,14 @@ int main(int argc, char **argv) {
     test_indexer(0, 64, 64, 128, 4, 16);
     test_indexer(300, 3, 32, 64, 4, 40);
     test_indexer(20000, 2, 64, 128, 4, 512);  /* 5000 visible rows: chunked selection */
+    /* a prompt's batch (k_indexer_tiles): against the CPU, then against one-query calls */
+    test_indexer(1000, 300, 64, 128, 4, 512);  /* 250..325 rows: tiles of 64, fewer rows than k */
+    test_indexer(2040, 100, 64, 128, 4, 512);  /* 510..535 rows: the selection begins inside the batch */
+    test_indexer_rp(300, 40, 32, 64, 4, 40, 32);
+    test_indexer_rp(61, 19, 8, 64, 4, 16, 64);  /* 16 queries a block, the last block partial */
+    test_indexer_rows_as_steps(2040, 40, 64, 128, 512, 64);
+    test_indexer_rows_as_steps(4000, 24, 64, 128, 512, 0);
+    test_indexer_rows_as_steps(300, 33, 32, 64, 40, 32);
 
     for (int ni = 0; ni < 3; ni++) {
         test_moe_route(nts[ni], 16, 6, 0, 1, 1.5f);
