@@ -40,6 +40,30 @@ static size_t ix_smem_bytes(int Hi, int di) {
     return f * sizeof(float);
 }
 
+/* indexer_step's rotation of nq staged queries of Hi heads (the rope op's arithmetic, on the
+ * staged copy): element c of pair m = query tl * Hi + head h sits at q_s[m * sm + c * sc].  The
+ * cosines and sines depend on the query and the pair alone, so they are made once per query
+ * into cs_s ([nq][n_rot / 2][2], scratch the caller has free), not once per head; lanes take
+ * consecutive pairs m.  Starts and ends with a barrier: the staging before it is complete, and
+ * so are the rotated queries (cs_s may be rewritten) after it. */
+template <int THREADS>
+__device__ void ix_rope_staged(float *q_s, int sm, int sc, int nq, int Hi, int di, float *cs_s, const rope_args &rr,
+                               int p0) {
+    const int half = rr.n_rot / 2, c0 = di - rr.n_rot, nm = nq * Hi;
+    for (int task = threadIdx.x; task < nq * half; task += THREADS)
+        rope_cs(rr, p0 + task / half, task % half, 0, &cs_s[2 * task], &cs_s[2 * task + 1]);
+    __syncthreads();
+    for (int task = threadIdx.x; task < nm * half; task += THREADS) {
+        const int m = task % nm, i = task / nm, e = 2 * ((m / Hi) * half + i);
+        const float c = cs_s[e], s = cs_s[e + 1];
+        float *x = q_s + (size_t)m * sm + (size_t)(c0 + 2 * i) * sc;
+        const float x0 = x[0], x1 = x[sc];
+        x[0] = rope_rot0(x0, x1, c, s);
+        x[sc] = rope_rot1(x0, x1, c, s);
+    }
+    __syncthreads();
+}
+
 __global__ void __launch_bounds__(IX_THREADS) k_indexer_scores(const float *q, const float *w, float w_scale,
                                                                const float *rows,
                                                                const ds4_step *step, int t0, int Hi, int di, int ratio,
@@ -74,15 +98,7 @@ __global__ void __launch_bounds__(IX_THREADS) k_indexer_scores(const float *q, c
         if (qc >= di) { qc -= di; qh++; }
     }
     for (int h = threadIdx.x; h < Hi; h += IX_THREADS) w_s[h] = __fmul_rn(w[(int64_t)t * Hi + h], w_scale);
-    if (do_rope) {
-        /* indexer_step: the query's rotation (the rope op's rope_pair, on the staged copy) */
-        __syncthreads();
-        const int half = rr.n_rot / 2;
-        for (int task = threadIdx.x; task < Hi * half; task += IX_THREADS) {
-            const int h = task / half, i = task % half;
-            rope_pair(q_s + (size_t)h * qld + (di - rr.n_rot) + 2 * i, rr, step->pos0 + t, i, 0);
-        }
-    }
+    if (do_rope) ix_rope_staged<IX_THREADS>(q_s, qld, 1, 1, Hi, di, r_s, rr, step->pos0 + t);   /* r_s: free yet */
     /* the block's tiles of IX_RT rows: blockIdx.x, then every gridDim.x-th */
     for (int r0 = blockIdx.x * IX_RT; r0 < n_vis; r0 += gridDim.x * IX_RT) {
         if (r0 != (int)blockIdx.x * IX_RT) __syncthreads();   /* the previous tile's readers are done */
@@ -167,8 +183,11 @@ static void launch_indexer_scores(const float *q, const float *w, float w_scale,
 #define IXT_MIN_NQ  8                      /* batches from this many queries take the tiles */
 
 static size_t ixt_smem_bytes(int Hi, int di) {
-    const size_t rows = (size_t)di * IXT_R, terms = (size_t)(IXT_M / Hi) * IXT_R * (Hi + 1);
-    return ((size_t)di * IXT_M + IXT_M + (rows > terms ? rows : terms)) * sizeof(float);
+    /* after the queries and their weights, one region for the rotation's table, then each row
+     * tile, then the tile's terms */
+    const size_t cs = (size_t)(IXT_M / Hi) * di, rows = (size_t)di * IXT_R, terms = (size_t)(IXT_M / Hi) * IXT_R * (Hi + 1);
+    const size_t u = cs > rows ? cs : rows;
+    return ((size_t)di * IXT_M + IXT_M + (u > terms ? u : terms)) * sizeof(float);
 }
 
 __global__ void __launch_bounds__(IXT_THREADS, 2) k_indexer_tiles(const float *q, const float *w, float w_scale,
@@ -197,18 +216,7 @@ __global__ void __launch_bounds__(IXT_THREADS, 2) k_indexer_tiles(const float *q
     }
     for (int m = threadIdx.x; m < IXT_M; m += IXT_THREADS)
         w_s[m] = m / Hi < nq ? __fmul_rn(w[(int64_t)(t0 + tq0) * Hi + m], w_scale) : 0.0f;
-    if (do_rope) {
-        /* indexer_step: each query's rotation (the rope op's rope_pair, on the staged copy) */
-        __syncthreads();
-        const int half = rr.n_rot / 2, c0 = di - rr.n_rot;
-        for (int task = threadIdx.x; task < nq * Hi * half; task += IXT_THREADS) {
-            const int m = task / half, i = task % half;
-            float v[2] = { q_s[(c0 + 2 * i) * IXT_M + m], q_s[(c0 + 2 * i + 1) * IXT_M + m] };
-            rope_pair(v, rr, pos0 + t0 + tq0 + m / Hi, i, 0);
-            q_s[(c0 + 2 * i) * IXT_M + m] = v[0];
-            q_s[(c0 + 2 * i + 1) * IXT_M + m] = v[1];
-        }
-    }
+    if (do_rope) ix_rope_staged<IXT_THREADS>(q_s, 1, IXT_M, nq, Hi, di, r_s, rr, pos0 + t0 + tq0);  /* r_s: free yet */
 
     const int ty = threadIdx.x / 8, tx = threadIdx.x % 8;
     const int vld = Hi + 1;
