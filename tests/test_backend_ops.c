@@ -1925,7 +1925,7 @@ int main(int argc, char **argv) {
     test_indexer(300, 3, 32, 64, 4, 40);
     test_indexer(20000, 2, 64, 128, 4, 512);  /* 5000 visible rows: chunked selection */
     /* a prompt's batch (k_indexer_tiles): against the CPU, then against one-query calls */
-    test_indexer(1000, 300, 64, 128, 4, 512);  /* 250..325 rows: tiles of 64, fewer rows than k */
+    test_indexer(1000, 250, 64, 128, 4, 512);  /* 250..312 rows: tiles of 64, fewer rows than k */
     test_indexer(2040, 100, 64, 128, 4, 512);  /* 510..535 rows: the selection begins inside the batch */
     test_indexer_rp(300, 40, 32, 64, 4, 40, 32);
     test_indexer_rp(61, 19, 8, 64, 4, 16, 64);  /* 16 queries a block, the last block partial */
