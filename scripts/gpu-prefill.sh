@@ -19,12 +19,14 @@
 # dprof: ncu sections (as prof) on the first launch of each kernel of DPROF_KERNELS (a regex list,
 # default the decode step's non-matvec kernels) in one flash16 decode step (ds4_bench
 # --profile-step, position 536 after a 512-token prefill).
+# dreport: scripts/kernel_report.sh flash16 (one decode step, kernel by kernel) with PREV's
+# ds4_bench and with this tree's, one after the other.
 # exact: CUDA against the CPU on EXACT_MODELS (config/type, e.g. "small/q8_0 small-q4/"), the tree's
 # prefill paths switched off and on.  tcsame: CUDA logits with DS4_CUDA_PREFILL_TC=1 against 0 on
 # TCSAME_MODEL (flash-q2@16: the published layout's experts at Flash's shapes, where the CPU would
 # take hours), written to $TMPDIR.  san: compute-sanitizer on prefills of SAN_MODELS and on
 # test_backend_ops (SAN_OPS: 1 every case, tc the tensor-core engine's, 0 none).
-#   scripts/gpu-prefill.sh [peak] [test] [bench] [attn] [q2] [hooks] [vs] [same] [report] [prof] [dprof] [stall] [exact] [tcsame] [san] [peer]
+#   scripts/gpu-prefill.sh [peak] [test] [bench] [attn] [q2] [hooks] [vs] [same] [report] [prof] [dprof] [dreport] [stall] [exact] [tcsame] [san] [peer]
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-build/gpu-out}; mkdir -p "$OUT"
@@ -36,7 +38,7 @@ step build
 make cuda CUDA_ARCH="$ARCH" > "$OUT/build.log" 2>&1 &&
   make --no-print-directory build/cuda-"$ARCH"/test_backend_ops build/cuda-"$ARCH"/ds4_bench CUDA_ARCH="$ARCH" \
     >> "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
-if want vs || want same; then
+if want vs || want same || want dreport; then
   [ -d "${PREV:-}" ] || { echo "vs/same: PREV=DIR (a tree to compare with) is not a directory"; exit 2; }
   step "build PREV ($PREV)"
   (cd "$PREV" && make cuda CUDA_ARCH="$ARCH" && make --no-print-directory build/cuda-"$ARCH"/ds4_bench CUDA_ARCH="$ARCH") \
@@ -158,6 +160,14 @@ if want dprof; then
       build/cuda-"$ARCH"/ds4_bench --model flash16 --backend cuda --reps 0 --prefill 512 --profile-step > "$f" 2>&1
     echo "$k: rc $?"
     grep -E 'Duration|Registers Per|Block Size|Grid Size|Achieved Occupancy|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|Stall' "$f" | head -14
+  done
+fi
+if want dreport; then
+  step "kernel report: one flash16 decode step, PREV's ds4_bench then this tree's"
+  for tree in prev head; do
+    b=build/cuda-"$ARCH"/ds4_bench; [ $tree = prev ] && b="$PREV/$b"
+    BENCH=$b timeout 240 bash scripts/kernel_report.sh flash16 "$OUT/dkr-$tree" > "$OUT/dkr-$tree.log" 2>&1
+    echo "$tree: rc $?"; tail -30 "$OUT/dkr-$tree/kernels-flash16.md"
   done
 fi
 if want stall; then
