@@ -47,14 +47,17 @@
  * How to run it (GPU machine; CI only compiles and links it):
  *   make build/cuda-sm_90/matvec_table CUDA_ARCH=sm_90
  *   build/cuda-sm_90/matvec_table [--reps 7] [--calls 64] [--pool-mb 128]
- *                                 [--copy-bw GBps] [--only NAME] [--nt N] [--group G]
+ *                                 [--copy-bw GBps] [--only NAME] [--nt N] [--group G] [--copies C]
  * --copy-bw (from bench/bandwidth, read+write) adds a "% of copy BW" column;
  * --only runs the rows whose name contains NAME.  --nt N (1..4) calls the plain
  * ops of section 1 with N tokens, as a speculative check calls them (the routed
  * experts: token 0 on experts 1 4 6 9 12 15, the others on 6 of the 16 from a
  * fixed generator), with DS4_CUDA_DECODE_GROUP = G (--group 0 or 1, default 1);
  * the other rows are skipped, and GB/s stays one token's bytes per call (compare
- * us/call).  Output: markdown tables,
+ * us/call).  --copies C rotates among C copies whatever the pool: --copies 1 reads
+ * the same weights every call, so a row whose weights fit in L2 streams them from
+ * there (what a decode step would see if its weights were prefetched into L2 while
+ * the small kernels before them run).  Output: markdown tables,
  * then one `RESULT bench=matvec_table ...` line per row and per total.  Without
  * a GPU it prints "skipped: no GPU" and exits 0.
  */
@@ -311,6 +314,7 @@ static void *make_host(const wspec *s) {
 }
 
 static int g_nt = 1;                 /* --nt: tokens per call of the plain ops */
+static int g_copies = 0;             /* --copies: weight copies per row (0: enough for the pool) */
 
 /* ---- device buffers shared by all rows ---- */
 static const ds4_backend *be;
@@ -449,6 +453,7 @@ static void measure(row_t *r, double pool_bytes, int reps, int calls) {
     int ncopies = (int)ceil(pool_bytes / r->read_bytes) + 1;
     if (ncopies < 2) ncopies = 2;
     if (ncopies > 4096) ncopies = 4096;
+    if (g_copies > 0) ncopies = g_copies;
     r->ncopies = ncopies;
 
     void *host[DS4_MULTI_MAX];
@@ -532,7 +537,7 @@ static void result_token(char *s) {
 
 static void usage(FILE *f) {
     fprintf(f, "usage: matvec_table [--reps N] [--calls N] [--pool-mb MB] [--copy-bw GBps] [--only NAME] [--nt N] "
-               "[--group G]\n");
+               "[--group G] [--copies C]\n");
 }
 
 int main(int argc, char **argv) {
@@ -552,10 +557,13 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--only")) only = v;
         else if (!strcmp(a, "--nt")) g_nt = atoi(v);
         else if (!strcmp(a, "--group")) group = atoi(v);
+        else if (!strcmp(a, "--copies")) g_copies = atoi(v);
         else { fprintf(stderr, "matvec_table: unknown option %s\n", a); usage(stderr); return 2; }
     }
-    if (reps < 1 || calls < 1 || pool_mb < 0 || g_nt < 1 || g_nt > 4 || group < 0 || group > 1) {
-        fprintf(stderr, "matvec_table: --reps and --calls must be >= 1, --pool-mb >= 0, --nt in 1..4, --group in 0..1\n");
+    if (reps < 1 || calls < 1 || pool_mb < 0 || g_nt < 1 || g_nt > 4 || group < 0 || group > 1 || g_copies < 0 ||
+        g_copies > 4096) {
+        fprintf(stderr, "matvec_table: --reps and --calls must be >= 1, --pool-mb >= 0, --nt in 1..4, --group in 0..1, "
+                        "--copies in 0..4096\n");
         return 2;
     }
     setvbuf(stdout, NULL, _IOLBF, 0);   /* rows survive a time limit */
@@ -599,7 +607,8 @@ int main(int argc, char **argv) {
 
     printf("matvec_table: flash16 decode (%d token%s a call, DS4_CUDA_DECODE_GROUP=%d), CUDA backend; L2 %.0f MB; "
            "each row rotates weight copies so >= %.0f MB are read between two uses of one copy; median of %d "
-           "repetitions of %d calls\n", g_nt, g_nt > 1 ? "s" : "", group, l2 / MB, pool / MB, reps, calls);
+           "repetitions of %d calls%s\n", g_nt, g_nt > 1 ? "s" : "", group, l2 / MB, pool / MB, reps, calls,
+           g_copies > 0 ? "; --copies overrides the rotation (1: the same weights every call, from L2 when they fit)" : "");
     printf("us/call: GPU pace (calls queued behind a host hold, then run back to back); issued: the same calls "
            "issued eagerly; GB/s: weight bytes read per call / us/call\n");
 

@@ -19,6 +19,8 @@
 # dprof: ncu sections (as prof) on the first launch of each kernel of DPROF_KERNELS (a regex list,
 # default the decode step's non-matvec kernels) in one flash16 decode step (ds4_bench
 # --profile-step, position 536 after a 512-token prefill).
+# l2hot: bench/matvec_table (decode shapes) with weights from DRAM (the default rotation) and
+# with --copies 1 (the same weights each call: from L2 where they fit), side by side.
 # dreport: scripts/kernel_report.sh flash16 (one decode step, kernel by kernel) with PREV's
 # ds4_bench and with this tree's, one after the other.
 # exact: CUDA against the CPU on EXACT_MODELS (config/type, e.g. "small/q8_0 small-q4/"), the tree's
@@ -26,7 +28,7 @@
 # TCSAME_MODEL (flash-q2@16: the published layout's experts at Flash's shapes, where the CPU would
 # take hours), written to $TMPDIR.  san: compute-sanitizer on prefills of SAN_MODELS and on
 # test_backend_ops (SAN_OPS: 1 every case, tc the tensor-core engine's, 0 none).
-#   scripts/gpu-prefill.sh [peak] [test] [bench] [attn] [q2] [hooks] [vs] [same] [report] [prof] [dprof] [dreport] [stall] [exact] [tcsame] [san] [peer]
+#   scripts/gpu-prefill.sh [peak] [test] [bench] [attn] [q2] [hooks] [vs] [same] [report] [prof] [dprof] [dreport] [l2hot] [stall] [exact] [tcsame] [san] [peer]
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-build/gpu-out}; mkdir -p "$OUT"
@@ -168,6 +170,14 @@ if want dreport; then
     b=build/cuda-"$ARCH"/ds4_bench; [ $tree = prev ] && b="$PREV/$b"
     BENCH=$b timeout 240 bash scripts/kernel_report.sh flash16 "$OUT/dkr-$tree" > "$OUT/dkr-$tree.log" 2>&1
     echo "$tree: rc $?"; tail -30 "$OUT/dkr-$tree/kernels-flash16.md"
+  done
+fi
+if want l2hot; then
+  step "matvec_table: weights from DRAM, then from L2 (--copies 1)"
+  make --no-print-directory build/cuda-"$ARCH"/matvec_table CUDA_ARCH="$ARCH" >> "$OUT/build.log" 2>&1
+  for c in 0 1; do
+    timeout 150 build/cuda-"$ARCH"/matvec_table --reps 5 --calls 32 --copies $c > "$OUT/l2hot-$c.log" 2>&1
+    echo "copies $c: rc $?"; grep -E '^\| [a-z]' "$OUT/l2hot-$c.log" | cut -d'|' -f2,5,6,8,9,12 | head -20
   done
 fi
 if want stall; then
