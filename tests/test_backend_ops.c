@@ -1665,6 +1665,27 @@ static void session_pop(void *ps[2], void *prev[2]) {
     }
 }
 
+/* The indexer at a prompt's batch sizes, 1, 2, 7, 64, 512 and 4096 queries of Flash's 64 x 128
+ * heads with k = 512 (from position 0: the early queries see fewer rows than k, the sort-only
+ * select, the later ones more), against the CPU, then a batch against one-query calls; in a
+ * session sized for 4096-token batches (`test_backend_ops ix` runs this alone). */
+static int test_indexer_batches(const ds4_limits *lim0) {
+    ds4_limits pl = *lim0;
+    pl.max_batch = 4096;
+    pl.n_ctx = 8192;
+    pl.idx_topk = 512;
+    void *ps[2], *prev[2];
+    if (session_push(&pl, ps, prev) != 0) return 2;
+    const int in[6] = { 1, 2, 7, 64, 512, 4096 };
+    for (int ni = 0; ni < 6; ni++) {
+        test_indexer_rp(0, in[ni], 64, 128, 4, 512, 64);
+        test_indexer(8192 - in[ni] - 1, in[ni], 64, 128, 4, 512);
+    }
+    test_indexer_rows_as_steps(2000, 512, 64, 128, 512, 64);
+    session_pop(ps, prev);
+    return 0;
+}
+
 /* Prefill on tensor cores, in a session sized for 4096-token batches (`test_backend_ops tc`
  * runs this alone, e.g. under compute-sanitizer). */
 static int test_tc_engine(const ds4_limits *lim0) {
@@ -1739,9 +1760,11 @@ static int test_tc_engine(const ds4_limits *lim0) {
 }
 
 int main(int argc, char **argv) {
-    if (argc > 2 || (argc == 2 && strcmp(argv[1], "tc") != 0 && strcmp(argv[1], "rows") != 0)) {
-        fprintf(stderr, "usage: test_backend_ops [tc|rows]   (tc: only the tensor-core engine's cases; rows: only "
-                        "a batch's rows against one-token calls: attention, the weight products)\n");
+    if (argc > 2 || (argc == 2 && strcmp(argv[1], "tc") != 0 && strcmp(argv[1], "rows") != 0 &&
+                     strcmp(argv[1], "ix") != 0)) {
+        fprintf(stderr, "usage: test_backend_ops [tc|rows|ix]   (tc: only the tensor-core engine's cases; rows: only "
+                        "a batch's rows against one-token calls: attention, the weight products; ix: only the "
+                        "indexer at a prompt's batch sizes)\n");
         return 2;
     }
     B[0] = ds4_backend_cpu();
@@ -1779,6 +1802,11 @@ int main(int argc, char **argv) {
     if (argc == 2 && !strcmp(argv[1], "rows")) {
         test_attention_rows();
         test_products_rows();
+        printf("%d passed, %d failed\n", g_pass, g_fail);
+        return g_fail ? 1 : 0;
+    }
+    if (argc == 2 && !strcmp(argv[1], "ix")) {
+        if (test_indexer_batches(&lim) != 0) return 2;
         printf("%d passed, %d failed\n", g_pass, g_fail);
         return g_fail ? 1 : 0;
     }
@@ -2063,6 +2091,7 @@ int main(int argc, char **argv) {
     test_quant_types();
 
     if (test_tc_engine(&lim) != 0) return 2;
+    if (test_indexer_batches(&lim) != 0) return 2;
 
     /* prefill attention (k_attention_tiles): the Flash shape (64 heads x 512, window 128,
      * ratio 4 with 512 picks, ratio 128) at the batch sizes 1, 2, 7, 64, 512 and 4096 (16 heads
