@@ -113,6 +113,8 @@ struct ds4_model {
     /* mapping */
     const uint8_t *base;     /* whole file */
     size_t         size;
+    const uint8_t *mtp_base; /* the MTP block's own file (ds4_model_attach_mtp), mapped; NULL: none */
+    size_t         mtp_size;
     int            owned_kind; /* 0 = mmap'ed file, 1 = malloc'ed memory image, 2 = borrowed */
     size_t         weight_bytes; /* sum of the trunk's tensor bytes (the MTP block's apart) */
     int            n_tensors;
@@ -1262,6 +1264,52 @@ static int64_t gguf_block_index(gguf_str s, uint64_t *after) {
     return n;
 }
 
+/* Block il's tensors: a trunk layer, or (il == n_layer) the MTP block's layer and its nextn
+ * tensors. */
+static int gguf_bind_layer(gguf_ctx *g, ds4_model *m, int il) {
+    const ds4_hparams *hp = &m->hp;
+    char name[128];
+    int64_t ne[4];
+    ds4_layer_w *lw = il < hp->n_layer ? &m->layers[il] : &m->mtp.layer;
+    for (int id = 0; id < LT_COUNT; id++) {
+        const gguf_tspec *sp = &gguf_layer_specs[id];
+        if (!gguf_layer_has(sp->when, hp, il)) continue;
+        snprintf(name, sizeof name, "blk.%d.%s", il, sp->name);
+        int nd = gguf_layer_shape(id, hp, il, ne);
+        ds4_weight *w = (ds4_weight *)((char *)lw + sp->off);
+        if (!gguf_bind_one(g, name, sp->name, sp, nd, ne, w)) return 0;
+    }
+    for (int id = 0; il == hp->n_layer && id < NT_COUNT; id++) {
+        const gguf_tspec *sp = &gguf_nextn_specs[id];
+        snprintf(name, sizeof name, "blk.%d.%s", il, sp->name);
+        if (sp->when == TS_OPTIONAL && !gguf_find_tensor(g, name)) continue;
+        int nd = gguf_nextn_shape(id, hp, ne);
+        if (!gguf_bind_one(g, name, sp->name, sp, nd, ne, (ds4_weight *)((char *)&m->mtp + sp->off))) return 0;
+    }
+    /* hash routing table: every id must name an expert */
+    const ds4_weight *tw = &lw->tid2eid;
+    if (tw->host) {
+        const uint8_t *p = tw->host;
+        int64_t k = tw->ne[0], rows = tw->ne[1];
+        for (int64_t row = 0; row < rows; row++)
+            for (int64_t j = 0; j < k; j++) {
+                int32_t e = (int32_t)gguf_le32(p + (size_t)(row * k + j) * 4);
+                if (e < 0 || e >= hp->n_expert)
+                    return gguf_fail(g, "tensor 'blk.%d.ffn_gate_tid2eid.weight' row %lld has expert id %d "
+                                     "(expected 0..%d)", il, (long long)row, e, hp->n_expert - 1);
+            }
+    }
+    return 1;
+}
+
+/* The MTP block's bytes (not in weight_bytes). */
+static size_t model_mtp_bytes(const ds4_model *m) {
+    size_t n = 0;
+    const ds4_weight *w = &m->mtp.eh_proj;   /* ds4_mtp_w is ds4_weights only */
+    for (size_t i = 0; m->hp.n_mtp && i < sizeof m->mtp / sizeof *w; i++) n += w[i].nbytes;
+    return n;
+}
+
 static int gguf_bind(gguf_ctx *g, ds4_model *m) {
     const ds4_hparams *hp = &m->hp;
     char name[128];
@@ -1273,37 +1321,8 @@ static int gguf_bind(gguf_ctx *g, ds4_model *m) {
         if (!gguf_bind_one(g, sp->name, sp->name, sp, nd, ne, (ds4_weight *)((char *)m + sp->off))) return 0;
     }
     /* the trunk's layers, then the MTP block's (block n_layer: a layer and its nextn tensors) */
-    for (int il = 0; il < hp->n_layer + hp->n_mtp; il++) {
-        ds4_layer_w *lw = il < hp->n_layer ? &m->layers[il] : &m->mtp.layer;
-        for (int id = 0; id < LT_COUNT; id++) {
-            const gguf_tspec *sp = &gguf_layer_specs[id];
-            if (!gguf_layer_has(sp->when, hp, il)) continue;
-            snprintf(name, sizeof name, "blk.%d.%s", il, sp->name);
-            int nd = gguf_layer_shape(id, hp, il, ne);
-            ds4_weight *w = (ds4_weight *)((char *)lw + sp->off);
-            if (!gguf_bind_one(g, name, sp->name, sp, nd, ne, w)) return 0;
-        }
-        for (int id = 0; il == hp->n_layer && id < NT_COUNT; id++) {
-            const gguf_tspec *sp = &gguf_nextn_specs[id];
-            snprintf(name, sizeof name, "blk.%d.%s", il, sp->name);
-            if (sp->when == TS_OPTIONAL && !gguf_find_tensor(g, name)) continue;
-            int nd = gguf_nextn_shape(id, hp, ne);
-            if (!gguf_bind_one(g, name, sp->name, sp, nd, ne, (ds4_weight *)((char *)&m->mtp + sp->off))) return 0;
-        }
-        /* hash routing table: every id must name an expert */
-        const ds4_weight *tw = &lw->tid2eid;
-        if (tw->host) {
-            const uint8_t *p = tw->host;
-            int64_t k = tw->ne[0], rows = tw->ne[1];
-            for (int64_t row = 0; row < rows; row++)
-                for (int64_t j = 0; j < k; j++) {
-                    int32_t e = (int32_t)gguf_le32(p + (size_t)(row * k + j) * 4);
-                    if (e < 0 || e >= hp->n_expert)
-                        return gguf_fail(g, "tensor 'blk.%d.ffn_gate_tid2eid.weight' row %lld has expert id %d "
-                                         "(expected 0..%d)", il, (long long)row, e, hp->n_expert - 1);
-                }
-        }
-    }
+    for (int il = 0; il < hp->n_layer + hp->n_mtp; il++)
+        if (!gguf_bind_layer(g, m, il)) return 0;
 
     /* anything else is an error, except MTP blocks and the vision routing bias */
     for (size_t i = 0; i < g->n_t; i++) {
@@ -1328,12 +1347,8 @@ static int gguf_bind(gguf_ctx *g, ds4_model *m) {
             m->weight_bytes += (size_t)g->t[i].nbytes;
             m->n_tensors++;
         }
-    m->mtp_bytes = 0;
-    if (hp->n_mtp) {
-        const ds4_weight *w = &m->mtp.eh_proj;   /* ds4_mtp_w is ds4_weights only */
-        for (size_t i = 0; i < sizeof m->mtp / sizeof *w; i++) m->mtp_bytes += w[i].nbytes;
-        m->weight_bytes -= m->mtp_bytes;
-    }
+    m->mtp_bytes = model_mtp_bytes(m);
+    m->weight_bytes -= m->mtp_bytes;
     return 1;
 }
 
@@ -2250,7 +2265,7 @@ static int model_ape_to_f32(ds4_model *m, ds4_weight *w) {
     return 0;
 }
 
-static int model_scan_finite(ds4_model *m, char *err, size_t errlen);
+static int model_scan_finite(ds4_model *m, int which, char *err, size_t errlen);
 
 static ds4_model *model_finish_open(ds4_model *m, const uint8_t *buf, size_t size, int kind,
                                     char *err, size_t errlen) {
@@ -2261,7 +2276,7 @@ static ds4_model *model_finish_open(ds4_model *m, const uint8_t *buf, size_t siz
     m->base = buf;
     m->size = size;
     m->owned_kind = kind;
-    if (model_scan_finite(m, err, errlen) != 0) {
+    if (model_scan_finite(m, 1, err, errlen) != 0) {
         m->owned_kind = 2;   /* the caller still owns buf */
         ds4_model_close(m);
         return NULL;
@@ -2304,18 +2319,128 @@ ds4_model *ds4_model_open_memory(uint8_t *buf, size_t size, int take_ownership, 
     return model_finish_open(m, buf, size, take_ownership ? 1 : 2, err, errlen);
 }
 
-/* Every weight of the model, in file order of importance; NULL-host entries are absent tensors. */
-/* The weights of the trunk, then (mtp) the MTP block's. */
+/* ds4 --mtp FILE: the MTP block from a file of its own.  Such a file is the block split out of
+ * a model that has it (`ds4 synth --mtp-file` writes one): a GGUF v3 deepseek4 file with that
+ * model's keys (block_count = n_layer + 1, nextn_predict_layers = 1) and the block's tensors
+ * alone, blk.<n_layer>.* under llama.cpp's names.  Every hyperparameter must be the model's
+ * (mtp_hparams_match names the first key that is not); the block's own entries (its compress
+ * ratio and clamps) come from the file.  Its tensors are bound, checked and scanned as a
+ * model's are and stay mapped with it.  Before the model's weights go to a backend. */
+static int mtp_hparams_match(const ds4_hparams *a, const ds4_hparams *b, const char **key) {
+#define MH(f, k) do { if (a->f != b->f) { *key = k; return 0; } } while (0)
+    MH(n_layer, K_BLOCKS); MH(n_ctx_train, K_CTX); MH(n_embd, K_EMBD); MH(n_vocab, K_VOCAB);
+    MH(n_head, K_HEADS); MH(head_dim, K_KEY_LEN); MH(rms_eps, K_RMS_EPS); MH(q_lora, K_Q_LORA);
+    MH(n_swa, K_SWA); MH(o_groups, K_O_GROUPS); MH(o_lora, K_O_LORA); MH(compress_rope_base, K_COMP_BASE);
+    MH(idx_heads, K_IDX_HEADS); MH(idx_dim, K_IDX_DIM); MH(idx_topk, K_IDX_TOPK); MH(n_rot, K_ROPE_DIM);
+    MH(rope_base, K_ROPE_BASE); MH(rope_yarn, K_ROPE_TYPE); MH(rope_factor, K_ROPE_FACTOR);
+    MH(rope_orig_ctx, K_ROPE_ORIG); MH(yarn_beta_fast, K_BETA_FAST); MH(yarn_beta_slow, K_BETA_SLOW);
+    MH(n_expert, K_EXPERTS); MH(n_expert_used, K_EXPERTS_USED); MH(n_expert_shared, K_EXPERTS_SHARED);
+    MH(n_ff_exp, K_FF_EXP); MH(expert_weights_scale, K_EXP_SCALE); MH(expert_weights_norm, K_EXP_NORM);
+    MH(expert_gating_func, K_GATING); MH(n_hc, K_HC_COUNT); MH(sinkhorn_iters, K_HC_ITERS);
+    MH(hc_eps, K_HC_EPS); MH(n_hash_layers, K_HASH_LAYERS);
+    for (int il = 0; il < a->n_layer; il++) {
+        MH(ratio[il], K_RATIOS); MH(clamp_exp[il], K_CLAMP_EXP); MH(clamp_shexp[il], K_CLAMP_SHEXP);
+    }
+#undef MH
+    return 1;
+}
+
+int ds4_model_attach_mtp(ds4_model *m, const char *path, char *err, size_t errlen) {
+    if (err && errlen) err[0] = 0;
+    if (m->hp.n_mtp) {
+        errf(err, errlen, "the model has an MTP block already (blk.%d); --mtp FILE is for a model without one",
+             m->hp.n_layer);
+        return -1;
+    }
+    if (m->weights_backend) {
+        errf(err, errlen, "an MTP file is read before the model's weights go to a backend");
+        return -1;
+    }
+    int fd = open(path, O_RDONLY);
+    if (fd < 0) { errf(err, errlen, "cannot open MTP file '%s': %s", shown(path), strerror(errno)); return -1; }
+    struct stat st;
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size == 0) {
+        errf(err, errlen, "MTP file '%s' is %s", shown(path), st.st_size == 0 ? "empty (0 bytes)" : "not a regular file");
+        close(fd);
+        return -1;
+    }
+    const size_t size = (size_t)st.st_size;
+    void *p = mmap(NULL, size, PROT_READ, MAP_PRIVATE, fd, 0);
+    close(fd);
+    if (p == MAP_FAILED) { errf(err, errlen, "cannot map MTP file '%s': %s", shown(path), strerror(errno)); return -1; }
+    ds4_model *tm = calloc(1, sizeof *tm);   /* the block is bound here first: m changes only on success */
+    char e2[512];
+    e2[0] = 0;
+    gguf_ctx g;
+    memset(&g, 0, sizeof g);
+    g.buf = p;
+    g.size = size;
+    g.err = e2;
+    g.errlen = sizeof e2;
+    const char *key = NULL;
+    int ok = tm ? gguf_read(&g) && gguf_hparams(&g, &tm->hp) : gguf_fail(&g, "out of memory");
+    const int L = ok ? tm->hp.n_layer : 0;
+    if (ok && tm->hp.n_mtp != 1)
+        ok = gguf_fail(&g, "it holds no MTP block (key '%s' and tensor 'blk.%d.nextn.eh_proj.weight')", K_NEXTN, L);
+    if (ok && !mtp_hparams_match(&m->hp, &tm->hp, &key))
+        ok = gguf_fail(&g, "key '%s' is not the model's: the block belongs to another model", key);
+    if (ok) ok = gguf_bind_layer(&g, tm, L);
+    for (size_t i = 0; ok && i < g.n_t; i++) {
+        if (g.t[i].used) continue;
+        char name[128];
+        ok = gguf_fail(&g, "unexpected tensor '%s' (an MTP file holds blk.%d's tensors only)",
+                       gguf_show(name, sizeof name, g.t[i].name), L);
+    }
+    free(g.kv);
+    free(g.t);
+    gguf_set_free(&g.kset);
+    gguf_set_free(&g.tset);
+    if (ok) {
+        m->mtp = tm->mtp;
+        m->hp.n_mtp = 1;
+        m->hp.ratio[L] = tm->hp.ratio[L];
+        m->hp.clamp_exp[L] = tm->hp.clamp_exp[L];
+        m->hp.clamp_shexp[L] = tm->hp.clamp_shexp[L];
+        m->mtp_bytes = model_mtp_bytes(m);
+        const int n_ape = m->n_ape_f32;
+        if (model_scan_finite(m, 2, e2, sizeof e2) != 0) ok = 0;
+        else if (model_ape_to_f32(m, &m->mtp.layer.comp_ape) != 0 || model_ape_to_f32(m, &m->mtp.layer.idx_comp_ape) != 0) {
+            snprintf(e2, sizeof e2, "out of memory converting the ape tables");
+            ok = 0;
+        }
+        if (!ok) {                                /* m as it was */
+            while (m->n_ape_f32 > n_ape) free(m->ape_f32[--m->n_ape_f32]);
+            memset(&m->mtp, 0, sizeof m->mtp);
+            m->hp.n_mtp = 0;
+            m->mtp_bytes = 0;
+        }
+    }
+    free(tm);
+    if (!ok) {
+        munmap(p, size);
+        errf(err, errlen, "MTP file %s: %s", shown(path), e2);
+        return -1;
+    }
+    m->mtp_base = p;
+    m->mtp_size = size;
+    return 0;
+}
+
+/* Every weight of the model, in file order of importance; NULL-host entries are absent tensors:
+ * the weights of the trunk (mtp 0), then the MTP block's (mtp 1), or the MTP block's alone
+ * (mtp 2). */
 static int model_weights(ds4_model *m, ds4_weight **out, int cap, int mtp) {
     int n = 0;
 #define W_(w) do { if ((w).host && n < cap) out[n++] = &(w); } while (0)
-    W_(m->tok_embd); W_(m->output); W_(m->output_norm);
-    W_(m->output_hc_fn); W_(m->output_hc_base); W_(m->output_hc_scale);
+    if (mtp != 2) {
+        W_(m->tok_embd); W_(m->output); W_(m->output_norm);
+        W_(m->output_hc_fn); W_(m->output_hc_base); W_(m->output_hc_scale);
+    }
     if (mtp && m->hp.n_mtp) {
         W_(m->mtp.eh_proj); W_(m->mtp.enorm); W_(m->mtp.hnorm);
         W_(m->mtp.embed_tokens); W_(m->mtp.shared_head_head); W_(m->mtp.shared_head_norm);
     }
-    for (int il = 0; il < m->hp.n_layer + (mtp ? m->hp.n_mtp : 0); il++) {
+    for (int il = mtp == 2 ? m->hp.n_layer : 0; il < m->hp.n_layer + (mtp ? m->hp.n_mtp : 0); il++) {
         ds4_layer_w *L = il < m->hp.n_layer ? &m->layers[il] : &m->mtp.layer;
         W_(L->attn_norm); W_(L->ffn_norm); W_(L->attn_sinks);
         W_(L->q_a); W_(L->q_a_norm); W_(L->q_b); W_(L->kv); W_(L->kv_a_norm); W_(L->out_a); W_(L->out_b);
@@ -2364,10 +2489,11 @@ static void scan_task(void *a_, int64_t i0, int64_t i1) {
     }
 }
 
-static int model_scan_finite(ds4_model *m, char *err, size_t errlen) {
+/* which: model_weights' mtp (1: every weight, 2: the MTP block's) */
+static int model_scan_finite(ds4_model *m, int which, char *err, size_t errlen) {
     ds4_weight **ws = malloc(sizeof(*ws) * DS4_MAX_WEIGHTS);
     if (!ws) { errf(err, errlen, "out of memory"); return -1; }
-    const int n = model_weights(m, ws, DS4_MAX_WEIGHTS, 1);
+    const int n = model_weights(m, ws, DS4_MAX_WEIGHTS, which);
     int rc = 0;
     for (int i = 0; i < n && rc == 0; i++) {
         const ds4_weight *w = ws[i];
@@ -2435,6 +2561,7 @@ void ds4_model_close(ds4_model *m) {
     for (int i = 0; i < m->n_ape_f32; i++) free(m->ape_f32[i]);
     if (m->owned_kind == 0) munmap((void *)m->base, m->size);
     else if (m->owned_kind == 1) ds4_free_huge((uint8_t *)m->base, m->size);
+    if (m->mtp_base) munmap((void *)m->mtp_base, m->mtp_size);
     free(m);
 }
 

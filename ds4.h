@@ -172,8 +172,14 @@ int ds4_ctx_rollback(ds4_ctx *c, int part, int pos, char *err, size_t errlen);
 
 /* ---- the MTP block (multi-token prediction; the model's, when ds4 info shows it) ---- */
 
-/* Whether the model has an MTP block (deepseek4.nextn_predict_layers = 1, read whole). */
+/* Whether the model has an MTP block (deepseek4.nextn_predict_layers = 1, read whole, from its
+ * file or from an MTP file). */
 int ds4_model_has_mtp(const ds4_model *m);
+/* ds4 --mtp FILE: the MTP block from a file of its own, the block split out of a model that has
+ * it (`ds4 synth --mtp-file`): that model's keys, the block's tensors (blk.<n_layer>.*) alone.
+ * Its hyperparameters must be m's, m must have no block yet and its weights must not be on a
+ * backend yet.  0, or -1 with one line in err (m unchanged). */
+int ds4_model_attach_mtp(ds4_model *m, const char *path, char *err, size_t errlen);
 /* The trunk's final hidden streams ([n_hc][n_embd] a row: what the head reads, before it
  * mixes them) of the last rows rows of the last ds4_eval chunk, into out (host).  -1 when
  * the last call was not a ds4_eval chunk or had fewer rows (a rollback takes the rows of the

@@ -2,9 +2,9 @@
  *
  *   ds4 [-m FILE] [-p TEXT [--chat [--think] [-i]] | --tokens IDS] [-n N] [--temp T] [--top-p P]
  *       [--seed S] [-c N] [--backend cpu|cuda] [--dump-logits FILE] [--force IDS] [--threads N]
- *       [--mtp-draft D] [-v]
- *   ds4 synth --config NAME [--seed N] [--type f32|f16|bf16|q8_0] -o FILE
- *   ds4 info FILE
+ *       [--mtp-draft D] [--mtp MTPFILE] [-v]
+ *   ds4 synth --config NAME [--seed N] [--type f32|f16|bf16|q8_0] [--mtp | --mtp-file] -o FILE
+ *   ds4 info FILE [--ctx N] [--mtp MTPFILE]
  *   ds4 collect -i CORPUS -o DIR --hooks SPEC   (ds4_collect.c)
  *
  * Without -m it runs the embedded default model, models/ds4-tiny.gguf beside the binary (the
@@ -76,8 +76,10 @@ static void usage(FILE *f) {
     fprintf(f,
         "usage: ds4 [options]                 run a deepseek4 GGUF model; the text goes to stdout\n"
         "       ds4 synth [options] -o FILE   write a synthetic deepseek4 GGUF\n"
-        "       ds4 info FILE [--ctx N]       tensor types, parameters, memory and decode bytes of a GGUF;\n"
-        "                                     with --ctx, the memory plan of a context of N positions\n"
+        "       ds4 info FILE [--ctx N] [--mtp MTPFILE]\n"
+        "                                     tensor types, parameters, memory and decode bytes of a GGUF;\n"
+        "                                     with --ctx, the memory plan of a context of N positions;\n"
+        "                                     with --mtp, the model with the MTP block of MTPFILE\n"
         "       ds4 collect -i CORPUS -o DIR --hooks SPEC [options]\n"
         "                                     hook activations of a corpus as a Hugging Face datasets\n"
         "                                     directory (ds4 collect --help)\n"
@@ -107,6 +109,9 @@ static void usage(FILE *f) {
         "                      head, checked by the model in one call; greedy: the tokens are\n"
         "                      plain greedy decoding's (CPU: the logits too, byte for byte);\n"
         "                      --temp > 0: each token has plain sampling's distribution (default: off)\n"
+        "  --mtp FILE          the MTP block from a file of its own, for a model without one: the\n"
+        "                      block split out of a model that has it (ds4 synth --mtp-file writes\n"
+        "                      one; README, \"Speculative decoding\")\n"
         "  -v, --verbose       also print the prompt, the prompt ids and the generated ids (stderr)\n"
         "  --stats             after the run, the backend's counters over the decode steps:\n"
         "                      launches per step, device allocations, frees and waits; with\n"
@@ -121,6 +126,8 @@ static void usage(FILE *f) {
         "  --vocab             a byte-level BPE vocabulary (default: none, raw ids)\n"
         "  --mtp               an MTP block after the layers (llama.cpp's blk.<n_layer>.nextn.* names;\n"
         "                      ds4 reads it and decodes without it)\n"
+        "  --mtp-file          the MTP block alone: the file `ds4 --mtp FILE` adds to the model the\n"
+        "                      same config and seed write without --mtp (the same bytes as --mtp's)\n"
         "  --type T            matrix type f32, f16, bf16 or q8_0 (default f32; flash16: q8_0)\n"
         "  --ctx N             the context_length the file declares (default: the config's)\n"
         "  -o FILE             output path\n"
@@ -228,6 +235,7 @@ struct cli_opts {
     int stats;                                 /* --stats */
     int threads;                               /* --threads in [1, 64]; 0: not given */
     int mtp_draft;                             /* --mtp-draft in [1, 3]; 0: off */
+    const char *mtp_file;                      /* --mtp FILE: the MTP block from a file of its own */
 };
 
 static void cli_opts_free(struct cli_opts *o) {
@@ -242,12 +250,12 @@ static int cli_parse(int argc, char **argv, struct cli_opts *o, char *err, size_
     static const char *const opts[][2] = {
         { "-m", NULL }, { "-p", NULL }, { "--tokens", NULL }, { "-n", NULL }, { "--temp", NULL },
         { "--top-p", NULL }, { "--seed", NULL }, { "-c", "--ctx" }, { "--backend", NULL }, { "--dump-logits", NULL },
-        { "--force", NULL }, { "--threads", NULL }, { "-f", "--file" }, { "--mtp-draft", NULL },
+        { "--force", NULL }, { "--threads", NULL }, { "-f", "--file" }, { "--mtp-draft", NULL }, { "--mtp", NULL },
         /* the flags without a value, from here */
         { "--chat", NULL }, { "--think", NULL }, { "-i", "--interactive" }, { "-v", "--verbose" },
         { "--allow-nonfinite", NULL }, { "--stats", NULL },
     };
-    enum { N_OPTS = sizeof opts / sizeof opts[0], FIRST_FLAG = 14 };
+    enum { N_OPTS = sizeof opts / sizeof opts[0], FIRST_FLAG = 15 };
     int seen[N_OPTS] = {0};
     char sh[SHOW_BUF];
     memset(o, 0, sizeof *o);
@@ -288,6 +296,7 @@ static int cli_parse(int argc, char **argv, struct cli_opts *o, char *err, size_
         else if (!strcmp(a, "--threads")) rc = parse_int(a, v, 1, 64, &o->threads, err, errlen);
         else if (q == 12) o->prompt_file = v;
         else if (!strcmp(a, "--mtp-draft")) rc = parse_int(a, v, 1, 3, &o->mtp_draft, err, errlen);
+        else if (!strcmp(a, "--mtp")) o->mtp_file = v;
         if (rc) return -1;
         i++;
     }
@@ -327,6 +336,7 @@ struct synth_opts {
     int layout;                  /* a published files' layout (-q2, -q4): its own tensor types */
     uint64_t seed;
     int experts, vocab, mtp;     /* --experts in [1, 1024] (0: the config's), --vocab, --mtp */
+    int mtp_file;                /* --mtp-file: the MTP block alone (ds4 --mtp FILE reads it) */
     int ctx;                     /* --ctx: context_length in [1, 2^24] (0: the config's) */
     int threads;                 /* --threads in [1, 64]; 0: not given */
     char *folded;                /* malloc'd: config when --vocab or --experts rewrote it */
@@ -348,8 +358,8 @@ static int synth_parse(int argc, char **argv, struct synth_opts *o, char *err, s
         const char *a = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) { o->help = 1; return 0; }
-        if (!strcmp(a, "--vocab") || !strcmp(a, "--mtp")) {       /* the flags without a value */
-            int *f = !strcmp(a, "--vocab") ? &o->vocab : &o->mtp;
+        if (!strcmp(a, "--vocab") || !strcmp(a, "--mtp") || !strcmp(a, "--mtp-file")) {   /* no value */
+            int *f = !strcmp(a, "--vocab") ? &o->vocab : !strcmp(a, "--mtp") ? &o->mtp : &o->mtp_file;
             if ((*f)++) return fail(err, errlen, "%s is given twice (each option at most once)", a);
             continue;
         }
@@ -375,19 +385,23 @@ static int synth_parse(int argc, char **argv, struct synth_opts *o, char *err, s
     }
     if (!o->config) return fail(err, errlen, "synth needs --config (tiny, small, slim, flash16, small-q2, small-q4, flash-q2 or flash-q4)");
     if (!o->out) return fail(err, errlen, "synth needs -o FILE");
-    if (o->experts || o->vocab || o->mtp || o->ctx) {   /* "NAME+vocab+mtp@E/N" for the synth API */
+    if (o->mtp && o->mtp_file)
+        return fail(err, errlen, "--mtp and --mtp-file exclude each other (a model with its MTP block, or the block alone)");
+    if (o->experts || o->vocab || o->mtp || o->mtp_file || o->ctx) {   /* "NAME+vocab+mtp@E/N" for the synth API */
         const char *config = o->config;
         if (o->ctx && strchr(config, '/')) return fail(err, errlen, "give the context length once (--ctx or NAME/N)");
         if (o->experts && strchr(config, '@')) return fail(err, errlen, "give the expert count once (--experts or NAME@E)");
         if (o->vocab && strstr(config, "+vocab")) return fail(err, errlen, "give the vocabulary once (--vocab or NAME+vocab)");
-        if (o->mtp && strstr(config, "+mtp")) return fail(err, errlen, "give the MTP block once (--mtp or NAME+mtp)");
+        if ((o->mtp || o->mtp_file) && strstr(config, "+mtp"))
+            return fail(err, errlen, "give the MTP block once (--mtp, --mtp-file, NAME+mtp or NAME+mtpfile)");
         /* all of it, whatever its length: a cut could turn a bad config into a good one.
          * NAME, then +vocab, then the config's @E or --experts, then its /N or --ctx */
         const size_t name = strcspn(config, "@/"), at_len = strcspn(config + name, "/");
-        const size_t size = strlen(config) + sizeof "+vocab" + sizeof "+mtp" + sizeof "@1024" + sizeof "/16777216";
+        const size_t size = strlen(config) + sizeof "+vocab" + sizeof "+mtpfile" + sizeof "@1024" + sizeof "/16777216";
         char *buf = o->folded = malloc(size);
         if (!buf) return fail(err, errlen, "out of memory");
-        snprintf(buf, size, "%.*s%s%s%.*s", (int)name, config, o->vocab ? "+vocab" : "", o->mtp ? "+mtp" : "",
+        snprintf(buf, size, "%.*s%s%s%.*s", (int)name, config, o->vocab ? "+vocab" : "",
+                 o->mtp ? "+mtp" : o->mtp_file ? "+mtpfile" : "",
                  (int)at_len, config + name);
         if (o->experts) snprintf(buf + strlen(buf), size - strlen(buf), "@%d", o->experts);
         snprintf(buf + strlen(buf), size - strlen(buf), "%s", config + name + at_len);
@@ -1169,21 +1183,28 @@ int main(int argc, char **argv) {
     if (argc >= 2 && !strcmp(argv[1], "collect")) return cmd_collect(argc, argv);   /* ds4_collect.c */
     if (argc >= 2 && !strcmp(argv[1], "info")) {
         /* a file ds4 cannot run fails the validator, whose one line names the file and what is wrong */
-        const char *file = NULL;
+        const char *file = NULL, *mtp_file = NULL;
         int plan_ctx = 0;
         for (int i = 2; i < argc; i++) {
             if (!strcmp(argv[i], "--ctx") && i + 1 < argc && !plan_ctx) {
                 if (parse_int("--ctx", argv[++i], 1, 1 << 24, &plan_ctx, err, sizeof err) != 0) die_usage("%s", err);
+            } else if (!strcmp(argv[i], "--mtp") && i + 1 < argc && !mtp_file) {
+                mtp_file = argv[++i];
             } else if (argv[i][0] != '-' && !file) {
                 file = argv[i];
             } else {
-                die_usage("usage: ds4 info FILE [--ctx N]");
+                die_usage("usage: ds4 info FILE [--ctx N] [--mtp MTPFILE]");
             }
         }
-        if (!file) die_usage("usage: ds4 info FILE [--ctx N]");
+        if (!file) die_usage("usage: ds4 info FILE [--ctx N] [--mtp MTPFILE]");
         if (threads > 0) ds4_cpu_set_threads(threads);
         ds4_model *m = ds4_model_open(file, err, sizeof(err));
         if (!m) { fprintf(stderr, "ds4: %s\n", err); return EXIT_FAIL; }
+        if (mtp_file && ds4_model_attach_mtp(m, mtp_file, err, sizeof err) != 0) {
+            fprintf(stderr, "ds4: %s\n", err);
+            ds4_model_close(m);
+            return EXIT_FAIL;
+        }
         ds4_model_info(m, stdout);
         if (plan_ctx) {
             /* the plan ds4_ctx_new checks before it allocates: a prompt of N goes in chunks of
@@ -1251,6 +1272,11 @@ int main(int argc, char **argv) {
     double t0 = now_s();
     ds4_model *m = ds4_model_open(model_path, err, sizeof(err));
     if (!m) { fprintf(stderr, "ds4: %s\n", err); return EXIT_FAIL; }
+    if (o.mtp_file && ds4_model_attach_mtp(m, o.mtp_file, err, sizeof err) != 0) {
+        fprintf(stderr, "ds4: %s\n", err);
+        ds4_model_close(m);
+        return EXIT_FAIL;
+    }
     /* DS4_HOOKS against the model: a bad selection is a usage error, a file that cannot be written a failure */
     const int hrc = ds4_hooks_check(m, &env, err, sizeof err);
     if (hrc != 0) { fprintf(stderr, "ds4: %s\n", err); return hrc == -1 ? EXIT_USAGE : EXIT_FAIL; }

@@ -61,6 +61,7 @@ typedef struct {
     int32_t  tid_e;          /* SF_TID2EID: number of experts */
     uint64_t offset;         /* relative to the data section (set by gguf_plan_layout) */
     uint64_t nbytes;
+    int      seed_ti;        /* whose PRNG streams fill it: its index in the whole model's plan */
 } gguf_wtensor;
 
 typedef struct {
@@ -247,7 +248,9 @@ typedef struct {
     int layout;    /* 0: every matrix of the --type; 2, 4: the published Flash files' per-tensor
                     * types with IQ2_XXS/Q2_K (2) or Q4_K (4) routed experts (synth_layout_type) */
     int vocab;     /* "+vocab": a byte-level BPE vocabulary (synth_vocab) instead of no_vocab */
-    int mtp;       /* "+mtp": an MTP block after the layers (block n_layer, llama.cpp's names) */
+    int mtp;       /* "+mtp" (1): an MTP block after the layers (block n_layer, llama.cpp's names);
+                    * "+mtpfile" (2): that block alone, as `ds4 --mtp FILE` reads it (the keys of
+                    * the model with the block, its tensors only, the same bytes as there) */
 } synth_config;
 
 /* compress_ratios of every config: 0, 0, then 4, 128, 4, 128, ...; an MTP block's is 0 (a
@@ -435,12 +438,13 @@ static int synth_find(const char *config, synth_config *out) {
     if (len >= sizeof head) return 0;
     memcpy(head, config, len);
     head[len] = 0;
-    /* NAME, then +vocab and +mtp (each at most once, either order), then @E */
+    /* NAME, then +vocab and +mtp or +mtpfile (each at most once, either order), then @E */
     const size_t n = strcspn(head, "+@");
     const char *q = head + n;
     int vocab = 0, mtp = 0;
     while (*q == '+') {
         if (!strncmp(q, "+vocab", 6) && !vocab) { vocab = 1; q += 6; }
+        else if (!strncmp(q, "+mtpfile", 8) && !mtp) { mtp = 2; q += 8; }
         else if (!strncmp(q, "+mtp", 4) && !mtp) { mtp = 1; q += 4; }
         else return 0;
     }
@@ -534,6 +538,7 @@ static int synth_add_tensor(gguf_plan *p, const char *name, const gguf_tspec *sp
                   : sp->cls == TC_F32 || sp->cls == TC_APE || sp->synth_f32 ? DS4_TYPE_F32 : (uint32_t)wtype;
     gguf_wtensor *t = gguf_plan_tensor(p, name, n_dims, ne, type);
     if (!t) return 0;
+    t->seed_ti = (int)(t - p->t);
     t->fill = sp->fill;
     t->tid_e = p->hp.n_expert;
     synth_stats(sp->fill, ne[0], &p->hp, &t->mean, &t->std);
@@ -650,6 +655,7 @@ static int synth_plan_init(gguf_plan *p, const char *config, int wtype, char *er
         nd = gguf_global_shape(id, hp, ne);
         ok &= synth_add_tensor(p, gguf_global_specs[id].name, &gguf_global_specs[id], nd, ne, wtype, c->layout);
     }
+    const int first_mtp = p->n_t;
     if (hp->n_mtp) {
         ok &= synth_add_layer(p, hp->n_layer, wtype, c->layout);
         for (int id = 0; id < NT_COUNT; id++) {
@@ -658,6 +664,12 @@ static int synth_plan_init(gguf_plan *p, const char *config, int wtype, char *er
             nd = gguf_nextn_shape(id, hp, ne);
             ok &= synth_add_tensor(p, name, &gguf_nextn_specs[id], nd, ne, wtype, c->layout);
         }
+    }
+    if (ok && c->mtp == 2) {
+        /* the MTP block alone: its tensors keep their streams (seed_ti), so their bytes are the
+         * whole model's */
+        memmove(p->t, p->t + first_mtp, (size_t)(p->n_t - first_mtp) * sizeof *p->t);
+        p->n_t -= first_mtp;
     }
     if (!ok || !gguf_plan_layout(p)) {
         if (err && errlen) snprintf(err, errlen, "out of memory building synth config '%s'", c->name);
@@ -795,7 +807,7 @@ static uint64_t synth_chunks(const gguf_wtensor *t) {
 static void synth_fill_chunk(const gguf_plan *p, int ti, uint64_t chunk, uint64_t seed, uint8_t *buf) {
     const gguf_wtensor *t = &p->t[ti];
     uint8_t *dst = buf + p->data_start + t->offset;
-    uint64_t s = synth_stream(seed, (uint64_t)ti, chunk);
+    uint64_t s = synth_stream(seed, (uint64_t)t->seed_ti, chunk);
 
     if (t->fill == SF_TID2EID) {
         /* each row: ne0 distinct expert ids in [0, E) (rejection sampling) */

@@ -4,7 +4,11 @@
  * head on the same inputs.  With `cuda` last (a CUDA build: make build/cuda-ARCH/mtp_dump) the
  * trunk and the head run on the GPU; tests/test_mtp_cuda.py holds that dump to the CPU's.
  *
- *   mtp_dump MODEL.gguf ID,ID,... OUT.ds4logit STREAMS.f32 [cuda]
+ *   mtp_dump MODEL.gguf ID,ID,... OUT.ds4logit STREAMS.f32 [cuda] [--mtp FILE]
+ *
+ * --mtp FILE: the MTP block from a file of its own (ds4_model_attach_mtp), as `ds4 --mtp FILE`
+ * reads it; tests/test_mtp_spec.py holds that head's dump to the same model's with the block in
+ * its file.
  *
  * The prompt goes through the trunk in one batch; row k of the MTP head then pairs the trunk's
  * final streams of position k - 1 (zeros at k = 0) with the prompt's token k, as llama.cpp's
@@ -22,8 +26,13 @@ static void die(const char *what, const char *why) {
 }
 
 int main(int argc, char **argv) {
+    const char *mtp_file = NULL;
+    if (argc >= 7 && !strcmp(argv[argc - 2], "--mtp")) {
+        mtp_file = argv[argc - 1];
+        argc -= 2;
+    }
     if (argc != 5 && !(argc == 6 && !strcmp(argv[5], "cuda"))) {
-        fprintf(stderr, "usage: mtp_dump MODEL.gguf ID,ID,... OUT.ds4logit STREAMS.f32 [cuda]\n");
+        fprintf(stderr, "usage: mtp_dump MODEL.gguf ID,ID,... OUT.ds4logit STREAMS.f32 [cuda] [--mtp FILE]\n");
         return 2;
     }
     const ds4_backend *be = ds4_backend_cpu();
@@ -44,6 +53,7 @@ int main(int argc, char **argv) {
     }
     ds4_model *m = ds4_model_open(argv[1], err, sizeof err);
     if (!m) die(argv[1], err);
+    if (mtp_file && ds4_model_attach_mtp(m, mtp_file, err, sizeof err) != 0) die(mtp_file, err);
     if (!ds4_model_has_mtp(m)) die(argv[1], "the model has no MTP block");
     ds4_ctx *c = ds4_ctx_new(m, be, P + 1, P, err, sizeof err);
     if (!c) die("context", err);

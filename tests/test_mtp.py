@@ -123,3 +123,95 @@ def test_llama_cpp_reads_the_block():
     ds4_run(["-m", m, "--tokens", PROMPT, "-n", "16", "--dump-logits", mine])
     _, _, _, mx, _ = logit_diff(out, mine)
     assert mx < 5e-5, mx
+
+
+# ---- an MTP block from a file of its own (ds4 --mtp FILE, ds4 synth --mtp-file) ----
+
+def mtp_file(config="tiny", *extra):
+    """The block alone: the keys of config with its block, the block's tensors only."""
+    p = os.path.join(OUT, f"{config}{''.join(extra)}.mtpfile.gguf")
+    if not os.path.exists(p):
+        ds4_run(["synth", "--config", config, "--seed", "1", "--mtp-file", "-o", p] + list(extra))
+    return p
+
+
+def test_mtp_file_is_the_block():
+    """The trunk's file plus the block's file is the model with the block: ds4 info's line, the
+    head's logits and the trunk's streams (mtp_dump) byte for byte, on small (past its window)."""
+    assert os.path.exists(MTP_DUMP), f"{MTP_DUMP} missing: make test-py builds it"
+    plain, whole = (os.path.join(OUT, f"small-{t}.mtpfile-test.gguf") for t in ("plain", "whole"))
+    for p, extra in ((plain, []), (whole, ["--mtp"])):
+        if not os.path.exists(p):
+            ds4_run(["synth", "--config", "small", "--seed", "1", "-o", p] + extra)
+    block = mtp_file("small")
+    assert os.path.getsize(block) < os.path.getsize(whole) - os.path.getsize(plain) + (1 << 20)
+    line = lambda r: [l for l in (r.stdout + r.stderr).splitlines() if "MTP block" in l]
+    assert line(ds4_run(["info", plain, "--mtp", block])) == line(ds4_run(["info", whole])) != []
+    prompt = ",".join(str((i * 37) % 1000 + 1) for i in range(100))
+    outs = []
+    for tag, args in (("whole", [whole]), ("file", [plain, "--mtp", block])):
+        d, s = os.path.join(OUT, f"mtpfile-{tag}.ds4logit"), os.path.join(OUT, f"mtpfile-{tag}.f32")
+        r = run([MTP_DUMP, args[0], prompt, d, s] + args[1:])
+        assert r.returncode == 0, r.stderr
+        outs.append((open(d, "rb").read(), open(s, "rb").read()))
+    assert outs[0] == outs[1], "the head from the MTP file differs from the model's own block"
+
+
+def test_mtp_file_speculates_as_the_block():
+    """--mtp-draft 2 with the block from its file: the dump and the drafts' counts are the whole
+    model's, with the head's own drafts and with DS4_MTP_FORCE."""
+    whole, plain = synth("tiny-mtp", "--mtp"), synth("tiny-plain")
+    prompt = ",".join(str((i * 7) % 500) for i in range(40))
+    ref = os.path.join(OUT, "mtpfile-ref.ids")
+    r = ds4_run(["-m", plain, "--tokens", prompt, "-n", "200", "-v"])
+    ids = [l for l in r.stderr.splitlines() if l.startswith("generated ids:")][0].split(":")[1]
+    open(ref, "w").write(ids.strip() + "\n")
+    for force in (None, "0.5"):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("DS4_")}
+        if force:
+            env["DS4_MTP_FORCE"] = f"{force}:{ref}"
+        got = []
+        for args in ([whole], [plain, "--mtp", mtp_file("tiny")]):
+            d = os.path.join(OUT, f"mtpfile-spec-{len(got)}.ds4logit")
+            r = ds4_run(["-m", args[0], "--tokens", prompt, "-n", "200", "--mtp-draft", "2", "--stats",
+                         "--dump-logits", d] + args[1:], env=env)
+            st = [l for l in r.stderr.splitlines() if l.startswith("stats: mtp:")]
+            assert len(st) == 1, r.stderr
+            got.append((r.stdout, open(d, "rb").read(), st[0].split(";")[0]))
+        assert got[0] == got[1], (force, got[0][2], got[1][2])
+
+
+def test_mtp_file_refused_by_name():
+    """Bad MTP files: one line naming the problem, exit 1, for the run and for ds4 info."""
+    plain, whole = synth("tiny-plain"), synth("tiny-mtp", "--mtp")
+    good = mtp_file("tiny")
+    nan = os.path.join(OUT, "tiny.mtpfile-nan.gguf")
+    d = bytearray(open(good, "rb").read())
+    d[-64:] = b"\xff" * 64                       # the last tensor's tail: shared_head_norm, F32
+    open(nan, "wb").write(d)
+    cut = os.path.join(OUT, "tiny.mtpfile-cut.gguf")
+    open(cut, "wb").write(open(good, "rb").read()[: os.path.getsize(good) // 2])
+    cases = [
+        ([whole, "--mtp", good], "the model has an MTP block already (blk.6)"),
+        ([plain, "--mtp", mtp_file("small")], "key 'deepseek4.block_count' is not the model's"),
+        ([plain, "--mtp", mtp_file("tiny", "--ctx", "1000")], "key 'deepseek4.context_length' is not the model's"),
+        ([plain, "--mtp", plain], "it holds no MTP block"),
+        ([plain, "--mtp", nan], "tensor nextn.shared_head_norm.weight holds a NaN or Inf"),
+        ([plain, "--mtp", cut], "extends past end of file"),
+        ([plain, "--mtp", os.path.join(OUT, "no-such.gguf")], "cannot open MTP file"),
+    ]
+    for (m, _, f), msg in cases:
+        for cmd in (["-m", m, "--mtp", f, "--tokens", "1,2,3", "-n", "2"], ["info", m, "--mtp", f]):
+            r = ds4_run(cmd, check=False)
+            assert r.returncode == 1, (cmd, r.returncode, r.stderr)
+            assert len(r.stderr.strip().splitlines()) == 1 and msg in r.stderr, (cmd, r.stderr)
+
+
+def test_mtp_file_synth_flags():
+    """--mtp-file excludes --mtp and a config's +mtp: a usage error, nothing written."""
+    p = os.path.join(OUT, "never.gguf")
+    for args in (["--config", "tiny", "--mtp", "--mtp-file"], ["--config", "tiny+mtp", "--mtp-file"],
+                 ["--config", "tiny+mtpfile", "--mtp"]):
+        r = ds4_run(["synth", "-o", p] + args, check=False)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not os.path.exists(p)
