@@ -190,3 +190,23 @@ def test_hooks_refused_in_one_line():
             env=env(DS4_HOOKS="attn"))
     lines = [l for l in r.stderr.splitlines() if l.strip()]
     assert r.returncode == 2 and len(lines) == 1 and "the cpu backend only" in lines[0], r.stderr
+
+
+@skip_no_gpu
+def test_mtp_file_on_cuda():
+    """The block from its own file (`--mtp MTPFILE`) on CUDA: tiny without its block plus the
+    block's file (ds4 synth --mtp-file) decodes with --mtp-draft 2 and graphs exactly as tiny
+    with its block: the dump, the text and the drafts' counts."""
+    plain_m, block = (os.path.join(OUT, f"tiny-mtp-cuda.{t}.gguf") for t in ("plain", "block"))
+    for p, flag in ((plain_m, []), (block, ["--mtp-file"])):
+        if not os.path.exists(p):
+            ds4_run(["synth", "--config", "tiny", "--seed", "1", "--ctx", "65536", "-o", p] + flag)
+    _, _, ref = plain("tiny")
+    got = []
+    for tag, m, extra in (("whole", model("tiny"), []), ("file", plain_m, ["--mtp", block])):
+        dump = os.path.join(OUT, f"mtp-cuda.mtpfile.{tag}.ds4logit")
+        r = ds4_run(["-m", m, "--backend", "cuda", "--tokens", prompt(PROMPTS["tiny"]), "-n", "512",
+                     "--dump-logits", dump, "--stats", "--mtp-draft", "2"] + extra, binary=CUDA_BIN,
+                    env=env(DS4_MTP_FORCE=f"0.5:{ref}", DS4_CUDA_GRAPHS=1))
+        got.append((r.stdout, open(dump, "rb").read(), spec_stats(r.stderr)))
+    assert got[0] == got[1], "the block from its file decodes differently from the model's own"
