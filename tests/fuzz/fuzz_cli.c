@@ -18,7 +18,8 @@
  *     --seed a non-negative decimal (no '-') whose value is the seed; the --tokens/--force
  *     lists have one id per comma-separated field, each >= 0 and equal to that field; the
  *     backend is one this build has; -p and --tokens not both, --think only with --chat,
- *     --force at least -n ids; the synth config is --config with --vocab ("+vocab") and
+ *     --force at least -n ids; --mtp's value is the last given; the synth config is --config
+ *     with --vocab ("+vocab"), --mtp ("+mtp") or --mtp-file ("+mtpfile", not both) and
  *     --experts ("@E") folded in, nothing cut, and its --type is one ds4_parse_wtype knows.
  * Built by scripts/fuzz.sh like the others:
  *   clang -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined -I. \
@@ -112,14 +113,15 @@ static void check_ids(const char *v, const int32_t *ids, int n, const char *what
     }
 }
 
-enum { R_M, R_P, R_TOKENS, R_N, R_TEMP, R_TOPP, R_SEED, R_CTX, R_BACKEND, R_DUMP, R_FORCE, R_THREADS, R_FILE, R_MTP };
+enum { R_M, R_P, R_TOKENS, R_N, R_TEMP, R_TOPP, R_SEED, R_CTX, R_BACKEND, R_DUMP, R_FORCE, R_THREADS, R_FILE, R_MTP,
+       R_MTPFILE };
 
 static void check_run(const struct cli_opts *o, int argc, char **argv) {
     static const struct flag flags[] = {
         { "-m", R_M }, { "-p", R_P }, { "--tokens", R_TOKENS }, { "-n", R_N }, { "--temp", R_TEMP },
         { "--top-p", R_TOPP }, { "--seed", R_SEED }, { "-c", R_CTX }, { "--ctx", R_CTX }, { "--backend", R_BACKEND },
         { "--dump-logits", R_DUMP }, { "--force", R_FORCE }, { "--threads", R_THREADS }, { "-f", R_FILE }, { "--file", R_FILE },
-        { "--mtp-draft", R_MTP }, { "--chat", -1 }, { "--think", -2 }, { "--stats", -3 }, { "-v", -4 }, { "--verbose", -4 },
+        { "--mtp-draft", R_MTP }, { "--mtp", R_MTPFILE }, { "--chat", -1 }, { "--think", -2 }, { "--stats", -3 }, { "-v", -4 }, { "--verbose", -4 },
         { "-i", -5 }, { "--interactive", -5 }, { "--allow-nonfinite", -6 }, { NULL, 0 } };
     struct reading r;
     if (!read_argv(1, argc, argv, flags, &r)) bad("accepted an argument that is no option", argv, argc);
@@ -128,8 +130,9 @@ static void check_run(const struct cli_opts *o, int argc, char **argv) {
     if (o->verbose != r.bare[3] || o->interactive != r.bare[4] || o->allow_nonfinite != r.bare[5])
         bad("-v/-i/--allow-nonfinite not as given", argv, argc);
     if (o->stats != r.bare[2]) bad("--stats not as given", argv, argc);
-    if (o->model_path != r.val[R_M] || o->prompt != r.val[R_P] || o->dump != r.val[R_DUMP] || o->prompt_file != r.val[R_FILE])
-        bad("-m/-p/--dump-logits not the last value given", argv, argc);
+    if (o->model_path != r.val[R_M] || o->prompt != r.val[R_P] || o->dump != r.val[R_DUMP] || o->prompt_file != r.val[R_FILE] ||
+        o->mtp_file != r.val[R_MTPFILE])
+        bad("-m/-p/--dump-logits/-f/--mtp not the last value given", argv, argc);
     check_ids(r.val[R_TOKENS], o->prompt_ids, o->n_prompt_ids, "--tokens list not as given", argv, argc);
     check_ids(r.val[R_FORCE], o->force, o->n_force, "--force list not as given", argv, argc);
     check_float(r.val[R_TEMP], o->temp, 0.0f, 100.0f, 0.0f, "--temp out of range or not as given", argv, argc);
@@ -161,25 +164,27 @@ enum { S_CONFIG, S_SEED, S_TYPE, S_O, S_THREADS, S_EXPERTS, S_CTX };
 static void check_synth(const struct synth_opts *o, int argc, char **argv) {
     static const struct flag flags[] = {
         { "--config", S_CONFIG }, { "--seed", S_SEED }, { "--type", S_TYPE }, { "-o", S_O }, { "--threads", S_THREADS },
-        { "--experts", S_EXPERTS }, { "--ctx", S_CTX }, { "--vocab", -1 }, { "--mtp", -2 }, { NULL, 0 } };
+        { "--experts", S_EXPERTS }, { "--ctx", S_CTX }, { "--vocab", -1 }, { "--mtp", -2 }, { "--mtp-file", -3 },
+        { NULL, 0 } };
     struct reading r;
     if (!read_argv(2, argc, argv, flags, &r)) bad("synth: accepted an argument that is no option", argv, argc);
     if (o->help != r.help) bad("synth: --help not as given", argv, argc);
     if (o->help) return;
     if (r.twice) bad("synth: accepted an option given twice", argv, argc);
-    if (o->vocab != r.bare[0] || o->mtp != r.bare[1] || !o->out || o->out != r.val[S_O])
-        bad("synth: --vocab/--mtp/-o not as given", argv, argc);
+    if (o->vocab != r.bare[0] || o->mtp != r.bare[1] || o->mtp_file != r.bare[2] || !o->out || o->out != r.val[S_O])
+        bad("synth: --vocab/--mtp/--mtp-file/-o not as given", argv, argc);
+    if (o->mtp && o->mtp_file) bad("synth: accepted --mtp with --mtp-file", argv, argc);
     check_seed(r.val[S_SEED], o->seed, argv, argc);
     check_int(r.val[S_THREADS], o->threads, 1, 64, 0, "synth: --threads out of range or not as given", argv, argc);
     check_int(r.val[S_EXPERTS], o->experts, 1, 1024, 0, "synth: --experts out of range or not as given", argv, argc);
     check_int(r.val[S_CTX], o->ctx, 1, 1 << 24, 0, "synth: --ctx out of range or not as given", argv, argc);
     const char *cfg = r.val[S_CONFIG];
     if (!cfg || !o->config) bad("synth: accepted without --config", argv, argc);
-    if (!o->vocab && !o->mtp && !o->experts && !o->ctx) {
+    if (!o->vocab && !o->mtp && !o->mtp_file && !o->experts && !o->ctx) {
         if (o->config != cfg) bad("synth: config is not --config's value", argv, argc);
     } else {
-        /* --config NAME[@E][/N] with --vocab, --mtp, --experts E', --ctx N':
-         * NAME[+vocab][+mtp][@E][@E'][/N][/N']
+        /* --config NAME[@E][/N] with --vocab, --mtp or --mtp-file, --experts E', --ctx N':
+         * NAME[+vocab][+mtp|+mtpfile][@E][@E'][/N][/N']
          * (one @ and one / at most, else rejected); NAME ends at the first @ or / */
         const char *slash = strchr(cfg, '/');
         const char *at = strchr(cfg, '@');
@@ -191,6 +196,7 @@ static void check_synth(const struct synth_opts *o, int argc, char **argv) {
         want[name] = 0;
         if (o->vocab) strcat(want, "+vocab");
         if (o->mtp) strcat(want, "+mtp");
+        if (o->mtp_file) strcat(want, "+mtpfile");
         if (at) strncat(want, at, slash ? (size_t)(slash - at) : strlen(at));
         if (o->experts) sprintf(want + strlen(want), "@%d", o->experts);
         if (slash) strcat(want, slash);
@@ -201,7 +207,7 @@ static void check_synth(const struct synth_opts *o, int argc, char **argv) {
         if (o->experts && at) bad("synth: accepted --experts with NAME@E", argv, argc);
         if (o->ctx && slash) bad("synth: accepted --ctx with NAME/N", argv, argc);
         if (o->vocab && strstr(cfg, "+vocab")) bad("synth: accepted --vocab with NAME+vocab", argv, argc);
-        if (o->mtp && strstr(cfg, "+mtp")) bad("synth: accepted --mtp with NAME+mtp", argv, argc);
+        if ((o->mtp || o->mtp_file) && strstr(cfg, "+mtp")) bad("synth: accepted --mtp/--mtp-file with NAME+mtp", argv, argc);
     }
     (void)ds4_synth_config_ok(o->config);   /* ds4_synth_write's check, run here only for crashes */
     const int layout = strstr(o->config, "-q2") || strstr(o->config, "-q4");
@@ -220,12 +226,13 @@ static int same_run(const struct cli_opts *a, const struct cli_opts *b) {
            a->n_gen == b->n_gen && a->n_gen_set == b->n_gen_set && a->n_ctx == b->n_ctx &&
            !memcmp(&a->temp, &b->temp, sizeof a->temp) && !memcmp(&a->top_p, &b->top_p, sizeof a->top_p) &&
            a->seed == b->seed && a->chat == b->chat && a->think == b->think && a->threads == b->threads &&
-           a->stats == b->stats && a->mtp_draft == b->mtp_draft;
+           a->stats == b->stats && a->mtp_draft == b->mtp_draft && a->mtp_file == b->mtp_file;
 }
 
 static int same_synth(const struct synth_opts *a, const struct synth_opts *b) {
     return a->help == b->help && a->out == b->out && a->seed == b->seed && a->experts == b->experts &&
-           a->vocab == b->vocab && a->threads == b->threads && a->wtype == b->wtype && a->layout == b->layout &&
+           a->vocab == b->vocab && a->mtp == b->mtp && a->mtp_file == b->mtp_file && a->threads == b->threads &&
+           a->wtype == b->wtype && a->layout == b->layout &&
            (a->config == b->config || (a->config && b->config && !strcmp(a->config, b->config))) &&
            (a->type == b->type || (a->type && b->type && !strcmp(a->type, b->type)));
 }
