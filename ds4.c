@@ -1352,6 +1352,14 @@ static int gguf_bind(gguf_ctx *g, ds4_model *m) {
     return 1;
 }
 
+/* The reader's tables (what gguf_read allocated). */
+static void gguf_ctx_free(gguf_ctx *g) {
+    free(g->kv);
+    free(g->t);
+    gguf_set_free(&g->kset);
+    gguf_set_free(&g->tset);
+}
+
 int ds4_gguf_parse(ds4_model *m, const uint8_t *buf, size_t size, char *err, size_t errlen) {
     if (err && errlen) err[0] = 0;
     gguf_ctx g;
@@ -1374,10 +1382,7 @@ int ds4_gguf_parse(ds4_model *m, const uint8_t *buf, size_t size, char *err, siz
         m->size = size;
     }
     free(tm);
-    free(g.kv);
-    free(g.t);
-    gguf_set_free(&g.kset);
-    gguf_set_free(&g.tset);
+    gguf_ctx_free(&g);
     return ok ? 0 : -1;
 }
 
@@ -2291,20 +2296,29 @@ static ds4_model *model_finish_open(ds4_model *m, const uint8_t *buf, size_t siz
     return m;
 }
 
-ds4_model *ds4_model_open(const char *path, char *err, size_t errlen) {
+/* path mapped read-only into *p, *size: 0, or -1 with a line naming it as `what` (a model, an
+ * MTP file). */
+static int map_file(const char *path, const char *what, void **p, size_t *size, char *err, size_t errlen) {
     int fd = open(path, O_RDONLY);
-    if (fd < 0) { errf(err, errlen, "cannot open model '%s': %s", shown(path), strerror(errno)); return NULL; }
+    if (fd < 0) { errf(err, errlen, "cannot open %s '%s': %s", what, shown(path), strerror(errno)); return -1; }
     struct stat st;
     if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-        errf(err, errlen, "model '%s' is not a regular file", shown(path));
+        errf(err, errlen, "%s '%s' is not a regular file", what, shown(path));
         close(fd);
-        return NULL;
+        return -1;
     }
-    size_t size = (size_t)st.st_size;
-    if (size == 0) { errf(err, errlen, "model '%s' is empty (0 bytes)", shown(path)); close(fd); return NULL; }
-    void *p = mmap(NULL, size, PROT_READ, MAP_PRIVATE, fd, 0);
+    *size = (size_t)st.st_size;
+    if (*size == 0) { errf(err, errlen, "%s '%s' is empty (0 bytes)", what, shown(path)); close(fd); return -1; }
+    *p = mmap(NULL, *size, PROT_READ, MAP_PRIVATE, fd, 0);
     close(fd);
-    if (p == MAP_FAILED) { errf(err, errlen, "cannot map model '%s': %s", shown(path), strerror(errno)); return NULL; }
+    if (*p == MAP_FAILED) { errf(err, errlen, "cannot map %s '%s': %s", what, shown(path), strerror(errno)); return -1; }
+    return 0;
+}
+
+ds4_model *ds4_model_open(const char *path, char *err, size_t errlen) {
+    void *p;
+    size_t size;
+    if (map_file(path, "model", &p, &size, err, errlen) != 0) return NULL;
     ds4_model *m = calloc(1, sizeof(*m));
     if (!m) { munmap(p, size); errf(err, errlen, "out of memory"); return NULL; }
     char e2[512];
@@ -2356,18 +2370,9 @@ int ds4_model_attach_mtp(ds4_model *m, const char *path, char *err, size_t errle
         errf(err, errlen, "an MTP file is read before the model's weights go to a backend");
         return -1;
     }
-    int fd = open(path, O_RDONLY);
-    if (fd < 0) { errf(err, errlen, "cannot open MTP file '%s': %s", shown(path), strerror(errno)); return -1; }
-    struct stat st;
-    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size == 0) {
-        errf(err, errlen, "MTP file '%s' is %s", shown(path), st.st_size == 0 ? "empty (0 bytes)" : "not a regular file");
-        close(fd);
-        return -1;
-    }
-    const size_t size = (size_t)st.st_size;
-    void *p = mmap(NULL, size, PROT_READ, MAP_PRIVATE, fd, 0);
-    close(fd);
-    if (p == MAP_FAILED) { errf(err, errlen, "cannot map MTP file '%s': %s", shown(path), strerror(errno)); return -1; }
+    void *p;
+    size_t size;
+    if (map_file(path, "MTP file", &p, &size, err, errlen) != 0) return -1;
     ds4_model *tm = calloc(1, sizeof *tm);   /* the block is bound here first: m changes only on success */
     char e2[512];
     e2[0] = 0;
@@ -2391,10 +2396,7 @@ int ds4_model_attach_mtp(ds4_model *m, const char *path, char *err, size_t errle
         ok = gguf_fail(&g, "unexpected tensor '%s' (an MTP file holds blk.%d's tensors only)",
                        gguf_show(name, sizeof name, g.t[i].name), L);
     }
-    free(g.kv);
-    free(g.t);
-    gguf_set_free(&g.kset);
-    gguf_set_free(&g.tset);
+    gguf_ctx_free(&g);
     if (ok) {
         m->mtp = tm->mtp;
         m->hp.n_mtp = 1;

@@ -1173,6 +1173,16 @@ static int32_t *prompt_ids_of(const ds4_model *m, ds4_tok *tok, const char *prom
     return ids;
 }
 
+/* The model at path, with the MTP block of mtp_file when it is given (--mtp): NULL with a line. */
+static ds4_model *open_model(const char *path, const char *mtp_file, char *err, size_t errlen) {
+    ds4_model *m = ds4_model_open(path, err, errlen);
+    if (m && mtp_file && ds4_model_attach_mtp(m, mtp_file, err, errlen) != 0) {
+        ds4_model_close(m);
+        return NULL;
+    }
+    return m;
+}
+
 int main(int argc, char **argv) {
     char err[1024];
     ds4_env env;
@@ -1198,13 +1208,8 @@ int main(int argc, char **argv) {
         }
         if (!file) die_usage("usage: ds4 info FILE [--ctx N] [--mtp MTPFILE]");
         if (threads > 0) ds4_cpu_set_threads(threads);
-        ds4_model *m = ds4_model_open(file, err, sizeof(err));
+        ds4_model *m = open_model(file, mtp_file, err, sizeof err);
         if (!m) { fprintf(stderr, "ds4: %s\n", err); return EXIT_FAIL; }
-        if (mtp_file && ds4_model_attach_mtp(m, mtp_file, err, sizeof err) != 0) {
-            fprintf(stderr, "ds4: %s\n", err);
-            ds4_model_close(m);
-            return EXIT_FAIL;
-        }
         ds4_model_info(m, stdout);
         if (plan_ctx) {
             /* the plan ds4_ctx_new checks before it allocates: a prompt of N goes in chunks of
@@ -1270,13 +1275,8 @@ int main(int argc, char **argv) {
             die_run("no -m given and the embedded default model %s is missing (run: make)", show(sh, model_path));
     }
     double t0 = now_s();
-    ds4_model *m = ds4_model_open(model_path, err, sizeof(err));
+    ds4_model *m = open_model(model_path, o.mtp_file, err, sizeof err);
     if (!m) { fprintf(stderr, "ds4: %s\n", err); return EXIT_FAIL; }
-    if (o.mtp_file && ds4_model_attach_mtp(m, o.mtp_file, err, sizeof err) != 0) {
-        fprintf(stderr, "ds4: %s\n", err);
-        ds4_model_close(m);
-        return EXIT_FAIL;
-    }
     /* DS4_HOOKS against the model: a bad selection is a usage error, a file that cannot be written a failure */
     const int hrc = ds4_hooks_check(m, &env, err, sizeof err);
     if (hrc != 0) { fprintf(stderr, "ds4: %s\n", err); return hrc == -1 ? EXIT_USAGE : EXIT_FAIL; }
