@@ -246,8 +246,9 @@ typedef struct ds4_env {
     int ubatch;                 /* DS4_UBATCH: the most tokens of one prefill chunk (DS4_UBATCH_DEFAULT) */
     int prefill_tc;             /* DS4_CUDA_PREFILL_TC: 1 = prefill products of Q8_0, F16, IQ2_XXS, Q2_K and
                                    Q4_K weights on tensor cores (default), 0 = dequantise + cuBLAS */
-    int prefill_attn;           /* DS4_CUDA_PREFILL_ATTN: 1 = a prefill batch's attention in row tiles shared
-                                   by 32 heads (default), 0 = the per-query kernel decode uses */
+    int prefill_attn;           /* DS4_CUDA_PREFILL_ATTN: a prefill batch's attention in row tiles shared by
+                                   32 heads, 2 = on tensor cores (default), 1 = in f32 on the CUDA cores;
+                                   0 = the per-query kernel decode uses */
     int decode_group;           /* DS4_CUDA_DECODE_GROUP: 1 = a call of up to 4 tokens (a speculative check)
                                    streams each dense matrix once, in one launch (default); 0 = chunks of
                                    4, 2, 1 (a call of 3 streams them twice) */

@@ -405,6 +405,34 @@ __device__ __forceinline__ void att_load_tile(const attn_args &a, float *tiles, 
     cp_async_commit();
 }
 
+/* The rows of query t (at P, with n_win window rows) that exist: its ratio-4 picks with
+ * id >= 0, compacted into ids_s in list order, so every row n_win .. L - 1 exists and a
+ * missing pick (there are k - P/4 of them at positions below 4k) costs nothing.  Returns L.
+ * Every thread of the block calls it; cnt_s holds ATT_THREADS / 32 ints. */
+__device__ __forceinline__ int att_compact_picks(const attn_args &a, int t, int P, int n_win, int *ids_s,
+                                                 int *cnt_s) {
+    if (a.ratio != 4) return ds4_att_rows(P, a.W, a.ratio, a.k);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int n = 0;
+    for (int j0 = 0; j0 < a.k; j0 += ATT_THREADS) {
+        const int j = j0 + threadIdx.x;
+        const int id = j < a.k ? a.topk[(int64_t)t * a.k + j] : -1;
+        const unsigned m = __ballot_sync(FULL_MASK, id >= 0);
+        if (lane == 0) cnt_s[warp] = __popc(m);
+        __syncthreads();
+        int off = n, tot = n;
+#pragma unroll
+        for (int w = 0; w < ATT_THREADS / 32; w++) {
+            off += w < warp ? cnt_s[w] : 0;
+            tot += cnt_s[w];
+        }
+        if (id >= 0) ids_s[off + __popc(m & ((1u << lane) - 1u))] = id;
+        __syncthreads();                                       /* cnt_s is rewritten next round */
+        n = tot;
+    }
+    return n_win + n;
+}
+
 template <int NJ>
 __global__ void __launch_bounds__(ATT_THREADS, 1) k_attention_tiles(const attn_args a) {
     ds4_grid_dep();
@@ -419,30 +447,7 @@ __global__ void __launch_bounds__(ATT_THREADS, 1) k_attention_tiles(const attn_a
     const int P = pos0 + t;
     const int n_win = ds4_win_rows(P, a.W);
     const int p_first = P - n_win + 1;
-    /* The query's ratio-4 picks that exist (id >= 0), compacted in list
-     * order: every row n_win .. L - 1 exists, and a missing pick (there are
-     * k - P/4 of them at positions below 4k) costs nothing. */
-    int L = ds4_att_rows(P, a.W, a.ratio, a.k);
-    if (a.ratio == 4) {
-        int n = 0;
-        for (int j0 = 0; j0 < a.k; j0 += ATT_THREADS) {
-            const int j = j0 + threadIdx.x;
-            const int id = j < a.k ? a.topk[(int64_t)t * a.k + j] : -1;
-            const unsigned m = __ballot_sync(FULL_MASK, id >= 0);
-            if (lane == 0) cnt_s[warp] = __popc(m);
-            __syncthreads();
-            int off = n, tot = n;
-#pragma unroll
-            for (int w = 0; w < ATT_THREADS / 32; w++) {
-                off += w < warp ? cnt_s[w] : 0;
-                tot += cnt_s[w];
-            }
-            if (id >= 0) ids_s[off + __popc(m & ((1u << lane) - 1u))] = id;
-            __syncthreads();                                   /* cnt_s is rewritten next round */
-            n = tot;
-        }
-        L = n_win + n;
-    }
+    const int L = att_compact_picks(a, t, P, n_win, ids_s, cnt_s);
 
     float4 q[ATT_HB][NJ], o[ATT_HB][NJ];
 #pragma unroll
@@ -557,26 +562,369 @@ static void launch_attention_tiles_t(const attn_args &a) {
     DS4_LAUNCH(k_attention_tiles<NJ>, grid, ATT_THREADS, attention_tiles_smem(a.d), a);
 }
 
-/* k_attention_tiles takes the batch when every row it copies is whole 16-byte
- * pieces (d a multiple of 4, the buffers 16-byte aligned) and the switch
- * (ds4_limits.prefill_attn) says so: 1, when its blocks fill the device (one
- * per SM resides; a smaller batch, decode among them, is better served by
- * k_attention's split rows); 2, any batch (tests/test_backend_ops.c). */
+/* ---------------------------------------------------------------------------
+ * Attention of a prefill batch on tensor cores (DS4_CUDA_PREFILL_ATTN=2, the default)
+ *
+ * The same blocks as k_attention_tiles (one per query and group of ATT_TH = 32 heads, the
+ * query's existing rows in tiles of ATM_TR = 16), with both products of a tile as MMAs: a
+ * query's heads share every kv row (MQA), so its scores S = Q K^T (32 heads x 16 rows x d)
+ * and its output O += P V (32 x d x 16 rows) are small matrix products.
+ *
+ * Numerics: the GEMM engine's exact parts (ds4_cuda_gemm.cu), on both operands.
+ *   - Each query head row and each kv row is scaled by its own power of two 2^a so that its
+ *     largest element lies in [2^14, 2^15), and split into three f16 parts hi + mid + lo
+ *     (att_split_row; the same split as k_tc_split: 33 significant bits for f32's 24).
+ *   - A score is six MMAs per k step, hi.hi, hi.mid, mid.hi, hi.lo, lo.hi and mid.mid (the
+ *     dropped terms are below 2^-33 of the largest products), in three accumulators (hi.hi;
+ *     the two 2^-11 terms; the three 2^-22 terms) that each see d / 4 dims, summed small to
+ *     large in f32.  Every product is exact; the tensor core's sums truncate, over at most
+ *     d / 64 chained MMAs per accumulator.  The four warps that share a (head, row) each hold
+ *     a quarter of the dims; their partials are added in f32 in a fixed order, and the scale
+ *     2^-(a_q + a_k) comes off exactly.
+ *   - The softmax weights p (in [0, 1]) become f = p 2^(B - a_k + 14) <= 2^14, B the
+ *     smallest a_k seen so far (the largest row), and f is split in three parts too, so
+ *     f.(2^a_k v) = 2^(B + 14) p v for every row; O is kept in units of 2^(B + 14) and
+ *     rescaled exactly (with the softmax's correction) when B falls.  Each tile's P V starts
+ *     from zero accumulators (six MMAs, smallest terms first) and goes into the running O
+ *     with one f32 FMA, so the truncation never chains across tiles.
+ * The result is f32-accurate in an order of its own: test_backend_ops holds it, like the two
+ * other attention kernels, to TOL_CHAIN of the CPU op.
+ *
+ * A tile: the block copies its 16 f32 rows into a stage (cp.async), the warps split them
+ * (two rows each) into the parts buffer, and the next tile's copies go out while the MMAs
+ * run.  Warp w takes heads 16 (w % 2) .. + 15 and the dim quarter w / 2: in S it sums its
+ * quarter of the dims for 16 heads x 16 rows (ldmatrix for both operands); in O += P V its
+ * 16 heads x its quarter of the output dims, with P's fragments taken from the reduced S in
+ * registers (the m16n8k16 C layout of two n tiles is the A layout of one k16 step) and V's
+ * by ldmatrix.trans from the same parts.  The online softmax runs on the reduced S, the same
+ * in the four warps of a head group.
+ * Shared memory for d = 512: query parts 98 KiB, row parts 49 KiB, stage 32 KiB, score
+ * partials 8 KiB, picks 4 KiB; one block per SM.  Rows are padded by 8 halves, so the 8 row
+ * addresses of an ldmatrix fall in distinct bank groups.  d must be a multiple of 64, and
+ * the card must give a block that much shared memory (sm_80: 163 KiB, sm_86/89: 99 KiB hold
+ * d <= 256 and d <= 128); otherwise k_attention_tiles serves the batch.
+ * ------------------------------------------------------------------------- */
+
+#define ATM_TR  16     /* rows per tile */
+#define ATM_PAD 8      /* halves of padding per staged row */
+#define ATM_STATIC_SMEM 512   /* bytes: an upper bound of the kernel's static shared arrays */
+
+static size_t attention_mma_smem(int d) {
+    const size_t ld = (size_t)(d + ATM_PAD);
+    return (size_t)ATM_TR * d * sizeof(float)               /* f32 stage */
+         + 3 * (size_t)ATT_TH * ld * sizeof(__half)          /* query parts */
+         + 3 * (size_t)ATM_TR * ld * sizeof(__half)          /* row parts */
+         + (size_t)ATT_WARPS * 8 * 32 * sizeof(float)        /* score partials */
+         + (size_t)ATT_MAX_TOPK * sizeof(int);               /* picks */
+}
+
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const __half *p) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(s) : "memory");
+}
+
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const __half *p) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(s) : "memory");
+}
+
+/* 2^e as a float, 0 below the normal range (e <= 127). */
+__device__ __forceinline__ float att_pow2(int e) {
+    return e < -126 ? 0.0f : __int_as_float((127 + e) << 23);
+}
+
+/* v -> f16 parts hi + mid + lo (each exact: v - hi and its remainder are f32-exact). */
+__device__ __forceinline__ void att_split3(float v, __half &hi, __half &mid, __half &lo) {
+    hi = __float2half_rn(v);
+    const float r = v - __half2float(hi);
+    mid = __float2half_rn(r);
+    lo = __float2half_rn(r - __half2float(mid));
+}
+
+/* Row x of d = 64 KS floats (NULL: zeros) scaled by 2^a, its largest |element| then in
+ * [2^14, 2^15), into three f16 planes dst, dst + plane, dst + 2 plane; returns a (0 for a
+ * zero or non-finite row, whose NaN and Inf then reach the sums as they are).  The whole
+ * warp calls it; a lane takes the pairs 64 j + 2 lane. */
+template <int KS>
+__device__ __forceinline__ int att_split_row(const float *x, __half *dst, int plane, int lane) {
+    float2 v[KS];
+    float m = 0.0f;
+#pragma unroll
+    for (int j = 0; j < KS; j++) {
+        v[j] = x ? *(const float2 *)(x + 64 * j + 2 * lane) : make_float2(0.0f, 0.0f);
+        m = fmaxf(m, fmaxf(fabsf(v[j].x), fabsf(v[j].y)));
+    }
+    m = warp_max(m);
+    int a = 0;
+    if (m > 0.0f && isfinite(m)) {
+        int e;
+        frexpf(m, &e);
+        a = 15 - e;
+        a = a < -126 ? -126 : a > 126 ? 126 : a;
+    }
+    const float s = __int_as_float((127 + a) << 23);
+#pragma unroll
+    for (int j = 0; j < KS; j++) {
+        __half h0, m0, l0, h1, m1, l1;
+        att_split3(v[j].x * s, h0, m0, l0);                 /* exact: a power of two */
+        att_split3(v[j].y * s, h1, m1, l1);
+        const int e = 64 * j + 2 * lane;
+        *(__half2 *)(dst + e) = __halves2half2(h0, h1);
+        *(__half2 *)(dst + plane + e) = __halves2half2(m0, m1);
+        *(__half2 *)(dst + 2 * plane + e) = __halves2half2(l0, l1);
+    }
+    return a;
+}
+
+/* f -> its three parts packed as f16x2 (lo half: x, the lower column). */
+__device__ __forceinline__ void att_split3x2(float x, float y, uint32_t &hi, uint32_t &mid, uint32_t &lo) {
+    __half hx, mx, lx, hy, my, ly;
+    att_split3(x, hx, mx, lx);
+    att_split3(y, hy, my, ly);
+    __half2 h = __halves2half2(hx, hy), m = __halves2half2(mx, my), l = __halves2half2(lx, ly);
+    hi = *(uint32_t *)&h;
+    mid = *(uint32_t *)&m;
+    lo = *(uint32_t *)&l;
+}
+
+template <int KS>
+__global__ void __launch_bounds__(ATT_THREADS, 1) k_attention_mma(const attn_args a) {
+    ds4_grid_dep();
+    constexpr int D = 64 * KS, LD = D + ATM_PAD, DQ = D / 4, NT = DQ / 8;   /* NT: a warp's n8 tiles of O */
+    extern __shared__ __align__(16) float att_sm[];
+    float *stage = att_sm;                                           /* [ATM_TR][D] */
+    __half *qp = (__half *)(stage + ATM_TR * D);                     /* [3][ATT_TH][LD] */
+    __half *kp = qp + 3 * ATT_TH * LD;                               /* [3][ATM_TR][LD] */
+    float *xs = (float *)(kp + 3 * ATM_TR * LD);                     /* [ATT_WARPS][8][32] */
+    int *ids_s = (int *)(xs + ATT_WARPS * 8 * 32);                   /* the query's picks */
+    __shared__ float qinv_s[ATT_TH], kinv_s[ATM_TR];
+    __shared__ int kexp_s[ATM_TR];
+    __shared__ int cnt_s[ATT_THREADS / 32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, tq = lane & 3;
+    const int mi = warp & 1, dq = warp >> 1;                         /* heads 16 mi .., dims DQ dq .. */
+    const int t = blockIdx.x, hb0 = blockIdx.y * ATT_TH;
+    const int pos0 = a.step->pos0, P = pos0 + t;
+    const int n_win = ds4_win_rows(P, a.W), p_first = P - n_win + 1;
+    const int L = att_compact_picks(a, t, P, n_win, ids_s, cnt_s);
+    const int T = (L + ATM_TR - 1) / ATM_TR;
+
+    att_load_tile(a, stage, ids_s, 0, 0, L, n_win, p_first, pos0);  /* in flight with the split */
+#pragma unroll 1
+    for (int i = 0; i < ATT_TH / ATT_WARPS; i++) {
+        const int hl = warp * (ATT_TH / ATT_WARPS) + i, h = hb0 + hl;
+        const int e = att_split_row<KS>(h < a.H ? a.q + ((int64_t)t * a.H + h) * D : NULL, qp + hl * LD,
+                                        ATT_TH * LD, lane);
+        if (lane == 0) qinv_s[hl] = __int_as_float((127 - e) << 23);
+    }
+
+    /* ldmatrix row addresses: Q as A (heads x dims), the rows as B of S (rows x dims) and,
+     * transposed, as B of O (rows x dims read as dims x rows) */
+    const __half *qa = qp + (mi * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + dq * DQ + (lane >> 4) * 8;
+    const __half *kb = kp + ((lane & 7) + (lane >> 4) * 8) * LD + dq * DQ + ((lane >> 3) & 1) * 8;
+    const __half *vb = kp + ((lane & 7) + ((lane >> 3) & 1) * 8) * LD + dq * DQ + (lane >> 4) * 8;
+
+    float o[NT][4];
+#pragma unroll
+    for (int n = 0; n < NT; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    float m_run[2] = { -INFINITY, -INFINITY }, l_run[2] = { 0.0f, 0.0f };   /* heads g, g + 8 */
+    int B_run = 0;
+
+#pragma unroll 1
+    for (int tt = 0; tt < T; tt++) {
+        cp_async_wait<0>();
+        __syncthreads();                                 /* the stage holds tile tt; the parts are free */
+        const int nv = min(ATM_TR, L - tt * ATM_TR);     /* rows of this tile that exist */
+#pragma unroll 1
+        for (int i = 0; i < ATM_TR / ATT_WARPS; i++) {
+            const int r = warp * (ATM_TR / ATT_WARPS) + i;
+            const int e = att_split_row<KS>(r < nv ? stage + r * D : NULL, kp + r * LD, ATM_TR * LD, lane);
+            /* a row past the end: an exponent that makes its f 0 (its p is 0 too) */
+            if (lane == 0) { kexp_s[r] = r < nv ? e : 1000; kinv_s[r] = __int_as_float((127 - e) << 23); }
+        }
+        __syncthreads();                                 /* the parts are ready; the stage is free */
+        if (tt + 1 < T) att_load_tile(a, stage, ids_s, tt + 1, 0, L, n_win, p_first, pos0);
+
+        /* S: this warp's quarter of the dims, 16 heads x 16 rows */
+        float acc[3][2][4];
+#pragma unroll
+        for (int u = 0; u < 3; u++)
+#pragma unroll
+            for (int n = 0; n < 2; n++) acc[u][n][0] = acc[u][n][1] = acc[u][n][2] = acc[u][n][3] = 0.0f;
+#pragma unroll
+        for (int ks = 0; ks < DQ / 16; ks++) {
+            uint32_t A[3][4], B[3][4];
+#pragma unroll
+            for (int p = 0; p < 3; p++) {
+                ldsm_x4(A[p], qa + p * ATT_TH * LD + ks * 16);
+                ldsm_x4(B[p], kb + p * ATM_TR * LD + ks * 16);
+            }
+#pragma unroll
+            for (int n = 0; n < 2; n++) {
+                const uint2 bh = make_uint2(B[0][2 * n], B[0][2 * n + 1]);
+                const uint2 bm = make_uint2(B[1][2 * n], B[1][2 * n + 1]);
+                const uint2 bl = make_uint2(B[2][2 * n], B[2][2 * n + 1]);
+                mma_f16_16816(acc[0][n], A[0][0], A[0][1], A[0][2], A[0][3], bh);
+                mma_f16_16816(acc[1][n], A[0][0], A[0][1], A[0][2], A[0][3], bm);
+                mma_f16_16816(acc[1][n], A[1][0], A[1][1], A[1][2], A[1][3], bh);
+                mma_f16_16816(acc[2][n], A[0][0], A[0][1], A[0][2], A[0][3], bl);
+                mma_f16_16816(acc[2][n], A[2][0], A[2][1], A[2][2], A[2][3], bh);
+                mma_f16_16816(acc[2][n], A[1][0], A[1][1], A[1][2], A[1][3], bm);
+            }
+        }
+#pragma unroll
+        for (int c = 0; c < 8; c++)
+            xs[(warp * 8 + c) * 32 + lane] = (acc[2][c >> 2][c & 3] + acc[1][c >> 2][c & 3]) + acc[0][c >> 2][c & 3];
+        __syncthreads();
+
+        /* value c: head g + 8 ((c >> 1) & 1), row 8 (c >> 2) + 2 tq + (c & 1) */
+        float sv[8];
+#pragma unroll
+        for (int c = 0; c < 8; c++) {
+            const float s = ((xs[(mi * 8 + c) * 32 + lane] + xs[((mi + 2) * 8 + c) * 32 + lane]) +
+                             xs[((mi + 4) * 8 + c) * 32 + lane]) + xs[((mi + 6) * 8 + c) * 32 + lane];
+            const int r = 8 * (c >> 2) + 2 * tq + (c & 1);
+            const int hl = mi * 16 + g + 8 * ((c >> 1) & 1);
+            sv[c] = r < nv ? s * qinv_s[hl] * kinv_s[r] * a.scale : -INFINITY;   /* exact until * scale */
+        }
+        int Bt = kexp_s[0];
+        for (int r = 1; r < nv; r++) Bt = min(Bt, kexp_s[r]);
+        const int Bn = tt == 0 ? Bt : min(B_run, Bt);
+        float fo[2];
+#pragma unroll
+        for (int hh = 0; hh < 2; hh++) {
+            float mx = fmaxf(fmaxf(sv[2 * hh], sv[2 * hh + 1]), fmaxf(sv[4 + 2 * hh], sv[5 + 2 * hh]));
+            mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 2));
+            const float mn = fmaxf(m_run[hh], mx);
+            const float corr = m_run[hh] == -INFINITY ? 0.0f : expf(m_run[hh] - mn);
+            float ps = 0.0f;
+#pragma unroll
+            for (int c = 0; c < 8; c++) {
+                if (((c >> 1) & 1) != hh) continue;
+                sv[c] = mn == -INFINITY ? 0.0f : expf(sv[c] - mn);
+                ps += sv[c];
+            }
+            ps += __shfl_xor_sync(FULL_MASK, ps, 1);
+            ps += __shfl_xor_sync(FULL_MASK, ps, 2);
+            l_run[hh] = l_run[hh] * corr + ps;
+            m_run[hh] = mn;
+            fo[hh] = corr * att_pow2(Bn - B_run);        /* corr is 0 on the first tile */
+        }
+        B_run = Bn;
+        /* f = p 2^(B - a_k + 14) in three parts: A of one k16 step (rows 0..15) */
+        uint32_t F[3][4];
+#pragma unroll
+        for (int c = 0; c < 8; c += 2) {
+            const int r = 8 * (c >> 2) + 2 * tq;
+            const float f0 = sv[c] * att_pow2(Bn - kexp_s[r] + 14), f1 = sv[c + 1] * att_pow2(Bn - kexp_s[r + 1] + 14);
+            att_split3x2(f0, f1, F[0][c >> 1], F[1][c >> 1], F[2][c >> 1]);
+        }
+
+        /* O += P V: 16 heads x this warp's DQ dims, two n8 tiles per ldmatrix */
+#pragma unroll
+        for (int np = 0; np < NT / 2; np++) {
+            uint32_t V[3][4];
+#pragma unroll
+            for (int p = 0; p < 3; p++) ldsm_x4_trans(V[p], vb + p * ATM_TR * LD + np * 16);
+#pragma unroll
+            for (int k = 0; k < 2; k++) {
+                const uint2 vh = make_uint2(V[0][2 * k], V[0][2 * k + 1]);
+                const uint2 vm = make_uint2(V[1][2 * k], V[1][2 * k + 1]);
+                const uint2 vl = make_uint2(V[2][2 * k], V[2][2 * k + 1]);
+                float c4[4] = { 0.0f, 0.0f, 0.0f, 0.0f };
+                mma_f16_16816(c4, F[1][0], F[1][1], F[1][2], F[1][3], vm);
+                mma_f16_16816(c4, F[2][0], F[2][1], F[2][2], F[2][3], vh);
+                mma_f16_16816(c4, F[0][0], F[0][1], F[0][2], F[0][3], vl);
+                mma_f16_16816(c4, F[1][0], F[1][1], F[1][2], F[1][3], vh);
+                mma_f16_16816(c4, F[0][0], F[0][1], F[0][2], F[0][3], vm);
+                mma_f16_16816(c4, F[0][0], F[0][1], F[0][2], F[0][3], vh);
+                float *on = o[2 * np + k];
+                on[0] = fmaf(on[0], fo[0], c4[0]);
+                on[1] = fmaf(on[1], fo[0], c4[1]);
+                on[2] = fmaf(on[2], fo[1], c4[2]);
+                on[3] = fmaf(on[3], fo[1], c4[3]);
+            }
+        }
+    }
+
+    /* the sink, the units 2^(B + 14), and with a.derot the inverse rotation at P */
+    const int r0 = a.d - a.rope.n_rot;
+#pragma unroll
+    for (int hh = 0; hh < 2; hh++) {
+        const int h = hb0 + mi * 16 + g + 8 * hh;
+        if (h >= a.H) continue;
+        const float sink = a.sinks[h];
+        const float M = fmaxf(m_run[hh], sink);
+        const float f = m_run[hh] == -INFINITY ? 0.0f : expf(m_run[hh] - M);
+        const float denom = l_run[hh] * f + expf(sink - M);
+        float *orow = a.out + ((int64_t)t * a.H + h) * D;
+#pragma unroll
+        for (int n = 0; n < NT; n++) {
+            const int e = dq * DQ + 8 * n + 2 * tq;
+            float x[2] = { ldexpf(o[n][2 * hh], -B_run - 14) * f / denom,
+                           ldexpf(o[n][2 * hh + 1], -B_run - 14) * f / denom };
+            if (a.derot && e >= r0) rope_pair(x, a.rope, P, (e - r0) >> 1, 1);
+            *(float2 *)(orow + e) = make_float2(x[0], x[1]);
+        }
+    }
+}
+
+template <int KS>
+static void launch_attention_mma_t(const attn_args &a) {
+    const dim3 grid((unsigned)a.nt, (unsigned)((a.H + ATT_TH - 1) / ATT_TH));
+    DS4_LAUNCH(k_attention_mma<KS>, grid, ATT_THREADS, attention_mma_smem(a.d), a);
+}
+
+/* The tile kernels take the batch when every row they copy is whole 16-byte pieces (d a
+ * multiple of 4, the buffers 16-byte aligned) and the switch (ds4_limits.prefill_attn, 1 or
+ * 2) says so, for a batch whose blocks fill the device (one per SM resides; a smaller batch,
+ * decode among them, is better served by k_attention's split rows), or for any batch with
+ * prefill_attn_all (tests/test_backend_ops.c).  k_attention_mma serves it with 2 where d is a
+ * multiple of 64 and the card gives a block the shared memory; k_attention_tiles otherwise. */
 static bool attention_tiles_take(const attn_args &a) {
     const uintptr_t al = (uintptr_t)a.q | (uintptr_t)a.kv | (uintptr_t)a.ring | (uintptr_t)a.comp | (uintptr_t)a.out;
     if (a.d % 4 != 0 || a.d > ATT_MAX_D || (al & 15) != 0) return false;
-    const int sw = sess()->lim.prefill_attn;
+    const ds4_limits &lim = sess()->lim;
     const int64_t blocks = (int64_t)a.nt * ((a.H + ATT_TH - 1) / ATT_TH);
-    return sw == 2 || (sw == 1 && blocks >= g_cuda.n_sm);
+    return lim.prefill_attn >= 1 && (lim.prefill_attn_all || blocks >= g_cuda.n_sm);
+}
+
+static bool attention_mma_take(const attn_args &a) {
+    return sess()->lim.prefill_attn == 2 && a.d % 64 == 0 && attention_mma_smem(a.d) + ATM_STATIC_SMEM <= g_cuda.smem_optin;
 }
 
 static void launch_attention_tiles(const attn_args &a) {
+    if (attention_mma_take(a)) {
+        switch (a.d / 64) {
+        case 1:  launch_attention_mma_t<1>(a); break;
+        case 2:  launch_attention_mma_t<2>(a); break;
+        case 3:  launch_attention_mma_t<3>(a); break;
+        case 4:  launch_attention_mma_t<4>(a); break;
+        case 5:  launch_attention_mma_t<5>(a); break;
+        case 6:  launch_attention_mma_t<6>(a); break;
+        case 7:  launch_attention_mma_t<7>(a); break;
+        default: launch_attention_mma_t<8>(a); break;
+        }
+        return;
+    }
     switch ((a.d + 127) / 128) {
     case 1:  launch_attention_tiles_t<1>(a); break;
     case 2:  launch_attention_tiles_t<2>(a); break;
     case 3:  launch_attention_tiles_t<3>(a); break;
     default: launch_attention_tiles_t<4>(a); break;
     }
+}
+
+/* k_attention_mma<KS> may take the shared memory of d = 64 KS where the card has it
+ * (attention_mma_take asks the same question per launch). */
+template <int KS>
+static void attention_mma_setup(void) {
+    const size_t sm = attention_mma_smem(64 * KS);
+    if (sm + ATM_STATIC_SMEM <= g_cuda.smem_optin)
+        DS4_CUDA_CHECK(cudaFuncSetAttribute(k_attention_mma<KS>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sm));
 }
 
 /* Resident k_attention blocks per SM (registers and shared memory decide): asked at init. */
@@ -595,6 +943,14 @@ void attention_setup(void) {
     DS4_CUDA_CHECK(cudaFuncSetAttribute(k_attention_tiles<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, tsm));
     DS4_CUDA_CHECK(cudaFuncSetAttribute(k_attention_tiles<3>, cudaFuncAttributeMaxDynamicSharedMemorySize, tsm));
     DS4_CUDA_CHECK(cudaFuncSetAttribute(k_attention_tiles<4>, cudaFuncAttributeMaxDynamicSharedMemorySize, tsm));
+    attention_mma_setup<1>();
+    attention_mma_setup<2>();
+    attention_mma_setup<3>();
+    attention_mma_setup<4>();
+    attention_mma_setup<5>();
+    attention_mma_setup<6>();
+    attention_mma_setup<7>();
+    attention_mma_setup<8>();
 }
 
 static int attention_dm(int d) { return d <= 64 ? 2 : d <= 128 ? 4 : d <= 256 ? 8 : 16; }

@@ -183,9 +183,11 @@ typedef struct ds4_limits {
                                * the backend uses it only where the device supports it) */
     int     prefill_tc;       /* batches of the types it takes on tensor cores, not through cuBLAS
                                * (DS4_CUDA_PREFILL_TC; CUDA) */
-    int     prefill_attn;     /* attention in row tiles shared by a block's heads: 1, for a batch that
-                               * fills the device (DS4_CUDA_PREFILL_ATTN); 2, for any batch the kernel
-                               * takes (tests); 0, never (CUDA) */
+    int     prefill_attn;     /* attention of a batch that fills the device in row tiles shared by a
+                               * block's heads (DS4_CUDA_PREFILL_ATTN; CUDA): 2, on tensor cores where d
+                               * and the card allow, else 1's; 1, in f32; 0, never */
+    int     prefill_attn_all; /* tests: the tile kernels take every batch they can, not only those
+                               * that fill the device */
     int     decode_group;     /* DS4_CUDA_DECODE_GROUP (CUDA): 1, a call of up to 4 tokens (a speculative
                                * check) takes its dense products in one launch; 0, chunks of 4, 2, 1 */
 } ds4_limits;

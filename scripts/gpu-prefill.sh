@@ -2,8 +2,9 @@
 # gpu-prefill.sh -- one GPU run for the prefill work (patches "prefill on tensor cores" and
 # "prefill attention"): build, the backend-op tests, then flash16 (and flash-q2@64) prefill with
 # DS4_CUDA_PREFILL_TC=0 (dequantise + cuBLAS) and 1 side by side (bench, q2), or with
-# DS4_CUDA_PREFILL_ATTN=0 (the per-token attention kernel) and 1 side by side (attn: ATTN_ROUNDS
-# rounds, alternating), logs under $OUT.
+# the DS4_CUDA_PREFILL_ATTN values of ATTN_MODES ("1 2": the f32 tiles and the tensor-core tiles;
+# 0 is the per-token kernel) side by side (attn: ATTN_ROUNDS rounds, alternating), logs under $OUT.
+# test runs test_backend_ops with OPS_ARGS (e.g. "att", "ix"; empty: every case).
 # prof: ncu (clocks as found) on two k_attention_tiles launches (layers 2 and 3: ratio 4 and 128)
 # and PROF_GEMMS k_tc_gemm launches of a flash16 prefill of PROF_N (4096) tokens.
 # stall: ncu metrics of STALL_COUNT (2) launches of STALL_KERNEL (a regex on the demangled name,
@@ -54,17 +55,17 @@ if want peak; then
   PEAK=$(awk '/^mma_f16_tflops/ {print $2}' "$OUT/mma-peak.log" 2>/dev/null); PEAK=${PEAK:-0}
 fi
 if want test; then
-  step "test_backend_ops"
-  timeout "${OPS_LIMIT:-240}" build/cuda-"$ARCH"/test_backend_ops > "$OUT/ops.log" 2>&1
+  step "test_backend_ops ${OPS_ARGS:-}"
+  timeout "${OPS_LIMIT:-240}" build/cuda-"$ARCH"/test_backend_ops ${OPS_ARGS:-} > "$OUT/ops.log" 2>&1
   echo "rc $?"; grep -E 'FAIL' "$OUT/ops.log" | head -20
   grep -E 'tensor|K=4096 N=1000|0/1-token|wide range' "$OUT/ops.log" | head -40
   grep -E '^attention.* (nt=(200|256|512|4096)|H=64 d=512)' "$OUT/ops.log" | head -40; tail -1 "$OUT/ops.log"
 fi
 bench() {   # MODEL TC PREFILLS REPS [ATTN [TAG]]
   local log="$OUT/bench-$1-tc$2${6:+-$6}.log"
-  DS4_CUDA_PREFILL_TC=$2 DS4_CUDA_PREFILL_ATTN=${5:-1} timeout 300 build/cuda-"$ARCH"/ds4_bench --model "$1" \
+  DS4_CUDA_PREFILL_TC=$2 DS4_CUDA_PREFILL_ATTN=${5:-2} timeout 300 build/cuda-"$ARCH"/ds4_bench --model "$1" \
      --backend cuda --reps "$4" --decode 8 --prefill "$3" --tc-peak "$PEAK" > "$log" 2>&1
-  echo "$1 TC=$2 ATTN=${5:-1}: $(grep -E '^model|^prefill' "$log" | tr '\n' ' ')"
+  echo "$1 TC=$2 ATTN=${5:-2}: $(grep -E '^model|^prefill' "$log" | tr '\n' ' ')"
 }
 if want bench; then
   step "flash16 prefill, TC 0 vs 1"
@@ -72,10 +73,9 @@ if want bench; then
   bench flash16 1 512,4096 3
 fi
 if want attn; then
-  step "flash16 prefill, ATTN 0 vs 1 (TC 1)"
+  step "flash16 prefill, ATTN ${ATTN_MODES:-1 2} (TC 1)"
   for r in $(seq 1 "${ATTN_ROUNDS:-2}"); do
-    bench flash16 1 512,4096 3 0 "attn0-$r"
-    bench flash16 1 512,4096 3 1 "attn1-$r"
+    for am in ${ATTN_MODES:-1 2}; do bench flash16 1 "${ATTN_PREFILLS:-512,4096}" 3 "$am" "attn$am-$r"; done
   done
 fi
 if want q2; then
@@ -203,8 +203,8 @@ if want exact; then
     cfg=${m%%/*}; ty=${m#*/}; [ "$ty" = "$m" ] && ty=""; tag=$cfg${ty:+-$ty}
     ./ds4 synth --config "$cfg" --seed 1 ${ty:+--type $ty} -o "$OUT/$tag.gguf" > /dev/null 2>&1
     ./ds4 -m "$OUT/$tag.gguf" --backend cpu --tokens "$P" -n 32 --dump-logits "$OUT/cpu-$tag.ds4logit" > /dev/null 2>&1
-    for v in "0 0" "1 0" "1 1"; do
-      set -- $v
+    for v in ${EXACT_PATHS:-00 10 11 12}; do   # TC ATTN
+      set -- "${v:0:1}" "${v:1:1}"
       DS4_CUDA_PREFILL_TC=$1 DS4_CUDA_PREFILL_ATTN=$2 ./ds4 -m "$OUT/$tag.gguf" --backend cuda --tokens "$P" -n 32 \
         --dump-logits "$OUT/cuda-$tag-$1$2.ds4logit" > /dev/null 2>&1
       echo "$tag TC=$1 ATTN=$2 vs CPU: $(python3 tests/oracle/ds4logit.py compare "$OUT/cpu-$tag.ds4logit" \

@@ -751,13 +751,30 @@ typedef struct {
     float scale;
 } att_inputs;
 
+/* With g_att_spread, each kv row is scaled by its own power of two in 2^-8 .. 2^8 and the
+ * queries by 8, so the rows' magnitudes differ by 2^16 and the softmax is peaked: the
+ * tensor-core kernel's per-row scales and its output units (k_attention_mma) are exercised. */
+static int g_att_spread;
+
+static void att_spread_rows(float *x, int rows, int d, unsigned salt) {
+    for (int r = 0; r < rows; r++) {
+        const float s = ldexpf(1.0f, (int)(((unsigned)r * 2654435761u + salt) % 17u) - 8);
+        for (int e = 0; e < d; e++) x[(size_t)r * d + e] *= s;
+    }
+}
+
 static att_inputs att_inputs_new(int W, int pos0, int nt, int H, int d, int ratio, int k) {
     att_inputs a;
     a.n_comp = ratio ? (pos0 + nt) / ratio + 1 : 0;
-    a.q = rnd_vec((size_t)nt * H * d, 1.0f);
+    a.q = rnd_vec((size_t)nt * H * d, g_att_spread ? 8.0f : 1.0f);
     a.kv = rnd_vec((size_t)nt * d, 1.0f);
     a.ring = rnd_vec((size_t)W * d, 1.0f);
     a.comp = ratio ? rnd_vec((size_t)a.n_comp * d, 1.0f) : NULL;
+    if (g_att_spread) {
+        att_spread_rows(a.kv, nt, d, 1);
+        att_spread_rows(a.ring, W, d, 2);
+        if (a.comp) att_spread_rows(a.comp, a.n_comp, d, 3);
+    }
     a.sinks = rnd_vec(H, 2.0f);
     a.topk = ratio == 4 ? rnd_topk(pos0, nt, k) : NULL;
     a.scale = 1.0f / sqrtf((float)d);
@@ -1759,12 +1776,60 @@ static int test_tc_engine(const ds4_limits *lim0) {
     return 0;
 }
 
+static int test_prefill_attention(const ds4_limits *lim) {
+    /* prefill attention, the tile kernels: the Flash shape (64 heads x 512, window 128, ratio 4
+     * with 512 picks, ratio 128) at the batch sizes 1, 2, 7, 64, 512 and 4096 (16 heads there, to
+     * keep the CPU side short), from position 0 and from inside a long context, with the fused
+     * de-rotation of attention_step.  On tensor cores (k_attention_mma, prefill_attn = 2) in a
+     * session that sends every batch the kernels take to them (prefill_attn_all), then the default
+     * one for the large batches; in f32 (k_attention_tiles, 1) at 7, 64 and 512.  Then both on
+     * rows whose magnitudes differ by 2^16 under a peaked softmax (g_att_spread), and the
+     * tensor-core kernel at d = 64, 192 and 320 (its other instantiations). */
+    static const struct { int kern, all, n0, n1; } pa[] = { { 2, 1, 0, 6 }, { 2, 0, 4, 6 }, { 1, 1, 2, 5 } };
+    for (size_t pi = 0; pi < sizeof pa / sizeof pa[0]; pi++) {
+        ds4_limits pl = *lim;
+        pl.max_batch = 4096;
+        pl.n_ctx = 8192;
+        pl.n_head = 64;
+        pl.head_dim = 512;
+        pl.idx_topk = 512;
+        pl.prefill_attn = pa[pi].kern;
+        pl.prefill_attn_all = pa[pi].all;
+        void *ps[2], *prev[2];
+        if (session_push(&pl, ps, prev) != 0) return 2;
+        printf("(prefill attention: %s, %s)\n", pa[pi].kern == 2 ? "tensor cores" : "f32 tiles",
+               pa[pi].all ? "every batch" : "batches that fill the device");
+        const int an[6] = { 1, 2, 7, 64, 512, 4096 };
+        for (int ni = pa[pi].n0; ni < pa[pi].n1; ni++) {
+            const int nt = an[ni], H = nt == 4096 ? 16 : 64;
+            test_attention(128, 0, nt, H, 512, 0, 0);
+            test_attention_step(128, 0, nt, H, 512, 4, 512, 64, 1);
+            test_attention_step(128, 4096 - nt, nt, H, 512, 4, 512, 64, 1);
+            test_attention(128, 8192 - nt, nt, H, 512, 128, 0);
+        }
+        if (pa[pi].all) {
+            g_att_spread = 1;
+            test_attention(128, 300, 200, 64, 512, 0, 0);
+            test_attention_step(128, 3000, 200, 64, 512, 4, 512, 64, 1);
+            test_attention(128, 5000, 200, 64, 512, 128, 0);
+            g_att_spread = 0;
+        }
+        if (pa[pi].kern == 2 && pa[pi].all) {
+            test_attention(16, 200, 150, 5, 64, 0, 0);
+            test_attention_step(32, 10, 150, 3, 192, 4, 40, 32, 1);
+            test_attention(64, 300, 150, 40, 320, 128, 0);
+        }
+        session_pop(ps, prev);
+    }
+    return 0;
+}
+
 int main(int argc, char **argv) {
     if (argc > 2 || (argc == 2 && strcmp(argv[1], "tc") != 0 && strcmp(argv[1], "rows") != 0 &&
-                     strcmp(argv[1], "ix") != 0)) {
-        fprintf(stderr, "usage: test_backend_ops [tc|rows|ix]   (tc: only the tensor-core engine's cases; rows: only "
-                        "a batch's rows against one-token calls: attention, the weight products; ix: only the "
-                        "indexer at a prompt's batch sizes)\n");
+                     strcmp(argv[1], "ix") != 0 && strcmp(argv[1], "att") != 0)) {
+        fprintf(stderr, "usage: test_backend_ops [tc|rows|ix|att]   (tc: only the tensor-core engine's cases; rows: "
+                        "only a batch's rows against one-token calls: attention, the weight products; ix: only the "
+                        "indexer at a prompt's batch sizes; att: only the prefill attention kernels)\n");
         return 2;
     }
     B[0] = ds4_backend_cpu();
@@ -1780,7 +1845,7 @@ int main(int argc, char **argv) {
     memset(&lim, 0, sizeof lim);
     lim.max_batch = 256;                 /* test_compress_pool(0, 256, ...) */
     lim.prefill_tc = 1;                  /* the default (DS4_CUDA_PREFILL_TC) */
-    lim.prefill_attn = 1;                /* the default (DS4_CUDA_PREFILL_ATTN) */
+    lim.prefill_attn = 2;                /* the default (DS4_CUDA_PREFILL_ATTN) */
     lim.decode_group = 1;                /* the default (DS4_CUDA_DECODE_GROUP) */
     lim.n_ctx = 32768;                   /* attention and indexer at position 20000 */
     lim.n_embd = 8192;
@@ -1802,6 +1867,11 @@ int main(int argc, char **argv) {
     if (argc == 2 && !strcmp(argv[1], "rows")) {
         test_attention_rows();
         test_products_rows();
+        printf("%d passed, %d failed\n", g_pass, g_fail);
+        return g_fail ? 1 : 0;
+    }
+    if (argc == 2 && !strcmp(argv[1], "att")) {
+        if (test_prefill_attention(&lim) != 0) return 2;
         printf("%d passed, %d failed\n", g_pass, g_fail);
         return g_fail ? 1 : 0;
     }
@@ -1895,7 +1965,8 @@ int main(int argc, char **argv) {
     test_attention(128, 700, 3, 5, 512, 128, 0);
     test_attention(16, 300, 64, 3, 96, 128, 0);
     test_attention(128, 20000, 1, 4, 128, 128, 0);   /* many compressed rows */
-    /* batches whose blocks fill the device take k_attention_tiles (DS4_CUDA_PREFILL_ATTN=1):
+    /* batches whose blocks fill the device take the tile kernels (DS4_CUDA_PREFILL_ATTN=2: d =
+     * 128 k_attention_mma, 96 k_attention_tiles):
      * H = 5 and 3 (blocks of 32 heads not full), d = 96 (lanes past d), 49 (not whole float4s:
      * k_attention), the fused and the separate de-rotation */
     test_attention(16, 200, 200, 5, 128, 0, 0);
@@ -2093,31 +2164,7 @@ int main(int argc, char **argv) {
     if (test_tc_engine(&lim) != 0) return 2;
     if (test_indexer_batches(&lim) != 0) return 2;
 
-    /* prefill attention (k_attention_tiles): the Flash shape (64 heads x 512, window 128,
-     * ratio 4 with 512 picks, ratio 128) at the batch sizes 1, 2, 7, 64, 512 and 4096 (16 heads
-     * there, to keep the CPU side short), from position 0 and from inside a long context, with
-     * the fused de-rotation of attention_step; in a session that sends every batch the kernel
-     * takes to it (prefill_attn = 2), then the default one for the large batches */
-    for (int sw = 2; sw >= 1; sw--) {
-        ds4_limits pl = lim;
-        pl.max_batch = 4096;
-        pl.n_ctx = 8192;
-        pl.n_head = 64;
-        pl.head_dim = 512;
-        pl.idx_topk = 512;
-        pl.prefill_attn = sw;
-        void *ps[2], *prev[2];
-        if (session_push(&pl, ps, prev) != 0) return 2;
-        const int an[6] = { 1, 2, 7, 64, 512, 4096 };
-        for (int ni = sw == 2 ? 0 : 4; ni < 6; ni++) {
-            const int nt = an[ni], H = nt == 4096 ? 16 : 64;
-            test_attention(128, 0, nt, H, 512, 0, 0);
-            test_attention_step(128, 0, nt, H, 512, 4, 512, 64, 1);
-            test_attention_step(128, 4096 - nt, nt, H, 512, 4, 512, 64, 1);
-            test_attention(128, 8192 - nt, nt, H, 512, 128, 0);
-        }
-        session_pop(ps, prev);
-    }
+    if (test_prefill_attention(&lim) != 0) return 2;
 
     test_determinism();
 
