@@ -540,7 +540,7 @@ static void session_release(ds4_session *S) {
         DS4_CUDA_CHECK(cudaStreamSynchronize(S->stream));   /* NOTE(load time): a context ends */
     }
     scratch_t *all[] = { &S->deq, &S->tc_x, &S->moe_h, &S->moe_tmp, &S->moe_xg, &S->moe_gu, &S->moe_idx, &S->att_part,
-                         &S->ix_scores };
+                         &S->att_split, &S->ix_scores };
     for (scratch_t *x : all) dev_free(x->p);
     dev_free(S->hc_count);
     dev_free(S->gate_count);
@@ -667,6 +667,8 @@ static void *cuda_session_new(const ds4_limits *lim) {
     /* attention partials: attention_run asks nt*H*want*(d+2) floats, at most attention_part_floats */
     ok = ok && session_scratch(&S->att_part, "attention partials",
                                lim->head_dim > 0 ? attention_part_floats(lim->head_dim) * sizeof(float) : 0);
+    /* the rows of a prefill call in f16 parts (k_attention_mma) */
+    ok = ok && session_scratch(&S->att_split, "attention split rows", attention_split_scratch(lim));
     /* indexer scores: cuda_indexer_topk asks ix_chunk rows of ix_ld */
     if (lim->idx_topk > 0) {
         S->ix_ld = (int64_t)lim->n_ctx / IX_MIN_RATIO + 1;

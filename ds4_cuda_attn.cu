@@ -6,6 +6,8 @@
 
 #include "ds4_cuda_common.cuh"
 
+#include <cuda_fp16.h>
+
 /* ---------------------------------------------------------------------------
  * Attention
  *
@@ -40,6 +42,7 @@
 #define ATT_MAX_CHUNKS 32
 #define ATT_MAX_D      512
 #define ATT_MAX_TOPK   1024    /* ratio-4 picks per query staged in shared memory */
+#define ATT_STEP_SPLIT_NT 4    /* calls of up to this many queries split rows as one-token steps (attention_want) */
 
 typedef struct {
     const float *q, *kv, *ring, *comp, *sinks;
@@ -53,6 +56,9 @@ typedef struct {
     int derot;          /* attention_step: de-rotate the output (inverse RoPE at P) as it is written */
     rope_args rope;
     float *ring_out;    /* attention_step with split rows: k_attention_combine stores kv into the ring */
+    __half *sp;         /* k_attention_mma: the rows in f16 parts, three planes of [sp_rows][d] */
+    int32_t *sp_exp;    /* and each row's exponent */
+    int64_t sp_rows;
 } attn_args;
 
 /* Element e of an output head row as written: v, or, with a.derot, its
@@ -575,12 +581,11 @@ static void launch_attention_tiles_t(const attn_args &a) {
  *     largest element lies in [2^14, 2^15), and split into three f16 parts hi + mid + lo
  *     (att_split_row; the same split as k_tc_split: 33 significant bits for f32's 24).
  *   - A score is six MMAs per k step, hi.hi, hi.mid, mid.hi, hi.lo, lo.hi and mid.mid (the
- *     dropped terms are below 2^-33 of the largest products), in three accumulators (hi.hi;
- *     the two 2^-11 terms; the three 2^-22 terms) that each see d / 4 dims, summed small to
- *     large in f32.  Every product is exact; the tensor core's sums truncate, over at most
- *     d / 64 chained MMAs per accumulator.  The four warps that share a (head, row) each hold
- *     a quarter of the dims; their partials are added in f32 in a fixed order, and the scale
- *     2^-(a_q + a_k) comes off exactly.
+ *     dropped terms are below 2^-33 of the largest products), each in its own accumulator
+ *     over d / 4 dims, summed small to large in f32.  Every product is exact; the tensor
+ *     core's sums truncate, over at most d / 64 chained MMAs per accumulator.  The four warps
+ *     that share a (head, row) each hold a quarter of the dims; their partials are added in
+ *     f32 in a fixed order, and the scale 2^-(a_q + a_k) comes off exactly.
  *   - The softmax weights p (in [0, 1]) become f = p 2^(B - a_k + 14) <= 2^14, B the
  *     smallest a_k seen so far (the largest row), and f is split in three parts too, so
  *     f.(2^a_k v) = 2^(B + 14) p v for every row; O is kept in units of 2^(B + 14) and
@@ -588,21 +593,27 @@ static void launch_attention_tiles_t(const attn_args &a) {
  *     from zero accumulators (six MMAs, smallest terms first) and goes into the running O
  *     with one f32 FMA, so the truncation never chains across tiles.
  * The result is f32-accurate in an order of its own: test_backend_ops holds it, like the two
- * other attention kernels, to TOL_CHAIN of the CPU op.
+ * other attention kernels, to TOL_CHAIN of the CPU op (on rows of one scale and on rows
+ * whose magnitudes differ by 2^16).
  *
- * A tile: the block copies its 16 f32 rows into a stage (cp.async), the warps split them
- * (two rows each) into the parts buffer, and the next tile's copies go out while the MMAs
- * run.  Warp w takes heads 16 (w % 2) .. + 15 and the dim quarter w / 2: in S it sums its
- * quarter of the dims for 16 heads x 16 rows (ldmatrix for both operands); in O += P V its
- * 16 heads x its quarter of the output dims, with P's fragments taken from the reduced S in
- * registers (the m16n8k16 C layout of two n tiles is the A layout of one k16 step) and V's
- * by ldmatrix.trans from the same parts.  The online softmax runs on the reduced S, the same
- * in the four warps of a head group.
- * Shared memory for d = 512: query parts 98 KiB, row parts 49 KiB, stage 32 KiB, score
+ * The rows are split once per call, not once per (query, tile): k_att_rows_split writes the
+ * three parts and the exponent of every row a query of the batch may read (the batch's kv
+ * rows, the window ring, the compressed rows visible to the batch) into the session's
+ * scratch (att_split; rows = nt + W + the compressed rows the context can hold).  A block
+ * then copies a tile's parts with cp.async into one of two buffers, the next tile's while
+ * the MMAs of this one run.  Warp w takes heads 16 (w % 2) .. + 15 and the dim quarter
+ * w / 2: in S it sums its quarter of the dims for 16 heads x 16 rows (ldmatrix for both
+ * operands); in O += P V its 16 heads x its quarter of the output dims, with P's fragments
+ * taken from the reduced S in registers (the m16n8k16 C layout of two n tiles is the A layout
+ * of one k16 step) and V's by ldmatrix.trans from the same parts.  The online softmax runs on
+ * the reduced S, the same in the four warps of a head group.
+ * Shared memory for d = 512: query parts 98 KiB, two tiles of row parts 98 KiB, score
  * partials 8 KiB, picks 4 KiB; one block per SM.  Rows are padded by 8 halves, so the 8 row
- * addresses of an ldmatrix fall in distinct bank groups.  d must be a multiple of 64, and
- * the card must give a block that much shared memory (sm_80: 163 KiB, sm_86/89: 99 KiB hold
- * d <= 256 and d <= 128); otherwise k_attention_tiles serves the batch.
+ * addresses of an ldmatrix fall in distinct bank groups.  d must be a multiple of 64, and the
+ * card must give a block that much shared memory (sm_80: 163 KiB holds d <= 384, sm_86/89:
+ * 99 KiB d <= 192), and the session the split (a context of n_ctx positions holds n_ctx / 4
+ * compressed rows: 3 KiB each at d = 512, 0.8 GB at 1M); otherwise k_attention_tiles serves
+ * the batch.
  * ------------------------------------------------------------------------- */
 
 #define ATM_TR  16     /* rows per tile */
@@ -611,11 +622,31 @@ static void launch_attention_tiles_t(const attn_args &a) {
 
 static size_t attention_mma_smem(int d) {
     const size_t ld = (size_t)(d + ATM_PAD);
-    return (size_t)ATM_TR * d * sizeof(float)               /* f32 stage */
-         + 3 * (size_t)ATT_TH * ld * sizeof(__half)          /* query parts */
-         + 3 * (size_t)ATM_TR * ld * sizeof(__half)          /* row parts */
+    return 3 * (size_t)ATT_TH * ld * sizeof(__half)          /* query parts */
+         + 2 * 3 * (size_t)ATM_TR * ld * sizeof(__half)      /* two tiles of row parts */
          + (size_t)ATT_WARPS * 8 * 32 * sizeof(float)        /* score partials */
          + (size_t)ATT_MAX_TOPK * sizeof(int);               /* picks */
+}
+
+/* Rows of the split a call reads: its nt kv rows, the W ring slots, and the compressed rows
+ * the context can hold (ratio 4 or 128), in that order. */
+static int64_t attention_split_rows(int nt, int W, int ratio) {
+    return (int64_t)nt + W + (ratio > 0 ? (int64_t)sess()->lim.n_ctx / ratio + 1 : 0);
+}
+
+/* Bytes of a split of `rows` rows of d: three f16 planes and an int exponent per row. */
+static size_t attention_split_bytes(int64_t rows, int d) {
+    return (size_t)rows * ((size_t)3 * d * sizeof(__half) + sizeof(int32_t));
+}
+
+/* The session's split scratch for a context of lim (ds4_cuda.cu sizes it): the largest call,
+ * max_batch queries at the largest window and ratio 4; 0 where the kernel never runs. */
+size_t attention_split_scratch(const ds4_limits *lim) {
+    const int d = lim->head_dim;
+    if (lim->prefill_attn != 2 || d <= 0 || d % 64 != 0 || d > ATT_MAX_D || lim->max_batch <= ATT_STEP_SPLIT_NT)
+        return 0;
+    const int W = lim->n_swa > 0 ? lim->n_swa : 0;
+    return attention_split_bytes((int64_t)lim->max_batch + W + (int64_t)lim->n_ctx / 4 + 1, d);
 }
 
 __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const __half *p) {
@@ -648,7 +679,7 @@ __device__ __forceinline__ void att_split3(float v, __half &hi, __half &mid, __h
  * zero or non-finite row, whose NaN and Inf then reach the sums as they are).  The whole
  * warp calls it; a lane takes the pairs 64 j + 2 lane. */
 template <int KS>
-__device__ __forceinline__ int att_split_row(const float *x, __half *dst, int plane, int lane) {
+__device__ __forceinline__ int att_split_row(const float *x, __half *dst, int64_t plane, int lane) {
     float2 v[KS];
     float m = 0.0f;
 #pragma unroll
@@ -678,7 +709,65 @@ __device__ __forceinline__ int att_split_row(const float *x, __half *dst, int pl
     return a;
 }
 
-/* f -> its three parts packed as f16x2 (lo half: x, the lower column). */
+/* Every row a call may read, split (one warp per row of the list kv | ring | compressed; the
+ * compressed rows past those visible to the batch are skipped). */
+template <int KS>
+__global__ void __launch_bounds__(ATT_THREADS) k_att_rows_split(const attn_args a) {
+    ds4_grid_dep();
+    constexpr int D = 64 * KS;
+    const int lane = threadIdx.x & 31;
+    const int64_t i = (int64_t)blockIdx.x * ATT_WARPS + (threadIdx.x >> 5);
+    if (i >= a.sp_rows) return;
+    const float *x;
+    if (i < a.nt) x = a.kv + i * D;
+    else if (i < (int64_t)a.nt + a.W) x = a.ring ? a.ring + (i - a.nt) * D : NULL;
+    else {
+        const int64_t c = i - a.nt - a.W;
+        if (c >= ds4_comp_rows(a.step->pos0 + a.nt - 1, a.ratio)) return;
+        x = a.comp + c * D;
+    }
+    const int e = att_split_row<KS>(x, a.sp + i * D, a.sp_rows * D, lane);
+    if (lane == 0) a.sp_exp[i] = e;
+}
+
+/* Row i of a query's list as a row of the split (att_row's order). */
+__device__ __forceinline__ int64_t att_split_index(const attn_args &a, int pos0, const int *ids_s, int n_win,
+                                                  int p_first, int i) {
+    if (i < n_win) {
+        const int p = p_first + i;
+        return p >= pos0 ? (int64_t)(p - pos0) : (int64_t)a.nt + p % a.W;
+    }
+    return (int64_t)a.nt + a.W + (a.ratio == 4 ? ids_s[i - n_win] : i - n_win);
+}
+
+/* Tile tt of a query's rows (its parts and exponents) into buffer kb, ke; rows past L are
+ * zeros with an exponent that makes their weights 0.  16 threads per row; one cp.async group. */
+template <int D>
+__device__ __forceinline__ void atm_load_tile(const attn_args &a, __half *kb, int *ke, const int *ids_s, int tt,
+                                              int L, int n_win, int p_first, int pos0) {
+    constexpr int LD = D + ATM_PAD, PIECES = D / 8;          /* 16-byte pieces per row and part */
+    const int r = threadIdx.x >> 4, sub = threadIdx.x & 15, i = tt * ATM_TR + r;
+    __half *dst = kb + r * LD;
+    if (i < L) {
+        const int64_t si = att_split_index(a, pos0, ids_s, n_win, p_first, i);
+        const __half *src = a.sp + si * D;
+#pragma unroll
+        for (int p = 0; p < 3; p++)
+#pragma unroll
+            for (int c = sub; c < PIECES; c += 16)
+                cp_async16(dst + p * ATM_TR * LD + 8 * c, src + p * a.sp_rows * D + 8 * c);
+        if (sub == 0) cp_async4(ke + r, a.sp_exp + si);
+    } else {
+#pragma unroll
+        for (int p = 0; p < 3; p++)
+#pragma unroll
+            for (int c = sub; c < PIECES; c += 16) *(uint4 *)(dst + p * ATM_TR * LD + 8 * c) = make_uint4(0, 0, 0, 0);
+        if (sub == 0) ke[r] = 1000;
+    }
+    cp_async_commit();
+}
+
+/* x, y -> their three parts packed as f16x2 (low half: x, the lower column). */
 __device__ __forceinline__ void att_split3x2(float x, float y, uint32_t &hi, uint32_t &mid, uint32_t &lo) {
     __half hx, mx, lx, hy, my, ly;
     att_split3(x, hx, mx, lx);
@@ -693,14 +782,14 @@ template <int KS>
 __global__ void __launch_bounds__(ATT_THREADS, 1) k_attention_mma(const attn_args a) {
     ds4_grid_dep();
     constexpr int D = 64 * KS, LD = D + ATM_PAD, DQ = D / 4, NT = DQ / 8;   /* NT: a warp's n8 tiles of O */
+    constexpr int TILE = 3 * ATM_TR * LD;                                     /* halves of one tile buffer */
     extern __shared__ __align__(16) float att_sm[];
-    float *stage = att_sm;                                           /* [ATM_TR][D] */
-    __half *qp = (__half *)(stage + ATM_TR * D);                     /* [3][ATT_TH][LD] */
-    __half *kp = qp + 3 * ATT_TH * LD;                               /* [3][ATM_TR][LD] */
-    float *xs = (float *)(kp + 3 * ATM_TR * LD);                     /* [ATT_WARPS][8][32] */
+    __half *qp = (__half *)att_sm;                                   /* [3][ATT_TH][LD] */
+    __half *kp = qp + 3 * ATT_TH * LD;                               /* [2][3][ATM_TR][LD] */
+    float *xs = (float *)(kp + 2 * TILE);                            /* [ATT_WARPS][8][32] */
     int *ids_s = (int *)(xs + ATT_WARPS * 8 * 32);                   /* the query's picks */
-    __shared__ float qinv_s[ATT_TH], kinv_s[ATM_TR];
-    __shared__ int kexp_s[ATM_TR];
+    __shared__ float qinv_s[ATT_TH];
+    __shared__ int kexp_s[2][ATM_TR];
     __shared__ int cnt_s[ATT_THREADS / 32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, tq = lane & 3;
@@ -711,7 +800,7 @@ __global__ void __launch_bounds__(ATT_THREADS, 1) k_attention_mma(const attn_arg
     const int L = att_compact_picks(a, t, P, n_win, ids_s, cnt_s);
     const int T = (L + ATM_TR - 1) / ATM_TR;
 
-    att_load_tile(a, stage, ids_s, 0, 0, L, n_win, p_first, pos0);  /* in flight with the split */
+    atm_load_tile<D>(a, kp, kexp_s[0], ids_s, 0, L, n_win, p_first, pos0);   /* in flight with the split */
 #pragma unroll 1
     for (int i = 0; i < ATT_TH / ATT_WARPS; i++) {
         const int hl = warp * (ATT_TH / ATT_WARPS) + i, h = hb0 + hl;
@@ -721,10 +810,10 @@ __global__ void __launch_bounds__(ATT_THREADS, 1) k_attention_mma(const attn_arg
     }
 
     /* ldmatrix row addresses: Q as A (heads x dims), the rows as B of S (rows x dims) and,
-     * transposed, as B of O (rows x dims read as dims x rows) */
+     * transposed, as B of O (rows x dims read as dims x rows); tile buffer offsets added */
     const __half *qa = qp + (mi * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + dq * DQ + (lane >> 4) * 8;
-    const __half *kb = kp + ((lane & 7) + (lane >> 4) * 8) * LD + dq * DQ + ((lane >> 3) & 1) * 8;
-    const __half *vb = kp + ((lane & 7) + ((lane >> 3) & 1) * 8) * LD + dq * DQ + (lane >> 4) * 8;
+    const int kb_off = ((lane & 7) + (lane >> 4) * 8) * LD + dq * DQ + ((lane >> 3) & 1) * 8;
+    const int vb_off = ((lane & 7) + ((lane >> 3) & 1) * 8) * LD + dq * DQ + (lane >> 4) * 8;
 
     float o[NT][4];
 #pragma unroll
@@ -734,23 +823,18 @@ __global__ void __launch_bounds__(ATT_THREADS, 1) k_attention_mma(const attn_arg
 
 #pragma unroll 1
     for (int tt = 0; tt < T; tt++) {
+        const int buf = tt & 1;
         cp_async_wait<0>();
-        __syncthreads();                                 /* the stage holds tile tt; the parts are free */
+        __syncthreads();                 /* tile tt is in buf; every warp is done with buf ^ 1 */
+        if (tt + 1 < T) atm_load_tile<D>(a, kp + (buf ^ 1) * TILE, kexp_s[buf ^ 1], ids_s, tt + 1, L, n_win, p_first, pos0);
+        const __half *kt = kp + buf * TILE;
+        const int *ke = kexp_s[buf];
         const int nv = min(ATM_TR, L - tt * ATM_TR);     /* rows of this tile that exist */
-#pragma unroll 1
-        for (int i = 0; i < ATM_TR / ATT_WARPS; i++) {
-            const int r = warp * (ATM_TR / ATT_WARPS) + i;
-            const int e = att_split_row<KS>(r < nv ? stage + r * D : NULL, kp + r * LD, ATM_TR * LD, lane);
-            /* a row past the end: an exponent that makes its f 0 (its p is 0 too) */
-            if (lane == 0) { kexp_s[r] = r < nv ? e : 1000; kinv_s[r] = __int_as_float((127 - e) << 23); }
-        }
-        __syncthreads();                                 /* the parts are ready; the stage is free */
-        if (tt + 1 < T) att_load_tile(a, stage, ids_s, tt + 1, 0, L, n_win, p_first, pos0);
 
-        /* S: this warp's quarter of the dims, 16 heads x 16 rows */
-        float acc[3][2][4];
+        /* S: this warp's quarter of the dims, 16 heads x 16 rows; one accumulator per pass */
+        float acc[6][2][4];
 #pragma unroll
-        for (int u = 0; u < 3; u++)
+        for (int u = 0; u < 6; u++)
 #pragma unroll
             for (int n = 0; n < 2; n++) acc[u][n][0] = acc[u][n][1] = acc[u][n][2] = acc[u][n][3] = 0.0f;
 #pragma unroll
@@ -759,7 +843,7 @@ __global__ void __launch_bounds__(ATT_THREADS, 1) k_attention_mma(const attn_arg
 #pragma unroll
             for (int p = 0; p < 3; p++) {
                 ldsm_x4(A[p], qa + p * ATT_TH * LD + ks * 16);
-                ldsm_x4(B[p], kb + p * ATM_TR * LD + ks * 16);
+                ldsm_x4(B[p], kt + kb_off + p * ATM_TR * LD + ks * 16);
             }
 #pragma unroll
             for (int n = 0; n < 2; n++) {
@@ -768,15 +852,18 @@ __global__ void __launch_bounds__(ATT_THREADS, 1) k_attention_mma(const attn_arg
                 const uint2 bl = make_uint2(B[2][2 * n], B[2][2 * n + 1]);
                 mma_f16_16816(acc[0][n], A[0][0], A[0][1], A[0][2], A[0][3], bh);
                 mma_f16_16816(acc[1][n], A[0][0], A[0][1], A[0][2], A[0][3], bm);
-                mma_f16_16816(acc[1][n], A[1][0], A[1][1], A[1][2], A[1][3], bh);
-                mma_f16_16816(acc[2][n], A[0][0], A[0][1], A[0][2], A[0][3], bl);
-                mma_f16_16816(acc[2][n], A[2][0], A[2][1], A[2][2], A[2][3], bh);
-                mma_f16_16816(acc[2][n], A[1][0], A[1][1], A[1][2], A[1][3], bm);
+                mma_f16_16816(acc[2][n], A[1][0], A[1][1], A[1][2], A[1][3], bh);
+                mma_f16_16816(acc[3][n], A[0][0], A[0][1], A[0][2], A[0][3], bl);
+                mma_f16_16816(acc[4][n], A[2][0], A[2][1], A[2][2], A[2][3], bh);
+                mma_f16_16816(acc[5][n], A[1][0], A[1][1], A[1][2], A[1][3], bm);
             }
         }
 #pragma unroll
-        for (int c = 0; c < 8; c++)
-            xs[(warp * 8 + c) * 32 + lane] = (acc[2][c >> 2][c & 3] + acc[1][c >> 2][c & 3]) + acc[0][c >> 2][c & 3];
+        for (int c = 0; c < 8; c++) {
+            const int n = c >> 2, j = c & 3;
+            xs[(warp * 8 + c) * 32 + lane] = ((acc[5][n][j] + (acc[3][n][j] + acc[4][n][j])) +
+                                              (acc[1][n][j] + acc[2][n][j])) + acc[0][n][j];
+        }
         __syncthreads();
 
         /* value c: head g + 8 ((c >> 1) & 1), row 8 (c >> 2) + 2 tq + (c & 1) */
@@ -787,10 +874,11 @@ __global__ void __launch_bounds__(ATT_THREADS, 1) k_attention_mma(const attn_arg
                              xs[((mi + 4) * 8 + c) * 32 + lane]) + xs[((mi + 6) * 8 + c) * 32 + lane];
             const int r = 8 * (c >> 2) + 2 * tq + (c & 1);
             const int hl = mi * 16 + g + 8 * ((c >> 1) & 1);
-            sv[c] = r < nv ? s * qinv_s[hl] * kinv_s[r] * a.scale : -INFINITY;   /* exact until * scale */
+            /* exact until * scale (powers of two) */
+            sv[c] = r < nv ? s * qinv_s[hl] * __int_as_float((127 - ke[r]) << 23) * a.scale : -INFINITY;
         }
-        int Bt = kexp_s[0];
-        for (int r = 1; r < nv; r++) Bt = min(Bt, kexp_s[r]);
+        int Bt = ke[0];
+        for (int r = 1; r < nv; r++) Bt = min(Bt, ke[r]);
         const int Bn = tt == 0 ? Bt : min(B_run, Bt);
         float fo[2];
 #pragma unroll
@@ -819,7 +907,7 @@ __global__ void __launch_bounds__(ATT_THREADS, 1) k_attention_mma(const attn_arg
 #pragma unroll
         for (int c = 0; c < 8; c += 2) {
             const int r = 8 * (c >> 2) + 2 * tq;
-            const float f0 = sv[c] * att_pow2(Bn - kexp_s[r] + 14), f1 = sv[c + 1] * att_pow2(Bn - kexp_s[r + 1] + 14);
+            const float f0 = sv[c] * att_pow2(Bn - ke[r] + 14), f1 = sv[c + 1] * att_pow2(Bn - ke[r + 1] + 14);
             att_split3x2(f0, f1, F[0][c >> 1], F[1][c >> 1], F[2][c >> 1]);
         }
 
@@ -828,7 +916,7 @@ __global__ void __launch_bounds__(ATT_THREADS, 1) k_attention_mma(const attn_arg
         for (int np = 0; np < NT / 2; np++) {
             uint32_t V[3][4];
 #pragma unroll
-            for (int p = 0; p < 3; p++) ldsm_x4_trans(V[p], vb + p * ATM_TR * LD + np * 16);
+            for (int p = 0; p < 3; p++) ldsm_x4_trans(V[p], kt + vb_off + p * ATM_TR * LD + np * 16);
 #pragma unroll
             for (int k = 0; k < 2; k++) {
                 const uint2 vh = make_uint2(V[0][2 * k], V[0][2 * k + 1]);
@@ -872,8 +960,15 @@ __global__ void __launch_bounds__(ATT_THREADS, 1) k_attention_mma(const attn_arg
     }
 }
 
+/* The split of the call's rows into the session's scratch, then the attention. */
 template <int KS>
-static void launch_attention_mma_t(const attn_args &a) {
+static void launch_attention_mma_t(const attn_args &a0) {
+    attn_args a = a0;
+    a.sp_rows = attention_split_rows(a.nt, a.W, a.ratio);
+    uint8_t *base = (uint8_t *)scratch_get(&sess()->att_split, attention_split_bytes(a.sp_rows, a.d));
+    a.sp = (__half *)base;
+    a.sp_exp = (int32_t *)(base + (size_t)3 * a.sp_rows * a.d * sizeof(__half));
+    DS4_LAUNCH(k_att_rows_split<KS>, dim3((unsigned)((a.sp_rows + ATT_WARPS - 1) / ATT_WARPS)), ATT_THREADS, 0, a);
     const dim3 grid((unsigned)a.nt, (unsigned)((a.H + ATT_TH - 1) / ATT_TH));
     DS4_LAUNCH(k_attention_mma<KS>, grid, ATT_THREADS, attention_mma_smem(a.d), a);
 }
@@ -893,7 +988,8 @@ static bool attention_tiles_take(const attn_args &a) {
 }
 
 static bool attention_mma_take(const attn_args &a) {
-    return sess()->lim.prefill_attn == 2 && a.d % 64 == 0 && attention_mma_smem(a.d) + ATM_STATIC_SMEM <= g_cuda.smem_optin;
+    return sess()->lim.prefill_attn == 2 && a.d % 64 == 0 && attention_mma_smem(a.d) + ATM_STATIC_SMEM <= g_cuda.smem_optin &&
+           attention_split_bytes(attention_split_rows(a.nt, a.W, a.ratio), a.d) <= sess()->att_split.cap;
 }
 
 static void launch_attention_tiles(const attn_args &a) {
@@ -964,7 +1060,6 @@ static int attention_dm(int d) { return d <= 64 ? 2 : d <= 128 ? 4 : d <= 256 ? 
  * check's rows then get the bytes of one-token steps (ds4 --mtp-draft).
  * Its launch is up to ATT_STEP_SPLIT_NT waves; the partials' scratch is
  * sized for them (attention_part_floats). */
-#define ATT_STEP_SPLIT_NT 4
 static int attention_want(int nt, int H, int d) {
     if (nt <= ATT_STEP_SPLIT_NT) nt = 1;
     const int64_t hgroups = (H + ATT_HB - 1) / ATT_HB;

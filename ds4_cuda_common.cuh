@@ -80,6 +80,7 @@ struct ds4_session {
     scratch_t      moe_xg, moe_gu;    /* MoE prefill: gathered inputs, gate|up products */
     scratch_t      moe_idx;           /* MoE prefill: perm and pos tables, int32 */
     scratch_t      att_part;          /* attention split-row partials */
+    scratch_t      att_split;         /* k_attention_mma: a prefill call's rows in f16 parts */
     scratch_t      ix_scores;         /* indexer scores, [query chunk][ix_ld] */
     int64_t        ix_ld;             /* indexer score row: the most visible rows a context has */
     int64_t        ix_chunk;          /* queries scored per pass */
@@ -622,6 +623,7 @@ bool gemm_tc_rows(int type, const uint8_t *w, size_t row_bytes, int64_t K, int64
 /* ds4_cuda_attn.cu */
 void attention_setup(void);
 size_t attention_part_floats(int d);
+size_t attention_split_scratch(const ds4_limits *lim);
 int64_t attention_probs_chunks(const ds4_limits *lim);
 void launch_ring_store(float *ring, const float *rows, int slots, int width, const ds4_step *step, int nt);
 void ds4_cuda_ops_attn(ds4_backend *b);

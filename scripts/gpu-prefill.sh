@@ -6,7 +6,8 @@
 # 0 is the per-token kernel) side by side (attn: ATTN_ROUNDS rounds, alternating), logs under $OUT.
 # test runs test_backend_ops with OPS_ARGS (e.g. "att", "ix"; empty: every case).
 # prof: ncu (clocks as found) on two k_attention_tiles launches (layers 2 and 3: ratio 4 and 128)
-# and PROF_GEMMS k_tc_gemm launches of a flash16 prefill of PROF_N (4096) tokens.
+# and PROF_GEMMS k_tc_gemm launches of a flash16 prefill of PROF_N (4096) tokens; PROF_KERNELS
+# ("NAME:SKIP:COUNT ...") names others.
 # stall: ncu metrics of STALL_COUNT (2) launches of STALL_KERNEL (a regex on the demangled name,
 # k_tc_gemm) after STALL_SKIP (40) in a STALL_MODEL (flash16) prefill: instructions per MMA,
 # tensor pipe, shared-memory bank conflicts, L2 bytes and the sampled stall reasons.
@@ -138,13 +139,13 @@ if want report; then
   done
 fi
 if want prof; then
-  step "ncu: k_attention_tiles and k_tc_gemm, flash16 prefill of ${PROF_N:-4096} tokens"
+  step "ncu: ${PROF_KERNELS:-k_attention_tiles and k_tc_gemm}, flash16 prefill of ${PROF_N:-4096} tokens"
   NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
   SECS=(--section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis
         --section Occupancy --section WarpStateStats --section SchedulerStats --section LaunchStats
         --section InstructionStats)
-  for k in "k_attention_tiles 2 2" "k_tc_gemm 40 ${PROF_GEMMS:-6}"; do
-    set -- $k
+  for k in ${PROF_KERNELS:-k_attention_tiles:2:2 k_tc_gemm:40:${PROF_GEMMS:-6}}; do
+    set -- ${k//:/ }
     timeout 300 "$NCU" --clock-control none -k "regex:$1" --launch-skip "$2" --launch-count "$3" "${SECS[@]}" \
       build/cuda-"$ARCH"/ds4_bench --model flash16 --backend cuda --reps 1 --decode 2 --prefill "${PROF_N:-4096}" \
       --no-warmup > "$OUT/prof-$1.log" 2>&1

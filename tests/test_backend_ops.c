@@ -1848,6 +1848,7 @@ int main(int argc, char **argv) {
     lim.prefill_attn = 2;                /* the default (DS4_CUDA_PREFILL_ATTN) */
     lim.decode_group = 1;                /* the default (DS4_CUDA_DECODE_GROUP) */
     lim.n_ctx = 32768;                   /* attention and indexer at position 20000 */
+    lim.n_swa = 128;                     /* the largest window of the attention cases */
     lim.n_embd = 8192;
     lim.n_head = 64;
     lim.head_dim = 512;
