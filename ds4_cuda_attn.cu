@@ -414,13 +414,14 @@ __device__ __forceinline__ void att_load_tile(const attn_args &a, float *tiles, 
 /* The rows of query t (at P, with n_win window rows) that exist: its ratio-4 picks with
  * id >= 0, compacted into ids_s in list order, so every row n_win .. L - 1 exists and a
  * missing pick (there are k - P/4 of them at positions below 4k) costs nothing.  Returns L.
- * Every thread of the block calls it; cnt_s holds ATT_THREADS / 32 ints. */
+ * Every thread of the block (NTHR threads) calls it; cnt_s holds NTHR / 32 ints. */
+template <int NTHR = ATT_THREADS>
 __device__ __forceinline__ int att_compact_picks(const attn_args &a, int t, int P, int n_win, int *ids_s,
                                                  int *cnt_s) {
     if (a.ratio != 4) return ds4_att_rows(P, a.W, a.ratio, a.k);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int n = 0;
-    for (int j0 = 0; j0 < a.k; j0 += ATT_THREADS) {
+    for (int j0 = 0; j0 < a.k; j0 += NTHR) {
         const int j = j0 + threadIdx.x;
         const int id = j < a.k ? a.topk[(int64_t)t * a.k + j] : -1;
         const unsigned m = __ballot_sync(FULL_MASK, id >= 0);
@@ -428,7 +429,7 @@ __device__ __forceinline__ int att_compact_picks(const attn_args &a, int t, int 
         __syncthreads();
         int off = n, tot = n;
 #pragma unroll
-        for (int w = 0; w < ATT_THREADS / 32; w++) {
+        for (int w = 0; w < NTHR / 32; w++) {
             off += w < warp ? cnt_s[w] : 0;
             tot += cnt_s[w];
         }
@@ -581,11 +582,12 @@ static void launch_attention_tiles_t(const attn_args &a) {
  *     largest element lies in [2^14, 2^15), and split into three f16 parts hi + mid + lo
  *     (att_split_row; the same split as k_tc_split: 33 significant bits for f32's 24).
  *   - A score is six MMAs per k step, hi.hi, hi.mid, mid.hi, hi.lo, lo.hi and mid.mid (the
- *     dropped terms are below 2^-33 of the largest products), each in its own accumulator
- *     over d / 4 dims, summed small to large in f32.  Every product is exact; the tensor
- *     core's sums truncate, over at most d / 64 chained MMAs per accumulator.  The four warps
- *     that share a (head, row) each hold a quarter of the dims; their partials are added in
- *     f32 in a fixed order, and the scale 2^-(a_q + a_k) comes off exactly.
+ *     dropped terms are below 2^-33 of the largest products), in three accumulators (hi.hi;
+ *     the 2^-11 terms; the 2^-22 terms) over a warp's slice of the dims, summed small to
+ *     large in f32.  Every product is exact;
+ *     the tensor core's sums truncate, over at most d / 64 chained MMAs per accumulator.  The
+ *     warps that share a (head, row) each hold a slice of the dims; their partials are added
+ *     in f32 in a fixed order, and the scale 2^-(a_q + a_k) comes off exactly.
  *   - The softmax weights p (in [0, 1]) become f = p 2^(B - a_k + 14) <= 2^14, B the
  *     smallest a_k seen so far (the largest row), and f is split in three parts too, so
  *     f.(2^a_k v) = 2^(B + 14) p v for every row; O is kept in units of 2^(B + 14) and
@@ -601,14 +603,16 @@ static void launch_attention_tiles_t(const attn_args &a) {
  * rows, the window ring, the compressed rows visible to the batch) into the session's
  * scratch (att_split; rows = nt + W + the compressed rows the context can hold).  A block
  * then copies a tile's parts with cp.async into one of two buffers, the next tile's while
- * the MMAs of this one run.  Warp w takes heads 16 (w % 2) .. + 15 and the dim quarter
- * w / 2: in S it sums its quarter of the dims for 16 heads x 16 rows (ldmatrix for both
- * operands); in O += P V its 16 heads x its quarter of the output dims, with P's fragments
+ * the MMAs of this one run.  A block has NW = 16 warps where d is a multiple of 128 (8
+ * otherwise: a warp's dims must be whole k16 steps), so that a scheduler has four warps'
+ * MMA chains to interleave.  Warp w takes heads 16 (w % 2) .. + 15 and the dim slice
+ * w / 2 of NW / 2: in S it sums its slice of the dims for 16 heads x 16 rows (ldmatrix for
+ * both operands); in O += P V its 16 heads x its slice of the output dims, with P's fragments
  * taken from the reduced S in registers (the m16n8k16 C layout of two n tiles is the A layout
  * of one k16 step) and V's by ldmatrix.trans from the same parts.  The online softmax runs on
- * the reduced S, the same in the four warps of a head group.
+ * the reduced S, the same in the NW / 2 warps of a head group.
  * Shared memory for d = 512: query parts 98 KiB, two tiles of row parts 98 KiB, score
- * partials 8 KiB, picks 4 KiB; one block per SM.  Rows are padded by 8 halves, so the 8 row
+ * partials 16 KiB, picks 4 KiB; one block per SM.  Rows are padded by 8 halves, so the 8 row
  * addresses of an ldmatrix fall in distinct bank groups.  d must be a multiple of 64, and the
  * card must give a block that much shared memory (sm_80: 163 KiB holds d <= 384, sm_86/89:
  * 99 KiB d <= 192), and the session the split (a context of n_ctx positions holds n_ctx / 4
@@ -620,11 +624,15 @@ static void launch_attention_tiles_t(const attn_args &a) {
 #define ATM_PAD 8      /* halves of padding per staged row */
 #define ATM_STATIC_SMEM 512   /* bytes: an upper bound of the kernel's static shared arrays */
 
+/* Warps of a k_attention_mma block for d = 64 KS: 16 (dims in eighths) where d is a multiple
+ * of 128, else 8 (quarters). */
+__host__ __device__ constexpr int atm_warps(int KS) { return KS % 2 == 0 ? 16 : 8; }
+
 static size_t attention_mma_smem(int d) {
     const size_t ld = (size_t)(d + ATM_PAD);
     return 3 * (size_t)ATT_TH * ld * sizeof(__half)          /* query parts */
          + 2 * 3 * (size_t)ATM_TR * ld * sizeof(__half)      /* two tiles of row parts */
-         + (size_t)ATT_WARPS * 8 * 32 * sizeof(float)        /* score partials */
+         + (size_t)atm_warps(d / 64) * 8 * 32 * sizeof(float) /* score partials */
          + (size_t)ATT_MAX_TOPK * sizeof(int);               /* picks */
 }
 
@@ -741,12 +749,14 @@ __device__ __forceinline__ int64_t att_split_index(const attn_args &a, int pos0,
 }
 
 /* Tile tt of a query's rows (its parts and exponents) into buffer kb, ke; rows past L are
- * zeros with an exponent that makes their weights 0.  16 threads per row; one cp.async group. */
-template <int D>
+ * zeros with an exponent that makes their weights 0.  NTHR / 16 threads per row; one cp.async
+ * group. */
+template <int D, int NTHR>
 __device__ __forceinline__ void atm_load_tile(const attn_args &a, __half *kb, int *ke, const int *ids_s, int tt,
                                               int L, int n_win, int p_first, int pos0) {
     constexpr int LD = D + ATM_PAD, PIECES = D / 8;          /* 16-byte pieces per row and part */
-    const int r = threadIdx.x >> 4, sub = threadIdx.x & 15, i = tt * ATM_TR + r;
+    constexpr int TPR = NTHR / ATM_TR;                       /* threads per row */
+    const int r = threadIdx.x / TPR, sub = threadIdx.x % TPR, i = tt * ATM_TR + r;
     __half *dst = kb + r * LD;
     if (i < L) {
         const int64_t si = att_split_index(a, pos0, ids_s, n_win, p_first, i);
@@ -754,14 +764,14 @@ __device__ __forceinline__ void atm_load_tile(const attn_args &a, __half *kb, in
 #pragma unroll
         for (int p = 0; p < 3; p++)
 #pragma unroll
-            for (int c = sub; c < PIECES; c += 16)
+            for (int c = sub; c < PIECES; c += TPR)
                 cp_async16(dst + p * ATM_TR * LD + 8 * c, src + p * a.sp_rows * D + 8 * c);
         if (sub == 0) cp_async4(ke + r, a.sp_exp + si);
     } else {
 #pragma unroll
         for (int p = 0; p < 3; p++)
 #pragma unroll
-            for (int c = sub; c < PIECES; c += 16) *(uint4 *)(dst + p * ATM_TR * LD + 8 * c) = make_uint4(0, 0, 0, 0);
+            for (int c = sub; c < PIECES; c += TPR) *(uint4 *)(dst + p * ATM_TR * LD + 8 * c) = make_uint4(0, 0, 0, 0);
         if (sub == 0) ke[r] = 1000;
     }
     cp_async_commit();
@@ -779,31 +789,33 @@ __device__ __forceinline__ void att_split3x2(float x, float y, uint32_t &hi, uin
 }
 
 template <int KS>
-__global__ void __launch_bounds__(ATT_THREADS, 1) k_attention_mma(const attn_args a) {
+__global__ void __launch_bounds__(atm_warps(KS) * 32, 1) k_attention_mma(const attn_args a) {
     ds4_grid_dep();
-    constexpr int D = 64 * KS, LD = D + ATM_PAD, DQ = D / 4, NT = DQ / 8;   /* NT: a warp's n8 tiles of O */
+    constexpr int NW = atm_warps(KS), NTHR = NW * 32, NG = NW / 2;           /* NG warps share a head group */
+    constexpr int D = 64 * KS, LD = D + ATM_PAD, DQ = D / NG, NT = DQ / 8;   /* NT: a warp's n8 tiles of O */
     constexpr int TILE = 3 * ATM_TR * LD;                                     /* halves of one tile buffer */
     extern __shared__ __align__(16) float att_sm[];
     __half *qp = (__half *)att_sm;                                   /* [3][ATT_TH][LD] */
     __half *kp = qp + 3 * ATT_TH * LD;                               /* [2][3][ATM_TR][LD] */
-    float *xs = (float *)(kp + 2 * TILE);                            /* [ATT_WARPS][8][32] */
-    int *ids_s = (int *)(xs + ATT_WARPS * 8 * 32);                   /* the query's picks */
+    float *xs = (float *)(kp + 2 * TILE);                            /* [NW][8][32] */
+    int *ids_s = (int *)(xs + NW * 8 * 32);                          /* the query's picks */
     __shared__ float qinv_s[ATT_TH];
     __shared__ int kexp_s[2][ATM_TR];
-    __shared__ int cnt_s[ATT_THREADS / 32];
+    __shared__ int cnt_s[NTHR / 32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, tq = lane & 3;
     const int mi = warp & 1, dq = warp >> 1;                         /* heads 16 mi .., dims DQ dq .. */
+    static_assert(DQ % 16 == 0 && ATT_TH == 32, "a warp's dims are whole k16 steps; two m16 head tiles");
     const int t = blockIdx.x, hb0 = blockIdx.y * ATT_TH;
     const int pos0 = a.step->pos0, P = pos0 + t;
     const int n_win = ds4_win_rows(P, a.W), p_first = P - n_win + 1;
-    const int L = att_compact_picks(a, t, P, n_win, ids_s, cnt_s);
+    const int L = att_compact_picks<NTHR>(a, t, P, n_win, ids_s, cnt_s);
     const int T = (L + ATM_TR - 1) / ATM_TR;
 
-    atm_load_tile<D>(a, kp, kexp_s[0], ids_s, 0, L, n_win, p_first, pos0);   /* in flight with the split */
+    atm_load_tile<D, NTHR>(a, kp, kexp_s[0], ids_s, 0, L, n_win, p_first, pos0);   /* in flight with the split */
 #pragma unroll 1
-    for (int i = 0; i < ATT_TH / ATT_WARPS; i++) {
-        const int hl = warp * (ATT_TH / ATT_WARPS) + i, h = hb0 + hl;
+    for (int i = 0; i < ATT_TH / NW; i++) {
+        const int hl = warp * (ATT_TH / NW) + i, h = hb0 + hl;
         const int e = att_split_row<KS>(h < a.H ? a.q + ((int64_t)t * a.H + h) * D : NULL, qp + hl * LD,
                                         ATT_TH * LD, lane);
         if (lane == 0) qinv_s[hl] = __int_as_float((127 - e) << 23);
@@ -826,15 +838,17 @@ __global__ void __launch_bounds__(ATT_THREADS, 1) k_attention_mma(const attn_arg
         const int buf = tt & 1;
         cp_async_wait<0>();
         __syncthreads();                 /* tile tt is in buf; every warp is done with buf ^ 1 */
-        if (tt + 1 < T) atm_load_tile<D>(a, kp + (buf ^ 1) * TILE, kexp_s[buf ^ 1], ids_s, tt + 1, L, n_win, p_first, pos0);
+        if (tt + 1 < T)
+            atm_load_tile<D, NTHR>(a, kp + (buf ^ 1) * TILE, kexp_s[buf ^ 1], ids_s, tt + 1, L, n_win, p_first, pos0);
         const __half *kt = kp + buf * TILE;
         const int *ke = kexp_s[buf];
         const int nv = min(ATM_TR, L - tt * ATM_TR);     /* rows of this tile that exist */
 
-        /* S: this warp's quarter of the dims, 16 heads x 16 rows; one accumulator per pass */
-        float acc[6][2][4];
+        /* S: this warp's slice of the dims, 16 heads x 16 rows; the passes in three accumulators
+         * (hi.hi; the 2^-11 terms; the 2^-22 terms) */
+        float acc[3][2][4];
 #pragma unroll
-        for (int u = 0; u < 6; u++)
+        for (int u = 0; u < 3; u++)
 #pragma unroll
             for (int n = 0; n < 2; n++) acc[u][n][0] = acc[u][n][1] = acc[u][n][2] = acc[u][n][3] = 0.0f;
 #pragma unroll
@@ -852,17 +866,16 @@ __global__ void __launch_bounds__(ATT_THREADS, 1) k_attention_mma(const attn_arg
                 const uint2 bl = make_uint2(B[2][2 * n], B[2][2 * n + 1]);
                 mma_f16_16816(acc[0][n], A[0][0], A[0][1], A[0][2], A[0][3], bh);
                 mma_f16_16816(acc[1][n], A[0][0], A[0][1], A[0][2], A[0][3], bm);
-                mma_f16_16816(acc[2][n], A[1][0], A[1][1], A[1][2], A[1][3], bh);
-                mma_f16_16816(acc[3][n], A[0][0], A[0][1], A[0][2], A[0][3], bl);
-                mma_f16_16816(acc[4][n], A[2][0], A[2][1], A[2][2], A[2][3], bh);
-                mma_f16_16816(acc[5][n], A[1][0], A[1][1], A[1][2], A[1][3], bm);
+                mma_f16_16816(acc[2][n], A[0][0], A[0][1], A[0][2], A[0][3], bl);
+                mma_f16_16816(acc[1][n], A[1][0], A[1][1], A[1][2], A[1][3], bh);
+                mma_f16_16816(acc[2][n], A[2][0], A[2][1], A[2][2], A[2][3], bh);
+                mma_f16_16816(acc[2][n], A[1][0], A[1][1], A[1][2], A[1][3], bm);
             }
         }
 #pragma unroll
         for (int c = 0; c < 8; c++) {
             const int n = c >> 2, j = c & 3;
-            xs[(warp * 8 + c) * 32 + lane] = ((acc[5][n][j] + (acc[3][n][j] + acc[4][n][j])) +
-                                              (acc[1][n][j] + acc[2][n][j])) + acc[0][n][j];
+            xs[(warp * 8 + c) * 32 + lane] = (acc[2][n][j] + acc[1][n][j]) + acc[0][n][j];
         }
         __syncthreads();
 
@@ -870,15 +883,15 @@ __global__ void __launch_bounds__(ATT_THREADS, 1) k_attention_mma(const attn_arg
         float sv[8];
 #pragma unroll
         for (int c = 0; c < 8; c++) {
-            const float s = ((xs[(mi * 8 + c) * 32 + lane] + xs[((mi + 2) * 8 + c) * 32 + lane]) +
-                             xs[((mi + 4) * 8 + c) * 32 + lane]) + xs[((mi + 6) * 8 + c) * 32 + lane];
+            float s = xs[(mi * 8 + c) * 32 + lane];
+#pragma unroll
+            for (int q = 1; q < NG; q++) s += xs[((mi + 2 * q) * 8 + c) * 32 + lane];   /* dims in order */
             const int r = 8 * (c >> 2) + 2 * tq + (c & 1);
             const int hl = mi * 16 + g + 8 * ((c >> 1) & 1);
             /* exact until * scale (powers of two) */
             sv[c] = r < nv ? s * qinv_s[hl] * __int_as_float((127 - ke[r]) << 23) * a.scale : -INFINITY;
         }
-        int Bt = ke[0];
-        for (int r = 1; r < nv; r++) Bt = min(Bt, ke[r]);
+        const int Bt = __reduce_min_sync(FULL_MASK, (lane & 15) < nv ? ke[lane & 15] : INT_MAX);
         const int Bn = tt == 0 ? Bt : min(B_run, Bt);
         float fo[2];
 #pragma unroll
@@ -970,7 +983,7 @@ static void launch_attention_mma_t(const attn_args &a0) {
     a.sp_exp = (int32_t *)(base + (size_t)3 * a.sp_rows * a.d * sizeof(__half));
     DS4_LAUNCH(k_att_rows_split<KS>, dim3((unsigned)((a.sp_rows + ATT_WARPS - 1) / ATT_WARPS)), ATT_THREADS, 0, a);
     const dim3 grid((unsigned)a.nt, (unsigned)((a.H + ATT_TH - 1) / ATT_TH));
-    DS4_LAUNCH(k_attention_mma<KS>, grid, ATT_THREADS, attention_mma_smem(a.d), a);
+    DS4_LAUNCH(k_attention_mma<KS>, grid, atm_warps(KS) * 32, attention_mma_smem(a.d), a);
 }
 
 /* The tile kernels take the batch when every row they copy is whole 16-byte pieces (d a
