@@ -584,10 +584,10 @@ static void launch_attention_tiles_t(const attn_args &a) {
  *   - A score is six MMAs per k step, hi.hi, hi.mid, mid.hi, hi.lo, lo.hi and mid.mid (the
  *     dropped terms are below 2^-33 of the largest products), in three accumulators (hi.hi;
  *     the 2^-11 terms; the 2^-22 terms) over a warp's slice of the dims, summed small to
- *     large in f32.  Every product is exact;
- *     the tensor core's sums truncate, over at most d / 64 chained MMAs per accumulator.  The
- *     warps that share a (head, row) each hold a slice of the dims; their partials are added
- *     in f32 in a fixed order, and the scale 2^-(a_q + a_k) comes off exactly.
+ *     large in f32.  Every product is exact; the tensor core's sums truncate, chained over
+ *     one warp's slice only (at most d / 64 k steps).  The warps that share a (head, row) hold a
+ *     slice of the dims; their partials are added in f32 in a fixed order, and the scale
+ *     2^-(a_q + a_k) comes off exactly.
  *   - The softmax weights p (in [0, 1]) become f = p 2^(B - a_k + 14) <= 2^14, B the
  *     smallest a_k seen so far (the largest row), and f is split in three parts too, so
  *     f.(2^a_k v) = 2^(B + 14) p v for every row; O is kept in units of 2^(B + 14) and
@@ -604,17 +604,16 @@ static void launch_attention_tiles_t(const attn_args &a) {
  * scratch (att_split; rows = nt + W + the compressed rows the context can hold).  A block
  * then copies a tile's parts with cp.async into one of two buffers, the next tile's while
  * the MMAs of this one run.  A block has NW = 16 warps where d is a multiple of 128 (8
- * otherwise: a warp's dims must be whole k16 steps), so that a scheduler has four warps'
- * MMA chains to interleave.  Warp w takes heads 16 (w % 2) .. + 15 and the dim slice
- * w / 2 of NW / 2: in S it sums its slice of the dims for 16 heads x 16 rows (ldmatrix for
- * both operands); in O += P V its 16 heads x its slice of the output dims, with P's fragments
+ * otherwise: a warp's dims must be whole k16 steps), 128 registers a thread at d = 512.
+ * Warp w takes heads 16 (w % 2) .. + 15 and the dim slice w / 2 of NW / 2: in S it sums its
+ * slice of the dims for 16 heads x 16 rows (ldmatrix for both operands); in O += P V its 16 heads x its slice of the output dims, with P's fragments
  * taken from the reduced S in registers (the m16n8k16 C layout of two n tiles is the A layout
  * of one k16 step) and V's by ldmatrix.trans from the same parts.  The online softmax runs on
  * the reduced S, the same in the NW / 2 warps of a head group.
  * Shared memory for d = 512: query parts 98 KiB, two tiles of row parts 98 KiB, score
  * partials 16 KiB, picks 4 KiB; one block per SM.  Rows are padded by 8 halves, so the 8 row
  * addresses of an ldmatrix fall in distinct bank groups.  d must be a multiple of 64, and the
- * card must give a block that much shared memory (sm_80: 163 KiB holds d <= 384, sm_86/89:
+ * card must give a block that much shared memory (sm_80: 163 KiB holds d <= 320, sm_86/89:
  * 99 KiB d <= 192), and the session the split (a context of n_ctx positions holds n_ctx / 4
  * compressed rows: 3 KiB each at d = 512, 0.8 GB at 1M); otherwise k_attention_tiles serves
  * the batch.
