@@ -673,14 +673,6 @@ __device__ __forceinline__ float att_pow2(int e) {
     return e < -126 ? 0.0f : __int_as_float((127 + e) << 23);
 }
 
-/* v -> f16 parts hi + mid + lo (each exact: v - hi and its remainder are f32-exact). */
-__device__ __forceinline__ void att_split3(float v, __half &hi, __half &mid, __half &lo) {
-    hi = __float2half_rn(v);
-    const float r = v - __half2float(hi);
-    mid = __float2half_rn(r);
-    lo = __float2half_rn(r - __half2float(mid));
-}
-
 /* Row x of d = 64 KS floats (NULL: zeros) scaled by 2^a, its largest |element| then in
  * [2^14, 2^15), into three f16 planes dst, dst + plane, dst + 2 plane; returns a (0 for a
  * zero or non-finite row, whose NaN and Inf then reach the sums as they are).  The whole
@@ -694,20 +686,13 @@ __device__ __forceinline__ int att_split_row(const float *x, __half *dst, int64_
         v[j] = x ? *(const float2 *)(x + 64 * j + 2 * lane) : make_float2(0.0f, 0.0f);
         m = fmaxf(m, fmaxf(fabsf(v[j].x), fabsf(v[j].y)));
     }
-    m = warp_max(m);
-    int a = 0;
-    if (m > 0.0f && isfinite(m)) {
-        int e;
-        frexpf(m, &e);
-        a = 15 - e;
-        a = a < -126 ? -126 : a > 126 ? 126 : a;
-    }
+    const int a = tc_part_exp(warp_max(m));
     const float s = __int_as_float((127 + a) << 23);
 #pragma unroll
     for (int j = 0; j < KS; j++) {
         __half h0, m0, l0, h1, m1, l1;
-        att_split3(v[j].x * s, h0, m0, l0);                 /* exact: a power of two */
-        att_split3(v[j].y * s, h1, m1, l1);
+        tc_split3(v[j].x * s, h0, m0, l0);                 /* exact: a power of two */
+        tc_split3(v[j].y * s, h1, m1, l1);
         const int e = 64 * j + 2 * lane;
         *(__half2 *)(dst + e) = __halves2half2(h0, h1);
         *(__half2 *)(dst + plane + e) = __halves2half2(m0, m1);
@@ -779,8 +764,8 @@ __device__ __forceinline__ void atm_load_tile(const attn_args &a, __half *kb, in
 /* x, y -> their three parts packed as f16x2 (low half: x, the lower column). */
 __device__ __forceinline__ void att_split3x2(float x, float y, uint32_t &hi, uint32_t &mid, uint32_t &lo) {
     __half hx, mx, lx, hy, my, ly;
-    att_split3(x, hx, mx, lx);
-    att_split3(y, hy, my, ly);
+    tc_split3(x, hx, mx, lx);
+    tc_split3(y, hy, my, ly);
     __half2 h = __halves2half2(hx, hy), m = __halves2half2(mx, my), l = __halves2half2(lx, ly);
     hi = *(uint32_t *)&h;
     mid = *(uint32_t *)&m;

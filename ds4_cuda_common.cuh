@@ -315,6 +315,29 @@ __device__ __forceinline__ float silu_mul(float g, float u, float limit) {
     return g / (1.0f + expf(-g)) * u;
 }
 
+/* The exact parts of the tensor-core paths (k_tc_split in ds4_cuda_gemm.cu, the attention's
+ * rows in ds4_cuda_attn.cu): a row whose largest |element| is m is scaled by 2^a, a the
+ * exponent that puts m in [2^14, 2^15) (0 for a zero or non-finite row, whose NaN and Inf
+ * then reach the sums as they are), and each scaled element v splits into three f16 parts
+ * hi + mid + lo (v - hi and its remainder are f32-exact). */
+__device__ __forceinline__ int tc_part_exp(float m) {
+    int a = 0;
+    if (m > 0.0f && isfinite(m)) {
+        int e;
+        frexpf(m, &e);
+        a = 15 - e;
+        a = a < -126 ? -126 : a > 126 ? 126 : a;
+    }
+    return a;
+}
+
+__device__ __forceinline__ void tc_split3(float v, __half &hi, __half &mid, __half &lo) {
+    hi = __float2half_rn(v);
+    const float r = v - __half2float(hi);
+    mid = __float2half_rn(r);
+    lo = __float2half_rn(r - __half2float(mid));
+}
+
 __device__ __forceinline__ void cp_async16(void *smem, const void *gmem) {
     const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(s), "l"(gmem) : "memory");

@@ -125,25 +125,9 @@ __global__ void k_tc_split(const float *x, int64_t ldx, int K, int nt, int ntp, 
     __syncthreads();
     m = red[0];
     for (int i = 1; i < (int)(blockDim.x >> 5); i++) m = fmaxf(m, red[i]);
-    /* m in [2^(e-1), 2^e): a = 15 - e puts it in [2^14, 2^15); a zero or non-finite row keeps
-     * a = 0 (NaN and Inf then reach the sums as they are) */
-    int a = 0;
-    if (m > 0.0f && isfinite(m)) {
-        int e;
-        frexpf(m, &e);
-        a = 15 - e;
-        a = a < -126 ? -126 : a > 126 ? 126 : a;
-    }
+    const int a = tc_part_exp(m);
     const float s = __int_as_float((127 + a) << 23);
-    for (int k = threadIdx.x; k < K; k += blockDim.x) {
-        const float v = xr[k] * s;                  /* exact: a power of two */
-        const __half hi = __float2half_rn(v);
-        const float r = v - __half2float(hi);       /* exact */
-        const __half mid = __float2half_rn(r);
-        h0[k] = hi;
-        h1[k] = mid;
-        h2[k] = __float2half_rn(r - __half2float(mid));
-    }
+    for (int k = threadIdx.x; k < K; k += blockDim.x) tc_split3(xr[k] * s, h0[k], h1[k], h2[k]);   /* * s: exact */
     if (threadIdx.x == 0) inv[t] = __int_as_float((127 - a) << 23);
 }
 
