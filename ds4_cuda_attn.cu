@@ -1,12 +1,11 @@
 /* ds4_cuda_attn.cu -- the CUDA backend's attention: the window and compressed rows with the
  * split-row combine (and, for attention_step, the ring store and de-rotation fused in), the
- * ring store, the tiled attention of a prefill batch, and the diagnostic attention_probs
+ * ring store, the tiled attention of a prefill batch (in f32, and on tensor cores with its
+ * rows split into exact f16 parts once per call), and the diagnostic attention_probs
  * (ds4_cuda_probs.cuh).
  */
 
 #include "ds4_cuda_common.cuh"
-
-#include <cuda_fp16.h>
 
 /* ---------------------------------------------------------------------------
  * Attention
@@ -32,8 +31,9 @@
  * Decode on an H200 (64 heads x 512, 640 rows): 14.5 us + 3.9 us combine.
  * That is instruction issue (~90 instructions per head and row: q from
  * shared memory, a butterfly per score, the rescale), not memory.  A batch
- * that fills the device takes k_attention_tiles (below), which scores a tile
- * of rows with one transposed reduction and applies the softmax per tile.
+ * that fills the device takes the tile kernels (below): k_attention_mma, both
+ * products of a tile on tensor cores, or k_attention_tiles, in f32 with one
+ * transposed reduction per 8 rows.
  * ------------------------------------------------------------------------- */
 
 #define ATT_HB         4
