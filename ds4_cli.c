@@ -1221,8 +1221,9 @@ int main(int argc, char **argv) {
                    (long long)train, plan_ctx > train ? ": PAST IT, ds4 refuses this -c" : "", b);
             printf("  context buffers (window, compressed and indexer rows, compressor state, activations): %.3f GB\n",
                    cb / 1e9);
-            printf("  on a GPU: %.3f GB of weights + %.3f GB = %.3f GB, plus the backend's scratch (README: DS4_CUDA_PREFILL_ATTN's split rows grow with the context)\n", w / 1e9,
-                   cb / 1e9, (w + cb) / 1e9);
+            printf("  on a GPU: %.3f GB of weights + %.3f GB = %.3f GB, plus the backend's scratch "
+                   "(README: DS4_CUDA_PREFILL_ATTN's split rows grow with the context)\n", w / 1e9, cb / 1e9,
+                   (w + cb) / 1e9);
             printf("  on the CPU: %.3f GB beside the mapped file\n", cb / 1e9);
         }
         ds4_model_close(m);
