@@ -91,9 +91,18 @@ $(B)/cuda-%/cu/$(1).o: $(1).cu $(CUDA_HDRS) $(2)
 	@mkdir -p $$(dir $$@)
 	$$(NVCC) $$(NVCCFLAGS) -arch=$$* -DDS4_CUDA -c $(1).cu -o $$@
 endef
-$(foreach u,$(filter-out ds4_cuda_matmul ds4_cuda_attn,$(CUDA_UNITS)),$(eval $(call CUDA_UNIT,$(u))))
+$(foreach u,$(filter-out ds4_cuda_matmul ds4_cuda_attn ds4_cuda_gemm,$(CUDA_UNITS)),$(eval $(call CUDA_UNIT,$(u))))
 $(eval $(call CUDA_UNIT,ds4_cuda_matmul,ds4_cuda_matvec_q.cuh))
 $(eval $(call CUDA_UNIT,ds4_cuda_attn,ds4_cuda_probs.cuh))
+
+# ds4_cuda_gemm's wgmma kernel uses sm_90a's instructions (H100, H200): an sm_90 build compiles
+# that unit for sm_90a and keeps compute_90 PTX (its mma.sync kernel) for the cards after them.
+comma := ,
+GEMM_ARCH = $(if $(filter sm_90,$(1)),-gencode arch=compute_90a$(comma)code=sm_90a \
+            -gencode arch=compute_90$(comma)code=compute_90 -DDS4_WGMMA,-arch=$(1) $(if $(filter sm_90a,$(1)),-DDS4_WGMMA))
+$(B)/cuda-%/cu/ds4_cuda_gemm.o: ds4_cuda_gemm.cu $(CUDA_HDRS)
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVCCFLAGS) $(call GEMM_ARCH,$*) -DDS4_CUDA -c ds4_cuda_gemm.cu -o $@
 
 # Everything a program that drives the engine links, as prerequisites of a pattern rule (% = ARCH).
 ENGINE_CUDA := $(foreach o,ds4 ds4_synth ds4_hooks ds4_quant ds4_tok ds4_msg,$(B)/cuda-%/$(o).o) \
@@ -134,7 +143,7 @@ $(B)/cuda-%/bandwidth: bench/bandwidth.cu
 
 $(B)/cuda-%/mma_peak: bench/mma_peak.cu bench/bench_util.h
 	@mkdir -p $(dir $@)
-	$(NVCC) -O3 -arch=$* bench/mma_peak.cu -o $@
+	$(NVCC) -O3 $(call GEMM_ARCH,$*) bench/mma_peak.cu -o $@
 
 $(B)/cuda-%/launch_floor: bench/launch_floor.cu
 	@mkdir -p $(dir $@)

@@ -3802,7 +3802,7 @@ int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
     if (cg) env->cuda_graphs = cg == 2;
     env->graph_cache = 64;
     env->graph_pdl = 1;
-    env->prefill_tc = 1;
+    env->prefill_tc = 2;
     env->prefill_attn = 2;
     env->decode_group = 1;
     env->rollback_restore = 3;
@@ -3815,7 +3815,7 @@ int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
         { "DS4_HOOKS_RING_MB", 0, 65536, "MiB of the hook payload ring, 0 = sized from the model and the selection" },
         { "DS4_HOOKS_THROTTLE_US", 0, 1000000, "debug: microseconds the hook drain pauses after each batch" },
         { "DS4_UBATCH", 1, DS4_UBATCH_MAX, "the most tokens of one prefill chunk" },
-        { "DS4_CUDA_PREFILL_TC", 0, 1, "1 = prefill products of Q8_0, F16, IQ2_XXS, Q2_K and Q4_K weights on tensor cores" },
+        { "DS4_CUDA_PREFILL_TC", 0, 2, "prefill products of Q8_0, F16, IQ2_XXS, Q2_K and Q4_K weights on tensor cores: 2 = wgmma on sm_90, 1 = mma.sync, 0 = cuBLAS" },
         { "DS4_CUDA_PREFILL_ATTN", 0, 2, "a prefill batch's attention in row tiles shared by 32 heads: 2 = on tensor cores, 1 = f32, 0 = per query" },
         { "DS4_CUDA_DECODE_GROUP", 0, 1, "1 = a call of up to 4 tokens streams each dense matrix once, in one launch" },
         { "DS4_ROLLBACK_RESTORE", 0, 3, "debug: the parts a rollback restores, bit 0 the model's layers, bit 1 the MTP block's" },

@@ -7,7 +7,11 @@
  * IQ2_XXS, Q2_K and Q4_K.  Every prefill product of those types goes through it: the dense
  * projections, the grouped output projection, the shared expert and each routed expert's
  * slice (ds4_cuda_moe.cu).  Other types (F32, BF16) keep the dequantise + cuBLAS path, and
- * DS4_CUDA_PREFILL_TC=0 sends every type there (to compare the two in one run).
+ * DS4_CUDA_PREFILL_TC=0 sends every type there (to compare the two in one run).  Two kernels
+ * do the products: k_tc_wgmma (sm_90's warpgroup MMAs, the default on an H100 or H200 with an
+ * sm_90 build) and k_tc_gemm (mma.sync, sm_80 and later: every other card, and
+ * DS4_CUDA_PREFILL_TC=1).  Both have the tile, the grid and the arithmetic described below;
+ * "On sm_90" says what differs.
  *
  * Numerics.  The same scheme as the decode matvec's f16 path (ds4_cuda_matvec_q.cuh), with
  * the tokens as the MMA's columns:
@@ -71,6 +75,18 @@
  * Splits.  A split holds parts: part p is columns p K .. p K + K - 1 of each token's row,
  * scaled by its own power of two, exactly as if it were split alone.  A segment's sums are
  * therefore the same bytes whether its matrix runs alone or beside others.
+ *
+ * On sm_90 (k_tc_wgmma).  wgmma.m64n64k16 issued by a warpgroup (4 warps) does what 32
+ * mma.sync do, asynchronously: A (the weights, converted by tc_frag_a as above) comes from
+ * registers in the m16n8k16 fragment layout, B (the parts) from shared memory through a
+ * descriptor, so B's 16 slots of a k16 step must lie in shared memory in slot order: the split
+ * writes each row permuted for it (tc_perm_k: the k permutation above, applied to the data),
+ * and the stage holds it in the 128-byte swizzle the descriptor names.  Each block of 32 still
+ * sums from zero in 6 MMAs and folds into the running sum with one FMA, blocks in order, so
+ * the two kernels' results differ only by the tensor cores' own summation inside a block.
+ * The instruction needs the sm_90a target: the Makefile builds this unit of an sm_90 build
+ * for sm_90a (and compute_90 PTX for later cards, which take k_tc_gemm); DS4_WGMMA tells the
+ * host, which also checks that the card is CC 9.0.
  */
 
 #include "ds4_cuda_common.cuh"
@@ -103,7 +119,17 @@ size_t gemm_tc_scratch_bytes(int64_t nt, int64_t K) {
  * inv [ntp] = 2^-a, at part_bytes p into xs
  * ------------------------------------------------------------------------- */
 
-__global__ void k_tc_split(const float *x, int64_t ldx, int K, int nt, int ntp, uint8_t *xs, size_t part_bytes) {
+/* Where element k of a row goes in a split for the wgmma kernel (perm): the slot order of its
+ * MMAs (see k_tc_wgmma), so that a k16 step's 16 elements of a token are 32 adjacent bytes.
+ * Inside each block of 32, element pair 4 t + 2 hf + h (t < 4; hf, h < 2) moves to pair
+ * 8 hf + 4 h + t.  The mma.sync kernel reads the row as it is (perm 0). */
+__device__ __forceinline__ int tc_perm_k(int k) {
+    const int e = k & 31, ep = e >> 1;
+    return (k & ~31) | (((ep >> 1 & 1) << 3 | (ep & 1) << 2 | ep >> 2) << 1) | (e & 1);
+}
+
+__global__ void k_tc_split(const float *x, int64_t ldx, int K, int nt, int ntp, uint8_t *xs, size_t part_bytes,
+                           int perm) {
     ds4_grid_dep();
     const int t = blockIdx.x;
     const size_t plane = (size_t)ntp * K;
@@ -127,7 +153,10 @@ __global__ void k_tc_split(const float *x, int64_t ldx, int K, int nt, int ntp, 
     for (int i = 1; i < (int)(blockDim.x >> 5); i++) m = fmaxf(m, red[i]);
     const int a = tc_part_exp(m);
     const float s = __int_as_float((127 + a) << 23);
-    for (int k = threadIdx.x; k < K; k += blockDim.x) tc_split3(xr[k] * s, h0[k], h1[k], h2[k]);   /* * s: exact */
+    for (int k = threadIdx.x; k < K; k += blockDim.x) {
+        const int o = perm ? tc_perm_k(k) : k;
+        tc_split3(xr[k] * s, h0[o], h1[o], h2[o]);   /* * s: exact */
+    }
     if (threadIdx.x == 0) inv[t] = __int_as_float((127 - a) << 23);
 }
 
@@ -173,16 +202,35 @@ template <int TYPE> struct tc_traits {
         AROW = TYPE == DS4_TYPE_Q8_0 || TYPE == DS4_TYPE_IQ2_XXS ? 68 : TYPE == DS4_TYPE_F16 ? 128 : SBB,
         PS = TYPE == DS4_TYPE_F16 || TYPE == DS4_TYPE_Q4_K ? 16 : 4,
         NP = AROW / PS,                 /* pieces a row */
-        RP = TC_THREADS / NP,           /* rows one pass of the threads copies */
-        NPASS = (TC_BM + RP - 1) / RP,
         MIN = TYPE == DS4_TYPE_Q2_K || TYPE == DS4_TYPE_Q4_K,   /* a second A: the mins */
         SMEM_EXTRA = TYPE == DS4_TYPE_IQ2_XXS ? 256 * 16 + 128 : 0,   /* the grid and sign tables */
     };
 };
+/* A block's tile and stages, per kernel (WG: k_tc_wgmma) and type: TC_BM = 128 rows and 256
+ * threads in both.  k_tc_gemm: TC_ST stages.  k_tc_wgmma: A rounded up to 1 KiB, so that B
+ * (whose layout is the 128-byte swizzle the MMAs read: chunk c of token n at c ^ (n % 8))
+ * starts on a 1 KiB boundary; three stages (101 KiB for Q8_0: two blocks per SM, which measured
+ * faster than one block of 256 rows), four for the types with mins (one block per SM: their
+ * second accumulators take 250 registers); 1 KiB more to align the dynamic shared memory's
+ * start.  RP rows one pass of the threads copies (4-byte or 16-byte pieces, NP a row), NPASS
+ * passes. */
+template <int TYPE, bool WG> struct tc_tile {
+    typedef tc_traits<TYPE> TT;
+    enum {
+        BM = TC_BM,
+        NTHR = TC_THREADS,
+        RP = NTHR / TT::NP,
+        NPASS = (BM + RP - 1) / RP,
+        ABYTES = WG ? (BM * TT::AROW + 1023) / 1024 * 1024 : BM * TT::AROW,
+        STAGE = ABYTES + 3 * TC_BN * 128,
+        ST = !WG ? TC_ST : TT::MIN ? 4 : 3,
+        SMEM = ST * STAGE + TT::SMEM_EXTRA + (WG ? 1024 : 0),
+    };
+};
 template <int TYPE>
-__host__ __device__ constexpr int tc_stage_bytes() { return TC_BM * tc_traits<TYPE>::AROW + 3 * TC_BN * 128; }
+__host__ __device__ constexpr int tc_smem_bytes() { return tc_tile<TYPE, false>::SMEM; }
 template <int TYPE>
-__host__ __device__ constexpr int tc_smem_bytes() { return TC_ST * tc_stage_bytes<TYPE>() + tc_traits<TYPE>::SMEM_EXTRA; }
+__host__ __device__ constexpr int tcw_smem_bytes() { return tc_tile<TYPE, true>::SMEM; }
 __device__ __forceinline__ int tc_swz(int row, int chunk) { return 16 * (chunk ^ ((row & 1) << 2)); }
 
 /* Byte offset in a weight row of what stage kb copies (the super-block types: rounded down
@@ -208,10 +256,11 @@ struct tc_copy {
     int as, bs;             /* the first pieces' offsets in a stage */
 };
 
-template <int TYPE>
+template <int TYPE, bool WG>
 __device__ __forceinline__ tc_copy tc_copy_plan(const uint8_t *w, size_t row_bytes, int row0, int nrows,
                                                 const __half *xs, int K, int t0) {
     typedef tc_traits<TYPE> TT;
+    typedef tc_tile<TYPE, WG> TL;
     tc_copy cp;
     const int tid = threadIdx.x;
     if (TYPE == DS4_TYPE_F16) {
@@ -219,38 +268,40 @@ __device__ __forceinline__ tc_copy tc_copy_plan(const uint8_t *w, size_t row_byt
         cp.as = 128 * cp.arow + tc_swz(cp.arow, tid & 7);
         cp.a = w + (size_t)row0 * row_bytes + 16 * (tid & 7);
     } else {
-        cp.arow = tid < TT::RP * TT::NP ? tid / TT::NP : TC_BM;
+        cp.arow = tid < TL::RP * TT::NP ? tid / TT::NP : TL::BM;
         cp.as = TT::PS * tid;
         cp.a = w + (size_t)row0 * row_bytes + TT::PS * (tid - TT::NP * (tid / TT::NP));
     }
     cp.nv = nrows - row0;
     const int n = tid >> 3;
     cp.b = xs + (size_t)(t0 + n) * K + 8 * (tid & 7);
-    cp.bs = TC_BM * TT::AROW + 128 * n + tc_swz(n, tid & 7);
+    cp.bs = TL::ABYTES + 128 * n + (WG ? 16 * ((tid & 7) ^ (n & 7)) : tc_swz(n, tid & 7));
     return cp;
 }
 
 /* One stage in flight: the weight rows' data of elements kb*TC_BK .. + TC_BK and the tokens'
  * elements. */
-template <int TYPE>
+template <int TYPE, bool WG>
 __device__ __forceinline__ void tc_load_stage(uint8_t *st, const tc_copy &cp, size_t row_bytes, size_t plane, int K,
                                               int kb) {
     typedef tc_traits<TYPE> TT;
+    typedef tc_tile<TYPE, WG> TL;
+    constexpr int TR = TL::NTHR / 8;                /* F16 rows, B tokens, one pass copies */
     const uint8_t *a = cp.a + tc_stage_src<TYPE>(kb);
     if (TYPE == DS4_TYPE_F16) {
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const int r = cp.arow + 32 * i;
-            cp_async16(st + cp.as + 4096 * i, a + (size_t)(r < cp.nv ? r : 0) * row_bytes);
+        for (int i = 0; i < TL::BM / TR; i++) {
+            const int r = cp.arow + TR * i;
+            cp_async16(st + cp.as + 128 * TR * i, a + (size_t)(r < cp.nv ? r : 0) * row_bytes);
         }
     } else {
 #pragma unroll
-        for (int i = 0; i < TT::NPASS; i++) {
-            const int r = cp.arow + TT::RP * i;
-            if (r < TC_BM) {
+        for (int i = 0; i < TL::NPASS; i++) {
+            const int r = cp.arow + TL::RP * i;
+            if (r < TL::BM) {
                 const uint8_t *src = a + (size_t)(r < cp.nv ? r : 0) * row_bytes;
-                if (TT::PS == 16) cp_async16(st + cp.as + TT::AROW * TT::RP * i, src);
-                else cp_async4(st + cp.as + TT::AROW * TT::RP * i, src);
+                if (TT::PS == 16) cp_async16(st + cp.as + TT::AROW * TL::RP * i, src);
+                else cp_async4(st + cp.as + TT::AROW * TL::RP * i, src);
             }
         }
     }
@@ -258,8 +309,8 @@ __device__ __forceinline__ void tc_load_stage(uint8_t *st, const tc_copy &cp, si
 #pragma unroll
     for (int p = 0; p < 3; p++)
 #pragma unroll
-        for (int h = 0; h < 2; h++)
-            cp_async16(st + cp.bs + (p * TC_BN + 32 * h) * 128, b + p * plane + (size_t)(32 * h) * K);
+        for (int h = 0; h < TC_BN / TR; h++)
+            cp_async16(st + cp.bs + (p * TC_BN + TR * h) * 128, b + p * plane + (size_t)(TR * h) * K);
 }
 
 /* A lane's 8 elements 32 j + 8 t .. + 7 of stage kb's staged row r, as four f16x2 registers
@@ -383,7 +434,8 @@ k_tc_gemm(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const uin
     }
     /* IQ2_XXS: the grid as f16 magnitude pairs and the sign bytes, after the stages (the main
      * loop's first barrier orders these stores before any read) */
-    const uint4 *grid = (const uint4 *)(tc_smem + TC_ST * tc_stage_bytes<TYPE>());
+    constexpr int SB = tc_tile<TYPE, false>::STAGE;
+    const uint4 *grid = (const uint4 *)(tc_smem + TC_ST * SB);
     const uint8_t *s8tab = (const uint8_t *)(grid + 256);
     if (TYPE == DS4_TYPE_IQ2_XXS) {
         ((uint4 *)grid)[threadIdx.x] = dsq_iq2_grid_entry(threadIdx.x);
@@ -396,8 +448,7 @@ k_tc_gemm(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const uin
      * 24, 9; 84-byte Q2_K rows on 21 pg mod 32 = 0, 21, 8, 29, 16, 5, 24, 13) and the lanes'
      * word offsets 2 t fall on 32 distinct banks */
     const int pg = wr0 + (g & 1) + 8 * (g >> 1);
-    constexpr int SB = tc_stage_bytes<TYPE>();
-    const tc_copy cp = tc_copy_plan<TYPE>(w, row_bytes, row0, nrows, xs, K, t0);
+    const tc_copy cp = tc_copy_plan<TYPE, false>(w, row_bytes, row0, nrows, xs, K, t0);
     float acc[2][4][4];
 #pragma unroll
     for (int mi = 0; mi < 2; mi++)
@@ -409,7 +460,7 @@ k_tc_gemm(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const uin
     const int nk = K / TC_BK;
 #pragma unroll
     for (int s = 0; s < TC_ST - 1; s++) {
-        if (s < nk) tc_load_stage<TYPE>(tc_smem + s * SB, cp, row_bytes, plane, K, s);
+        if (s < nk) tc_load_stage<TYPE, false>(tc_smem + s * SB, cp, row_bytes, plane, K, s);
         cp_async_commit();
     }
     for (int kb = 0; kb < nk; kb++) {
@@ -417,7 +468,7 @@ k_tc_gemm(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const uin
         __syncthreads();
         {
             const int nx = kb + TC_ST - 1;
-            if (nx < nk) tc_load_stage<TYPE>(tc_smem + (nx % TC_ST) * SB, cp, row_bytes, plane, K, nx);
+            if (nx < nk) tc_load_stage<TYPE, false>(tc_smem + (nx % TC_ST) * SB, cp, row_bytes, plane, K, nx);
             cp_async_commit();
         }
         const uint8_t *As = tc_smem + (kb % TC_ST) * SB, *Bs = As + TC_BM * TT::AROW;
@@ -501,9 +552,222 @@ k_tc_gemm(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const uin
     }
 }
 
+/* ---------------------------------------------------------------------------
+ * The product on sm_90's warpgroup MMAs (wgmma)
+ * ------------------------------------------------------------------------- */
+
+/* Built where the compiler targets sm_90a (the H100's and H200's own instruction set); the
+ * compute_90 PTX of an sm_90 build, and every other architecture, has an empty kernel that the
+ * host never launches (tc_wg_dev). */
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define TCW_ON 1
+#endif
+
+/* A shared-memory operand's descriptor: K-major rows of 128 bytes in the 128-byte swizzle,
+ * groups of 8 rows 1 KiB apart (stride 1024 >> 4 = 64), the leading offset unused (1). A k16
+ * step inside the 128 bytes is the start address plus 32 k16 (the swizzle is a function of
+ * the address, the stage 1 KiB aligned). */
+__device__ __forceinline__ uint64_t tcw_desc(const void *smem) {
+    const uint32_t a = (uint32_t)__cvta_generic_to_shared(smem);
+    return (uint64_t)((a & 0x3FFFFu) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void tcw_fence(void) {
+#ifdef TCW_ON
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void tcw_commit(void) {
+#ifdef TCW_ON
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+template <int N>
+__device__ __forceinline__ void tcw_wait(void) {
+#ifdef TCW_ON
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+#endif
+}
+/* Keeps the compiler from moving reads of an accumulator across a wait (the registers are
+ * written by the tensor core, not by any instruction it sees after the MMA). */
+__device__ __forceinline__ void tcw_hold(float (&d)[32]) {
+#pragma unroll
+    for (int i = 0; i < 32; i++) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+/* d = A B (+ d where ACC): A the warpgroup's 64 rows x 16 k from registers (each warp its 16
+ * rows, the m16n8k16 A fragment), B 64 tokens x 16 k at descriptor b. */
+template <int ACC>
+__device__ __forceinline__ void tcw_mma(float (&d)[32], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                        uint64_t b) {
+#ifdef TCW_ON
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(b), "n"(ACC)
+        : "memory");
+#endif
+}
+
+/* One block of 32 k (and pass) for the warpgroup: six MMAs, k16 steps hf x parts p, the first
+ * from zero.  Bs: the stage's B, block j; a[h]: the lane's rows g (h = 0) and g + 8 (h = 1). */
+__device__ __forceinline__ void tcw_block(float (&c)[32], const uint32_t (&a0)[4], const uint32_t (&a1)[4],
+                                          const uint8_t *Bs, int j) {
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++)
+#pragma unroll
+        for (int p = 0; p < 3; p++) {
+            const uint64_t b = tcw_desc(Bs + p * TC_BN * 128 + 32 * (2 * j + hf));
+            if (hf == 0 && p == 0) tcw_mma<0>(c, a0[0], a1[0], a0[1], a1[1], b);
+            else tcw_mma<1>(c, a0[2 * hf], a1[2 * hf], a0[2 * hf + 1], a1[2 * hf + 1], b);
+        }
+}
+/* The same with one register pair for all of A (the mins' pass: m per row, all k). */
+__device__ __forceinline__ void tcw_block_min(float (&c)[32], uint32_t m0, uint32_t m1, const uint8_t *Bs, int j) {
+    const uint32_t a0[4] = { m0, m0, m0, m0 }, a1[4] = { m1, m1, m1, m1 };
+    tcw_block(c, a0, a1, Bs, j);
+}
+
+/* acc += s c, row g (elements 4 i, 4 i + 1) by s0 and row g + 8 by s1 (F16: plain sums). */
+template <int TYPE>
+__device__ __forceinline__ void tcw_fold(float (&acc)[32], float (&c)[32], float s0, float s1) {
+    tcw_hold(c);
+#pragma unroll
+    for (int i = 0; i < 32; i++) {
+        if (TYPE == DS4_TYPE_F16) acc[i] += c[i];
+        else acc[i] = fmaf((i & 2) ? s1 : s0, c[i], acc[i]);
+    }
+}
+
+/* k_tc_gemm's block on wgmma: the same tile (TC_BM = 128 rows x TC_BN = 64 tokens), grid,
+ * segments, tiles, A fragments and sums, the MMAs issued by warpgroups.  Warpgroup wg (warps
+ * 4 wg .. 4 wg + 3) computes rows 64 wg .. + 63 of the tile for all 64 tokens: m64n64k16, A
+ * (the converted weights) from registers, B (the parts) from the stage by descriptor.
+ *   A warp's accumulator rows g and g + 8 of its 16 are the tile rows pr and pr + 2 (pr in the
+ *   kernel: k_tc_gemm's pg spread over the 4 warps of a warpgroup), so that a warp's loads of A
+ *   hit 32 banks.
+ *   Per stage (two blocks of 32 k): both blocks' A fragments, a fence, each block's six MMAs
+ *   into its own accumulator set c from zero and a commit per block; a wait for the first
+ *   block, its fold into acc (one FMA by s per element) while the tensor cores run the second,
+ *   then a wait for that one and its fold.  Blocks fold in order, as in k_tc_gemm.  (A wait
+ *   that leaves a group of the next stage in flight makes ptxas serialise every wgmma.)
+ *   Stages: ST buffers, stage kb + ST - 1 copied while kb is read, into kb - 1's buffer, whose
+ *   MMAs every warpgroup waited for before the barrier.  cp.async writes through the generic
+ *   proxy and wgmma reads through the async one: a proxy fence after each stage lands, before
+ *   the barrier. */
+template <int TYPE>
+__global__ void __launch_bounds__(TC_THREADS, tc_traits<TYPE>::MIN ? 1 : 2)
+k_tc_wgmma(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const uint8_t *xs_all, int ntp,
+           const int4 *tiles, int nt) {
+#ifdef TCW_ON
+    ds4_grid_dep();
+    typedef tc_traits<TYPE> TT;
+    extern __shared__ __align__(16) uint8_t tcw_smem_raw[];
+    uint8_t *smem = tcw_smem_raw + ((1024u - ((uint32_t)__cvta_generic_to_shared(tcw_smem_raw) & 1023u)) & 1023u);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int si = blockIdx.z;
+    const int nrows = sg.nrows[si];
+    typedef tc_tile<TYPE, true> TL;
+    const int row0 = blockIdx.x * TL::BM;
+    if (row0 >= nrows) return;
+    const uint8_t *w = sg.w[si];
+    const size_t plane = (size_t)ntp * K;
+    const __half *xs = (const __half *)(xs_all + sg.xoff[si]);
+    int t0 = blockIdx.y * TC_BN, t1 = t0 + TC_BN < nt ? t0 + TC_BN : nt;
+    if (tiles) {
+        const int4 tl = tiles[blockIdx.y];
+        w += mat_bytes * (size_t)tl.x;
+        t0 = tl.y;
+        t1 = tl.z;
+    }
+    constexpr int SB = TL::STAGE, AB = TL::ABYTES, ST = TL::ST;
+    const uint4 *grid = (const uint4 *)(smem + ST * SB);
+    const uint8_t *s8tab = (const uint8_t *)(grid + 256);
+    if (TYPE == DS4_TYPE_IQ2_XXS && threadIdx.x < 256) {
+        ((uint4 *)grid)[threadIdx.x] = dsq_iq2_grid_entry(threadIdx.x);
+        if (threadIdx.x < 128) ((uint8_t *)s8tab)[threadIdx.x] = (uint8_t)dsq_iq2_s8(threadIdx.x);
+    }
+    const int w4 = warp & 3;
+    const int pr = 64 * (warp >> 2) + (g & 1) + 8 * (g >> 1) + 4 * (w4 & 1) + 32 * (w4 >> 1);
+    const tc_copy cp = tc_copy_plan<TYPE, true>(w, row_bytes, row0, nrows, xs, K, t0);
+    float acc[32], c[2][32], cm[2][32];
+#pragma unroll
+    for (int i = 0; i < 32; i++) acc[i] = c[0][i] = c[1][i] = cm[0][i] = cm[1][i] = 0.0f;
+
+    const int nk = K / TC_BK;
+#pragma unroll
+    for (int st = 0; st < ST - 1; st++) {
+        if (st < nk) tc_load_stage<TYPE, true>(smem + st * SB, cp, row_bytes, plane, K, st);
+        cp_async_commit();
+    }
+    for (int kb = 0; kb < nk; kb++) {
+        cp_async_wait<ST - 2>();
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        __syncthreads();
+        {
+            const int nx = kb + ST - 1;
+            if (nx < nk) tc_load_stage<TYPE, true>(smem + (nx % ST) * SB, cp, row_bytes, plane, K, nx);
+            cp_async_commit();
+        }
+        const uint8_t *As = smem + (kb % ST) * SB, *Bs = As + AB;
+        uint32_t a[2][2][4], m[2][2];
+        float s[2][2], s2[2][2];
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            tc_frag_a<TYPE>(As, pr, j, t, kb, grid, s8tab, a[j][0], s[j][0], m[j][0], s2[j][0]);
+            tc_frag_a<TYPE>(As, pr + 2, j, t, kb, grid, s8tab, a[j][1], s[j][1], m[j][1], s2[j][1]);
+        }
+        tcw_fence();
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            tcw_block(c[j], a[j][0], a[j][1], Bs, j);
+            if (TT::MIN) tcw_block_min(cm[j], m[j][0], m[j][1], Bs, j);
+            tcw_commit();
+        }
+        tcw_wait<1>();                          /* block 0 done: fold it while block 1 runs */
+        tcw_fold<TYPE>(acc, c[0], s[0][0], s[0][1]);
+        if (TT::MIN) tcw_fold<TYPE>(acc, cm[0], s2[0][0], s2[0][1]);
+        tcw_wait<0>();
+        tcw_fold<TYPE>(acc, c[1], s[1][0], s[1][1]);
+        if (TT::MIN) tcw_fold<TYPE>(acc, cm[1], s2[1][0], s2[1][1]);
+    }
+    /* acc[4 i + 2 h + e]: row pr + 2 h, token 8 i + 2 t + e */
+    float *y = sg.y[si];
+    const int64_t ldy = sg.ldy[si];
+    const float *inv = (const float *)(xs + 3 * plane);
+#pragma unroll
+    for (int i = 0; i < 8; i++)
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            const int n = t0 + 8 * i + 2 * t + e;
+            if (n >= t1) continue;
+            const float f = inv[n];
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int r = row0 + pr + 2 * h;
+                if (r < nrows) y[(int64_t)n * ldy + r] = acc[4 * i + 2 * h + e] * f;
+            }
+        }
+#else
+    __trap();
+#endif
+}
+
 /* The shared memory a block of each type needs, set where the device allows it: a device
  * with less per block (sm_86, sm_89: 99 KB) sends that type to cuBLAS (gemm_tc_ok). */
 static int tc_smem_opt;     /* the device's largest opt-in shared memory per block */
+static bool tc_wg_dev;      /* the build has k_tc_wgmma (DS4_WGMMA: sm_90a) and the device is CC 9.0 */
+
+/* Whether this session's products go to k_tc_wgmma (DS4_CUDA_PREFILL_TC = 2, the default, where
+ * the build and the device have it) or k_tc_gemm.  A split is laid out for one of the two. */
+static bool tc_wg(void) { return tc_wg_dev && sess()->lim.prefill_tc == 2; }
 
 static int tc_smem_need(int type) {
     switch (type) {
@@ -516,17 +780,37 @@ static int tc_smem_need(int type) {
     }
 }
 
+static int tc_smem_need_wg(int type) {
+    switch (type) {
+    case DS4_TYPE_Q8_0:    return tcw_smem_bytes<DS4_TYPE_Q8_0>();
+    case DS4_TYPE_F16:     return tcw_smem_bytes<DS4_TYPE_F16>();
+    case DS4_TYPE_IQ2_XXS: return tcw_smem_bytes<DS4_TYPE_IQ2_XXS>();
+    case DS4_TYPE_Q2_K:    return tcw_smem_bytes<DS4_TYPE_Q2_K>();
+    case DS4_TYPE_Q4_K:    return tcw_smem_bytes<DS4_TYPE_Q4_K>();
+    default:               return 0;
+    }
+}
+
 template <int TYPE>
 static void tc_smem_setup(void) {
     if (tc_smem_bytes<TYPE>() <= tc_smem_opt)
         DS4_CUDA_CHECK(cudaFuncSetAttribute(k_tc_gemm<TYPE>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             tc_smem_bytes<TYPE>()));
+    if (tc_wg_dev && tcw_smem_bytes<TYPE>() <= tc_smem_opt)
+        DS4_CUDA_CHECK(cudaFuncSetAttribute(k_tc_wgmma<TYPE>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            tcw_smem_bytes<TYPE>()));
 }
 
 void gemm_tc_setup(void) {
     int dev = 0;
     DS4_CUDA_CHECK(cudaGetDevice(&dev));
     DS4_CUDA_CHECK(cudaDeviceGetAttribute(&tc_smem_opt, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+#ifdef DS4_WGMMA
+    int major = 0, minor = 0;
+    DS4_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    DS4_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+    tc_wg_dev = major == 9 && minor == 0;
+#endif
     tc_smem_setup<DS4_TYPE_Q8_0>();
     tc_smem_setup<DS4_TYPE_F16>();
     tc_smem_setup<DS4_TYPE_IQ2_XXS>();
@@ -540,6 +824,7 @@ void gemm_tc_setup(void) {
  * stages (43 KB) leave one block per SM instead of two. */
 bool gemm_tc_ok(int type, const void *w, size_t row_bytes, int64_t K) {
     return sess()->lim.prefill_tc != 0 && gemm_tc_type(type) && tc_smem_need(type) <= tc_smem_opt &&
+           (!tc_wg() || tc_smem_need_wg(type) <= tc_smem_opt) &&
            K % 256 == 0 && K <= (1 << 24) &&
            ((uintptr_t)w & 15) == 0 && (row_bytes & 15) == 0;
 }
@@ -555,7 +840,7 @@ tc_split gemm_tc_split(const float *x, int64_t ldx, int64_t K, int64_t n, int pa
     sp.part_bytes = gemm_tc_scratch_bytes(n, K);
     sp.xs = scratch_get(&sess()->tc_x, sp.part_bytes * (size_t)parts);
     DS4_LAUNCH(k_tc_split, dim3((unsigned)sp.ntp, (unsigned)parts), TC_THREADS, 0, x, ldx, (int)K, (int)n,
-               (int)sp.ntp, (uint8_t *)sp.xs, sp.part_bytes);
+               (int)sp.ntp, (uint8_t *)sp.xs, sp.part_bytes, (int)tc_wg());
     return sp;
 }
 
@@ -565,11 +850,21 @@ int gemm_tc_parts_fit(int64_t n, int64_t K) {
     return one ? (int)(cap / one) : 0;
 }
 
+/* grid: row tiles (of the kernel's and type's BM) x ny token tiles x n segments; blocks past a
+ * segment's rows return at once (a launch's segments are of similar sizes) */
 template <int TYPE>
-static void tc_launch(dim3 grid, const tc_segs &sg, size_t mat_bytes, size_t row_bytes, const tc_split &sp,
-                      const int4 *tiles) {
-    DS4_LAUNCH(k_tc_gemm<TYPE>, grid, TC_THREADS, tc_smem_bytes<TYPE>(), sg, mat_bytes, row_bytes, (int)sp.K,
-               (const uint8_t *)sp.xs, (int)sp.ntp, tiles, (int)sp.n);
+static void tc_launch(int64_t rows, unsigned ny, unsigned n, const tc_segs &sg, size_t mat_bytes, size_t row_bytes,
+                      const tc_split &sp, const int4 *tiles) {
+    if (tc_wg()) {
+        typedef tc_tile<TYPE, true> TL;
+        const dim3 grid((unsigned)((rows + TL::BM - 1) / TL::BM), ny, n);
+        DS4_LAUNCH(k_tc_wgmma<TYPE>, grid, TL::NTHR, TL::SMEM, sg, mat_bytes, row_bytes, (int)sp.K,
+                   (const uint8_t *)sp.xs, (int)sp.ntp, tiles, (int)sp.n);
+    } else {
+        const dim3 grid((unsigned)((rows + TC_BM - 1) / TC_BM), ny, n);
+        DS4_LAUNCH(k_tc_gemm<TYPE>, grid, TC_THREADS, tc_smem_bytes<TYPE>(), sg, mat_bytes, row_bytes, (int)sp.K,
+                   (const uint8_t *)sp.xs, (int)sp.ntp, tiles, (int)sp.n);
+    }
 }
 
 /* One launch over the segments seg[0 .. n - 1] (n <= TC_SEG_MAX, one type, K = sp.K, rows
@@ -595,14 +890,13 @@ void gemm_tc_multi(int type, size_t mat_bytes, size_t row_bytes, const tc_split 
         if (seg[i].nrows > rows) rows = seg[i].nrows;
     }
     if (rows <= 0) return;
-    /* blocks past a segment's rows return at once (a launch's segments are of similar sizes) */
-    const dim3 grid((unsigned)((rows + TC_BM - 1) / TC_BM), ny, (unsigned)n);
+    const unsigned ns = (unsigned)n;
     switch (type) {
-    case DS4_TYPE_Q8_0:    tc_launch<DS4_TYPE_Q8_0>(grid, sg, mat_bytes, row_bytes, sp, tiles); break;
-    case DS4_TYPE_F16:     tc_launch<DS4_TYPE_F16>(grid, sg, mat_bytes, row_bytes, sp, tiles); break;
-    case DS4_TYPE_IQ2_XXS: tc_launch<DS4_TYPE_IQ2_XXS>(grid, sg, mat_bytes, row_bytes, sp, tiles); break;
-    case DS4_TYPE_Q2_K:    tc_launch<DS4_TYPE_Q2_K>(grid, sg, mat_bytes, row_bytes, sp, tiles); break;
-    case DS4_TYPE_Q4_K:    tc_launch<DS4_TYPE_Q4_K>(grid, sg, mat_bytes, row_bytes, sp, tiles); break;
+    case DS4_TYPE_Q8_0:    tc_launch<DS4_TYPE_Q8_0>(rows, ny, ns, sg, mat_bytes, row_bytes, sp, tiles); break;
+    case DS4_TYPE_F16:     tc_launch<DS4_TYPE_F16>(rows, ny, ns, sg, mat_bytes, row_bytes, sp, tiles); break;
+    case DS4_TYPE_IQ2_XXS: tc_launch<DS4_TYPE_IQ2_XXS>(rows, ny, ns, sg, mat_bytes, row_bytes, sp, tiles); break;
+    case DS4_TYPE_Q2_K:    tc_launch<DS4_TYPE_Q2_K>(rows, ny, ns, sg, mat_bytes, row_bytes, sp, tiles); break;
+    case DS4_TYPE_Q4_K:    tc_launch<DS4_TYPE_Q4_K>(rows, ny, ns, sg, mat_bytes, row_bytes, sp, tiles); break;
     default: ds4_fatal("gemm_tc_multi: weight type %d is not one the engine takes", type);
     }
 }

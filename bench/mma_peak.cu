@@ -9,8 +9,12 @@
  *
  *   mma_f16_tflops <value>       m16n8k16, f16 x f16 -> f32
  *   mma_s8_tops <value>          m16n8k32, s8 x s8 -> s32 (the integer path's instruction)
+ *   wgmma_f16_tflops <value>     sm_90a builds on a CC 9.0 card: wgmma m64n64k16, A from registers,
+ *                                B from shared memory, f32 accumulators (k_tc_wgmma's instruction),
+ *                                two warpgroups a block, chains of 16 MMAs between waits
  *
- * Build: nvcc -O3 -arch=sm_90 bench/mma_peak.cu -o build/mma_peak  (sm_80 and later)
+ * Build: nvcc -O3 -arch=sm_90 bench/mma_peak.cu -o build/mma_peak  (sm_80 and later; the Makefile
+ * builds sm_90 as sm_90a, as it does ds4_cuda_gemm.cu)
  * Usage: mma_peak
  */
 #include <cuda_runtime.h>
@@ -65,9 +69,48 @@ __global__ void k_mma_s8(int *sink, int iters) {
     if (s == 0x7fffffff) sink[0] = s;
 }
 
+#define WG_CHAIN 16       /* wgmma between two waits */
+
+__global__ void __launch_bounds__(256) k_wgmma_f16(float *sink, int iters) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    __shared__ __align__(1024) uint8_t bs[64 * 128];
+    for (int i = threadIdx.x; i < 64 * 128 / 4; i += blockDim.x) ((uint32_t *)bs)[i] = 0x3c003c00u & (i * 2654435761u);
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    __syncthreads();
+    const uint32_t sa = (uint32_t)__cvta_generic_to_shared(bs);
+    const uint64_t desc = (uint64_t)((sa & 0x3FFFFu) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
+    const uint32_t a = (threadIdx.x * 2654435761u) & 0x3c003c00u;
+    float d[32] = {};
+    for (int it = 0; it < iters; it += WG_CHAIN) {
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+        for (int j = 0; j < WG_CHAIN; j++)
+            asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+                         "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                         "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+                         "{%32, %32, %32, %32}, %33, 1, 1, 1, 0;\n"
+                         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+                           "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+                           "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
+                           "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]),
+                           "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+                         : "r"(a), "l"(desc)
+                         : "memory");
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    }
+    float s = 0.0f;
+    for (int i = 0; i < 32; i++) s += d[i];
+    if (s == 12345.0f) sink[0] = s;
+#else
+    (void)sink;
+    (void)iters;
+#endif
+}
+
 /* The median TFLOP/s (or TOPS) of RUNS launches of grid x 256 threads, flop_per_mma each MMA. */
 template <typename K, typename T>
-static double run(K kernel, T *sink, int grid, double flop_per_mma) {
+static double run(K kernel, T *sink, int grid, double flop_per_mma, int per_block = 8 * ACC) {
     cudaEvent_t e0, e1;
     CHECK(cudaEventCreate(&e0));
     CHECK(cudaEventCreate(&e1));
@@ -80,7 +123,7 @@ static double run(K kernel, T *sink, int grid, double flop_per_mma) {
         CHECK(cudaEventSynchronize(e1));
         float ms = 0.0f;
         CHECK(cudaEventElapsedTime(&ms, e0, e1));
-        if (r >= 0) v[r] = (double)grid * 8 * ACC * ITERS * flop_per_mma / (ms * 1e-3) / 1e12;
+        if (r >= 0) v[r] = (double)grid * per_block * ITERS * flop_per_mma / (ms * 1e-3) / 1e12;
     }
     CHECK(cudaEventDestroy(e0));
     CHECK(cudaEventDestroy(e1));
@@ -96,6 +139,13 @@ int main(void) {
     const int grid = n_sm * 8;           /* several resident blocks of 8 warps per SM */
     printf("mma_f16_tflops %.1f\n", run(k_mma_f16, (float *)sink, grid, 2.0 * 16 * 8 * 16));
     printf("mma_s8_tops %.1f\n", run(k_mma_s8, (int *)sink, grid, 2.0 * 16 * 8 * 32));
+#ifdef DS4_WGMMA
+    int major = 0, minor = 0;
+    CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+    if (major == 9 && minor == 0)   /* two warpgroups a block, each ITERS MMAs of 64 x 64 x 16 */
+        printf("wgmma_f16_tflops %.1f\n", run(k_wgmma_f16, (float *)sink, n_sm * 2, 2.0 * 64 * 64 * 16, 2));
+#endif
     CHECK(cudaFree(sink));
     return 0;
 }

@@ -11,8 +11,12 @@
 # stall: ncu metrics of STALL_COUNT (2) launches of STALL_KERNEL (a regex on the demangled name,
 # k_tc_gemm) after STALL_SKIP (40) in a STALL_MODEL (flash16) prefill: instructions per MMA,
 # tensor pipe, shared-memory bank conflicts, L2 bytes and the sampled stall reasons.
-# peak: bench/mma_peak (mma.sync f16 and s8 on every SM); bench, attn and q2 then print each
-# prefill's TFLOP/s as a share of that f16 peak (ds4_bench --tc-peak).
+# peak: bench/mma_peak (mma.sync f16 and s8 on every SM, and wgmma f16 on an sm_90 card); bench,
+# attn, q2 and tcw then print each prefill's TFLOP/s as a share of the f16 peak of the
+# instruction the run uses (ds4_bench --tc-peak: wgmma's for DS4_CUDA_PREFILL_TC=2).
+# tcw: TCW_MODELS (flash16) prefill with DS4_CUDA_PREFILL_TC=1 (k_tc_gemm, mma.sync) and 2
+# (k_tc_wgmma), TCW_ROUNDS (2) rounds alternating, after a launch trace that shows which
+# kernel a TC=2 prefill of small launches.
 # vs, same: PREV=DIR, another tree (e.g. `git archive REV` unpacked), built beside this one; vs:
 # VS_MODELS (flash16) prefill, PREV and this tree alternating VS_ROUNDS (2) rounds; same:
 # CUDA logits of a 300-token prompt + 32 greedy steps on small Q8_0 and F16 from both trees,
@@ -30,7 +34,7 @@
 # TCSAME_MODEL (flash-q2@16: the published layout's experts at Flash's shapes, where the CPU would
 # take hours), written to $TMPDIR.  san: compute-sanitizer on prefills of SAN_MODELS and on
 # test_backend_ops (SAN_OPS: 1 every case, tc the tensor-core engine's, 0 none).
-#   scripts/gpu-prefill.sh [peak] [test] [bench] [attn] [q2] [hooks] [vs] [same] [report] [prof] [dprof] [dreport] [l2hot] [stall] [exact] [tcsame] [san] [peer]
+#   scripts/gpu-prefill.sh [peak] [test] [bench] [attn] [tcw] [q2] [hooks] [vs] [same] [report] [prof] [dprof] [dreport] [l2hot] [stall] [exact] [tcsame] [san] [peer]
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-build/gpu-out}; mkdir -p "$OUT"
@@ -54,6 +58,7 @@ if want peak; then
   make --no-print-directory build/cuda-"$ARCH"/mma_peak CUDA_ARCH="$ARCH" >> "$OUT/build.log" 2>&1 &&
     build/cuda-"$ARCH"/mma_peak | tee "$OUT/mma-peak.log"
   PEAK=$(awk '/^mma_f16_tflops/ {print $2}' "$OUT/mma-peak.log" 2>/dev/null); PEAK=${PEAK:-0}
+  WPEAK=$(awk '/^wgmma_f16_tflops/ {print $2}' "$OUT/mma-peak.log" 2>/dev/null)
 fi
 if want test; then
   step "test_backend_ops ${OPS_ARGS:-}"
@@ -63,9 +68,10 @@ if want test; then
   grep -E '^attention.* (nt=(200|256|512|4096)|H=64 d=512)' "$OUT/ops.log" | head -40; tail -1 "$OUT/ops.log"
 fi
 bench() {   # MODEL TC PREFILLS REPS [ATTN [TAG]]
-  local log="$OUT/bench-$1-tc$2${6:+-$6}.log"
+  local log="$OUT/bench-$1-tc$2${6:+-$6}.log" pk=$PEAK
+  [ "$2" = 2 ] && [ -n "${WPEAK:-}" ] && pk=$WPEAK
   DS4_CUDA_PREFILL_TC=$2 DS4_CUDA_PREFILL_ATTN=${5:-2} timeout 300 build/cuda-"$ARCH"/ds4_bench --model "$1" \
-     --backend cuda --reps "$4" --decode 8 --prefill "$3" --tc-peak "$PEAK" > "$log" 2>&1
+     --backend cuda --reps "$4" --decode 8 --prefill "$3" --tc-peak "$pk" > "$log" 2>&1
   echo "$1 TC=$2 ATTN=${5:-2}: $(grep -E '^model|^prefill' "$log" | tr '\n' ' ')"
 }
 if want bench; then
@@ -77,6 +83,21 @@ if want attn; then
   step "flash16 prefill, ATTN ${ATTN_MODES:-1 2} (TC 1)"
   for r in $(seq 1 "${ATTN_ROUNDS:-2}"); do
     for am in ${ATTN_MODES:-1 2}; do bench flash16 1 "${ATTN_PREFILLS:-512,4096}" 3 "$am" "attn$am-$r"; done
+  done
+fi
+if want tcw; then
+  step "prefill, DS4_CUDA_PREFILL_TC 1 (k_tc_gemm) against 2 (k_tc_wgmma), ${TCW_ROUNDS:-2} rounds alternating"
+  L=$(grep -n 'DS4_LAUNCH(k_tc_wgmma' ds4_cuda_gemm.cu | cut -d: -f1)
+  for tc in 1 2; do
+    DS4_CUDA_PREFILL_TC=$tc DS4_LAUNCH_TRACE="$OUT/trace-tc$tc.txt" timeout 120 build/cuda-"$ARCH"/ds4_bench --model small \
+      --backend cuda --reps 1 --decode 2 --prefill 200 --no-warmup > /dev/null 2>&1
+    echo "small prefill 200, TC=$tc: $(grep -cE "^launch L($L|$((L + 1))) " "$OUT/trace-tc$tc.txt") k_tc_wgmma launches of $(grep -c '^launch' "$OUT/trace-tc$tc.txt")"
+    rm -f "$OUT/trace-tc$tc.txt"
+  done
+  for m in ${TCW_MODELS:-flash16}; do
+    for r in $(seq 1 "${TCW_ROUNDS:-2}"); do
+      for tc in 1 2; do bench "$m" $tc "${TCW_PREFILLS:-512,4096}" 3 2 "tcw-$r"; done
+    done
   done
 fi
 if want q2; then

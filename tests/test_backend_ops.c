@@ -1711,9 +1711,12 @@ static int test_tc_engine(const ds4_limits *lim0) {
      * and 4096, rows that do not fill a tile, the grouped and expert paths with experts that get
      * 0 or 1 token, wide-range activations; several matrices in one launch (matmul_multi with
      * types mixed, gate|up, the groups of a grouped product, more groups than one launch or
-     * the split scratch takes); in a session sized for 4096-token batches */
-    {
+     * the split scratch takes); in a session sized for 4096-token batches.  Twice: with
+     * prefill_tc = 2 (k_tc_wgmma on an sm_90 build and card, else k_tc_gemm) and 1 (k_tc_gemm) */
+    for (int eng = 2; eng >= 1; eng--) {
         ds4_limits pl = lim;
+        pl.prefill_tc = eng;
+        printf("(prefill products: DS4_CUDA_PREFILL_TC=%d)\n", eng);
         pl.max_batch = 4096;
         pl.n_ctx = 8192;
         pl.n_embd = 4096;
@@ -1844,7 +1847,7 @@ int main(int argc, char **argv) {
     ds4_limits lim;
     memset(&lim, 0, sizeof lim);
     lim.max_batch = 256;                 /* test_compress_pool(0, 256, ...) */
-    lim.prefill_tc = 1;                  /* the default (DS4_CUDA_PREFILL_TC) */
+    lim.prefill_tc = 2;                  /* the default (DS4_CUDA_PREFILL_TC) */
     lim.prefill_attn = 2;                /* the default (DS4_CUDA_PREFILL_ATTN) */
     lim.decode_group = 1;                /* the default (DS4_CUDA_DECODE_GROUP) */
     lim.n_ctx = 32768;                   /* attention and indexer at position 20000 */
