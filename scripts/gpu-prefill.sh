@@ -15,8 +15,7 @@
 # attn, q2 and tcw then print each prefill's TFLOP/s as a share of the f16 peak of the
 # instruction the run uses (ds4_bench --tc-peak: wgmma's for DS4_CUDA_PREFILL_TC=2).
 # tcw: TCW_MODELS (flash16) prefill with DS4_CUDA_PREFILL_TC=1 (k_tc_gemm, mma.sync) and 2
-# (k_tc_wgmma), TCW_ROUNDS (2) rounds alternating, after a launch trace that shows which
-# kernel a TC=2 prefill of small launches.
+# (k_tc_wgmma), TCW_ROUNDS (2) rounds alternating.
 # vs, same: PREV=DIR, another tree (e.g. `git archive REV` unpacked), built beside this one; vs:
 # VS_MODELS (flash16) prefill, PREV and this tree alternating VS_ROUNDS (2) rounds; same:
 # CUDA logits of a 300-token prompt + 32 greedy steps on small Q8_0 and F16 from both trees,
@@ -87,13 +86,6 @@ if want attn; then
 fi
 if want tcw; then
   step "prefill, DS4_CUDA_PREFILL_TC 1 (k_tc_gemm) against 2 (k_tc_wgmma), ${TCW_ROUNDS:-2} rounds alternating"
-  L=$(grep -n 'DS4_LAUNCH(k_tc_wgmma' ds4_cuda_gemm.cu | cut -d: -f1)
-  for tc in 1 2; do
-    DS4_CUDA_PREFILL_TC=$tc DS4_LAUNCH_TRACE="$OUT/trace-tc$tc.txt" timeout 120 build/cuda-"$ARCH"/ds4_bench --model small \
-      --backend cuda --reps 1 --decode 2 --prefill 200 --no-warmup > /dev/null 2>&1
-    echo "small prefill 200, TC=$tc: $(grep -cE "^launch L($L|$((L + 1))) " "$OUT/trace-tc$tc.txt") k_tc_wgmma launches of $(grep -c '^launch' "$OUT/trace-tc$tc.txt")"
-    rm -f "$OUT/trace-tc$tc.txt"
-  done
   for m in ${TCW_MODELS:-flash16}; do
     for r in $(seq 1 "${TCW_ROUNDS:-2}"); do
       for tc in 1 2; do bench "$m" $tc "${TCW_PREFILLS:-512,4096}" 3 2 "tcw-$r"; done
