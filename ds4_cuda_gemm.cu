@@ -666,8 +666,8 @@ template <int TYPE>
 __global__ void __launch_bounds__(TC_THREADS, tc_traits<TYPE>::MIN ? 1 : 2)
 k_tc_wgmma(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const uint8_t *xs_all, int ntp,
            const int4 *tiles, int nt) {
-#ifdef TCW_ON
     ds4_grid_dep();
+#ifdef TCW_ON
     typedef tc_traits<TYPE> TT;
     extern __shared__ __align__(16) uint8_t tcw_smem_raw[];
     uint8_t *smem = tcw_smem_raw + ((1024u - ((uint32_t)__cvta_generic_to_shared(tcw_smem_raw) & 1023u)) & 1023u);
