@@ -209,10 +209,10 @@ template <int TYPE> struct tc_traits {
 /* A block's tile and stages, per kernel (WG: k_tc_wgmma) and type: TC_BM = 128 rows and 256
  * threads in both.  k_tc_gemm: TC_ST stages.  k_tc_wgmma: A rounded up to 1 KiB, so that B
  * (whose layout is the 128-byte swizzle the MMAs read: chunk c of token n at c ^ (n % 8))
- * starts on a 1 KiB boundary; three stages (101 KiB for Q8_0: two blocks per SM, which measured
- * faster than one block of 256 rows), four for the types with mins (one block per SM: their
- * second accumulators take 250 registers); 1 KiB more to align the dynamic shared memory's
- * start.  RP rows one pass of the threads copies (4-byte or 16-byte pieces, NP a row), NPASS
+ * starts on a 1 KiB boundary; three stages (101 KiB for Q8_0: two blocks per SM, so that one
+ * block's folds and barriers overlap the other's MMAs), four for the types with mins (one block
+ * per SM: their second accumulators take 250 registers); 1 KiB more to align the dynamic shared
+ * memory's start.  RP rows one pass of the threads copies (4-byte or 16-byte pieces, NP a row), NPASS
  * passes. */
 template <int TYPE, bool WG> struct tc_tile {
     typedef tc_traits<TYPE> TT;
