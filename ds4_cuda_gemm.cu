@@ -406,6 +406,37 @@ struct tc_segs {
     int nrows[TC_SEG_MAX];
 };
 
+/* A block's matrix and tokens (both kernels): segment blockIdx.z's weights (matrix tiles[y].x
+ * of a grouped product), its part of the split, and tokens t0 .. t1 - 1. */
+struct tc_blk {
+    const uint8_t *w;
+    const __half *xs;
+    int t0, t1;
+};
+__device__ __forceinline__ tc_blk tc_block_of(const tc_segs &sg, size_t mat_bytes, const uint8_t *xs_all,
+                                              const int4 *tiles, int nt) {
+    tc_blk b;
+    const int si = blockIdx.z;
+    b.w = sg.w[si];
+    b.xs = (const __half *)(xs_all + sg.xoff[si]);
+    b.t0 = blockIdx.y * TC_BN;
+    b.t1 = b.t0 + TC_BN < nt ? b.t0 + TC_BN : nt;
+    if (tiles) {
+        const int4 tl = tiles[blockIdx.y];
+        b.w += mat_bytes * (size_t)tl.x;
+        b.t0 = tl.y;
+        b.t1 = tl.z;
+    }
+    return b;
+}
+
+/* IQ2_XXS's tables in shared memory, by a block of TC_THREADS = 256: the grid as f16 magnitude
+ * pairs and the sign bytes. */
+__device__ __forceinline__ void tc_iq2_tables(uint4 *grid, uint8_t *s8tab) {
+    grid[threadIdx.x] = dsq_iq2_grid_entry(threadIdx.x);
+    if (threadIdx.x < 128) s8tab[threadIdx.x] = (uint8_t)dsq_iq2_s8(threadIdx.x);
+}
+
 /* Block (x: TC_BM rows, y: a tile, z: a segment) of y = x W^T.  A tile is tiles[blockIdx.y]
  * (grouped: the matrix e = tile.x, tokens tile.y .. tile.z - 1, at most TC_BN) or, with tiles
  * NULL, tokens TC_BN blockIdx.y .. up to nt.  Matrix e of a segment starts mat_bytes * e into
@@ -422,25 +453,17 @@ k_tc_gemm(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const uin
     const int nrows = sg.nrows[si];
     const int row0 = blockIdx.x * TC_BM;
     if (row0 >= nrows) return;                      /* a segment with fewer row tiles than the grid's */
-    const uint8_t *w = sg.w[si];
     const size_t plane = (size_t)ntp * K;
-    const __half *xs = (const __half *)(xs_all + sg.xoff[si]);
-    int t0 = blockIdx.y * TC_BN, t1 = t0 + TC_BN < nt ? t0 + TC_BN : nt;
-    if (tiles) {
-        const int4 tl = tiles[blockIdx.y];
-        w += mat_bytes * (size_t)tl.x;
-        t0 = tl.y;
-        t1 = tl.z;
-    }
+    const tc_blk bk = tc_block_of(sg, mat_bytes, xs_all, tiles, nt);
+    const uint8_t *w = bk.w;
+    const __half *xs = bk.xs;
+    const int t0 = bk.t0, t1 = bk.t1;
     /* IQ2_XXS: the grid as f16 magnitude pairs and the sign bytes, after the stages (the main
      * loop's first barrier orders these stores before any read) */
     constexpr int SB = tc_tile<TYPE, false>::STAGE;
     const uint4 *grid = (const uint4 *)(tc_smem + TC_ST * SB);
     const uint8_t *s8tab = (const uint8_t *)(grid + 256);
-    if (TYPE == DS4_TYPE_IQ2_XXS) {
-        ((uint4 *)grid)[threadIdx.x] = dsq_iq2_grid_entry(threadIdx.x);
-        if (threadIdx.x < 128) ((uint8_t *)s8tab)[threadIdx.x] = (uint8_t)dsq_iq2_s8(threadIdx.x);
-    }
+    if (TYPE == DS4_TYPE_IQ2_XXS) tc_iq2_tables((uint4 *)grid, (uint8_t *)s8tab);
     const int wr0 = (warp & 3) * 32, wn0 = (warp >> 2) * 32;    /* the warp's rows and tokens in the block */
     /* the lane's rows: tile row g of (mi, h) (h = 0: the m16 tile's row g, 1: row g + 8) is the
      * warp's row pg + 4 mi + 2 h, so that the 8 rows one load touches (pg = 0, 1, 8, 9, 16, 17,
@@ -677,23 +700,15 @@ k_tc_wgmma(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const ui
     typedef tc_tile<TYPE, true> TL;
     const int row0 = blockIdx.x * TL::BM;
     if (row0 >= nrows) return;
-    const uint8_t *w = sg.w[si];
     const size_t plane = (size_t)ntp * K;
-    const __half *xs = (const __half *)(xs_all + sg.xoff[si]);
-    int t0 = blockIdx.y * TC_BN, t1 = t0 + TC_BN < nt ? t0 + TC_BN : nt;
-    if (tiles) {
-        const int4 tl = tiles[blockIdx.y];
-        w += mat_bytes * (size_t)tl.x;
-        t0 = tl.y;
-        t1 = tl.z;
-    }
+    const tc_blk bk = tc_block_of(sg, mat_bytes, xs_all, tiles, nt);
+    const uint8_t *w = bk.w;
+    const __half *xs = bk.xs;
+    const int t0 = bk.t0, t1 = bk.t1;
     constexpr int SB = TL::STAGE, AB = TL::ABYTES, ST = TL::ST;
     const uint4 *grid = (const uint4 *)(smem + ST * SB);
     const uint8_t *s8tab = (const uint8_t *)(grid + 256);
-    if (TYPE == DS4_TYPE_IQ2_XXS && threadIdx.x < 256) {
-        ((uint4 *)grid)[threadIdx.x] = dsq_iq2_grid_entry(threadIdx.x);
-        if (threadIdx.x < 128) ((uint8_t *)s8tab)[threadIdx.x] = (uint8_t)dsq_iq2_s8(threadIdx.x);
-    }
+    if (TYPE == DS4_TYPE_IQ2_XXS) tc_iq2_tables((uint4 *)grid, (uint8_t *)s8tab);
     const int w4 = warp & 3;
     const int pr = 64 * (warp >> 2) + (g & 1) + 8 * (g >> 1) + 4 * (w4 & 1) + 32 * (w4 >> 1);
     const tc_copy cp = tc_copy_plan<TYPE, true>(w, row_bytes, row0, nrows, xs, K, t0);
