@@ -206,8 +206,8 @@ template <int TYPE> struct tc_traits {
         SMEM_EXTRA = TYPE == DS4_TYPE_IQ2_XXS ? 256 * 16 + 128 : 0,   /* the grid and sign tables */
     };
 };
-/* A block's tile and stages, per kernel (WG: k_tc_wgmma) and type: TC_BM = 128 rows and 256
- * threads in both.  k_tc_gemm: TC_ST stages.  k_tc_wgmma: A rounded up to 1 KiB, so that B
+/* A block's stages, per kernel (WG: k_tc_wgmma) and type; both kernels' blocks are TC_BM = 128
+ * rows of TC_THREADS = 256 threads.  k_tc_gemm: TC_ST stages.  k_tc_wgmma: A rounded up to 1 KiB, so that B
  * (whose layout is the 128-byte swizzle the MMAs read: chunk c of token n at c ^ (n % 8))
  * starts on a 1 KiB boundary; three stages (101 KiB for Q8_0: two blocks per SM, so that one
  * block's folds and barriers overlap the other's MMAs), four for the types with mins (one block
@@ -217,11 +217,9 @@ template <int TYPE> struct tc_traits {
 template <int TYPE, bool WG> struct tc_tile {
     typedef tc_traits<TYPE> TT;
     enum {
-        BM = TC_BM,
-        NTHR = TC_THREADS,
-        RP = NTHR / TT::NP,
-        NPASS = (BM + RP - 1) / RP,
-        ABYTES = WG ? (BM * TT::AROW + 1023) / 1024 * 1024 : BM * TT::AROW,
+        RP = TC_THREADS / TT::NP,
+        NPASS = (TC_BM + RP - 1) / RP,
+        ABYTES = WG ? (TC_BM * TT::AROW + 1023) / 1024 * 1024 : TC_BM * TT::AROW,
         STAGE = ABYTES + 3 * TC_BN * 128,
         ST = !WG ? TC_ST : TT::MIN ? 4 : 3,
         SMEM = ST * STAGE + TT::SMEM_EXTRA + (WG ? 1024 : 0),
@@ -268,7 +266,7 @@ __device__ __forceinline__ tc_copy tc_copy_plan(const uint8_t *w, size_t row_byt
         cp.as = 128 * cp.arow + tc_swz(cp.arow, tid & 7);
         cp.a = w + (size_t)row0 * row_bytes + 16 * (tid & 7);
     } else {
-        cp.arow = tid < TL::RP * TT::NP ? tid / TT::NP : TL::BM;
+        cp.arow = tid < TL::RP * TT::NP ? tid / TT::NP : TC_BM;
         cp.as = TT::PS * tid;
         cp.a = w + (size_t)row0 * row_bytes + TT::PS * (tid - TT::NP * (tid / TT::NP));
     }
@@ -286,19 +284,18 @@ __device__ __forceinline__ void tc_load_stage(uint8_t *st, const tc_copy &cp, si
                                               int kb) {
     typedef tc_traits<TYPE> TT;
     typedef tc_tile<TYPE, WG> TL;
-    constexpr int TR = TL::NTHR / 8;                /* F16 rows, B tokens, one pass copies */
     const uint8_t *a = cp.a + tc_stage_src<TYPE>(kb);
     if (TYPE == DS4_TYPE_F16) {
 #pragma unroll
-        for (int i = 0; i < TL::BM / TR; i++) {
-            const int r = cp.arow + TR * i;
-            cp_async16(st + cp.as + 128 * TR * i, a + (size_t)(r < cp.nv ? r : 0) * row_bytes);
+        for (int i = 0; i < 4; i++) {
+            const int r = cp.arow + 32 * i;
+            cp_async16(st + cp.as + 4096 * i, a + (size_t)(r < cp.nv ? r : 0) * row_bytes);
         }
     } else {
 #pragma unroll
         for (int i = 0; i < TL::NPASS; i++) {
             const int r = cp.arow + TL::RP * i;
-            if (r < TL::BM) {
+            if (r < TC_BM) {
                 const uint8_t *src = a + (size_t)(r < cp.nv ? r : 0) * row_bytes;
                 if (TT::PS == 16) cp_async16(st + cp.as + TT::AROW * TL::RP * i, src);
                 else cp_async4(st + cp.as + TT::AROW * TL::RP * i, src);
@@ -309,8 +306,8 @@ __device__ __forceinline__ void tc_load_stage(uint8_t *st, const tc_copy &cp, si
 #pragma unroll
     for (int p = 0; p < 3; p++)
 #pragma unroll
-        for (int h = 0; h < TC_BN / TR; h++)
-            cp_async16(st + cp.bs + (p * TC_BN + TR * h) * 128, b + p * plane + (size_t)(TR * h) * K);
+        for (int h = 0; h < 2; h++)
+            cp_async16(st + cp.bs + (p * TC_BN + 32 * h) * 128, b + p * plane + (size_t)(32 * h) * K);
 }
 
 /* A lane's 8 elements 32 j + 8 t .. + 7 of stage kb's staged row r, as four f16x2 registers
@@ -698,7 +695,7 @@ k_tc_wgmma(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const ui
     const int si = blockIdx.z;
     const int nrows = sg.nrows[si];
     typedef tc_tile<TYPE, true> TL;
-    const int row0 = blockIdx.x * TL::BM;
+    const int row0 = blockIdx.x * TC_BM;
     if (row0 >= nrows) return;
     const size_t plane = (size_t)ntp * K;
     const tc_blk bk = tc_block_of(sg, mat_bytes, xs_all, tiles, nt);
@@ -784,24 +781,16 @@ static bool tc_wg_dev;      /* the build has k_tc_wgmma (DS4_WGMMA: sm_90a) and 
  * the build and the device have it) or k_tc_gemm.  A split is laid out for one of the two. */
 static bool tc_wg(void) { return tc_wg_dev && sess()->lim.prefill_tc == 2; }
 
-static int tc_smem_need(int type) {
+/* The dynamic shared memory of a type's block: k_tc_wgmma's (wg) or k_tc_gemm's. */
+template <int TYPE>
+static int tc_smem_of(bool wg) { return wg ? tcw_smem_bytes<TYPE>() : tc_smem_bytes<TYPE>(); }
+static int tc_smem_need(int type, bool wg) {
     switch (type) {
-    case DS4_TYPE_Q8_0:    return tc_smem_bytes<DS4_TYPE_Q8_0>();
-    case DS4_TYPE_F16:     return tc_smem_bytes<DS4_TYPE_F16>();
-    case DS4_TYPE_IQ2_XXS: return tc_smem_bytes<DS4_TYPE_IQ2_XXS>();
-    case DS4_TYPE_Q2_K:    return tc_smem_bytes<DS4_TYPE_Q2_K>();
-    case DS4_TYPE_Q4_K:    return tc_smem_bytes<DS4_TYPE_Q4_K>();
-    default:               return 0;
-    }
-}
-
-static int tc_smem_need_wg(int type) {
-    switch (type) {
-    case DS4_TYPE_Q8_0:    return tcw_smem_bytes<DS4_TYPE_Q8_0>();
-    case DS4_TYPE_F16:     return tcw_smem_bytes<DS4_TYPE_F16>();
-    case DS4_TYPE_IQ2_XXS: return tcw_smem_bytes<DS4_TYPE_IQ2_XXS>();
-    case DS4_TYPE_Q2_K:    return tcw_smem_bytes<DS4_TYPE_Q2_K>();
-    case DS4_TYPE_Q4_K:    return tcw_smem_bytes<DS4_TYPE_Q4_K>();
+    case DS4_TYPE_Q8_0:    return tc_smem_of<DS4_TYPE_Q8_0>(wg);
+    case DS4_TYPE_F16:     return tc_smem_of<DS4_TYPE_F16>(wg);
+    case DS4_TYPE_IQ2_XXS: return tc_smem_of<DS4_TYPE_IQ2_XXS>(wg);
+    case DS4_TYPE_Q2_K:    return tc_smem_of<DS4_TYPE_Q2_K>(wg);
+    case DS4_TYPE_Q4_K:    return tc_smem_of<DS4_TYPE_Q4_K>(wg);
     default:               return 0;
     }
 }
@@ -838,8 +827,7 @@ void gemm_tc_setup(void) {
  * 4-byte pieces at offsets the stage rounds to 4 within the row; one rule for all).  Q4_K's
  * stages (43 KB) leave one block per SM instead of two. */
 bool gemm_tc_ok(int type, const void *w, size_t row_bytes, int64_t K) {
-    return sess()->lim.prefill_tc != 0 && gemm_tc_type(type) && tc_smem_need(type) <= tc_smem_opt &&
-           (!tc_wg() || tc_smem_need_wg(type) <= tc_smem_opt) &&
+    return sess()->lim.prefill_tc != 0 && gemm_tc_type(type) && tc_smem_need(type, tc_wg()) <= tc_smem_opt &&
            K % 256 == 0 && K <= (1 << 24) &&
            ((uintptr_t)w & 15) == 0 && (row_bytes & 15) == 0;
 }
@@ -872,8 +860,8 @@ static void tc_launch(int64_t rows, unsigned ny, unsigned n, const tc_segs &sg, 
                       const tc_split &sp, const int4 *tiles) {
     if (tc_wg()) {
         typedef tc_tile<TYPE, true> TL;
-        const dim3 grid((unsigned)((rows + TL::BM - 1) / TL::BM), ny, n);
-        DS4_LAUNCH(k_tc_wgmma<TYPE>, grid, TL::NTHR, TL::SMEM, sg, mat_bytes, row_bytes, (int)sp.K,
+        const dim3 grid((unsigned)((rows + TC_BM - 1) / TC_BM), ny, n);
+        DS4_LAUNCH(k_tc_wgmma<TYPE>, grid, TC_THREADS, TL::SMEM, sg, mat_bytes, row_bytes, (int)sp.K,
                    (const uint8_t *)sp.xs, (int)sp.ntp, tiles, (int)sp.n);
     } else {
         const dim3 grid((unsigned)((rows + TC_BM - 1) / TC_BM), ny, n);
