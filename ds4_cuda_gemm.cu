@@ -247,7 +247,8 @@ __device__ __forceinline__ size_t tc_stage_src(int kb) {
  * of the rows tid / 9 + 28 i.  B: chunk tid % 8 of the tokens tid / 8 + 32 h (h = 0, 1) of
  * each part.  Rows past the matrix read row row0. */
 struct tc_copy {
-    const uint8_t *a;       /* the thread's piece of row row0 at offset 0 */
+    const uint8_t *ar;      /* the thread's piece of its first row, arow (row0 where arow is past
+                               the tile), at offset 0 */
     const __half *b;        /* the thread's first B piece (part 0) at stage 0 */
     int arow;               /* the thread's first A row of the tile (TC_BM: none) */
     int nv;                 /* rows of the tile inside the matrix */
@@ -261,20 +262,33 @@ __device__ __forceinline__ tc_copy tc_copy_plan(const uint8_t *w, size_t row_byt
     typedef tc_tile<TYPE, WG> TL;
     tc_copy cp;
     const int tid = threadIdx.x;
+    const uint8_t *a;
     if (TYPE == DS4_TYPE_F16) {
         cp.arow = tid >> 3;
         cp.as = 128 * cp.arow + tc_swz(cp.arow, tid & 7);
-        cp.a = w + (size_t)row0 * row_bytes + 16 * (tid & 7);
+        a = w + (size_t)row0 * row_bytes + 16 * (tid & 7);
     } else {
         cp.arow = tid < TL::RP * TT::NP ? tid / TT::NP : TC_BM;
         cp.as = TT::PS * tid;
-        cp.a = w + (size_t)row0 * row_bytes + TT::PS * (tid - TT::NP * (tid / TT::NP));
+        a = w + (size_t)row0 * row_bytes + TT::PS * (tid - TT::NP * (tid / TT::NP));
     }
     cp.nv = nrows - row0;
+    cp.ar = a + (size_t)(cp.arow < TC_BM ? cp.arow : 0) * row_bytes;
     const int n = tid >> 3;
     cp.b = xs + (size_t)(t0 + n) * K + 8 * (tid & 7);
     cp.bs = TL::ABYTES + 128 * n + (WG ? 16 * ((tid & 7) ^ (n & 7)) : tc_swz(n, tid & 7));
     return cp;
+}
+
+/* Stage kb's B: the three parts of the tile's tokens, elements kb*TC_BK .. + TC_BK. */
+template <bool WG>
+__device__ __forceinline__ void tc_load_b(uint8_t *st, const tc_copy &cp, size_t plane, int K, int kb) {
+    const __half *b = cp.b + (size_t)kb * 64;
+#pragma unroll
+    for (int p = 0; p < 3; p++)
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+            cp_async16(st + cp.bs + (p * TC_BN + 32 * h) * 128, b + p * plane + (size_t)(32 * h) * K);
 }
 
 /* One stage in flight: the weight rows' data of elements kb*TC_BK .. + TC_BK and the tokens'
@@ -284,7 +298,26 @@ __device__ __forceinline__ void tc_load_stage(uint8_t *st, const tc_copy &cp, si
                                               int kb) {
     typedef tc_traits<TYPE> TT;
     typedef tc_tile<TYPE, WG> TL;
-    const uint8_t *a = cp.a + tc_stage_src<TYPE>(kb);
+    if (cp.nv >= TC_BM) {
+        /* the whole tile inside the matrix (the block-uniform common case): pass i's row is RP i
+         * rows (F16: 32 i) past the thread's first */
+        const uint8_t *p = cp.ar + tc_stage_src<TYPE>(kb);
+        const size_t astep = (size_t)(TYPE == DS4_TYPE_F16 ? 32 : TL::RP) * row_bytes;
+        if (TYPE == DS4_TYPE_F16) {
+#pragma unroll
+            for (int i = 0; i < 4; i++, p += astep) cp_async16(st + cp.as + 4096 * i, p);
+        } else {
+#pragma unroll
+            for (int i = 0; i < TL::NPASS; i++, p += astep)
+                if (cp.arow + TL::RP * i < TC_BM) {
+                    if (TT::PS == 16) cp_async16(st + cp.as + TT::AROW * TL::RP * i, p);
+                    else cp_async4(st + cp.as + TT::AROW * TL::RP * i, p);
+                }
+        }
+        return tc_load_b<WG>(st, cp, plane, K, kb);
+    }
+    /* a tile reaching past the matrix: its rows past the end read row row0 */
+    const uint8_t *a = cp.ar - (size_t)(cp.arow < TC_BM ? cp.arow : 0) * row_bytes + tc_stage_src<TYPE>(kb);
     if (TYPE == DS4_TYPE_F16) {
 #pragma unroll
         for (int i = 0; i < 4; i++) {
@@ -302,12 +335,7 @@ __device__ __forceinline__ void tc_load_stage(uint8_t *st, const tc_copy &cp, si
             }
         }
     }
-    const __half *b = cp.b + (size_t)kb * 64;
-#pragma unroll
-    for (int p = 0; p < 3; p++)
-#pragma unroll
-        for (int h = 0; h < 2; h++)
-            cp_async16(st + cp.bs + (p * TC_BN + 32 * h) * 128, b + p * plane + (size_t)(32 * h) * K);
+    tc_load_b<WG>(st, cp, plane, K, kb);
 }
 
 /* A lane's 8 elements 32 j + 8 t .. + 7 of stage kb's staged row r, as four f16x2 registers
@@ -637,22 +665,24 @@ __device__ __forceinline__ void tcw_mma(float (&d)[32], uint32_t a0, uint32_t a1
 }
 
 /* One block of 32 k (and pass) for the warpgroup: six MMAs, k16 steps hf x parts p, the first
- * from zero.  Bs: the stage's B, block j; a[h]: the lane's rows g (h = 0) and g + 8 (h = 1). */
+ * from zero.  db: the descriptor of the stage's B (tcw_desc), whose address field takes the
+ * offsets of part p and step hf of block j as a sum (an address in shared memory stays under
+ * 2^18); a[h]: the lane's rows g (h = 0) and g + 8 (h = 1). */
 __device__ __forceinline__ void tcw_block(float (&c)[32], const uint32_t (&a0)[4], const uint32_t (&a1)[4],
-                                          const uint8_t *Bs, int j) {
+                                          uint64_t db, int j) {
 #pragma unroll
     for (int hf = 0; hf < 2; hf++)
 #pragma unroll
         for (int p = 0; p < 3; p++) {
-            const uint64_t b = tcw_desc(Bs + p * TC_BN * 128 + 32 * (2 * j + hf));
+            const uint64_t b = db + (uint64_t)((p * TC_BN * 128 + 32 * (2 * j + hf)) >> 4);
             if (hf == 0 && p == 0) tcw_mma<0>(c, a0[0], a1[0], a0[1], a1[1], b);
             else tcw_mma<1>(c, a0[2 * hf], a1[2 * hf], a0[2 * hf + 1], a1[2 * hf + 1], b);
         }
 }
 /* The same with one register pair for all of A (the mins' pass: m per row, all k). */
-__device__ __forceinline__ void tcw_block_min(float (&c)[32], uint32_t m0, uint32_t m1, const uint8_t *Bs, int j) {
+__device__ __forceinline__ void tcw_block_min(float (&c)[32], uint32_t m0, uint32_t m1, uint64_t db, int j) {
     const uint32_t a0[4] = { m0, m0, m0, m0 }, a1[4] = { m1, m1, m1, m1 };
-    tcw_block(c, a0, a1, Bs, j);
+    tcw_block(c, a0, a1, db, j);
 }
 
 /* acc += s c, row g (elements 4 i, 4 i + 1) by s0 and row g + 8 by s1 (F16: plain sums). */
@@ -713,6 +743,7 @@ k_tc_wgmma(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const ui
 #pragma unroll
     for (int i = 0; i < 32; i++) acc[i] = c[0][i] = c[1][i] = cm[0][i] = cm[1][i] = 0.0f;
 
+    const uint64_t db0 = tcw_desc(smem + AB);      /* stage 0's B */
     const int nk = K / TC_BK;
 #pragma unroll
     for (int st = 0; st < ST - 1; st++) {
@@ -728,7 +759,7 @@ k_tc_wgmma(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const ui
             if (nx < nk) tc_load_stage<TYPE, true>(smem + (nx % ST) * SB, cp, row_bytes, plane, K, nx);
             cp_async_commit();
         }
-        const uint8_t *As = smem + (kb % ST) * SB, *Bs = As + AB;
+        const uint8_t *As = smem + (kb % ST) * SB;
         uint32_t a[2][2][4], m[2][2];
         float s[2][2], s2[2][2];
 #pragma unroll
@@ -737,10 +768,11 @@ k_tc_wgmma(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const ui
             tc_frag_a<TYPE>(As, pr + 2, j, t, kb, grid, s8tab, a[j][1], s[j][1], m[j][1], s2[j][1]);
         }
         tcw_fence();
+        const uint64_t db = db0 + (uint64_t)((kb % ST) * SB >> 4);
 #pragma unroll
         for (int j = 0; j < 2; j++) {
-            tcw_block(c[j], a[j][0], a[j][1], Bs, j);
-            if (TT::MIN) tcw_block_min(cm[j], m[j][0], m[j][1], Bs, j);
+            tcw_block(c[j], a[j][0], a[j][1], db, j);
+            if (TT::MIN) tcw_block_min(cm[j], m[j][0], m[j][1], db, j);
             tcw_commit();
         }
         tcw_wait<1>();                          /* block 0 done: fold it while block 1 runs */
