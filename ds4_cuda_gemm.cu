@@ -705,9 +705,12 @@ __device__ __forceinline__ void tcw_fold(float (&acc)[32], float (&c)[32], float
  *   hit 32 banks.
  *   Per stage (two blocks of 32 k): both blocks' A fragments, a fence, each block's six MMAs
  *   into its own accumulator set c from zero and a commit per block; a wait for the first
- *   block, its fold into acc (one FMA by s per element) while the tensor cores run the second,
- *   then a wait for that one and its fold.  Blocks fold in order, as in k_tc_gemm.  (A wait
- *   that leaves a group of the next stage in flight makes ptxas serialise every wgmma.)
+ *   block and its fold into acc (one FMA by s per element), then a wait for the second and its
+ *   fold.  Blocks fold in order, as in k_tc_gemm.  The first fold is written to overlap the
+ *   second block's MMAs, but ptxas may schedule it after the second wait (it does for Q8_0:
+ *   bench/RESULTS.md, fourteenth session); the SM's other warpgroups keep the tensor pipe busy
+ *   meanwhile.  (A wait that leaves a group of the next stage in flight makes ptxas serialise
+ *   every wgmma.)
  *   Stages: ST buffers, stage kb + ST - 1 copied while kb is read, into kb - 1's buffer, whose
  *   MMAs every warpgroup waited for before the barrier.  cp.async writes through the generic
  *   proxy and wgmma reads through the async one: a proxy fence after each stage lands, before
@@ -775,7 +778,7 @@ k_tc_wgmma(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const ui
             if (TT::MIN) tcw_block_min(cm[j], m[j][0], m[j][1], db, j);
             tcw_commit();
         }
-        tcw_wait<1>();                          /* block 0 done: fold it while block 1 runs */
+        tcw_wait<1>();                          /* block 0 done: fold it (block 1 may still run) */
         tcw_fold<TYPE>(acc, c[0], s[0][0], s[0][1]);
         if (TT::MIN) tcw_fold<TYPE>(acc, cm[0], s2[0][0], s2[0][1]);
         tcw_wait<0>();
