@@ -280,8 +280,8 @@ __device__ __forceinline__ tc_copy tc_copy_plan(const uint8_t *w, size_t row_byt
     return cp;
 }
 
-/* Stage kb's B: the three parts of the tile's tokens, elements kb*TC_BK .. + TC_BK. */
-template <bool WG>
+/* Stage kb's B: the three parts of the tile's tokens, elements kb*TC_BK .. + TC_BK (cp.bs holds
+ * the kernel's layout). */
 __device__ __forceinline__ void tc_load_b(uint8_t *st, const tc_copy &cp, size_t plane, int K, int kb) {
     const __half *b = cp.b + (size_t)kb * 64;
 #pragma unroll
@@ -314,7 +314,8 @@ __device__ __forceinline__ void tc_load_stage(uint8_t *st, const tc_copy &cp, si
                     else cp_async4(st + cp.as + TT::AROW * TL::RP * i, p);
                 }
         }
-        return tc_load_b<WG>(st, cp, plane, K, kb);
+        tc_load_b(st, cp, plane, K, kb);
+        return;
     }
     /* a tile reaching past the matrix: its rows past the end read row row0 */
     const uint8_t *a = cp.ar - (size_t)(cp.arow < TC_BM ? cp.arow : 0) * row_bytes + tc_stage_src<TYPE>(kb);
@@ -335,7 +336,7 @@ __device__ __forceinline__ void tc_load_stage(uint8_t *st, const tc_copy &cp, si
             }
         }
     }
-    tc_load_b<WG>(st, cp, plane, K, kb);
+    tc_load_b(st, cp, plane, K, kb);
 }
 
 /* A lane's 8 elements 32 j + 8 t .. + 7 of stage kb's staged row r, as four f16x2 registers
