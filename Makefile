@@ -145,6 +145,10 @@ $(B)/cuda-%/mma_peak: bench/mma_peak.cu bench/bench_util.h
 	@mkdir -p $(dir $@)
 	$(NVCC) -O3 $(call GEMM_ARCH,$*) bench/mma_peak.cu -o $@
 
+$(B)/cuda-%/l2_read: bench/l2_read.cu bench/bench_util.h
+	@mkdir -p $(dir $@)
+	$(NVCC) -O3 -std=c++17 -arch=$* bench/l2_read.cu -o $@
+
 $(B)/cuda-%/launch_floor: bench/launch_floor.cu
 	@mkdir -p $(dir $@)
 	$(NVCC) -O3 -std=c++17 -arch=$* bench/launch_floor.cu -o $@
@@ -158,7 +162,7 @@ cuda-check:
 	@if ! command -v $(NVCC) >/dev/null 2>&1; then echo "skipped: CUDA compile check (nvcc not found)"; exit 0; fi; \
 	 echo "cuda-check: compiling and linking the CUDA build for $(CHECK_ARCH)"; \
 	 $(MAKE) --no-print-directory $(B)/cuda-$(CHECK_ARCH)/ds4 $(B)/cuda-$(CHECK_ARCH)/test_backend_ops \
-	   $(B)/cuda-$(CHECK_ARCH)/ds4_bench $(B)/cuda-$(CHECK_ARCH)/matvec_table $(B)/cuda-$(CHECK_ARCH)/bandwidth $(B)/cuda-$(CHECK_ARCH)/launch_floor $(B)/cuda-$(CHECK_ARCH)/mma_peak \
+	   $(B)/cuda-$(CHECK_ARCH)/ds4_bench $(B)/cuda-$(CHECK_ARCH)/matvec_table $(B)/cuda-$(CHECK_ARCH)/bandwidth $(B)/cuda-$(CHECK_ARCH)/launch_floor $(B)/cuda-$(CHECK_ARCH)/mma_peak $(B)/cuda-$(CHECK_ARCH)/l2_read \
 	   $(B)/cuda-$(CHECK_ARCH)/spot_check $(B)/cuda-$(CHECK_ARCH)/test_rollback $(B)/cuda-$(CHECK_ARCH)/mtp_dump $(B)/cuda-$(CHECK_ARCH)/test_cuda_quant_host \
 	   CUDA_ARCH=$(CHECK_ARCH) && \
 	 $(B)/cuda-$(CHECK_ARCH)/test_cuda_quant_host

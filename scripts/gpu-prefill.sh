@@ -14,8 +14,8 @@
 # peak: bench/mma_peak (mma.sync f16 and s8 on every SM, and wgmma f16 on an sm_90 card); bench,
 # attn, q2 and tcw then print each prefill's TFLOP/s as a share of the f16 peak of the
 # instruction the run uses (ds4_bench --tc-peak: wgmma's for DS4_CUDA_PREFILL_TC=2).
-# tcw: TCW_MODELS (flash16) prefill with DS4_CUDA_PREFILL_TC=1 (k_tc_gemm, mma.sync) and 2
-# (k_tc_wgmma), TCW_ROUNDS (2) rounds alternating.
+# tcw: TCW_MODELS (flash16) prefill with the DS4_CUDA_PREFILL_TC values of TCW_PAIR ("1 2":
+# k_tc_gemm, mma.sync, and k_tc_wgmma), TCW_ROUNDS (2) rounds alternating.
 # vs, same: PREV=DIR, another tree (e.g. `git archive REV` unpacked), built beside this one; vs:
 # VS_MODELS (flash16) prefill, PREV and this tree alternating VS_ROUNDS (2) rounds; same:
 # CUDA logits of a 300-token prompt + 32 greedy steps on small Q8_0 and F16 from both trees,
@@ -33,7 +33,8 @@
 # TCSAME_MODEL (flash-q2@16: the published layout's experts at Flash's shapes, where the CPU would
 # take hours), written to $TMPDIR.  san: compute-sanitizer on prefills of SAN_MODELS and on
 # test_backend_ops (SAN_OPS: 1 every case, tc the tensor-core engine's, 0 none).
-#   scripts/gpu-prefill.sh [peak] [test] [bench] [attn] [tcw] [q2] [hooks] [vs] [same] [report] [prof] [dprof] [dreport] [l2hot] [stall] [exact] [tcsame] [san] [peer]
+# l2read: bench/l2_read (the SMs' read bandwidth from L2, ld.global.cg and cp.async).
+#   scripts/gpu-prefill.sh [peak] [l2read] [test] [bench] [attn] [tcw] [q2] [hooks] [vs] [same] [report] [prof] [dprof] [dreport] [l2hot] [stall] [exact] [tcsame] [san] [peer]
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-build/gpu-out}; mkdir -p "$OUT"
@@ -84,11 +85,16 @@ if want attn; then
     for am in ${ATTN_MODES:-1 2}; do bench flash16 1 "${ATTN_PREFILLS:-512,4096}" 3 "$am" "attn$am-$r"; done
   done
 fi
+if want l2read; then
+  step "L2 read bandwidth (bench/l2_read)"
+  make --no-print-directory build/cuda-"$ARCH"/l2_read CUDA_ARCH="$ARCH" >> "$OUT/build.log" 2>&1 &&
+    timeout 120 build/cuda-"$ARCH"/l2_read | tee "$OUT/l2read.log"
+fi
 if want tcw; then
-  step "prefill, DS4_CUDA_PREFILL_TC 1 (k_tc_gemm) against 2 (k_tc_wgmma), ${TCW_ROUNDS:-2} rounds alternating"
+  step "prefill, DS4_CUDA_PREFILL_TC ${TCW_PAIR:-1 2} (1 k_tc_gemm, 2 k_tc_wgmma), ${TCW_ROUNDS:-2} rounds alternating"
   for m in ${TCW_MODELS:-flash16}; do
     for r in $(seq 1 "${TCW_ROUNDS:-2}"); do
-      for tc in 1 2; do bench "$m" $tc "${TCW_PREFILLS:-512,4096}" 3 2 "tcw-$r"; done
+      for tc in ${TCW_PAIR:-1 2}; do bench "$m" $tc "${TCW_PREFILLS:-512,4096}" 3 2 "tcw-$r"; done
     done
   done
 fi
