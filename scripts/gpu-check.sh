@@ -536,9 +536,11 @@ else:
           f"{float(np.abs(a.logits[r].astype(np.float64) - b.logits[r]).max()):.3g}, argmax {int(a.argmax[r])} / {int(b.argmax[r])})")
 PYEOF
 )"
+      rm -f "$OUT"/mtp-dump-"$T"-*.ds4logit   # ~165 MB each at Flash's vocabulary: not packed
     fi
     rm -f "$F"
   done
+  rm -f "$OUT"/mtp-plain.ds4logit "$OUT"/mtp-block.ds4logit
 fi
 
 echo
