@@ -3133,6 +3133,7 @@ ds4_ctx *ds4_ctx_new(ds4_model *m, const ds4_backend *be, int n_ctx, int max_bat
     lim.prefill_tc = env.prefill_tc;
     lim.prefill_attn = env.prefill_attn;
     lim.decode_group = env.decode_group;
+    lim.shared_stream = env.shared_stream;
     ds4_weight **ws = malloc(sizeof(*ws) * DS4_MAX_WEIGHTS);
     if (!ws) { errf(err, errlen, "out of memory"); ds4_ctx_free(c); return NULL; }
     const int nw = model_weights(m, ws, DS4_MAX_WEIGHTS, 1);
@@ -3364,21 +3365,29 @@ static void fwd_attention(ds4_ctx *c, int il, const float *hn, int nt, float *ou
     be->matmul(&L->out_b, 0, c->oa, out, nt);
 }
 
+/* The MoE's shared expert of layer il: c->sd = down(swiglu(gate hn, up hn)). */
+static void fwd_shared(ds4_ctx *c, const ds4_layer_w *L, int il, const float *hn, int nt) {
+    c->be->matmul_swiglu(&L->gate_shexp, &L->up_shexp, hn, c->sg, nt, c->m->hp.clamp_shexp[il], c->sg, c->su);
+    c->be->matmul(&L->down_shexp, 0, c->sg, c->sd, nt);
+}
+
 static void fwd_moe(ds4_ctx *c, int il, const float *hn, int nt, float *out) {
     const ds4_backend *be = c->be;
     const ds4_hparams *hp = &c->m->hp;
     const ds4_layer_w *L = layer_w(c->m, il);
     const int hash = il < hp->n_hash_layers;
+    /* the shared expert (the routed experts' op adds it at the end): beside the routing and the
+     * routed experts where the backend takes it (shared_begin), else after the routing */
+    const float *shared = hp->n_expert_shared > 0 ? c->sd : NULL;
+    const int side = shared && be->shared_begin && be->shared_begin(nt);
+    if (side) {
+        fwd_shared(c, L, il, hn, nt);
+        be->shared_end();
+    }
     be->moe_gate(&L->gate_inp, hn, c->rlog, hash ? NULL : L->exp_probs_b.dev, hash ? &L->tid2eid : NULL, c->tok,
                  nt, hp->n_expert, hp->n_expert_used, hp->expert_weights_norm,
                  hp->expert_weights_scale, c->sel, c->wts);
-    /* the shared expert first: the routed experts' op adds it at the end */
-    const float *shared = NULL;
-    if (hp->n_expert_shared > 0) {
-        be->matmul_swiglu(&L->gate_shexp, &L->up_shexp, hn, c->sg, nt, hp->clamp_shexp[il], c->sg, c->su);
-        be->matmul(&L->down_shexp, 0, c->sg, c->sd, nt);
-        shared = c->sd;
-    }
+    if (shared && !side) fwd_shared(c, L, il, hn, nt);
     be->moe_experts(hn, c->sel, c->wts, &L->gate_exps, &L->up_exps, &L->down_exps,
                     nt, hp->n_expert_used, hp->clamp_exp[il], shared, out);
 }
@@ -3766,7 +3775,7 @@ int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
                                    "DS4_CUDA_GRAPH_CACHE", "DS4_CUDA_GRAPH_FAIL", "DS4_CUDA_GRAPH_PDL", "DS4_HOOKS", "DS4_HOOKS_OUT",
                                    "DS4_HOOKS_POLICY", "DS4_HOOKS_RING_MB", "DS4_HOOKS_THROTTLE_US", "DS4_UBATCH",
                                    "DS4_CUDA_PREFILL_TC", "DS4_CUDA_PREFILL_ATTN", "DS4_CUDA_DECODE_GROUP", "DS4_ROLLBACK_RESTORE",
-                                   "DS4_MTP_FORCE" };
+                                   "DS4_MTP_FORCE", "DS4_CUDA_SHARED_STREAM" };
     char shown[256];
     memset(env, 0, sizeof(*env));
     for (char **e = environ; e && *e; e++) {
@@ -3780,7 +3789,8 @@ int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
             errf(err, errlen, "unknown environment variable %s (ds4 reads: DS4_THREADS, DS4_CUDA_GRAPHS, DS4_CUDA_GRAPH_LAYERS, "
                  "DS4_CUDA_GRAPH_CACHE, DS4_CUDA_GRAPH_FAIL, DS4_CUDA_GRAPH_PDL, DS4_LAUNCH_TRACE, DS4_HOOKS, DS4_HOOKS_OUT, "
                  "DS4_HOOKS_POLICY, DS4_HOOKS_RING_MB, DS4_HOOKS_THROTTLE_US, DS4_UBATCH, DS4_CUDA_PREFILL_TC, "
-                 "DS4_CUDA_PREFILL_ATTN, DS4_CUDA_DECODE_GROUP, DS4_ROLLBACK_RESTORE, DS4_MTP_FORCE; see README)",
+                 "DS4_CUDA_PREFILL_ATTN, DS4_CUDA_DECODE_GROUP, DS4_CUDA_SHARED_STREAM, DS4_ROLLBACK_RESTORE, DS4_MTP_FORCE; "
+                 "see README)",
                  ds4_show(shown, sizeof shown, *e, nl, 48));
             return -1;
         }
@@ -3805,6 +3815,7 @@ int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
     env->prefill_tc = 2;
     env->prefill_attn = 2;
     env->decode_group = 1;
+    env->shared_stream = 1;
     env->rollback_restore = 3;
     env->ubatch = DS4_UBATCH_DEFAULT;
     static const struct { const char *name; long lo, hi; const char *what; } ints[] = {
@@ -3818,6 +3829,7 @@ int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
         { "DS4_CUDA_PREFILL_TC", 0, 2, "prefill products of Q8_0, F16, IQ2_XXS, Q2_K and Q4_K weights on tensor cores: 2 = wgmma on sm_90, 1 = mma.sync, 0 = cuBLAS" },
         { "DS4_CUDA_PREFILL_ATTN", 0, 2, "a prefill batch's attention in row tiles shared by 32 heads: 2 = on tensor cores, 1 = f32, 0 = per query" },
         { "DS4_CUDA_DECODE_GROUP", 0, 1, "1 = a call of up to 4 tokens streams each dense matrix once, in one launch" },
+        { "DS4_CUDA_SHARED_STREAM", 0, 1, "1 = at decode the MoE's shared expert runs on a second stream" },
         { "DS4_ROLLBACK_RESTORE", 0, 3, "debug: the parts a rollback restores, bit 0 the model's layers, bit 1 the MTP block's" },
     };
     for (size_t i = 0; i < sizeof ints / sizeof ints[0]; i++) {
@@ -3841,6 +3853,7 @@ int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
         else if (i == 7) env->prefill_tc = (int)x;
         else if (i == 8) env->prefill_attn = (int)x;
         else if (i == 9) env->decode_group = (int)x;
+        else if (i == 10) env->shared_stream = (int)x;
         else env->rollback_restore = (int)x;
     }
     const char *mf = getenv("DS4_MTP_FORCE");

@@ -549,6 +549,9 @@ static void session_release(ds4_session *S) {
     host_free(S->up_stage);
     host_free(S->down_stage);
     if (S->blas) DS4_CUBLAS_CHECK(cublasDestroy(S->blas));
+    if (S->side_fork) DS4_CUDA_CHECK(cudaEventDestroy(S->side_fork));
+    if (S->side_join) DS4_CUDA_CHECK(cudaEventDestroy(S->side_join));
+    if (S->side) DS4_CUDA_CHECK(cudaStreamDestroy(S->side));   /* its work ended before the stream's (the join) */
     if (S->stream) DS4_CUDA_CHECK(cudaStreamDestroy(S->stream));
     if (S->trace) fclose(S->trace);
     if (g_sess == S) g_sess = NULL;
@@ -635,6 +638,16 @@ static void *cuda_session_new(const ds4_limits *lim) {
             return NULL;
         }
         if (S->lim.graph_cache < 1) S->lim.graph_cache = 1;
+    }
+    /* the shared expert's stream and its fork and join events (shared_begin) */
+    if (lim->shared_stream &&
+        (cudaStreamCreateWithFlags(&S->side, cudaStreamNonBlocking) != cudaSuccess ||
+         cudaEventCreateWithFlags(&S->side_fork, cudaEventDisableTiming) != cudaSuccess ||
+         cudaEventCreateWithFlags(&S->side_join, cudaEventDisableTiming) != cudaSuccess)) {
+        fprintf(stderr, "ds4: cannot create the shared expert's stream (DS4_CUDA_SHARED_STREAM=0 runs without it)\n");
+        (void)cudaGetLastError();
+        session_release(S);
+        return NULL;
     }
     DS4_CUBLAS_CHECK(cublasCreate(&S->blas));
     /* f32 products stay f32: default math never uses TF32 for Sgemm. */

@@ -71,6 +71,9 @@ extern ds4_cuda_device g_cuda;   /* ds4_cuda.cu: settled by cuda_init */
 
 struct ds4_session {
     cudaStream_t   stream;
+    cudaStream_t   side;              /* shared_begin's stream (ds4_cuda_moe.cu); NULL: DS4_CUDA_SHARED_STREAM=0 */
+    cudaEvent_t    side_fork, side_join;
+    bool           side_pending;      /* shared_end recorded side_join: moe_experts waits for it */
     cublasHandle_t blas;
     void          *blas_ws;           /* cuBLAS workspace (cublasSetWorkspace): no allocation inside a call */
     ds4_limits     lim;

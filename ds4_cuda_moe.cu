@@ -1,7 +1,8 @@
 /* ds4_cuda_moe.cu -- the CUDA backend's mixture of experts: routing (with the router, moe_gate),
  * SwiGLU, and the experts at decode (matvec kernels, no host round trip) and at prefill
  * (grouped by expert: one tensor-core launch per projection over every expert, or cuBLAS on
- * dequantised slices for the types that engine does not take).
+ * dequantised slices for the types that engine does not take).  At decode the shared expert
+ * runs on a second stream beside the routing and the routed experts (shared_begin).
  */
 
 #include "ds4_cuda_common.cuh"
@@ -298,6 +299,54 @@ static void launch_moe_gather(const float *x, const int32_t *perm, int k, int64_
     DS4_LAUNCH(k_moe_gather, grid_for(n_pairs * D), 256, 0, x, perm, k, n_pairs, D, xg);
 }
 
+/* ---------------------------------------------------------------------------
+ * The shared expert beside the routed experts (shared_begin, shared_end)
+ *
+ * At decode the shared expert's two matvecs read only the layer's normed input and write
+ * buffers of their own, so they need not wait for the routing or the routed experts: issued on
+ * the session's second stream after an event on the compute stream (the fork), they stream
+ * their weights while the router and the routed experts stream theirs, and moe_decode makes
+ * the compute stream wait for their end (the join) just before the combine that adds their
+ * output.  Under a capture the two events become edges of the recorded graph, not nodes.
+ * The sums are the same either way.  Batches above MOE_DECODE_MAX_NT tokens stay in order:
+ * their products share the session's scratch and cuBLAS handle with the routed experts'.
+ * ------------------------------------------------------------------------- */
+
+/* An event call's error: fails a capture (launch_check), else fatal with one line. */
+static void side_event(cudaError_t e, const char *what, int line) {
+    if (e != cudaSuccess && !(g_sess && g_sess->capturing)) {
+        ds4_fatal("CUDA error %s (%s) in the shared expert's %s at %s:%d", cudaGetErrorName(e),
+                  cudaGetErrorString(e), what, __FILE__, line);
+    }
+    launch_check(e, __FILE__, line);
+}
+
+static int cuda_shared_begin(int nt) {
+    ds4_session *S = sess();
+    if (!S->side || nt > MOE_DECODE_MAX_NT || nt > MV_MAX_NT) return 0;
+    side_event(cudaEventRecord(S->side_fork, ds4_current_stream()), "fork", __LINE__);
+    if (ds4_stream_push(S->side) != 0) {
+        ds4_fatal("the shared expert cannot push its stream (ds4_stream.h: %d overrides deep)", DS4_STREAM_DEPTH);
+    }
+    side_event(cudaStreamWaitEvent(ds4_current_stream(), S->side_fork, 0), "fork", __LINE__);
+    return 1;
+}
+
+static void cuda_shared_end(void) {
+    ds4_session *S = sess();
+    side_event(cudaEventRecord(S->side_join, ds4_current_stream()), "join", __LINE__);
+    ds4_stream_pop();
+    S->side_pending = true;
+}
+
+/* The compute stream waits for the shared expert's stream (a no-op unless shared_end was last). */
+static void shared_join(void) {
+    ds4_session *S = sess();
+    if (!S->side_pending) return;
+    side_event(cudaStreamWaitEvent(ds4_current_stream(), S->side_join, 0), "join", __LINE__);
+    S->side_pending = false;
+}
+
 static void moe_decode(const float *x, const int32_t *sel, const float *wts,
                        const ds4_weight *gate, const ds4_weight *up, const ds4_weight *down,
                        int nt, int k, float clamp, const float *add, float *out) {
@@ -332,13 +381,17 @@ static void moe_decode(const float *x, const int32_t *sel, const float *wts,
     b.sel = sel; b.k = k;
     matvec_run(down->type, MV_DOWN, b, k, nt, 1);
 
+    shared_join();                              /* add: the shared expert's output */
     launch_moe_combine(tmp, NULL, wts, nt, k, D, add, out);
 }
 
 static void cuda_moe_experts(const float *x, const int32_t *sel, const float *wts,
                              const ds4_weight *gate, const ds4_weight *up, const ds4_weight *down,
                              int nt, int k, float clamp, const float *add, float *out) {
-    if (nt <= 0 || k <= 0) return;
+    if (nt <= 0 || k <= 0) {
+        shared_join();
+        return;
+    }
     check_matrix_type(gate->type, "moe_experts gate");
     check_matrix_type(down->type, "moe_experts down");
     if (up->type != gate->type) {
@@ -348,6 +401,7 @@ static void cuda_moe_experts(const float *x, const int32_t *sel, const float *wt
         moe_decode(x, sel, wts, gate, up, down, nt, k, clamp, add, out);
         return;
     }
+    shared_join();                              /* (shared_begin declines such batches) */
     const int64_t D = gate->ne[0], F = gate->ne[1], E = gate->ne[2];
     const int64_t pairs = (int64_t)nt * k;
 
@@ -451,5 +505,7 @@ void ds4_cuda_ops_moe(ds4_backend *b) {
     b->moe_route = cuda_moe_route;
     b->moe_gate = cuda_moe_gate;
     b->moe_experts = cuda_moe_experts;
+    b->shared_begin = cuda_shared_begin;
+    b->shared_end = cuda_shared_end;
     b->swiglu = cuda_swiglu;
 }

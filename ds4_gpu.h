@@ -191,6 +191,8 @@ typedef struct ds4_limits {
                                * that fill the device */
     int     decode_group;     /* DS4_CUDA_DECODE_GROUP (CUDA): 1, a call of up to 4 tokens (a speculative
                                * check) takes its dense products in one launch; 0, chunks of 4, 2, 1 */
+    int     shared_stream;    /* DS4_CUDA_SHARED_STREAM (CUDA): 1, a decode step's shared expert runs
+                               * beside the routed experts (shared_begin); 0, in order */
 } ds4_limits;
 
 /* What a session has done: kernel launches and cuBLAS calls (and the host
@@ -532,6 +534,16 @@ typedef struct ds4_backend {
     void (*moe_route)(const float *logits, const float *bias, const ds4_weight *tid2eid,
                       const int32_t *tokens, int nt, int E, int k, int norm, float wscale,
                       int32_t *sel, float *wts);
+
+    /* The MoE's shared expert beside the routing and the routed experts.  shared_begin(nt)
+     * returns 1 when the backend takes it: the ops issued from then until shared_end see
+     * every op issued before shared_begin and may run concurrently with the ops issued after
+     * shared_end, up to moe_experts, which reads their output (its add) only after they end.
+     * Nothing else may read or write their buffers in between.  0 (or a NULL op): the caller
+     * issues them in order as usual.  CUDA takes a decode call (nt <= 8) on a second stream
+     * unless DS4_CUDA_SHARED_STREAM=0; a capture records the fork and the join as edges. */
+    int  (*shared_begin)(int nt);
+    void (*shared_end)(void);
 
     /* Routed experts: out[t][:] = sum_j wts[t][j] * down_e(swiglu(gate_e x[t], up_e x[t], clamp)),
      * e = sel[t][j], summed from 0 in slot order; then, when add != NULL, out += add

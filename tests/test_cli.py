@@ -124,6 +124,7 @@ ENV_CASES = [
     ({"DS4_CUDA_PREFILL_TC": "3"}, "DS4_CUDA_PREFILL_TC='3' is not an integer in [0, 2]"),
     ({"DS4_CUDA_PREFILL_ATTN": "3"}, "DS4_CUDA_PREFILL_ATTN='3' is not an integer in [0, 2]"),
     ({"DS4_CUDA_DECODE_GROUP": "2"}, "DS4_CUDA_DECODE_GROUP='2' is not an integer in [0, 1]"),
+    ({"DS4_CUDA_SHARED_STREAM": "on"}, "DS4_CUDA_SHARED_STREAM='on' is not an integer in [0, 1]"),
     ({"DS4_ROLLBACK_RESTORE": "4"}, "DS4_ROLLBACK_RESTORE='4' is not an integer in [0, 3]"),
     ({"DS4_MTP_FORCE": "0.5"}, "DS4_MTP_FORCE='0.5' is not P:FILE"),
     ({"DS4_MTP_FORCE": "1.5:ref.txt"}, "DS4_MTP_FORCE='1.5:ref.txt' is not P:FILE"),

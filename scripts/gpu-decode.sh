@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# gpu-decode.sh -- one GPU run for the decode work (issue 26): build, then the steps named, logs
+# under $OUT (small files only: the device tool brings back at most 16 MiB a file).
+#   same:  CUDA logits with DS4_CUDA_SHARED_STREAM=1 against 0 (the shared expert beside the
+#          routed experts, or in order), byte for byte: SAME_MODELS (config/type) with a 300-token
+#          prompt + 64 greedy steps, graphs off and on; then tiny and small written with an MTP
+#          block, --mtp-draft 3 with DS4_MTP_FORCE=0.5 (checks of 1..4 rows), graphs on.
+#   speed: ds4_bench --decode 64 --reps 3 (--prefill 64) on SPEED_MODELS (flash16 flash-q2@64),
+#          DS4_CUDA_SHARED_STREAM 0 and 1 alternating, SPEED_ROUNDS (2) rounds, graphs on
+#          (SPEED_GRAPHS="1 0": eager too).
+#   san:   compute-sanitizer memcheck and synccheck on a small prefill + 24 steps, graphs on,
+#          DS4_CUDA_SHARED_STREAM=1.
+#   mtp:   tests/test_mtp_cuda.py -k MTP_K (small_greedy) at TEST_MTP_CUDA_STEPS (1024), under
+#          MTP_LIMIT (150) seconds.
+#   scripts/gpu-decode.sh [same] [speed] [san] [mtp]
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
+OUT=${OUT:-build/gpu-out}; mkdir -p "$OUT"
+ARCH=${CUDA_ARCH:-sm_90}
+WHAT=" ${*:-same speed} "
+want() { [[ "$WHAT" == *" $1 "* ]]; }
+step() { echo; echo "=== $* ($(date -u +%H:%M:%S))"; }
+T=${TMPDIR:-/tmp}/gpu-decode; mkdir -p "$T"
+step build
+make cuda CUDA_ARCH="$ARCH" > "$OUT/build.log" 2>&1 &&
+  make --no-print-directory build/cuda-"$ARCH"/ds4_bench CUDA_ARCH="$ARCH" >> "$OUT/build.log" 2>&1 ||
+  { tail -30 "$OUT/build.log"; exit 1; }
+if want same; then
+  step "CUDA logits, DS4_CUDA_SHARED_STREAM=1 against 0"
+  P=$(python3 -c "print(','.join(str((i * 7919) % 1000 + 1) for i in range(300)))")
+  for m in ${SAME_MODELS:-small/q8_0 small-q2/}; do
+    cfg=${m%%/*}; ty=${m#*/}
+    ./ds4 synth --config "$cfg" --seed 1 ${ty:+--type $ty} -o "$T/m.gguf" > /dev/null 2>&1
+    for g in 0 1; do
+      for s in 0 1; do
+        DS4_CUDA_GRAPHS=$g DS4_CUDA_SHARED_STREAM=$s timeout 120 ./ds4 -m "$T/m.gguf" --backend cuda --tokens "$P" -n 64 \
+          --dump-logits "$T/s$s.ds4logit" > "$OUT/same-$cfg-g$g-s$s.log" 2>&1 || echo "$m graphs=$g S=$s: rc $?"
+      done
+      if cmp -s "$T/s0.ds4logit" "$T/s1.ds4logit"; then
+        echo "$m graphs=$g: logits with DS4_CUDA_SHARED_STREAM=1 byte-identical to 0 ($(stat -c %s "$T/s1.ds4logit") bytes)"
+      else echo "$m graphs=$g: LOGITS DIFFER: $(python3 tests/oracle/ds4logit.py compare "$T/s0.ds4logit" "$T/s1.ds4logit" \
+          --tol 5e-5 2>&1 | tr '\n' ' ')"; fi
+    done
+  done
+  Q=$(python3 -c "import random; r=random.Random(5); print(','.join(str(r.randrange(500) + 1) for _ in range(64)))")
+  for cfg in tiny small; do
+    ./ds4 synth --config $cfg --seed 1 --mtp -o "$T/mtp.gguf" > /dev/null 2>&1
+    timeout 120 ./ds4 -m "$T/mtp.gguf" --backend cuda --tokens "$Q" -n 256 -v > /dev/null 2> "$OUT/mtp-$cfg-plain.log"
+    sed -n 's/^.*generated ids: //p' "$OUT/mtp-$cfg-plain.log" > "$T/ref.txt"
+    for s in 0 1; do
+      DS4_CUDA_GRAPHS=1 DS4_CUDA_SHARED_STREAM=$s DS4_MTP_FORCE="0.5:$T/ref.txt" timeout 120 ./ds4 -m "$T/mtp.gguf" \
+        --backend cuda --tokens "$Q" -n 256 --mtp-draft 3 --stats -v --dump-logits "$T/m$s.ds4logit" > /dev/null \
+        2> "$OUT/mtp-$cfg-s$s.log" || echo "$cfg mtp S=$s: rc $?"
+    done
+    ids0=$(sed -n 's/^.*generated ids: //p' "$OUT/mtp-$cfg-s0.log"); ids1=$(sed -n 's/^.*generated ids: //p' "$OUT/mtp-$cfg-s1.log")
+    echo "$cfg --mtp-draft 3 (P = 0.5, graphs): ids $([ -n "$ids1" ] && [ "$ids1" = "$(cat "$T/ref.txt")" ] && echo "equal to plain greedy" || echo "DIFFER from plain greedy")," \
+      "S=1 vs S=0 ids $([ "$ids0" = "$ids1" ] && echo same || echo DIFFER), dumps $(cmp -s "$T/m0.ds4logit" "$T/m1.ds4logit" && echo byte-identical || echo DIFFER);" \
+      "$(grep -o 'stats: mtp: .*' "$OUT/mtp-$cfg-s1.log" | head -1); $(grep -o '[0-9]* captures.*fallbacks' "$OUT/mtp-$cfg-s1.log" | head -1)"
+  done
+  rm -f "$T"/*.gguf "$T"/*.ds4logit
+fi
+if want speed; then
+  step "decode speed, DS4_CUDA_SHARED_STREAM 0 and 1 alternating, ${SPEED_ROUNDS:-2} rounds"
+  for m in ${SPEED_MODELS:-flash16 flash-q2@64}; do
+    for g in ${SPEED_GRAPHS:-1}; do
+      for r in $(seq 1 "${SPEED_ROUNDS:-2}"); do
+        for s in 0 1; do
+          L="$OUT/speed-$m-g$g-s$s-$r.log"
+          DS4_CUDA_GRAPHS=$g DS4_CUDA_SHARED_STREAM=$s timeout 200 build/cuda-"$ARCH"/ds4_bench --model "$m" --backend cuda \
+            --reps 3 --decode 64 --prefill 64 > "$L" 2>&1 || echo "$m g=$g s=$s: rc $?"
+          echo "$m graphs=$g S=$s round $r: $(grep -E '^decode: median' "$L")"
+        done
+      done
+    done
+  done
+fi
+if want san; then
+  step "compute-sanitizer, small, graphs on, DS4_CUDA_SHARED_STREAM=1"
+  ./ds4 synth --config small --seed 1 -o "$T/san.gguf" > /dev/null 2>&1
+  P=$(python3 -c "print(','.join(str((i * 7919) % 1000 + 1) for i in range(136)))")
+  for tool in memcheck synccheck; do
+    DS4_CUDA_GRAPHS=1 timeout 150 compute-sanitizer --tool $tool --error-exitcode 9 ./ds4 -m "$T/san.gguf" --backend cuda \
+      --tokens "$P" -n 24 > "$OUT/san-$tool.log" 2>&1
+    echo "$tool: rc $? $(grep -h 'ERROR SUMMARY' "$OUT/san-$tool.log" | tail -1)"
+  done
+  rm -f "$T/san.gguf"
+fi
+if want mtp; then
+  step "tests/test_mtp_cuda.py -k '${MTP_K:-small_greedy}' at ${TEST_MTP_CUDA_STEPS:-1024} steps"
+  make --no-print-directory build/cuda-"$ARCH"/mtp_dump build/tests/mtp_dump CUDA_ARCH="$ARCH" >> "$OUT/build.log" 2>&1
+  TEST_MTP_CUDA_STEPS=${TEST_MTP_CUDA_STEPS:-1024} TEST_DS4_CUDA_BIN=$PWD/ds4 CUDA_ARCH="$ARCH" PYTHONUNBUFFERED=1 \
+    timeout "${MTP_LIMIT:-150}" python3 -m pytest -q -rs tests/test_mtp_cuda.py -k "${MTP_K:-small_greedy}" > "$OUT/mtp-pytest.log" 2>&1
+  echo "rc $?"; tail -5 "$OUT/mtp-pytest.log"
+fi
