@@ -8,11 +8,13 @@
 #   speed: ds4_bench --decode 64 --reps 3 (--prefill 64) on SPEED_MODELS (flash16 flash-q2@64),
 #          DS4_CUDA_SHARED_STREAM 0 and 1 alternating, SPEED_ROUNDS (2) rounds, graphs on
 #          (SPEED_GRAPHS="1 0": eager too).
+#   hooks: ds4_bench as speed on flash16 with graphs and DS4_CUDA_SHARED_STREAM=1, DS4_HOOKS=attn
+#          (to /dev/null) against none, HOOKS_ROUNDS (1) rounds alternating.
 #   san:   compute-sanitizer memcheck and synccheck on a small prefill + 24 steps, graphs on,
 #          DS4_CUDA_SHARED_STREAM=1.
 #   mtp:   tests/test_mtp_cuda.py -k MTP_K (small_greedy) at TEST_MTP_CUDA_STEPS (1024), under
 #          MTP_LIMIT (150) seconds.
-#   scripts/gpu-decode.sh [same] [speed] [san] [mtp]
+#   scripts/gpu-decode.sh [same] [speed] [hooks] [san] [mtp]
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-build/gpu-out}; mkdir -p "$OUT"
@@ -71,6 +73,19 @@ if want speed; then
           echo "$m graphs=$g S=$s round $r: $(grep -E '^decode: median' "$L")"
         done
       done
+    done
+  done
+fi
+if want hooks; then
+  step "flash16 decode with graphs, DS4_HOOKS=attn against none, ${HOOKS_ROUNDS:-1} rounds alternating"
+  for r in $(seq 1 "${HOOKS_ROUNDS:-1}"); do
+    for h in none attn; do
+      L="$OUT/hooks-$h-$r.log"
+      if [ $h = none ]; then DS4_CUDA_GRAPHS=1 timeout 200 build/cuda-"$ARCH"/ds4_bench --model flash16 --backend cuda \
+          --reps 3 --decode 64 --prefill 64 > "$L" 2>&1
+      else DS4_HOOKS=attn DS4_HOOKS_OUT=/dev/null DS4_CUDA_GRAPHS=1 timeout 200 build/cuda-"$ARCH"/ds4_bench --model flash16 \
+          --backend cuda --reps 3 --decode 64 --prefill 64 > "$L" 2>&1; fi
+      echo "flash16 graphs hooks=$h round $r: $(grep -E '^decode: median' "$L")"
     done
   done
 fi
