@@ -10,11 +10,15 @@
 #          (SPEED_GRAPHS="1 0": eager too).
 #   hooks: ds4_bench as speed on flash16 with graphs and DS4_CUDA_SHARED_STREAM=1, DS4_HOOKS=attn
 #          (to /dev/null) against none, HOOKS_ROUNDS (1) rounds alternating.
+#   vs:    PREV=DIR, another tree (e.g. `git archive REV` unpacked), built beside this one: CUDA
+#          logits of both on small Q8_0 (300-token prompt + 64 steps, graphs on) byte for byte,
+#          then ds4_bench as speed on VS_MODELS (flash16), PREV and this tree alternating,
+#          VS_ROUNDS (2) rounds, graphs on.
 #   san:   compute-sanitizer memcheck and synccheck on a small prefill + 24 steps, graphs on,
 #          DS4_CUDA_SHARED_STREAM=1.
 #   mtp:   tests/test_mtp_cuda.py -k MTP_K (small_greedy) at TEST_MTP_CUDA_STEPS (1024), under
 #          MTP_LIMIT (150) seconds.
-#   scripts/gpu-decode.sh [same] [speed] [hooks] [san] [mtp]
+#   scripts/gpu-decode.sh [same] [speed] [hooks] [vs] [san] [mtp]
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-build/gpu-out}; mkdir -p "$OUT"
@@ -27,6 +31,12 @@ step build
 make cuda CUDA_ARCH="$ARCH" > "$OUT/build.log" 2>&1 &&
   make --no-print-directory build/cuda-"$ARCH"/ds4_bench CUDA_ARCH="$ARCH" >> "$OUT/build.log" 2>&1 ||
   { tail -30 "$OUT/build.log"; exit 1; }
+if want vs; then
+  [ -d "${PREV:-}" ] || { echo "vs: PREV=DIR (a tree to compare with) is not a directory"; exit 2; }
+  step "build PREV ($PREV)"
+  (cd "$PREV" && make cuda CUDA_ARCH="$ARCH" && make --no-print-directory build/cuda-"$ARCH"/ds4_bench CUDA_ARCH="$ARCH") \
+    > "$OUT/build-prev.log" 2>&1 || { tail -30 "$OUT/build-prev.log"; exit 1; }
+fi
 if want same; then
   step "CUDA logits, DS4_CUDA_SHARED_STREAM=1 against 0"
   P=$(python3 -c "print(','.join(str((i * 7919) % 1000 + 1) for i in range(300)))")
@@ -72,6 +82,31 @@ if want speed; then
             --reps 3 --decode 64 --prefill 64 > "$L" 2>&1 || echo "$m g=$g s=$s: rc $?"
           echo "$m graphs=$g S=$s round $r: $(grep -E '^decode: median' "$L")"
         done
+      done
+    done
+  done
+fi
+if want vs; then
+  step "PREV against this tree: small Q8_0 logits, then decode speed (${VS_ROUNDS:-2} rounds alternating)"
+  P=$(python3 -c "print(','.join(str((i * 7919) % 1000 + 1) for i in range(300)))")
+  ./ds4 synth --config small --seed 1 --type q8_0 -o "$T/vs.gguf" > /dev/null 2>&1
+  for tree in prev this; do
+    bin=./ds4; [ $tree = prev ] && bin=$PREV/ds4
+    DS4_CUDA_GRAPHS=1 timeout 120 "$bin" -m "$T/vs.gguf" --backend cuda --tokens "$P" -n 64 \
+      --dump-logits "$T/vs-$tree.ds4logit" > "$OUT/vs-$tree.log" 2>&1 || echo "vs $tree: rc $?"
+  done
+  if cmp -s "$T/vs-prev.ds4logit" "$T/vs-this.ds4logit"; then
+    echo "small/q8_0 graphs: logits byte-identical to PREV's ($(stat -c %s "$T/vs-this.ds4logit") bytes)"
+  else echo "small/q8_0 graphs: LOGITS DIFFER from PREV's"; fi
+  rm -f "$T/vs.gguf" "$T"/vs-*.ds4logit
+  for m in ${VS_MODELS:-flash16}; do
+    for r in $(seq 1 "${VS_ROUNDS:-2}"); do
+      for tree in prev this; do
+        bin=build/cuda-"$ARCH"/ds4_bench; [ $tree = prev ] && bin=$PREV/build/cuda-"$ARCH"/ds4_bench
+        L="$OUT/vs-$m-$tree-$r.log"
+        DS4_CUDA_GRAPHS=1 timeout 200 "$bin" --model "$m" --backend cuda --reps 3 --decode 64 --prefill 64 > "$L" 2>&1 \
+          || echo "$m $tree: rc $?"
+        echo "$m graphs $tree round $r: $(grep -E '^decode: median' "$L")"
       done
     done
   done
