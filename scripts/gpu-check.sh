@@ -62,9 +62,10 @@ cd "$(dirname "$0")/.." || exit 2
 # tool returns at most 8 files); without $OUT they stay in build/gpu-out/.
 if [ -n "${OUT:-}" ]; then
   FINAL=$OUT; OUT=$OUT/gpu-check
-  # logit dumps and models are left out: one of flash16's dumps alone is over the 16 MiB a
-  # file the device tool brings back, and an oversized pack loses every log of the run
-  trap 'tar czf "$FINAL/gpu-check.tar.gz" --exclude="*.ds4logit" --exclude="*.gguf" -C "$OUT" . && rm -rf "$OUT"' EXIT
+  # files over 15 MiB are left out, each named on stdout: the device tool brings back at most
+  # 16 MiB a file, and an oversized pack would lose every log of the run
+  trap 'find "$OUT" -type f -size +15M -printf "gpu-check: left out of the pack (over 15 MiB): %p\n" -delete;
+        tar czf "$FINAL/gpu-check.tar.gz" -C "$OUT" . && rm -rf "$OUT"' EXIT
 else
   OUT=build/gpu-out
 fi
