@@ -8,14 +8,14 @@
 #   speed: ds4_bench --decode 64 --reps 3 (--prefill 64) on SPEED_MODELS (flash16 flash-q2@64),
 #          DS4_CUDA_SHARED_STREAM 0 and 1 alternating, SPEED_ROUNDS (2) rounds, graphs on
 #          (SPEED_GRAPHS="1 0": eager too).
-#   hooks: ds4_bench as speed on flash16 with graphs and DS4_CUDA_SHARED_STREAM=1, DS4_HOOKS=attn
-#          (to /dev/null) against none, HOOKS_ROUNDS (1) rounds alternating.
+#   hooks: ds4_bench as speed on flash16 with graphs, DS4_HOOKS=attn (to /dev/null) against none,
+#          for each DS4_CUDA_SHARED_STREAM value of HOOKS_S ("1"), HOOKS_ROUNDS (1) rounds alternating.
 #   vs:    PREV=DIR, another tree (e.g. `git archive REV` unpacked), built beside this one: CUDA
 #          logits of both on small Q8_0 (300-token prompt + 64 steps, graphs on) byte for byte,
 #          then ds4_bench as speed on VS_MODELS (flash16), PREV and this tree alternating,
 #          VS_ROUNDS (2) rounds, graphs on.
-#   san:   compute-sanitizer memcheck and synccheck on a small prefill + 24 steps, graphs on,
-#          DS4_CUDA_SHARED_STREAM=1.
+#   san:   compute-sanitizer's SAN_TOOLS ("memcheck synccheck"; racecheck too) on a small prefill
+#          + 24 steps, graphs on, DS4_CUDA_SHARED_STREAM=1.
 #   mtp:   tests/test_mtp_cuda.py -k MTP_K (small_greedy) at TEST_MTP_CUDA_STEPS (1024), under
 #          MTP_LIMIT (150) seconds.
 #   scripts/gpu-decode.sh [same] [speed] [hooks] [vs] [san] [mtp]
@@ -112,15 +112,17 @@ if want vs; then
   done
 fi
 if want hooks; then
-  step "flash16 decode with graphs, DS4_HOOKS=attn against none, ${HOOKS_ROUNDS:-1} rounds alternating"
+  step "flash16 decode with graphs, DS4_HOOKS=attn against none, S in ${HOOKS_S:-1}, ${HOOKS_ROUNDS:-1} rounds alternating"
   for r in $(seq 1 "${HOOKS_ROUNDS:-1}"); do
-    for h in none attn; do
-      L="$OUT/hooks-$h-$r.log"
-      if [ $h = none ]; then DS4_CUDA_GRAPHS=1 timeout 200 build/cuda-"$ARCH"/ds4_bench --model flash16 --backend cuda \
-          --reps 3 --decode 64 --prefill 64 > "$L" 2>&1
-      else DS4_HOOKS=attn DS4_HOOKS_OUT=/dev/null DS4_CUDA_GRAPHS=1 timeout 200 build/cuda-"$ARCH"/ds4_bench --model flash16 \
-          --backend cuda --reps 3 --decode 64 --prefill 64 > "$L" 2>&1; fi
-      echo "flash16 graphs hooks=$h round $r: $(grep -E '^decode: median' "$L")"
+    for s in ${HOOKS_S:-1}; do
+      for h in none attn; do
+        L="$OUT/hooks-s$s-$h-$r.log"
+        if [ $h = none ]; then DS4_CUDA_SHARED_STREAM=$s DS4_CUDA_GRAPHS=1 timeout 200 build/cuda-"$ARCH"/ds4_bench \
+            --model flash16 --backend cuda --reps 3 --decode 64 --prefill 64 > "$L" 2>&1
+        else DS4_CUDA_SHARED_STREAM=$s DS4_HOOKS=attn DS4_HOOKS_OUT=/dev/null DS4_CUDA_GRAPHS=1 timeout 200 \
+            build/cuda-"$ARCH"/ds4_bench --model flash16 --backend cuda --reps 3 --decode 64 --prefill 64 > "$L" 2>&1; fi
+        echo "flash16 graphs S=$s hooks=$h round $r: $(grep -E '^decode: median' "$L")"
+      done
     done
   done
 fi
@@ -128,8 +130,8 @@ if want san; then
   step "compute-sanitizer, small, graphs on, DS4_CUDA_SHARED_STREAM=1"
   ./ds4 synth --config small --seed 1 -o "$T/san.gguf" > /dev/null 2>&1
   P=$(python3 -c "print(','.join(str((i * 7919) % 1000 + 1) for i in range(136)))")
-  for tool in memcheck synccheck; do
-    DS4_CUDA_GRAPHS=1 timeout 150 compute-sanitizer --tool $tool --error-exitcode 9 ./ds4 -m "$T/san.gguf" --backend cuda \
+  for tool in ${SAN_TOOLS:-memcheck synccheck}; do
+    DS4_CUDA_GRAPHS=1 timeout "${SAN_LIMIT:-150}" compute-sanitizer --tool $tool --error-exitcode 9 ./ds4 -m "$T/san.gguf" --backend cuda \
       --tokens "$P" -n 24 > "$OUT/san-$tool.log" 2>&1
     echo "$tool: rc $? $(grep -h 'ERROR SUMMARY' "$OUT/san-$tool.log" | tail -1)"
   done
