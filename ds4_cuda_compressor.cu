@@ -8,7 +8,7 @@
  * Compressor
  *
  * add_cyclic adds the learned position bias (ape) to the gate scores.
- * compress_pool: one block per emitted compressed row, threads over channels.
+ * compress_pool: a block per emitted compressed row and 32 channels.
  * Each channel's entries (ratio of them, or 2*ratio with the overlapping
  * previous window for c == 2) come from this batch or from the state ring;
  * the row is the softmax(score)-weighted sum of the kv entries, computed in
@@ -35,61 +35,106 @@ static void cuda_add_cyclic(float *x, const float *table, const ds4_step *step, 
     launch_add_cyclic(x, table, step, nt, period, n);
 }
 
-/* Pooled value of channel ch of the block starting at position s. */
+/* Position of entry e of the block starting at s: first the previous window (c == 2), then
+ * the current one; negative before the sequence's start (the entry's score is then -inf: it
+ * is skipped). */
+__device__ __forceinline__ int pool_pos(int s, int ratio, int c, int e) {
+    const int half = c == 2 ? e / ratio : 1;
+    return (half == 0 ? s - ratio : s) + e % ratio;
+}
+
+/* Entry e's element of channel ch (at p = pool_pos >= 0): from the batch x (rows of c dc
+ * from position pos0) or from the state ring st (c ratio slots). */
+__device__ __forceinline__ float pool_at(const float *x, const float *st, int pos0, int ratio, int c, int dc, int p,
+                                         int e, int ch) {
+    const int64_t width = (int64_t)c * dc;
+    const int64_t col = (c == 2 && e >= ratio) ? dc + ch : ch;
+    return p >= pos0 ? x[(int64_t)(p - pos0) * width + col] : st[(int64_t)(p % (c * ratio)) * width + col];
+}
+
+/* Pooled value of channel ch of the block starting at position s, by one thread (the one-token
+ * step below): the same two passes in entry order as k_compress_pool. */
 __device__ __forceinline__ float pool_channel(const float *kv, const float *sc, const float *st_kv, const float *st_sc,
                                               int pos0, int ratio, int c, int dc, int s, int ch) {
-    const int64_t width = (int64_t)c * dc;
-    const int slots = c * ratio;
     const int n_e = c * ratio;
-    /* entry e: first the previous window (c == 2), then the current one */
     float mx = -INFINITY;
 #pragma unroll 4
     for (int e = 0; e < n_e; e++) {
-        const int half = c == 2 ? e / ratio : 1;
-        const int p = (half == 0 ? s - ratio : s) + e % ratio;
-        if (p < 0) continue;
-        const int64_t col = (c == 2 && half == 1) ? dc + ch : ch;
-        const float *rs = p >= pos0 ? sc + (int64_t)(p - pos0) * width : st_sc + (int64_t)(p % slots) * width;
-        mx = fmaxf(mx, rs[col]);
+        const int p = pool_pos(s, ratio, c, e);
+        if (p >= 0) mx = fmaxf(mx, pool_at(sc, st_sc, pos0, ratio, c, dc, p, e, ch));
     }
     float sum = 0.0f, acc = 0.0f;
 #pragma unroll 4
     for (int e = 0; e < n_e; e++) {
-        const int half = c == 2 ? e / ratio : 1;
-        const int p = (half == 0 ? s - ratio : s) + e % ratio;
-        if (p < 0) continue;             /* score -inf: weight exactly 0 */
-        const int64_t col = (c == 2 && half == 1) ? dc + ch : ch;
-        const int64_t ro = p >= pos0 ? (int64_t)(p - pos0) * width : (int64_t)(p % slots) * width;
-        const float *rs = p >= pos0 ? sc : st_sc;
-        const float *rk = p >= pos0 ? kv : st_kv;
-        const float w = expf(rs[ro + col] - mx);
+        const int p = pool_pos(s, ratio, c, e);
+        if (p < 0) continue;
+        const float w = expf(pool_at(sc, st_sc, pos0, ratio, c, dc, p, e, ch) - mx);
         sum += w;
-        acc += w * rk[ro + col];
+        acc += w * pool_at(kv, st_kv, pos0, ratio, c, dc, p, e, ch);
     }
     return acc / sum;
 }
 
-/* One block per block the batch may close (the grid is sized for the most
- * nt tokens can close); those past this step's count return.  Row i goes to
- * out + i*dc, or with at_w0 (compressor_step's rows) to row w0 + i of out. */
-__global__ void k_compress_pool(const float *kv, const float *sc, const float *st_kv, const float *st_sc,
-                                const ds4_step *step, int nt, int ratio, int c, int dc, int at_w0, float *out) {
+/* Block (i, y): row i of those the batch closes (the grid is sized for the most nt tokens
+ * can close; those past this step's count return), channels CP_CH y .. + CP_CH - 1.  Row i
+ * goes to out + i*dc, or with at_w0 (compressor_step's rows) to row w0 + i of out.  The
+ * block's warps stage the entries' scores and values (up to CP_E entries at once, warp w
+ * taking entries w, w + CP_WARPS, ..., a lane per channel, all loads in flight together);
+ * then warp 0 pools them, a lane per channel, in entry order.  A row of c ratio <= CP_E
+ * entries (ratio 4 and 128) is staged once for both passes. */
+#define CP_CH    32
+#define CP_WARPS 8
+#define CP_E     128
+__global__ void __launch_bounds__(CP_WARPS * 32) k_compress_pool(const float *kv, const float *sc, const float *st_kv,
+                                                                 const float *st_sc, const ds4_step *step, int nt,
+                                                                 int ratio, int c, int dc, int at_w0, float *out) {
     ds4_grid_dep();
+    __shared__ float s_sc[CP_E][CP_CH], s_kv[CP_E][CP_CH];
     const int pos0 = step->pos0;
     const int i = blockIdx.x;
     if (i >= ds4_emit_count(pos0, nt, ratio)) return;
     const int w0 = ds4_emit_first(pos0, ratio);
     const int s = (w0 + i) * ratio;
-    float *o = out + ((int64_t)(at_w0 ? w0 : 0) + i) * dc;
-    for (int ch = threadIdx.x; ch < dc; ch += blockDim.x)
-        o[ch] = pool_channel(kv, sc, st_kv, st_sc, pos0, ratio, c, dc, s, ch);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int ch = blockIdx.y * CP_CH + lane;
+    const bool on = ch < dc;
+    const int n_e = c * ratio;
+    const bool once = n_e <= CP_E;
+    float mx = -INFINITY, sum = 0.0f, acc = 0.0f;
+    for (int pass = 0; pass < 2; pass++) {
+        for (int e0 = 0; e0 < n_e; e0 += CP_E) {
+            const int ne = n_e - e0 < CP_E ? n_e - e0 : CP_E;
+            if (pass == 0 || !once) {
+                __syncthreads();                        /* the previous chunk's reads are done */
+                for (int e = warp; e < ne; e += CP_WARPS) {
+                    const int p = pool_pos(s, ratio, c, e0 + e);
+                    if (!on || p < 0) continue;
+                    s_sc[e][lane] = pool_at(sc, st_sc, pos0, ratio, c, dc, p, e0 + e, ch);
+                    if (pass == 1 || once) s_kv[e][lane] = pool_at(kv, st_kv, pos0, ratio, c, dc, p, e0 + e, ch);
+                }
+                __syncthreads();
+            }
+            if (warp != 0 || !on) continue;
+            for (int e = 0; e < ne; e++) {
+                if (pool_pos(s, ratio, c, e0 + e) < 0) continue;
+                if (pass == 0) {
+                    mx = fmaxf(mx, s_sc[e][lane]);
+                } else {
+                    const float w = expf(s_sc[e][lane] - mx);
+                    sum += w;
+                    acc += w * s_kv[e][lane];
+                }
+            }
+        }
+    }
+    if (warp == 0 && on) out[((int64_t)(at_w0 ? w0 : 0) + i) * dc + ch] = acc / sum;
 }
 
 static void launch_compress_pool(const float *kv, const float *sc, const float *st_kv, const float *st_sc,
                                  const ds4_step *step, int nt, int ratio, int c, int dc, int at_w0, float *out) {
     if (nt <= 0 || ratio <= 0 || dc <= 0) return;
-    DS4_LAUNCH(k_compress_pool, emit_rows_max(nt, ratio), 128, 0, kv, sc, st_kv, st_sc, step, nt, ratio, c, dc,
-               at_w0, out);
+    const dim3 grid((unsigned)emit_rows_max(nt, ratio), (unsigned)((dc + CP_CH - 1) / CP_CH));
+    DS4_LAUNCH(k_compress_pool, grid, CP_WARPS * 32, 0, kv, sc, st_kv, st_sc, step, nt, ratio, c, dc, at_w0, out);
 }
 
 static void cuda_compress_pool(const float *kv, const float *sc, const float *st_kv, const float *st_sc,

@@ -80,7 +80,7 @@
  * mma.sync do, asynchronously: A (the weights, converted by tc_frag_a as above) comes from
  * registers in the m16n8k16 fragment layout, B (the parts) from shared memory through a
  * descriptor, so B's 16 slots of a k16 step must lie in shared memory in slot order: the split
- * writes each row permuted for it (tc_perm_k: the k permutation above, applied to the data),
+ * writes each row permuted for it (k_tc_split's perm: the k permutation above, applied to the data),
  * and the stage holds it in the 128-byte swizzle the descriptor names.  Each block of 32 still
  * sums from zero in 6 MMAs and folds into the running sum with one FMA, blocks in order, so
  * the two kernels' results differ only by the tensor cores' own summation inside a block.
@@ -119,15 +119,30 @@ size_t gemm_tc_scratch_bytes(int64_t nt, int64_t K) {
  * inv [ntp] = 2^-a, at part_bytes p into xs
  * ------------------------------------------------------------------------- */
 
-/* Where element k of a row goes in a split for the wgmma kernel (perm): the slot order of its
- * MMAs (see k_tc_wgmma), so that a k16 step's 16 elements of a token are 32 adjacent bytes.
- * Inside each block of 32, element pair 4 t + 2 hf + h (t < 4; hf, h < 2) moves to pair
- * 8 hf + 4 h + t.  The mma.sync kernel reads the row as it is (perm 0). */
-__device__ __forceinline__ int tc_perm_k(int k) {
-    const int e = k & 31, ep = e >> 1;
-    return (k & ~31) | (((ep >> 1 & 1) << 3 | (ep & 1) << 2 | ep >> 2) << 1) | (e & 1);
+/* The wgmma kernel's split (perm) is in the slot order of its MMAs (see k_tc_wgmma), so that a
+ * k16 step's 16 elements of a token are 32 adjacent bytes: inside each block of 32, element
+ * pair 4 t + 2 hf + h (t < 4; hf, h < 2) moves to pair 8 hf + 4 h + t.  The mma.sync kernel
+ * reads the row as it is (perm 0).
+ * tc_split_src: the 8 elements of row xr that chunk c (16 bytes of each plane, slots 8 c ..
+ * 8 c + 7) holds: elements 8 c + i, or with perm pair t = 0..3 of chunk q = c % 4 of a block
+ * is the row's pair 4 t + q (elements 8 t + 2 q and + 1 of the block). */
+__device__ __forceinline__ void tc_split_src(const float *xr, int c, int perm, float (&v)[8]) {
+    if (!perm) {
+#pragma unroll
+        for (int i = 0; i < 8; i++) v[i] = xr[8 * c + i];
+        return;
+    }
+    const float *b = xr + 32 * (c >> 2) + 2 * (c & 3);
+#pragma unroll
+    for (int t = 0; t < 4; t++) {
+        v[2 * t] = b[8 * t];
+        v[2 * t + 1] = b[8 * t + 1];
+    }
 }
 
+/* Block (t, p): token t's part p.  A thread takes 16-byte chunks of the planes (c = tid,
+ * tid + 256, ...): the row's largest |element| first, then each chunk's 8 elements split and
+ * stored as one 16-byte store per plane. */
 __global__ void k_tc_split(const float *x, int64_t ldx, int K, int nt, int ntp, uint8_t *xs, size_t part_bytes,
                            int perm) {
     ds4_grid_dep();
@@ -136,15 +151,23 @@ __global__ void k_tc_split(const float *x, int64_t ldx, int K, int nt, int ntp, 
     __half *base = (__half *)(xs + part_bytes * blockIdx.y);
     float *inv = (float *)(base + 3 * plane);
     x += (int64_t)K * blockIdx.y;
-    __half *h0 = base + (size_t)t * K, *h1 = h0 + plane, *h2 = h1 + plane;
+    uint4 *h0 = (uint4 *)(base + (size_t)t * K), *h1 = (uint4 *)((__half *)h0 + plane),
+          *h2 = (uint4 *)((__half *)h1 + plane);
+    const int nc = K / 8;
     if (t >= nt) {                                  /* padding tokens: zero, never stored */
-        for (int k = threadIdx.x; k < K; k += blockDim.x) h0[k] = h1[k] = h2[k] = __float2half_rn(0.0f);
+        const uint4 z = make_uint4(0, 0, 0, 0);
+        for (int c = threadIdx.x; c < nc; c += blockDim.x) h0[c] = h1[c] = h2[c] = z;
         if (threadIdx.x == 0) inv[t] = 0.0f;
         return;
     }
     const float *xr = x + (int64_t)t * ldx;
     float m = 0.0f;
-    for (int k = threadIdx.x; k < K; k += blockDim.x) m = fmaxf(m, fabsf(xr[k]));
+    for (int c = threadIdx.x; c < nc; c += blockDim.x) {
+        float v[8];
+        tc_split_src(xr, c, perm, v);
+#pragma unroll
+        for (int i = 0; i < 8; i++) m = fmaxf(m, fabsf(v[i]));
+    }
     __shared__ float red[TC_THREADS / 32];
     m = warp_max(m);
     if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = m;
@@ -153,9 +176,23 @@ __global__ void k_tc_split(const float *x, int64_t ldx, int K, int nt, int ntp, 
     for (int i = 1; i < (int)(blockDim.x >> 5); i++) m = fmaxf(m, red[i]);
     const int a = tc_part_exp(m);
     const float s = __int_as_float((127 + a) << 23);
-    for (int k = threadIdx.x; k < K; k += blockDim.x) {
-        const int o = perm ? tc_perm_k(k) : k;
-        tc_split3(xr[k] * s, h0[o], h1[o], h2[o]);   /* * s: exact */
+    for (int c = threadIdx.x; c < nc; c += blockDim.x) {
+        float v[8];
+        tc_split_src(xr, c, perm, v);
+        uint32_t w[3][4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            __half hi0, mi0, lo0, hi1, mi1, lo1;
+            tc_split3(v[2 * i] * s, hi0, mi0, lo0);  /* * s: exact */
+            tc_split3(v[2 * i + 1] * s, hi1, mi1, lo1);
+            const __half2 hh = __halves2half2(hi0, hi1), mm = __halves2half2(mi0, mi1), ll = __halves2half2(lo0, lo1);
+            w[0][i] = *(const uint32_t *)&hh;
+            w[1][i] = *(const uint32_t *)&mm;
+            w[2][i] = *(const uint32_t *)&ll;
+        }
+        h0[c] = make_uint4(w[0][0], w[0][1], w[0][2], w[0][3]);
+        h1[c] = make_uint4(w[1][0], w[1][1], w[1][2], w[1][3]);
+        h2[c] = make_uint4(w[2][0], w[2][1], w[2][2], w[2][3]);
     }
     if (threadIdx.x == 0) inv[t] = __int_as_float((127 - a) << 23);
 }

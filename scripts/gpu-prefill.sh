@@ -26,6 +26,9 @@
 # --profile-step, position 536 after a 512-token prefill).
 # l2hot: bench/matvec_table (decode shapes) with weights from DRAM (the default rotation) and
 # with --copies 1 (the same weights each call: from L2 where they fit), side by side.
+# report: scripts/kernel_report.sh on a REPORT_MODEL (flash16) prefill of REPORT_N (4096) tokens, kernel
+# by kernel, for each DS4_CUDA_PREFILL_TC (= _ATTN) value of REPORT_TC (2: the defaults), under REPORT_LIMIT
+# (400) s.
 # dreport: scripts/kernel_report.sh flash16 (one decode step, kernel by kernel) with PREV's
 # ds4_bench and with this tree's, one after the other.
 # exact: CUDA against the CPU on EXACT_MODELS (config/type, e.g. "small/q8_0 small-q4/"), the tree's
@@ -150,10 +153,10 @@ if want same; then
 fi
 if want report; then
   RM=${REPORT_MODEL:-flash16}
-  step "kernel report: $RM prefill 4096 (REPORT_TC: 1 = this tree's paths; 0 = cuBLAS and the per-token attention)"
-  for tc in ${REPORT_TC:-1}; do
+  step "kernel report: $RM prefill ${REPORT_N:-4096} (REPORT_TC: 2 = the default paths; 1 = mma.sync and the f32 attention tiles; 0 = cuBLAS and the per-token attention)"
+  for tc in ${REPORT_TC:-2}; do
     DS4_CUDA_PREFILL_TC=$tc DS4_CUDA_PREFILL_ATTN=$tc PLAIN=0 timeout "${REPORT_LIMIT:-400}" bash scripts/kernel_report.sh "$RM" "$OUT/kr-tc$tc" -- \
-      --prefill 4096 --profile-prefill --profile-timed 2 > "$OUT/kr-tc$tc.log" 2>&1
+      --prefill "${REPORT_N:-4096}" --profile-prefill --profile-timed 2 > "$OUT/kr-tc$tc.log" 2>&1
     tail -14 "$OUT/kr-tc$tc/kernels-$RM.md"
   done
 fi

@@ -2023,6 +2023,9 @@ int main(int argc, char **argv) {
     test_compress_pool(127, 1, 128, 1, 96);
     test_compress_pool(100, 64, 128, 1, 512);
     test_compress_pool(6, 1, 4, 1, 96);
+    /* more entries than the kernel stages at once (c ratio > 128): staged in chunks, twice */
+    test_compress_pool(300, 256, 256, 1, 96);
+    test_compress_pool(0, 256, 128, 2, 64);
 
     test_indexer(100, 1, 64, 128, 4, 512);    /* fewer visible rows than k: -1 padding */
     test_indexer(4000, 1, 64, 128, 4, 512);
