@@ -269,7 +269,10 @@ static cudaError_t ds4_launch_kernel(int line, void (*kernel)(P...), dim3 grid, 
  * launch_dependents let the next kernel be scheduled -- so at most one kernel waits
  * ahead of the one running, and the order of memory effects is the plain stream's.
  * Compute capability 9.0 and up (the session uses PDL only there); below, it is empty.
- * scripts/check_streams.py checks that every kernel starts with it. */
+ * scripts/check_streams.py checks that every kernel starts with it, or with a reviewed
+ * prologue marked NOTE(pdl prologue) that reads only the host's weights before its wait (the
+ * dense k_matvec's first row copies, k_hc_pre's fn loads, k_moe_gate's L2 prefetch of its
+ * router rows): those overlap the kernel before. */
 __device__ __forceinline__ void ds4_grid_dep(void) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -381,6 +384,12 @@ __device__ __forceinline__ uint2 ld_stream8(const void *p) {
     uint2 v;
     asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "l"(p));
     return v;
+}
+
+/* Ask for the 128-byte line at p to be brought into L2 (no register, no wait): what a
+ * programmatic dependent's prologue does with weights it will read after its grid wait. */
+__device__ __forceinline__ void prefetch_l2(const void *p) {
+    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
 }
 
 /* Grid size for a grid-stride loop over n items with 256-thread blocks. */

@@ -222,14 +222,16 @@ __device__ __forceinline__ float hc_fn_elem(const void *fn, int64_t idx) {
  * the longer of the two, not their sum; the scales are read before the
  * first barrier and the norm weights with the y pass's loads, so no global
  * load waits behind a barrier.  What other blocks wrote (x, the partials)
- * is read through L2 (__ldcg). */
+ * is read through L2 (__ldcg).  The fn loads come before the grid wait (a programmatic
+ * dependent launch's prologue, ds4_grid_dep): nothing the step writes is read before it. */
 template <int H, int WT>
 __global__ void __launch_bounds__(HCP_THREADS) k_hc_pre(const float *f, const float *x_res, float *x, const void *fn,
                                                        const float *scale, const float *base, const float *norm_w,
                                                        int64_t D, int head, float rms_eps, float hc_eps, int iters,
                                                        double *ss_part, float *dot_part, unsigned *count,
                                                        float *y, float *post, float *comb) {
-    ds4_grid_dep();
+    /* NOTE(pdl prologue): the block's fn weights (the host's) are loaded before its grid wait,
+     * so their memory latency passes while the kernel before it finishes */
     __shared__ float red[H][HC_NMIX_MAX];
     __shared__ double red_ss[H];
     __shared__ int last_s;
@@ -247,6 +249,7 @@ __global__ void __launch_bounds__(HCP_THREADS) k_hc_pre(const float *f, const fl
 #pragma unroll
     for (int j = 0; j < HCP_RPG; j++)             /* every load in flight before the math */
         w[j] = act && r0 + j < n_mix ? hc_fn_elem<WT>(fn, (int64_t)(r0 + j) * K + (int64_t)sw * D + i) : 0.0f;
+    ds4_grid_dep();                               /* NOTE(pdl prologue): f, x, post, comb: the kernels' before */
     float v = 0.0f;
     if (act) {
         float *xe = x + ((int64_t)t * H + sw) * D + i;

@@ -126,7 +126,8 @@ static void launch_moe_route(const float *logits, const float *bias, const int32
  * partials are added in warp order.  Then the block counts itself done on
  * the token's counter, and the last one routes the token with its warp 0
  * (moe_route_warp).  A separate router matvec and route kernel cost two
- * launches (~4 + 6 us on an H200, 43 times per Flash token).  The logits
+ * launches (~4 + 6 us on an H200, 43 times per Flash token).  Before its grid wait (a
+ * programmatic dependent launch's prologue) a block asks its router rows into L2.  The logits
  * differ from the matmul op's by the order of the K sum (a few ulp; the
  * tested bound is the matmul's). */
 #define MG_THREADS 256
@@ -138,13 +139,23 @@ __global__ void __launch_bounds__(MG_THREADS) k_moe_gate(const void *gw, const f
                                                         const int32_t *tid2eid, int64_t tid_ld,
                                                         const int32_t *tokens, int k, int norm, float wscale,
                                                         unsigned *count, int32_t *sel, float *wts) {
-    ds4_grid_dep();
+    /* NOTE(pdl prologue): the block's router rows (the host's weights) are asked into L2 before
+     * its grid wait, so they stream while the kernel before it finishes */
     extern __shared__ float mg_s[];                 /* probs, selp: [E] each */
     __shared__ float part[MG_ROWS][MG_THREADS / 32];
     __shared__ int last_s;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int bx = blockIdx.x, t = blockIdx.y;
     const int64_t slice = K / (MG_THREADS / 32), k0 = (int64_t)warp * slice;
+    constexpr int ES = WT == DS4_TYPE_F16 ? 2 : 4;  /* bytes an element */
+#pragma unroll
+    for (int r = 0; r < MG_ROWS; r++) {
+        const int row = bx * MG_ROWS + r;
+        if (row >= E) break;
+        const uint8_t *w0 = (const uint8_t *)gw + ((int64_t)row * K + k0) * ES;
+        for (int64_t o = 128 * lane; o < slice * ES; o += 32 * 128) prefetch_l2(w0 + o);
+    }
+    ds4_grid_dep();                                 /* NOTE(pdl prologue): x, written by the kernel before */
     const float *xt = x + (int64_t)t * K;
     float acc[MG_ROWS];
 #pragma unroll
