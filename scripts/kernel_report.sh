@@ -34,6 +34,10 @@
 #   Environment: CUDA_ARCH (sm_90), NCU (ncu on PATH, else /usr/local/cuda/bin/ncu),
 #   BENCH (a ds4_bench binary; default build/cuda-$CUDA_ARCH/ds4_bench, built by make),
 #   PLAIN=0 skips the run without the profiler (the wall clock then comes from the ncu run).
+#   KR_BYTES=1 also records each kernel's DRAM bytes (dram__bytes_read.sum, dram__bytes_write.sum):
+#   the table then gives MB per launch and achieved DRAM GB/s.  Where ncu needs a second pass
+#   (kernel replay) for them, that pass may find in L2 what the first brought, so the bytes
+#   can read low; the durations are the first pass's.
 #   Without a GPU it prints "skipped: no GPU" and exits 0.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
@@ -92,7 +96,9 @@ fi
 # Options that only newer ncu versions know are added when its --help lists them.
 NCU_HELP=$("$NCU" --help 2>&1)
 has_opt() { grep -q -- "$1" <<< "$NCU_HELP"; }
-NOPTS=(--profile-from-start off --metrics gpu__time_duration.sum --clock-control none --cache-control none
+METRICS=gpu__time_duration.sum
+[ "${KR_BYTES:-0}" = 1 ] && METRICS=$METRICS,dram__bytes_read.sum,dram__bytes_write.sum
+NOPTS=(--profile-from-start off --metrics "$METRICS" --clock-control none --cache-control none
        --csv --page raw --log-file "$CSV")
 has_opt --print-kernel-base && NOPTS+=(--print-kernel-base demangled)   # full template arguments
 has_opt --print-units && NOPTS+=(--print-units base)                      # always nsecond

@@ -17,8 +17,12 @@ arguments nested deeper than one level written as <...>, so k_matvec<8,1,0> and
 k_matvec<0,1,0> stay two rows while a cuBLAS name stays readable.  Two different
 kernels that shorten to the same text get #2, #3 appended.
 
-What it is not.  Not a profiler and not an ncu report reader: only the
-gpu__time_duration.sum of each launch is used.  It does not run ncu; see
+Where the CSV also holds dram__bytes_read.sum and dram__bytes_write.sum (kernel_report.sh
+with KR_BYTES=1), each row gains the kernel's DRAM traffic per launch and its achieved
+DRAM GB/s (bytes over the kernel's own time), the figure a memory-bound decode is judged by.
+
+What it is not.  Not a profiler and not an ncu report reader: only the duration (and the
+DRAM byte counters) of each launch are used.  It does not run ncu; see
 scripts/kernel_report.sh.
 
 ncu CSV pitfalls it handles: ncu's own ==PROF== lines and the program's output
@@ -38,6 +42,13 @@ import subprocess
 import sys
 
 METRIC = "gpu__time_duration.sum"
+BYTES = ("dram__bytes_read.sum", "dram__bytes_write.sum")
+# bytes per unit (ncu prints SI prefixes; the binary ones are accepted too)
+BYTE_UNITS = {
+    "byte": 1.0, "b": 1.0, "bytes": 1.0,
+    "kbyte": 1e3, "kb": 1e3, "mbyte": 1e6, "mb": 1e6, "gbyte": 1e9, "gb": 1e9, "tbyte": 1e12,
+    "kib": 1024.0, "mib": 1024.0 ** 2, "gib": 1024.0 ** 3,
+}
 # microseconds per unit
 UNITS = {
     "nsecond": 1e-3, "ns": 1e-3, "nanosecond": 1e-3,
@@ -71,6 +82,13 @@ def to_us(value, unit, where):
     return parse_number(value) * UNITS[u]
 
 
+def to_bytes(value, unit, where):
+    u = (unit or "byte").strip().lower()
+    if u not in BYTE_UNITS:
+        raise ParseError(f"{where}: unknown byte unit '{unit}' (expected one of {', '.join(sorted(BYTE_UNITS))})")
+    return parse_number(value) * BYTE_UNITS[u]
+
+
 def csv_fields(line):
     try:
         return next(csv.reader([line]))
@@ -79,7 +97,8 @@ def csv_fields(line):
 
 
 def read_launches(text):
-    """[(kernel name, microseconds)] in launch order, from ncu --csv output (raw or details page)."""
+    """[(kernel name, microseconds, DRAM bytes or None)] in launch order, from ncu --csv output (raw or
+    details page); the bytes are read + written where the CSV has both counters."""
     lines = [l.rstrip("\r\n") for l in text.splitlines()]
     header, hi = None, -1
     for i, line in enumerate(lines):
@@ -105,22 +124,38 @@ def read_launches(text):
     out = []
     if METRIC in col:                                   # --page raw: one column per metric, then a units row
         m = col[METRIC]
-        unit = None
+        bc = [col[b] for b in BYTES] if all(b in col for b in BYTES) else None
+        unit, bunits = None, [None, None]
         for f in rows:
             if f[k_id].strip() == "":
                 unit = f[m]
+                if bc:
+                    bunits = [f[c] for c in bc]
                 continue
             if f[m].strip() in ("", "n/a"):
                 raise ParseError(f"launch {f[k_id]}: no value for {METRIC}")
-            out.append((f[k_name], to_us(f[m], unit, f"launch {f[k_id]}")))
+            nbytes = None
+            if bc:
+                nbytes = sum(to_bytes(f[c], u, f"launch {f[k_id]}") for c, u in zip(bc, bunits))
+            out.append((f[k_name], to_us(f[m], unit, f"launch {f[k_id]}"), nbytes))
     elif "Metric Name" in col and "Metric Value" in col:   # --page details: one row per metric
         mn, mv, mu = col["Metric Name"], col["Metric Value"], col.get("Metric Unit")
-        seen = set()
+        order, per = [], {}
         for f in rows:
-            if f[mn] != METRIC or f[k_id] in seen:
+            if f[mn] != METRIC and f[mn] not in BYTES:
                 continue
-            seen.add(f[k_id])
-            out.append((f[k_name], to_us(f[mv], f[mu] if mu is not None else None, f"launch {f[k_id]}")))
+            if f[k_id] not in per:
+                order.append(f[k_id])
+                per[f[k_id]] = {"name": f[k_name]}
+            unit = f[mu] if mu is not None else None
+            where = f"launch {f[k_id]}"
+            per[f[k_id]].setdefault(f[mn], to_us(f[mv], unit, where) if f[mn] == METRIC else to_bytes(f[mv], unit, where))
+        for i in order:
+            d = per[i]
+            if METRIC not in d:
+                continue
+            nbytes = sum(d[b] for b in BYTES) if all(b in d for b in BYTES) else None
+            out.append((d["name"], d[METRIC], nbytes))
     else:
         raise ParseError(f"the CSV has no {METRIC} column and no Metric Name/Value columns")
     if not out:
@@ -223,23 +258,29 @@ def short_name(full):
 # ---- the table ----
 
 def summarize(launches):
-    """Rows (short name, launches, mean us, total us), largest total first; names made unique."""
+    """Rows (short name, launches, mean us, total us, DRAM bytes or None), largest total first; names made
+    unique."""
     groups = {}          # key: the full name without parameters
-    for name, us in launches:
+    for name, us, nbytes in launches:
         key = strip_params(demangle(name.strip()))
-        g = groups.setdefault(key, [0, 0.0])
+        g = groups.setdefault(key, [0, 0.0, 0.0])
         g[0] += 1
         g[1] += us
+        g[2] = None if nbytes is None or g[2] is None else g[2] + nbytes
     rows, used = [], {}
-    for key, (n, tot) in sorted(groups.items(), key=lambda kv: -kv[1][1]):
+    for key, (n, tot, nbytes) in sorted(groups.items(), key=lambda kv: -kv[1][1]):
         s = collapse_templates(drop_return_type(key))
         if s in used:
             used[s] += 1
             s = f"{s} #{used[s]}"
         else:
             used[s] = 1
-        rows.append((s, n, tot / n, tot))
+        rows.append((s, n, tot / n, tot, nbytes))
     return rows
+
+
+def gbps(nbytes, us):
+    return nbytes / (us * 1e3) if us > 0 else 0.0     # bytes / (us * 1e-6) / 1e9
 
 
 def read_results(path):
@@ -267,6 +308,7 @@ def render(launches, wall_ms=None, wall_note="", launches_counted=None, title=No
     rows = summarize(launches)
     total_us = sum(r[3] for r in rows)
     n = len(launches)
+    with_bytes = all(r[4] is not None for r in rows)
     out = []
     if title:
         out += [f"## {title}", ""]
@@ -275,15 +317,23 @@ def render(launches, wall_ms=None, wall_note="", launches_counted=None, title=No
     if wall_ms:
         hdr += " % of wall step |"
         sep += "---:|"
+    if with_bytes:
+        hdr += " DRAM MB/launch | DRAM GB/s |"
+        sep += "---:|---:|"
     out += [hdr, sep]
-    for name, cnt, mean, tot in rows:
+    for name, cnt, mean, tot, nbytes in rows:
         line = f"| `{name}` | {cnt} | {mean:.2f} | {tot:.1f} | {100.0 * tot / total_us:.1f}% |"
         if wall_ms:
             line += f" {100.0 * tot / (wall_ms * 1e3):.1f}% |"
+        if with_bytes:
+            line += f" {nbytes / cnt / 1e6:.2f} | {gbps(nbytes, tot):.0f} |"
         out.append(line)
     line = f"| **all kernels** | {n} | {total_us / n:.2f} | {total_us:.1f} | 100.0% |"
     if wall_ms:
         line += f" {100.0 * total_us / (wall_ms * 1e3):.1f}% |"
+    if with_bytes:
+        all_bytes = sum(r[4] for r in rows)
+        line += f" {all_bytes / n / 1e6:.2f} | {gbps(all_bytes, total_us):.0f} |"
     out.append(line)
 
     foot = [""]
@@ -392,6 +442,16 @@ def _raw_sample(unit, scale):
     return "\n".join(lines) + "\n"
 
 
+def _raw_bytes_sample():
+    """The raw page with the DRAM byte counters too (KR_BYTES=1), in Mbyte and Kbyte."""
+    lines = [_RAW_HEAD + ',"dram__bytes_read.sum","dram__bytes_write.sum"',
+             '"","","","","","","","","","","","nsecond","Mbyte","Kbyte"']
+    for i, (name, ns) in enumerate(_KERNELS):
+        lines.append(f'"{i}","4242","ds4_bench","h","{name}","1","7","(256, 1, 1)","(132, 1, 1)","0","9.0",'
+                     f'"{ns:.3f}","{2.0 * (i + 1):.4f}","{(i + 1):.4f}"')
+    return "\n".join(lines) + "\n"
+
+
 def _details_sample():
     head = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size",'
             '"Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"')
@@ -399,6 +459,7 @@ def _details_sample():
     for i, (name, ns) in enumerate(_KERNELS):
         pre = f'"{i}","4242","ds4_bench","h","{name}","1","7","(256, 1, 1)","(132, 1, 1)","0","9.0",'
         lines.append(pre + '"Command line profiler metrics","dram__bytes_read.sum","byte","1,048,576"')
+        lines.append(pre + '"Command line profiler metrics","dram__bytes_write.sum","byte","1,024"')
         lines.append(pre + f'"Command line profiler metrics","gpu__time_duration.sum","ns","{ns:,.3f}"')
     return "\n".join(lines) + "\n"
 
@@ -414,12 +475,29 @@ def self_test():
     for unit, scale in (("nsecond", 1.0), ("usecond", 1e-3), ("msecond", 1e-6), ("second", 1e-9), ("ns", 1.0)):
         got = read_launches(_raw_sample(unit, scale))
         check(len(got) == len(_KERNELS), f"raw/{unit}: {len(got)} launches")
-        tot = sum(us for _, us in got)
+        tot = sum(l[1] for l in got)
         check(abs(tot - want_total_us) < 1e-6 * want_total_us, f"raw/{unit}: total {tot} us, want {want_total_us}")
     got = read_launches(_details_sample())
     check(len(got) == len(_KERNELS), f"details: {len(got)} launches")
-    check(abs(sum(us for _, us in got) - want_total_us) < 1e-6 * want_total_us, "details: total")
+    check(abs(sum(l[1] for l in got) - want_total_us) < 1e-6 * want_total_us, "details: total")
 
+    check(all(l[2] == 1048576 + 1024 for l in got), "details: read + written bytes per launch")
+    check(all(l[2] is None for l in read_launches(_raw_sample("nsecond", 1.0))), "raw without counters: no bytes")
+    gotb = read_launches(_raw_bytes_sample())
+    check([l[2] for l in gotb] == [2e6 * (i + 1) + 1e3 * (i + 1) for i in range(len(_KERNELS))],
+          f"raw bytes in Mbyte + Kbyte: {[l[2] for l in gotb]}")
+    tb, _, _, rb = render(gotb)
+    check(tb[0].endswith("| DRAM MB/launch | DRAM GB/s |"), f"bytes columns: {tb[0]}")
+    rbn = {r[0]: r for r in rb}
+    mv = rbn.get("k_matvec<8,1,0>")        # launches 1 and 3: 4.002 + 8.004 MB in 5.1 + 139 us
+    check(mv is not None and abs(mv[4] - 12.006e6) < 1e-3, f"k_matvec<8,1,0> bytes: {mv}")
+    check(any(l.startswith("| `k_matvec<8,1,0>` | 2 |") and l.endswith(" | 6.00 | 83 |") for l in tb),
+          f"k_matvec<8,1,0> MB/launch and GB/s: {[l for l in tb if 'k_matvec<8,1,0>`' in l]}")
+    try:
+        to_bytes("1", "furlong", "x")
+        fails.append("unknown byte unit accepted")
+    except ParseError:
+        pass
     check(parse_number("1,234.5") == 1234.5, "parse 1,234.5")
     check(parse_number("12,5") == 12.5, "parse 12,5")
     check(parse_number("4.0e-05") == 4e-5, "parse 4.0e-05")
@@ -460,7 +538,7 @@ def self_test():
         for f in fails:
             print(f"self-test FAIL: {f}")
         return 1
-    print("kernel_table self-test: ok (raw page in ns/us/ms/s, details page, names, table, footer)")
+    print("kernel_table self-test: ok (raw page in ns/us/ms/s, details page, DRAM bytes, names, table, footer)")
     return 0
 
 

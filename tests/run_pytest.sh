@@ -16,7 +16,7 @@ fi
 # TEST_QUICK=1 (make test-quick): the files that need no llama.cpp oracle, without fetching it
 if [ -n "${TEST_QUICK:-}" ]; then
   "$PY" -m pytest -v -rs tests/test_cli.py tests/test_run.py tests/test_chat.py tests/test_layouts.py \
-    tests/test_stream_check.py tests/test_hooks.py tests/test_collect.py tests/test_mtp.py tests/test_mtp_spec.py -k "not llama_cpp" "$@"
+    tests/test_stream_check.py tests/test_kernel_table.py tests/test_hooks.py tests/test_collect.py tests/test_mtp.py tests/test_mtp_spec.py -k "not llama_cpp" "$@"
   rc=$?
   [ $rc -eq 5 ] && { echo "run_pytest: pytest collected no tests" >&2; exit 1; }
   exit $rc
