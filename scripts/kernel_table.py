@@ -21,6 +21,10 @@ Where the CSV also holds dram__bytes_read.sum and dram__bytes_write.sum (kernel_
 with KR_BYTES=1), each row gains the kernel's DRAM traffic per launch and its achieved
 DRAM GB/s (bytes over the kernel's own time), the figure a memory-bound decode is judged by.
 
+A second table sums the kernels by family (FAMILIES: the dense products, the experts'
+gate|up and down, the router, attention, mHC, ...; the decode matvecs by their MODE template
+argument), with the same time, share and DRAM columns: issue 26's "per family, us and GB/s".
+
 What it is not.  Not a profiler and not an ncu report reader: only the duration (and the
 DRAM byte counters) of each launch are used.  It does not run ncu; see
 scripts/kernel_report.sh.
@@ -279,6 +283,42 @@ def summarize(launches):
     return rows
 
 
+# Kernel families, by the short name (first match wins; the rest is "other").  The decode
+# matvecs are k_matvec<TYPE,NT,MODE> and k_matvec_q<TYPE,MODE,NT>, MODE 0 dense, 1 gate|up, 2 down.
+FAMILIES = [
+    ("dense products (decode)", r"^k_matvec<\d+,\d+,0>|^k_matvec_q<\d+,0,\d+>|^k_matvec_generic"),
+    ("experts gate|up (decode)", r"^k_matvec<\d+,\d+,1>|^k_matvec_q<\d+,1,\d+>"),
+    ("experts down (decode)", r"^k_matvec<\d+,\d+,2>|^k_matvec_q<\d+,2,\d+>"),
+    ("products (prefill: tensor cores, split, cuBLAS)", r"^k_tc_|^k_dequant|gemm|gemv|^cutlass|xmma|^sm\d+_"),
+    ("router", r"^k_moe_gate|^k_moe_route"),
+    ("MoE gather, combine, swiglu", r"^k_moe_|^k_swiglu"),
+    ("attention", r"^k_att|^k_ring_store"),
+    ("indexer", r"^k_indexer"),
+    ("compressor", r"^k_compress"),
+    ("mHC (hc_pre, hc_post, hc_mix)", r"^k_hc"),
+    ("norms and RoPE", r"^k_rmsnorm|^k_head_norm_rope|^k_norm_rope|^k_rope"),
+    ("hooks", r"^k_hook_"),
+]
+
+
+def family_of(short):
+    for name, rx in FAMILIES:
+        if re.search(rx, short):
+            return name
+    return "other"
+
+
+def families(rows):
+    """Rows (family, launches, total us, DRAM bytes or None) from summarize's rows, largest first."""
+    fam = {}
+    for name, n, _, tot, nbytes in rows:
+        f = fam.setdefault(family_of(name.split(" #")[0]), [0, 0.0, 0.0])
+        f[0] += n
+        f[1] += tot
+        f[2] = None if nbytes is None or f[2] is None else f[2] + nbytes
+    return [(k, n, tot, b) for k, (n, tot, b) in sorted(fam.items(), key=lambda kv: -kv[1][1])]
+
+
 def gbps(nbytes, us):
     return nbytes / (us * 1e3) if us > 0 else 0.0     # bytes / (us * 1e-6) / 1e9
 
@@ -335,6 +375,13 @@ def render(launches, wall_ms=None, wall_note="", launches_counted=None, title=No
         all_bytes = sum(r[4] for r in rows)
         line += f" {all_bytes / n / 1e6:.2f} | {gbps(all_bytes, total_us):.0f} |"
     out.append(line)
+    out += ["", "| family | launches | us total | % of kernel time |" + (" DRAM MB | DRAM GB/s |" if with_bytes else ""),
+            "|---|---:|---:|---:|" + ("---:|---:|" if with_bytes else "")]
+    for fam, cnt, tot, nbytes in families(rows):
+        line = f"| {fam} | {cnt} | {tot:.1f} | {100.0 * tot / total_us:.1f}% |"
+        if with_bytes:
+            line += f" {nbytes / 1e6:.1f} | {gbps(nbytes, tot):.0f} |"
+        out.append(line)
 
     foot = [""]
     counted = f" (ds4_cuda_stats counted {launches_counted} launches in that step)" if launches_counted is not None else ""
@@ -534,11 +581,27 @@ def self_test():
     check("kernel time / wall-clock step: 0.159" in foot[-1], f"footer ratio: {foot[-1]}")
     check(len(foot) <= 12, "footer fits gpu-check's 12-line summary")
 
+    fam = {f[0]: f for f in families(summarize(read_launches(_raw_sample("nsecond", 1.0))))}
+    dense = fam.get("dense products (decode)")
+    check(dense is not None and dense[1] == 4 and abs(dense[2] - 147.6) < 1e-9,
+          f"dense family: k_matvec<8,1,0> x 3 and <0,1,0>, 147.6 us: {dense}")
+    check(fam.get("mHC (hc_pre, hc_post, hc_mix)", (0, 0))[1] == 1 and "norms and RoPE" in fam and
+          fam.get("products (prefill: tensor cores, split, cuBLAS)", (0, 0))[1] == 1, f"families: {sorted(fam)}")
+    check(family_of("k_matvec<8,1,1>") == "experts gate|up (decode)" and family_of("k_matvec_q<16,2,1>") ==
+          "experts down (decode)" and family_of("k_matvec_q<12,0,2>") == "dense products (decode)" and
+          family_of("k_tc_wgmma<8,true>") == "products (prefill: tensor cores, split, cuBLAS)" and
+          family_of("k_hook_put") == "hooks" and family_of("k_embed") == "other", "family_of's patterns")
+    fb = {f[0]: f for f in families(rb)}
+    check(abs(fb["dense products (decode)"][3] - (4.002e6 + 6.003e6 + 8.004e6 + 14.007e6)) < 1e-3,
+          f"dense family bytes: {fb.get('dense products (decode)')}")
+    check(any(l.startswith("| dense products (decode) | 4 | 147.6 | ") for l in tb), "family table row")
+
     if fails:
         for f in fails:
             print(f"self-test FAIL: {f}")
         return 1
-    print("kernel_table self-test: ok (raw page in ns/us/ms/s, details page, DRAM bytes, names, table, footer)")
+    print("kernel_table self-test: ok (raw page in ns/us/ms/s, details page, DRAM bytes, names, table, families, "
+          "footer)")
     return 0
 
 
