@@ -30,7 +30,8 @@
 # by kernel, for each DS4_CUDA_PREFILL_TC (= _ATTN) value of REPORT_TC (2: the defaults), under REPORT_LIMIT
 # (400) s.
 # dreport: scripts/kernel_report.sh flash16 (one decode step, kernel by kernel) with PREV's
-# ds4_bench and with this tree's, one after the other.
+# ds4_bench and with this tree's, one after the other, then the two by kernel family side by
+# side (kernel_table.py --before).
 # exact: CUDA against the CPU on EXACT_MODELS (config/type, e.g. "small/q8_0 small-q4/"), the tree's
 # prefill paths switched off and on.  tcsame: CUDA logits with DS4_CUDA_PREFILL_TC=1 against 0 on
 # TCSAME_MODEL (flash-q2@16: the published layout's experts at Flash's shapes, where the CPU would
@@ -194,6 +195,8 @@ if want dreport; then
     BENCH=$b timeout 240 bash scripts/kernel_report.sh flash16 "$OUT/dkr-$tree" > "$OUT/dkr-$tree.log" 2>&1
     echo "$tree: rc $?"; tail -30 "$OUT/dkr-$tree/kernels-flash16.md"
   done
+  python3 scripts/kernel_table.py "$OUT/dkr-head/ncu-flash16.csv" --before "$OUT/dkr-prev/ncu-flash16.csv" \
+    > "$OUT/dkr-families.md" 2>&1 && sed -n '/^By family, before/,$p' "$OUT/dkr-families.md" | head -24
 fi
 if want l2hot; then
   step "matvec_table: weights from DRAM, then from L2 (--copies 1)"

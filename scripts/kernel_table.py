@@ -24,6 +24,9 @@ DRAM GB/s (bytes over the kernel's own time), the figure a memory-bound decode i
 A second table sums the kernels by family (FAMILIES: the dense products, the experts'
 gate|up and down, the router, attention, mHC, ...; the decode matvecs by their MODE template
 argument), with the same time, share and DRAM columns: issue 26's "per family, us and GB/s".
+With --before OLD.csv (the same step profiled on the tree before a change) a third table
+sets the two side by side per family: us before and after, their ratio, launches, and the
+DRAM GB/s of each where both CSVs hold the counters -- the "before and after" of issue 26.
 
 What it is not.  Not a profiler and not an ncu report reader: only the duration (and the
 DRAM byte counters) of each launch are used.  It does not run ncu; see
@@ -36,6 +39,7 @@ us, ms, s), thousands separators in values ("1,234.5"), and the long
 
     scripts/kernel_table.py NCU.csv [--bench-log PLAIN.log] [--ncu-bench-log NCU_RUN.log]
                             [--wall-ms MS] [--launches N] [--title TEXT] [--out FILE.md]
+                            [--before OLD_NCU.csv]
     scripts/kernel_table.py --self-test
 """
 import argparse
@@ -319,6 +323,31 @@ def families(rows):
     return [(k, n, tot, b) for k, (n, tot, b) in sorted(fam.items(), key=lambda kv: -kv[1][1])]
 
 
+def compare(before, after):
+    """Markdown lines: the families of two profiled steps side by side (launch lists as
+    read_launches gives them), largest after first, then the families only before."""
+    fb = {f[0]: f for f in families(summarize(before))}
+    fa = families(summarize(after))
+    with_bytes = all(f[3] is not None for f in fa) and all(f[3] is not None for f in fb.values())
+    out = ["| family | us before | us after | after / before | launches before | launches after |" +
+           (" GB/s before | GB/s after |" if with_bytes else ""),
+           "|---|---:|---:|---:|---:|---:|" + ("---:|---:|" if with_bytes else "")]
+    rows = [(f[0], fb.get(f[0]), f) for f in fa] + [(k, b, None) for k, b in fb.items() if k not in {f[0] for f in fa}]
+    for name, b, a in rows:
+        bu, au = (b[2] if b else 0.0), (a[2] if a else 0.0)
+        ratio = f"{au / bu:.2f}x" if bu > 0 and a else "-"
+        line = (f"| {name} | {bu:.1f} | {au:.1f} | {ratio} | {b[1] if b else 0} | {a[1] if a else 0} |")
+        if with_bytes:
+            line += f" {gbps(b[3], bu) if b else 0:.0f} | {gbps(a[3], au) if a else 0:.0f} |"
+        out.append(line)
+    tb, ta = sum(l[1] for l in before), sum(l[1] for l in after)
+    line = f"| **all kernels** | {tb:.1f} | {ta:.1f} | {ta / tb:.2f}x | {len(before)} | {len(after)} |"
+    if with_bytes:
+        line += f" {gbps(sum(l[2] for l in before), tb):.0f} | {gbps(sum(l[2] for l in after), ta):.0f} |"
+    out.append(line)
+    return out
+
+
 def gbps(nbytes, us):
     return nbytes / (us * 1e3) if us > 0 else 0.0     # bytes / (us * 1e-6) / 1e9
 
@@ -407,6 +436,8 @@ def main(argv=None):
     ap.add_argument("--launches", type=int, help="launches counted by ds4_cuda_stats (overrides the logs)")
     ap.add_argument("--title", help="a heading for the markdown")
     ap.add_argument("--out", help="also write the table and footer to this markdown file")
+    ap.add_argument("--before", help="the same step's ncu CSV from the tree before a change: a table by family, "
+                    "before and after")
     ap.add_argument("--self-test", action="store_true", help="check the parser and the table on embedded samples")
     a = ap.parse_args(argv)
     if a.self_test:
@@ -438,6 +469,14 @@ def main(argv=None):
             launches_counted = int(res["profiled_step_launches"][0])
 
     table, foot, total_us, rows = render(launches, wall_ms, note, launches_counted, a.title, ncu_wall)
+    if a.before:
+        try:
+            with open(a.before, errors="replace") as f:
+                before = read_launches(f.read())
+        except (OSError, ParseError, ValueError) as e:
+            print(f"kernel_table: {a.before}: {e}", file=sys.stderr)
+            return 1
+        table += ["", f"By family, before ({a.before}) and after ({a.csv}):", ""] + compare(before, launches)
     print(f"RESULT bench=kernel_report metric=kernel_sum_ms value={total_us / 1e3:.4f} launches={len(launches)} "
           f"kernels={len(rows)}")
     if wall_ms:
@@ -596,12 +635,22 @@ def self_test():
           f"dense family bytes: {fb.get('dense products (decode)')}")
     check(any(l.startswith("| dense products (decode) | 4 | 147.6 | ") for l in tb), "family table row")
 
+    # before and after: the dense family twice as fast, the mHC kernel gone
+    after = [(n, us / 2 if "k_matvec<" in n else us, b) for n, us, b in gotb if "k_hc_pre" not in n]
+    cmp_lines = compare(gotb, after)
+    dl = [l for l in cmp_lines if l.startswith("| dense products (decode) |")]
+    check(len(dl) == 1 and "| 147.6 | 73.8 | 0.50x | 4 | 4 |" in dl[0], f"before/after dense row: {dl}")
+    hl = [l for l in cmp_lines if l.startswith("| mHC")]
+    check(len(hl) == 1 and "| 3.2 | 0.0 | - | 1 | 0 |" in hl[0], f"a family only before: {hl}")
+    check(cmp_lines[0].endswith("| GB/s before | GB/s after |") and cmp_lines[-1].startswith("| **all kernels** |"),
+          f"before/after header and total: {cmp_lines[0]} {cmp_lines[-1]}")
+
     if fails:
         for f in fails:
             print(f"self-test FAIL: {f}")
         return 1
     print("kernel_table self-test: ok (raw page in ns/us/ms/s, details page, DRAM bytes, names, table, families, "
-          "footer)")
+          "before and after, footer)")
     return 0
 
 
