@@ -427,6 +427,16 @@ def render(launches, wall_ms=None, wall_note="", launches_counted=None, title=No
     return out, foot, total_us, rows
 
 
+def load(path):
+    """The launches of the ncu CSV at path, or None after one line on stderr."""
+    try:
+        with open(path, errors="replace") as f:
+            return read_launches(f.read())
+    except (OSError, ParseError, ValueError) as e:
+        print(f"kernel_table: {path}: {e}", file=sys.stderr)
+        return None
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description="Per-kernel time table of one ncu-profiled decode step.")
     ap.add_argument("csv", nargs="?", help="ncu --csv output (--page raw or --page details)")
@@ -444,11 +454,8 @@ def main(argv=None):
         return self_test()
     if not a.csv:
         ap.error("the ncu CSV file is required (or --self-test)")
-    try:
-        with open(a.csv, errors="replace") as f:
-            launches = read_launches(f.read())
-    except (OSError, ParseError, ValueError) as e:
-        print(f"kernel_table: {a.csv}: {e}", file=sys.stderr)
+    launches = load(a.csv)
+    if launches is None:
         return 1
 
     plain, under = read_results(a.bench_log), read_results(a.ncu_bench_log)
@@ -470,11 +477,8 @@ def main(argv=None):
 
     table, foot, total_us, rows = render(launches, wall_ms, note, launches_counted, a.title, ncu_wall)
     if a.before:
-        try:
-            with open(a.before, errors="replace") as f:
-                before = read_launches(f.read())
-        except (OSError, ParseError, ValueError) as e:
-            print(f"kernel_table: {a.before}: {e}", file=sys.stderr)
+        before = load(a.before)
+        if before is None:
             return 1
         table += ["", f"By family, before ({a.before}) and after ({a.csv}):", ""] + compare(before, launches)
     print(f"RESULT bench=kernel_report metric=kernel_sum_ms value={total_us / 1e3:.4f} launches={len(launches)} "
