@@ -2090,6 +2090,11 @@ int main(int argc, char **argv) {
     test_hc_pre(2, 100, 4, 1, 0);
     test_hc_pre(1, 1000, 3, 0, 1);
     test_hc_pre(5, 8192, 4, 0, 1);
+    /* a prompt's batch (k_hcb_dots: 16 tokens a block, 128 channels a chunk): token counts and
+     * widths that fill neither, three streams, head mode */
+    test_hc_pre(200, 4096, 4, 0, 1);
+    test_hc_pre(100, 4096, 4, 1, 0);
+    test_hc_pre(37, 1000, 3, 0, 1);
     {
         /* the attention input's seven projections (ratio-4 layer of Flash) */
         const int q8[7] = { DS4_TYPE_Q8_0, DS4_TYPE_Q8_0, DS4_TYPE_Q8_0, DS4_TYPE_Q8_0, DS4_TYPE_Q8_0,
