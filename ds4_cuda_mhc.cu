@@ -437,10 +437,18 @@ __global__ void __launch_bounds__(HCB_THREADS, 2) k_hcb_dots(const float *f, con
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int nb = gridDim.x;
     const int64_t c0 = (int64_t)blockIdx.x * HCB_CH, K = (int64_t)H * D;
-    for (int q = threadIdx.x; q < n_mix * H * HCB_CH; q += HCB_THREADS) {
+    constexpr int NQ = HC_NMIX_MAX * H * HCB_CH, NL = (NQ + HCB_THREADS - 1) / HCB_THREADS;
+    float wl[NL];
+#pragma unroll
+    for (int j = 0; j < NL; j++) {                /* every load in flight, then the stores */
+        const int q = threadIdx.x + j * HCB_THREADS;
         const int r = q / (H * HCB_CH), s = q / HCB_CH % H, c = q % HCB_CH;
-        w_s[q] = c0 + c < D ? hc_fn_elem<WT>(fn, (int64_t)r * K + (int64_t)s * D + c0 + c) : 0.0f;
+        wl[j] = q < NQ && r < n_mix && c0 + c < D ? hc_fn_elem<WT>(fn, (int64_t)r * K + (int64_t)s * D + c0 + c)
+                                                   : 0.0f;
     }
+#pragma unroll
+    for (int j = 0; j < NL; j++)
+        if (threadIdx.x + j * HCB_THREADS < NQ) w_s[threadIdx.x + j * HCB_THREADS] = wl[j];
     ds4_grid_dep();                               /* NOTE(pdl prologue): f, x, post, comb: the kernels' before */
     __syncthreads();
     const int t = blockIdx.y * HCB_TOK + warp;
