@@ -1682,6 +1682,26 @@ static void session_pop(void *ps[2], void *prev[2]) {
     }
 }
 
+/* A prompt's per-token ops at the batch sizes 1, 2, 7, 64, 512 and 4096, in a session sized for
+ * 4096-token batches: the compressor's pool (ratio 4 with its overlapping windows and ratio 128,
+ * from inside a block, so the state ring is read too) and hc_pre (k_hc_pre up to 8 tokens, the
+ * two batch kernels above). */
+static int test_prompt_batches(const ds4_limits *lim0) {
+    ds4_limits pl = *lim0;
+    pl.max_batch = 4096;
+    pl.n_ctx = 8192;
+    void *ps[2], *prev[2];
+    if (session_push(&pl, ps, prev) != 0) return 2;
+    const int in[6] = { 1, 2, 7, 64, 512, 4096 };
+    for (int ni = 0; ni < 6; ni++) {
+        test_compress_pool(3, in[ni], 4, 2, 512);
+        test_compress_pool(100, in[ni], 128, 1, 512);
+        test_hc_pre(in[ni], 4096, 4, 0, 1);
+    }
+    session_pop(ps, prev);
+    return 0;
+}
+
 /* The indexer at a prompt's batch sizes, 1, 2, 7, 64, 512 and 4096 queries of Flash's 64 x 128
  * heads with k = 512 (from position 0: the early queries see fewer rows than k, the sort-only
  * select, the later ones more), against the CPU, then a batch against one-query calls; in a
@@ -2177,6 +2197,7 @@ int main(int argc, char **argv) {
 
     if (test_tc_engine(&lim, 1) != 0) return 2;
     if (test_indexer_batches(&lim) != 0) return 2;
+    if (test_prompt_batches(&lim) != 0) return 2;
 
     if (test_prefill_attention(&lim) != 0) return 2;
 
