@@ -331,7 +331,7 @@ static void launch_attention_combine(const attn_args &a) {
  * owns 4 NJ dims, e = 128 j + 4 lane + c (NJ = d / 128 rounded up; float4
  * loads), and keeps its 4 heads' queries and outputs in registers.
  * Per group of 8 rows, a lane forms 32 partial scores (4 heads x 8 rows) over
- * its dims; one transposed butterfly (att_xsum32: 31 shuffles) leaves lane j
+ * its dims; one transposed butterfly (warp_xsum32: 31 shuffles) leaves lane j
  * the whole score of head j / 8 and row j % 8.  The online softmax advances
  * once per group: the group's maximum and sum over the head's 8 lanes, one
  * rescale of the outputs, then each row's weight is shuffled to every lane and
@@ -348,29 +348,6 @@ static void launch_attention_combine(const attn_args &a) {
 
 static size_t attention_tiles_smem(int d) {
     return (size_t)2 * ATT_TR * d * sizeof(float) + (size_t)ATT_MAX_TOPK * sizeof(int);
-}
-
-/* 32 values per lane in, one whole sum out: lane j gets the sum over the warp
- * of every lane's s[j].  Each halving step keeps the half its lane bit selects
- * and adds the partner's copy of it; the order is fixed. */
-template <int W>
-__device__ __forceinline__ void att_xstep(float (&s)[32], int lane) {
-    const bool up = (lane & W) != 0;
-#pragma unroll
-    for (int i = 0; i < W; i++) {
-        const float send = up ? s[i] : s[i + W];
-        const float keep = up ? s[i + W] : s[i];
-        s[i] = keep + __shfl_xor_sync(FULL_MASK, send, W);
-    }
-}
-
-__device__ __forceinline__ float att_xsum32(float (&s)[32], int lane) {
-    att_xstep<16>(s, lane);
-    att_xstep<8>(s, lane);
-    att_xstep<4>(s, lane);
-    att_xstep<2>(s, lane);
-    att_xstep<1>(s, lane);
-    return s[0];
 }
 
 /* Elements e .. e + 3 of an output head row as written: with a.derot their
@@ -499,7 +476,7 @@ __global__ void __launch_bounds__(ATT_THREADS, 1) k_attention_tiles(const attn_a
                 }
             }
             /* lane j: head j / 8, row j % 8 of this group */
-            const float sum = att_xsum32(s, lane);
+            const float sum = warp_xsum32(s, lane);
             const float sv = tt * ATT_TR + g * 8 + (lane & 7) < L ? sum * a.scale : -INFINITY;
             float mx = sv;
             mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 1));

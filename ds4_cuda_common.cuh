@@ -386,6 +386,29 @@ __device__ __forceinline__ uint2 ld_stream8(const void *p) {
     return v;
 }
 
+/* 32 values per lane in, one whole sum out: lane j gets the sum over the warp of every lane's
+ * s[j] (31 shuffles, where 32 butterflies take 160).  Each halving step keeps the half its
+ * lane bit selects and adds the partner's copy of it; the order is fixed. */
+template <int W>
+__device__ __forceinline__ void warp_xstep(float (&s)[32], int lane) {
+    const bool up = (lane & W) != 0;
+#pragma unroll
+    for (int i = 0; i < W; i++) {
+        const float send = up ? s[i] : s[i + W];
+        const float keep = up ? s[i + W] : s[i];
+        s[i] = keep + __shfl_xor_sync(FULL_MASK, send, W);
+    }
+}
+
+__device__ __forceinline__ float warp_xsum32(float (&s)[32], int lane) {
+    warp_xstep<16>(s, lane);
+    warp_xstep<8>(s, lane);
+    warp_xstep<4>(s, lane);
+    warp_xstep<2>(s, lane);
+    warp_xstep<1>(s, lane);
+    return s[0];
+}
+
 /* Ask for the 128-byte line at p to be brought into L2 (no register, no wait): what a
  * programmatic dependent's prologue does with weights it will read after its grid wait. */
 __device__ __forceinline__ void prefetch_l2(const void *p) {

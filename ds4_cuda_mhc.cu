@@ -1,5 +1,5 @@
 /* ds4_cuda_mhc.cu -- the CUDA backend's mHC ops: hc_mix (with Sinkhorn), hc_post, and hc_pre
- * (split-K at decode, one launch).
+ * (split-K: at decode one launch, for a prompt's batch two).
  */
 
 #include "ds4_cuda_common.cuh"
@@ -212,6 +212,98 @@ __device__ __forceinline__ float hc_fn_elem(const void *fn, int64_t idx) {
     return WT == DS4_TYPE_F16 ? dsq_f16(((const uint16_t *)fn)[idx]) : ((const float *)fn)[idx];
 }
 
+/* The finish of token t's hc_pre by a block of HCP_THREADS (k_hc_pre's last block, or
+ * k_hcb_finish's): the nb partial dots of every mix row and the nb partial sums of squares (at
+ * p0 = t nb, in block order), mix = rms * dot, pre, post and the Sinkhorn comb (warp 0), y =
+ * sum_s pre[s] x[s] and its RMSNorm (warps 1..31). */
+template <int H>
+__device__ void hcp_finish(const float *scale, const float *base, const float *norm_w, int64_t D, int head,
+                           float rms_eps, float hc_eps, int iters, const double *ss_part, const float *dot_part,
+                           int nb, int t, const float *x, float *y, float *post, float *comb) {
+    __shared__ float m_s[HC_NMIX_MAX], base_s[HC_NMIX_MAX];
+    __shared__ double ss_s, red2[HCP_THREADS / 32];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int n_mix = head ? H : (2 + H) * H;
+    const int64_t p0 = (int64_t)t * nb;
+    const float sc0 = scale[0];
+    float sc1 = 0.0f, sc2 = 0.0f;
+    if (threadIdx.x == 0 && !head) { sc1 = scale[1]; sc2 = scale[2]; }
+    if (warp < n_mix) {
+        float acc = 0.0f;
+        for (int bb = lane; bb < nb; bb += 32) acc += __ldcg(&dot_part[(p0 + bb) * n_mix + warp]);
+        acc = warp_sum(acc);
+        if (lane == 0) m_s[warp] = acc;
+    } else if (warp == HC_NMIX_MAX) {
+        double acc = 0.0;
+        for (int bb = lane; bb < nb; bb += 32) acc += __ldcg(&ss_part[p0 + bb]);
+        acc = warp_sum(acc);
+        if (lane == 0) ss_s = acc;
+    } else if (warp == HC_NMIX_MAX + 1) {
+        for (int r = lane; r < n_mix; r += 32) base_s[r] = base[r];
+    }
+    __syncthreads();
+    /* mix = rms * dot, and pre, computed the same way by every thread */
+    const float rs = 1.0f / sqrtf((float)(ss_s / (double)(H * D)) + rms_eps);
+    float pre[H];
+#pragma unroll
+    for (int s = 0; s < H; s++) pre[s] = sigmoid_f((m_s[s] * rs) * sc0 + base_s[s]) + hc_eps;
+
+    const float *xt = x + (int64_t)t * H * D;
+    float *yt = y + (int64_t)t * D;
+    constexpr int YT = HCP_THREADS - 32;          /* the threads of warps 1..31 */
+    const int yi = threadIdx.x - 32;
+    float yc[HCF_CACHE], nw[HCF_CACHE];
+    double ss = 0.0;
+    if (warp == 0) {
+        if (!head) {
+            /* mix = rms * dot for the post and comb logits (entries >= H: the
+             * other warps read only the pre logits, entries < H) */
+            for (int r = H + lane; r < (2 + H) * H; r += 32) m_s[r] *= rs;
+            __syncwarp();
+            hc_sinkhorn_lanes<H>(m_s, base_s, __shfl_sync(FULL_MASK, sc1, 0), __shfl_sync(FULL_MASK, sc2, 0),
+                                 hc_eps, iters, post + (int64_t)t * H, comb + (int64_t)t * H * H);
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < HCF_CACHE; j++) {
+            const int64_t e = (int64_t)j * YT + yi;
+            float acc = 0.0f;
+            nw[j] = 1.0f;
+            if (e < D) {
+                if (norm_w) nw[j] = norm_w[e];
+#pragma unroll
+                for (int s = 0; s < H; s++) acc += pre[s] * __ldcg(&xt[s * D + e]);
+            }
+            yc[j] = acc;
+            ss += (double)(acc * acc);
+        }
+        for (int64_t e = (int64_t)HCF_CACHE * YT + yi; e < D; e += YT) {
+            float acc = 0.0f;
+#pragma unroll
+            for (int s = 0; s < H; s++) acc += pre[s] * __ldcg(&xt[s * D + e]);
+            ss += (double)(acc * acc);
+        }
+    }
+    ss = warp_sum(ss);
+    if (lane == 0) red2[warp] = ss;
+    __syncthreads();
+    if (warp == 0) return;
+    double tot = 0.0;
+    for (int wv = 0; wv < HCP_THREADS / 32; wv++) tot += red2[wv];
+    const float sc = 1.0f / sqrtf((float)(tot / (double)D) + rms_eps);
+#pragma unroll
+    for (int j = 0; j < HCF_CACHE; j++) {
+        const int64_t e = (int64_t)j * YT + yi;
+        if (e < D) yt[e] = norm_w ? yc[j] * sc * nw[j] : yc[j] * sc;
+    }
+    for (int64_t e = (int64_t)HCF_CACHE * YT + yi; e < D; e += YT) {
+        float acc = 0.0f;
+#pragma unroll
+        for (int s = 0; s < H; s++) acc += pre[s] * __ldcg(&xt[s * D + e]);
+        yt[e] = norm_w ? acc * sc * norm_w[e] : acc * sc;
+    }
+}
+
 /* The one hc_pre kernel (see the banner).  H is the stream count as a
  * template argument, so every input of the residual update (post, f, the H
  * comb entries and the H residual streams) is loaded in one round, before
@@ -308,89 +400,159 @@ __global__ void __launch_bounds__(HCP_THREADS) k_hc_pre(const float *f, const fl
     __syncthreads();
     if (!last_s) return;
     __threadfence();
+    if (threadIdx.x == 0) count[t] = 0;           /* ready for the next launch */
+    hcp_finish<H>(scale, base, norm_w, D, head, rms_eps, hc_eps, iters, ss_part, dot_part, nb, t, x, y, post, comb);
+}
 
-    /* ---- the last block: reduce, mix, Sinkhorn, y and its norm ---- */
-    __shared__ float m_s[HC_NMIX_MAX], base_s[HC_NMIX_MAX];
-    __shared__ double ss_s, red2[HCP_THREADS / 32];
-    const float sc0 = scale[0];
-    float sc1 = 0.0f, sc2 = 0.0f;
-    if (threadIdx.x == 0) {
-        count[t] = 0;                             /* ready for the next launch */
-        if (!head) { sc1 = scale[1]; sc2 = scale[2]; }
-    }
-    if (warp < n_mix) {
-        float acc = 0.0f;
-        for (int bb = lane; bb < nb; bb += 32) acc += __ldcg(&dot_part[(p0 + bb) * n_mix + warp]);
-        acc = warp_sum(acc);
-        if (lane == 0) m_s[warp] = acc;
-    } else if (warp == HC_NMIX_MAX) {
-        double acc = 0.0;
-        for (int bb = lane; bb < nb; bb += 32) acc += __ldcg(&ss_part[p0 + bb]);
-        acc = warp_sum(acc);
-        if (lane == 0) ss_s = acc;
-    } else if (warp == HC_NMIX_MAX + 1) {
-        for (int r = lane; r < n_mix; r += 32) base_s[r] = base[r];
-    }
-    __syncthreads();
-    /* mix = rms * dot, and pre, computed the same way by every thread */
-    const float rs = 1.0f / sqrtf((float)(ss_s / (double)(H * D)) + rms_eps);
-    float pre[H];
+/* ---------------------------------------------------------------------------
+ * hc_pre of a batch (more than HC_SPLIT_MAX_NT tokens): two launches
+ *
+ * k_hcb_dots: block (chunk c of HCB_CH = 128 channels, HCB_TOK = 16 tokens), a warp per token.
+ *   Before its grid wait (a programmatic dependent launch's prologue: weights only) the block
+ *   stages the chunk's fn columns (every mix row, every stream, its 128 channels) in shared
+ *   memory, once for its 16 tokens, where k_hc_pre's blocks each read theirs for one token.
+ *   Each warp then applies its token's residual update to the chunk (lane l: channels l + 32 e,
+ *   e < 4, of every stream; k_hc_post's order), writes x, and forms the n_mix partial dots over
+ *   the chunk's H x 128 elements (a lane's 4 H products in stream order, then one transposed
+ *   butterfly, warp_xsum32: lane r holds row r's) and its partial sum of squares (double).  The
+ *   partials go to the op's flat scratch at [t][chunk].
+ * k_hcb_finish: a block per token runs hcp_finish over the chunks' partials, in chunk order.
+ * The arithmetic is k_hc_pre's with other partial sums (128 channels a chunk, not 32); like it,
+ * mix = rms * dot (the norm's scale after the dot).  An fn of another type takes the CPU op's
+ * composition (hc_post, rmsnorm, the matmul op, hc_mix, rmsnorm).
+ * ------------------------------------------------------------------------- */
+
+#define HCB_CH      128                 /* channels a chunk: 4 a lane */
+#define HCB_TOK     16                  /* tokens a block: a warp each */
+#define HCB_THREADS (HCB_TOK * 32)
+
+template <int H, int WT>
+__global__ void __launch_bounds__(HCB_THREADS, 2) k_hcb_dots(const float *f, const float *x_res, float *x,
+                                                             const void *fn, const float *post, const float *comb,
+                                                             int64_t D, int nt, int n_mix, double *ss_part,
+                                                             float *dot_part) {
+    /* NOTE(pdl prologue): the chunk's fn columns (the host's weights) are staged before the
+     * grid wait */
+    __shared__ float w_s[HC_NMIX_MAX * H * HCB_CH];   /* [row][stream][channel] */
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int nb = gridDim.x;
+    const int64_t c0 = (int64_t)blockIdx.x * HCB_CH, K = (int64_t)H * D;
+    constexpr int NQ = HC_NMIX_MAX * H * HCB_CH, NL = (NQ + HCB_THREADS - 1) / HCB_THREADS;
+    float wl[NL];
 #pragma unroll
-    for (int s = 0; s < H; s++) pre[s] = sigmoid_f((m_s[s] * rs) * sc0 + base_s[s]) + hc_eps;
-
-    const float *xt = x + (int64_t)t * H * D;
-    float *yt = y + (int64_t)t * D;
-    constexpr int YT = HCP_THREADS - 32;          /* the threads of warps 1..31 */
-    const int yi = threadIdx.x - 32;
-    float yc[HCF_CACHE], nw[HCF_CACHE];
-    double ss = 0.0;
-    if (warp == 0) {
-        if (!head) {
-            /* mix = rms * dot for the post and comb logits (entries >= H: the
-             * other warps read only the pre logits, entries < H) */
-            for (int r = H + lane; r < (2 + H) * H; r += 32) m_s[r] *= rs;
-            __syncwarp();
-            hc_sinkhorn_lanes<H>(m_s, base_s, __shfl_sync(FULL_MASK, sc1, 0), __shfl_sync(FULL_MASK, sc2, 0),
-                                 hc_eps, iters, post + (int64_t)t * H, comb + (int64_t)t * H * H);
+    for (int j = 0; j < NL; j++) {                /* every load in flight, then the stores */
+        const int q = threadIdx.x + j * HCB_THREADS;
+        const int r = q / (H * HCB_CH), s = q / HCB_CH % H, c = q % HCB_CH;
+        wl[j] = q < NQ && r < n_mix && c0 + c < D ? hc_fn_elem<WT>(fn, (int64_t)r * K + (int64_t)s * D + c0 + c)
+                                                   : 0.0f;
+    }
+#pragma unroll
+    for (int j = 0; j < NL; j++)
+        if (threadIdx.x + j * HCB_THREADS < NQ) w_s[threadIdx.x + j * HCB_THREADS] = wl[j];
+    ds4_grid_dep();                               /* NOTE(pdl prologue): f, x, post, comb: the kernels' before */
+    __syncthreads();
+    const int t = blockIdx.y * HCB_TOK + warp;
+    if (t >= nt) return;                          /* no barrier follows */
+    float v[H][4];
+    float *xt = x + (int64_t)t * H * D;
+    if (f) {
+        const float *xr = x_res + (int64_t)t * H * D, *ft = f + (int64_t)t * D;
+        float pv[H], cb[H][H], fv[4], xv[H][4];
+#pragma unroll
+        for (int s = 0; s < H; s++) {             /* every load first */
+            pv[s] = post[(int64_t)t * H + s];
+#pragma unroll
+            for (int bb = 0; bb < H; bb++) cb[s][bb] = comb[(int64_t)t * H * H + s + H * bb];
         }
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int64_t i = c0 + lane + 32 * e;
+            fv[e] = i < D ? ft[i] : 0.0f;
+#pragma unroll
+            for (int bb = 0; bb < H; bb++) xv[bb][e] = i < D ? xr[bb * D + i] : 0.0f;
+        }
+#pragma unroll
+        for (int s = 0; s < H; s++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                float acc = pv[s] * fv[e];        /* k_hc_post's order */
+#pragma unroll
+                for (int bb = 0; bb < H; bb++) acc += cb[s][bb] * xv[bb][e];
+                v[s][e] = acc;
+                const int64_t i = c0 + lane + 32 * e;
+                if (i < D) xt[s * D + i] = acc;
+            }
     } else {
 #pragma unroll
-        for (int j = 0; j < HCF_CACHE; j++) {
-            const int64_t e = (int64_t)j * YT + yi;
-            float acc = 0.0f;
-            nw[j] = 1.0f;
-            if (e < D) {
-                if (norm_w) nw[j] = norm_w[e];
+        for (int s = 0; s < H; s++)
 #pragma unroll
-                for (int s = 0; s < H; s++) acc += pre[s] * __ldcg(&xt[s * D + e]);
+            for (int e = 0; e < 4; e++) {
+                const int64_t i = c0 + lane + 32 * e;
+                v[s][e] = i < D ? xt[s * D + i] : 0.0f;
             }
-            yc[j] = acc;
-            ss += (double)(acc * acc);
-        }
-        for (int64_t e = (int64_t)HCF_CACHE * YT + yi; e < D; e += YT) {
-            float acc = 0.0f;
-#pragma unroll
-            for (int s = 0; s < H; s++) acc += pre[s] * __ldcg(&xt[s * D + e]);
-            ss += (double)(acc * acc);
-        }
     }
-    ss = warp_sum(ss);
-    if (lane == 0) red2[warp] = ss;
-    __syncthreads();
-    if (warp == 0) return;
-    double tot = 0.0;
-    for (int wv = 0; wv < HCP_THREADS / 32; wv++) tot += red2[wv];
-    const float sc = 1.0f / sqrtf((float)(tot / (double)D) + rms_eps);
+    float d[32];
 #pragma unroll
-    for (int j = 0; j < HCF_CACHE; j++) {
-        const int64_t e = (int64_t)j * YT + yi;
-        if (e < D) yt[e] = norm_w ? yc[j] * sc * nw[j] : yc[j] * sc;
-    }
-    for (int64_t e = (int64_t)HCF_CACHE * YT + yi; e < D; e += YT) {
+    for (int r = 0; r < 32; r++) {
         float acc = 0.0f;
+        if (r < n_mix) {
 #pragma unroll
-        for (int s = 0; s < H; s++) acc += pre[s] * __ldcg(&xt[s * D + e]);
-        yt[e] = norm_w ? acc * sc * norm_w[e] : acc * sc;
+            for (int s = 0; s < H; s++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) acc += w_s[(r * H + s) * HCB_CH + lane + 32 * e] * v[s][e];
+        }
+        d[r] = acc;
+    }
+    const float dot = warp_xsum32(d, lane);
+    double ss = 0.0;
+#pragma unroll
+    for (int s = 0; s < H; s++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) ss += (double)(v[s][e] * v[s][e]);
+    ss = warp_sum(ss);
+    const int64_t p = (int64_t)t * nb + blockIdx.x;
+    if (lane < n_mix) dot_part[p * n_mix + lane] = dot;
+    if (lane == 0) ss_part[p] = ss;
+}
+
+template <int H>
+__global__ void __launch_bounds__(HCP_THREADS) k_hcb_finish(const float *scale, const float *base, const float *norm_w,
+                                                           int64_t D, int head, float rms_eps, float hc_eps, int iters,
+                                                           const double *ss_part, const float *dot_part, int nb,
+                                                           const float *x, float *y, float *post, float *comb) {
+    ds4_grid_dep();
+    hcp_finish<H>(scale, base, norm_w, D, head, rms_eps, hc_eps, iters, ss_part, dot_part, nb, blockIdx.x, x, y, post,
+                  comb);
+}
+
+/* The batch's two launches (H streams, fn of type wt). */
+template <int H>
+static void launch_hc_pre_batch_t(const float *f, const float *x_res, float *x, const void *fn, int wt,
+                                  const float *scale, const float *base, const float *norm_w, int nt, int64_t D,
+                                  int head, float rms_eps, float hc_eps, int iters, double *ss_part,
+                                  float *dot_part, float *y, float *post, float *comb) {
+    const int n_mix = head ? H : (2 + H) * H;
+    const int nb = (int)((D + HCB_CH - 1) / HCB_CH);
+    const dim3 grid((unsigned)nb, (unsigned)((nt + HCB_TOK - 1) / HCB_TOK));
+    if (wt == DS4_TYPE_F16)
+        DS4_LAUNCH(k_hcb_dots<H, DS4_TYPE_F16>, grid, HCB_THREADS, 0, f, x_res, x, fn, post, comb, D, nt, n_mix,
+                   ss_part, dot_part);
+    else
+        DS4_LAUNCH(k_hcb_dots<H, DS4_TYPE_F32>, grid, HCB_THREADS, 0, f, x_res, x, fn, post, comb, D, nt, n_mix,
+                   ss_part, dot_part);
+    DS4_LAUNCH(k_hcb_finish<H>, (unsigned)nt, HCP_THREADS, 0, scale, base, norm_w, D, head, rms_eps, hc_eps, iters,
+               ss_part, dot_part, nb, x, y, post, comb);
+}
+
+static void launch_hc_pre_batch(const float *f, const float *x_res, float *x, const void *fn, int wt,
+                                const float *scale, const float *base, const float *norm_w, int nt, int64_t D, int h,
+                                int head, float rms_eps, float hc_eps, int iters, double *ss_part, float *dot_part,
+                                float *y, float *post, float *comb) {
+    switch (h) {
+    case 1: launch_hc_pre_batch_t<1>(f, x_res, x, fn, wt, scale, base, norm_w, nt, D, head, rms_eps, hc_eps, iters, ss_part, dot_part, y, post, comb); break;
+    case 2: launch_hc_pre_batch_t<2>(f, x_res, x, fn, wt, scale, base, norm_w, nt, D, head, rms_eps, hc_eps, iters, ss_part, dot_part, y, post, comb); break;
+    case 3: launch_hc_pre_batch_t<3>(f, x_res, x, fn, wt, scale, base, norm_w, nt, D, head, rms_eps, hc_eps, iters, ss_part, dot_part, y, post, comb); break;
+    default: launch_hc_pre_batch_t<4>(f, x_res, x, fn, wt, scale, base, norm_w, nt, D, head, rms_eps, hc_eps, iters, ss_part, dot_part, y, post, comb); break;
     }
 }
 
@@ -435,23 +597,29 @@ static void cuda_hc_pre(const float *f, const float *x_res, float *x,
     if (fn->ne[0] != (int64_t)h * D || fn->ne[1] != n_mix) {
         ds4_fatal("hc_pre: %s must be {%d, %d}", fn->name ? fn->name : "fn", h * D, n_mix);
     }
-    const int nb = (int)((D + HCP_CH - 1) / HCP_CH);
-    if (nt > HC_SPLIT_MAX_NT || (fn->type != DS4_TYPE_F32 && fn->type != DS4_TYPE_F16) ||
-        (int64_t)nb * (n_mix + 2) > (int64_t)h * D) {
-        /* the CPU op's composition: the projection through the matmul op
-         * (cuBLAS for a prompt, any weight type) */
-        if (f) launch_hc_post(f, x_res, post, comb, nt, D, h, x);
-        cuda_rmsnorm(x, NULL, flat, nt, h * D, rms_eps);
-        cuda_matmul(fn, 0, flat, mix, nt);
-        launch_hc_mix(mix, scale, base, x, nt, D, h, head, hc_eps, iters, y, post, comb);
-        cuda_rmsnorm(y, norm_w, y, nt, D, rms_eps);
+    /* the partials go to flat (nt*h*D floats): the squares (doubles) first, then the dots */
+    const bool fn_ok = fn->type == DS4_TYPE_F32 || fn->type == DS4_TYPE_F16;
+    const int nb = (int)((D + HCP_CH - 1) / HCP_CH), nbb = (int)((D + HCB_CH - 1) / HCB_CH);
+    if (fn_ok && nt <= HC_SPLIT_MAX_NT && (int64_t)nb * (n_mix + 2) <= (int64_t)h * D) {
+        double *ss_part = (double *)flat;
+        float *dot_part = flat + 2 * (int64_t)nt * nb;
+        launch_hc_pre(f, x_res, x, fn->dev, fn->type, scale, base, norm_w, nt, D, h, head, rms_eps, hc_eps, iters, nb,
+                      ss_part, dot_part, y, post, comb);
         return;
     }
-    /* flat holds nt*h*D floats: the squares (doubles) first, then the dots */
-    double *ss_part = (double *)flat;
-    float *dot_part = flat + 2 * (int64_t)nt * nb;
-    launch_hc_pre(f, x_res, x, fn->dev, fn->type, scale, base, norm_w, nt, D, h, head, rms_eps, hc_eps, iters, nb,
-                  ss_part, dot_part, y, post, comb);
+    if (fn_ok && (int64_t)nbb * (n_mix + 2) <= (int64_t)h * D) {
+        double *ss_part = (double *)flat;
+        float *dot_part = flat + 2 * (int64_t)nt * nbb;
+        launch_hc_pre_batch(f, x_res, x, fn->dev, fn->type, scale, base, norm_w, nt, D, h, head, rms_eps, hc_eps,
+                            iters, ss_part, dot_part, y, post, comb);
+        return;
+    }
+    /* the CPU op's composition: the projection through the matmul op (any weight type) */
+    if (f) launch_hc_post(f, x_res, post, comb, nt, D, h, x);
+    cuda_rmsnorm(x, NULL, flat, nt, h * D, rms_eps);
+    cuda_matmul(fn, 0, flat, mix, nt);
+    launch_hc_mix(mix, scale, base, x, nt, D, h, head, hc_eps, iters, y, post, comb);
+    cuda_rmsnorm(y, norm_w, y, nt, D, rms_eps);
 }
 
 /* Its entries in the backend table (ds4_cuda.cu). */

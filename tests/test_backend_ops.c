@@ -426,10 +426,10 @@ static ds4_rope test_rope_params(int n_rot, int yarn) {
  * F32 projection (K = h*D: the long-K shape), hc_mix and the sublayer norm.
  * Head mode gets a 1-entry scale buffer, as the model has, so a read past
  * it is a sanitizer error. */
-static void test_hc_pre(int nt, int D, int h, int head, int with_f) {
+static void test_hc_pre_t(int type, int nt, int D, int h, int head, int with_f) {
     const int n_mix = head ? h : (2 + h) * h;
     const int64_t K = (int64_t)h * D;
-    ds4_weight fn = make_weight(DS4_TYPE_F32, K, n_mix, 1, 2.0f / sqrtf((float)K));
+    ds4_weight fn = make_weight(type, K, n_mix, 1, 2.0f / sqrtf((float)K));
     const int n_sc = head ? 1 : 3;
     float *scale = rnd_vec(n_sc, 1.0f), *base = rnd_vec(n_mix, 0.5f), *nw = rnd_vec(D, 1.0f);
     float *f = rnd_vec((size_t)nt * D, 1.0f), *xr = rnd_vec((size_t)nt * K, 1.0f), *x = rnd_vec((size_t)nt * K, 1.0f);
@@ -454,7 +454,8 @@ static void test_hc_pre(int nt, int D, int h, int head, int with_f) {
         dev_free_all(bi);
     }
     char shape[96];
-    snprintf(shape, sizeof shape, "nt=%d D=%d hc=%d head=%d%s", nt, D, h, head, with_f ? " +update" : "");
+    snprintf(shape, sizeof shape, "%s%snt=%d D=%d hc=%d head=%d%s", type == DS4_TYPE_F32 ? "" : type_name(type),
+             type == DS4_TYPE_F32 ? "" : " ", nt, D, h, head, with_f ? " +update" : "");
     /* the update: as hc_post (ULP); y, post, comb: sigmoids and a normalised
      * sum of the mix logits, which carry the DOT error of a K = h*D product;
      * comb also multiplies by hardware reciprocals (~2 ulp a step, Sinkhorn
@@ -468,6 +469,7 @@ static void test_hc_pre(int nt, int D, int h, int head, int with_f) {
     for (int bi = 0; bi < 2; bi++) { free(ox[bi]); free(oy[bi]); free(op[bi]); free(oc[bi]); }
     free(scale); free(base); free(nw); free(f); free(xr); free(x); free(post); free(comb); free_weight(&fn);
 }
+static void test_hc_pre(int nt, int D, int h, int head, int with_f) { test_hc_pre_t(DS4_TYPE_F32, nt, D, h, head, with_f); }
 
 /* matmul_multi: n projections of one x, optionally through the input norm and
  * with ape tables on some of them.  types[i] lets one call mix types (the
@@ -1682,6 +1684,26 @@ static void session_pop(void *ps[2], void *prev[2]) {
     }
 }
 
+/* A prompt's per-token ops at the batch sizes 1, 2, 7, 64, 512 and 4096, in a session sized for
+ * 4096-token batches: the compressor's pool (ratio 4 with its overlapping windows and ratio 128,
+ * from inside a block, so the state ring is read too) and hc_pre (k_hc_pre up to 8 tokens, the
+ * two batch kernels above). */
+static int test_prompt_batches(const ds4_limits *lim0) {
+    ds4_limits pl = *lim0;
+    pl.max_batch = 4096;
+    pl.n_ctx = 8192;
+    void *ps[2], *prev[2];
+    if (session_push(&pl, ps, prev) != 0) return 2;
+    const int in[6] = { 1, 2, 7, 64, 512, 4096 };
+    for (int ni = 0; ni < 6; ni++) {
+        test_compress_pool(3, in[ni], 4, 2, 512);
+        test_compress_pool(100, in[ni], 128, 1, 512);
+        test_hc_pre(in[ni], 4096, 4, 0, 1);
+    }
+    session_pop(ps, prev);
+    return 0;
+}
+
 /* The indexer at a prompt's batch sizes, 1, 2, 7, 64, 512 and 4096 queries of Flash's 64 x 128
  * heads with k = 512 (from position 0: the early queries see fewer rows than k, the sort-only
  * select, the later ones more), against the CPU, then a batch against one-query calls; in a
@@ -2090,6 +2112,20 @@ int main(int argc, char **argv) {
     test_hc_pre(2, 100, 4, 1, 0);
     test_hc_pre(1, 1000, 3, 0, 1);
     test_hc_pre(5, 8192, 4, 0, 1);
+    /* a prompt's batch (k_hcb_dots: 16 tokens a block, 128 channels a chunk): token counts and
+     * widths that fill neither, three streams, head mode */
+    test_hc_pre(200, 4096, 4, 0, 1);
+    test_hc_pre(100, 4096, 4, 1, 0);
+    test_hc_pre(37, 1000, 3, 0, 1);
+    test_hc_pre(37, 1000, 3, 1, 0);        /* head mode and no update on a part-filled chunk */
+    test_hc_pre(20, 96, 4, 0, 0);
+    /* the published files' fn weights are F16 (k_hcb_dots<H, F16>, k_hc_pre<H, F16>); another
+     * type takes the chain of ops (hc_post, the norms, the product, hc_mix) */
+    test_hc_pre_t(DS4_TYPE_F16, 37, 1000, 3, 0, 1);
+    test_hc_pre_t(DS4_TYPE_F16, 200, 4096, 4, 0, 1);
+    test_hc_pre_t(DS4_TYPE_F16, 5, 4096, 4, 0, 1);
+    test_hc_pre_t(DS4_TYPE_F16, 1, 4096, 4, 1, 1);
+    test_hc_pre_t(DS4_TYPE_Q8_0, 20, 4096, 4, 0, 1);
     {
         /* the attention input's seven projections (ratio-4 layer of Flash) */
         const int q8[7] = { DS4_TYPE_Q8_0, DS4_TYPE_Q8_0, DS4_TYPE_Q8_0, DS4_TYPE_Q8_0, DS4_TYPE_Q8_0,
@@ -2172,6 +2208,7 @@ int main(int argc, char **argv) {
 
     if (test_tc_engine(&lim, 1) != 0) return 2;
     if (test_indexer_batches(&lim) != 0) return 2;
+    if (test_prompt_batches(&lim) != 0) return 2;
 
     if (test_prefill_attention(&lim) != 0) return 2;
 
