@@ -156,14 +156,16 @@ __device__ __forceinline__ void tc_split_elems(const float *xr, const float *ur,
  * tid + 256, ...): the row's largest |element| first, then each chunk's 8 elements split and
  * stored as one 16-byte store per plane.  Row t is src.x's row t, or with src.rows its row
  * rows[t] / rdiv (the MoE's gather of its pairs' tokens, the values k_moe_gather would have
- * copied); with src.u, swiglu(x, u) (tc_split_elems). */
+ * copied); with src.u, swiglu(x, u) (tc_split_elems).  MADE: rows or u may be set (the
+ * plain splits, every other product's, compile without them). */
+template <bool MADE>
 __global__ void k_tc_split(const tc_src src, int K, int nt, int ntp, uint8_t *xs, size_t part_bytes, int perm) {
     ds4_grid_dep();
     const int t = blockIdx.x;
     const size_t plane = (size_t)ntp * K;
     __half *base = (__half *)(xs + part_bytes * blockIdx.y);
     float *inv = (float *)(base + 3 * plane);
-    const float *x = src.x + (int64_t)K * blockIdx.y, *u = src.u ? src.u + (int64_t)K * blockIdx.y : NULL;
+    const float *x = src.x + (int64_t)K * blockIdx.y, *u = MADE && src.u ? src.u + (int64_t)K * blockIdx.y : NULL;
     const int64_t ldx = src.ldx;
     uint4 *h0 = (uint4 *)(base + (size_t)t * K), *h1 = (uint4 *)((__half *)h0 + plane),
           *h2 = (uint4 *)((__half *)h1 + plane);
@@ -174,7 +176,7 @@ __global__ void k_tc_split(const tc_src src, int K, int nt, int ntp, uint8_t *xs
         if (threadIdx.x == 0) inv[t] = 0.0f;
         return;
     }
-    const int64_t row = src.rows ? src.rows[t] / src.rdiv : t;
+    const int64_t row = MADE && src.rows ? src.rows[t] / src.rdiv : t;
     const float *xr = x + row * ldx, *ur = u ? u + row * ldx : NULL;
     float m = 0.0f;
     for (int c = threadIdx.x; c < nc; c += blockDim.x) {
@@ -930,8 +932,12 @@ static tc_split launch_tc_split(const tc_src &src, int64_t K, int64_t n, int par
     sp.parts = parts;
     sp.part_bytes = gemm_tc_scratch_bytes(n, K);
     sp.xs = scratch_get(&sess()->tc_x, sp.part_bytes * (size_t)parts);
-    DS4_LAUNCH(k_tc_split, dim3((unsigned)sp.ntp, (unsigned)parts), TC_THREADS, 0, src, (int)K, (int)n,
-               (int)sp.ntp, (uint8_t *)sp.xs, sp.part_bytes, (int)tc_wg());
+    if (src.rows || src.u)      /* MADE: the rows made as they are read; plain splits keep 32 registers */
+        DS4_LAUNCH(k_tc_split<true>, dim3((unsigned)sp.ntp, (unsigned)parts), TC_THREADS, 0, src, (int)K, (int)n,
+                   (int)sp.ntp, (uint8_t *)sp.xs, sp.part_bytes, (int)tc_wg());
+    else
+        DS4_LAUNCH(k_tc_split<false>, dim3((unsigned)sp.ntp, (unsigned)parts), TC_THREADS, 0, src, (int)K, (int)n,
+                   (int)sp.ntp, (uint8_t *)sp.xs, sp.part_bytes, (int)tc_wg());
     return sp;
 }
 

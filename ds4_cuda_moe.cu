@@ -470,9 +470,7 @@ static void cuda_moe_experts(const float *x, const int32_t *sel, const float *wt
     DS4_CUDA_CHECK(cudaMemcpyAsync(dperm, hperm, (tc ? tiles_at + 4 * (size_t)n_tiles : (size_t)(2 * pairs)) *
                                    sizeof(int32_t), cudaMemcpyHostToDevice, ds4_current_stream()));
 
-    float *xg = (float *)scratch_get(&sess()->moe_xg, (size_t)(pairs * D) * sizeof(float));
     float *gu = (float *)scratch_get(&sess()->moe_gu, (size_t)(pairs * 2 * F) * sizeof(float));
-    float *h = (float *)scratch_get(&sess()->moe_h, (size_t)(pairs * F) * sizeof(float));
     float *tmp = (float *)scratch_get(&sess()->moe_tmp, (size_t)(pairs * D) * sizeof(float));
     if (tc) {
         /* grouped launches over every expert's tiles (ds4_cuda_gemm.cu): gate and up in one
@@ -497,6 +495,8 @@ static void cuda_moe_experts(const float *x, const int32_t *sel, const float *wt
         return;
     }
 
+    float *xg = (float *)scratch_get(&sess()->moe_xg, (size_t)(pairs * D) * sizeof(float));
+    float *h = (float *)scratch_get(&sess()->moe_h, (size_t)(pairs * F) * sizeof(float));
     launch_moe_gather(x, dperm, k, pairs, D, xg);
     const size_t gbytes = (size_t)F * rb_g, ubytes = (size_t)F * rb_u, dbytes = (size_t)D * rb_d;
     for (int64_t e = 0; e < E; e++) {
