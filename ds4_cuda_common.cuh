@@ -671,6 +671,11 @@ bool gemm_tc_ok(int type, const void *w, size_t row_bytes, int64_t K);
 size_t gemm_tc_scratch_bytes(int64_t nt, int64_t K);
 void gemm_tc_setup(void);
 tc_split gemm_tc_split(const float *x, int64_t ldx, int64_t K, int64_t n, int parts);
+/* A split's rows made as they are split: row t is x's row t (row stride ldx), or with rows its
+ * row rows[t] / rdiv (rows on the device); with u each element is silu_mul(x, u, limit), u's
+ * row at the same offset (the MoE's gather and swiglu, without their copies). */
+struct tc_src { const float *x, *u; int64_t ldx; const int32_t *rows; int rdiv; float limit; };
+tc_split gemm_tc_split_from(const tc_src &src, int64_t K, int64_t n);
 int gemm_tc_parts_fit(int64_t n, int64_t K);
 void gemm_tc_multi(int type, size_t mat_bytes, size_t row_bytes, const tc_split &sp, int n, const tc_seg *seg,
                    const int4 *tiles, int n_tiles);

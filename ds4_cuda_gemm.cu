@@ -140,17 +140,33 @@ __device__ __forceinline__ void tc_split_src(const float *xr, int c, int perm, f
     }
 }
 
+/* The 8 elements of chunk c of a row to split: x's (xr), or with u (the MoE's swiglu) each
+ * silu_mul(x's, u's, limit), the value k_swiglu would have stored (the same function). */
+__device__ __forceinline__ void tc_split_elems(const float *xr, const float *ur, float limit, int c, int perm,
+                                               float (&v)[8]) {
+    tc_split_src(xr, c, perm, v);
+    if (!ur) return;
+    float w[8];
+    tc_split_src(ur, c, perm, w);
+#pragma unroll
+    for (int i = 0; i < 8; i++) v[i] = silu_mul(v[i], w[i], limit);
+}
+
 /* Block (t, p): token t's part p.  A thread takes 16-byte chunks of the planes (c = tid,
  * tid + 256, ...): the row's largest |element| first, then each chunk's 8 elements split and
- * stored as one 16-byte store per plane. */
-__global__ void k_tc_split(const float *x, int64_t ldx, int K, int nt, int ntp, uint8_t *xs, size_t part_bytes,
-                           int perm) {
+ * stored as one 16-byte store per plane.  Row t is src.x's row t, or with src.rows its row
+ * rows[t] / rdiv (the MoE's gather of its pairs' tokens, the values k_moe_gather would have
+ * copied); with src.u, swiglu(x, u) (tc_split_elems).  MADE: rows or u may be set (the
+ * plain splits, every other product's, compile without them). */
+template <bool MADE>
+__global__ void k_tc_split(const tc_src src, int K, int nt, int ntp, uint8_t *xs, size_t part_bytes, int perm) {
     ds4_grid_dep();
     const int t = blockIdx.x;
     const size_t plane = (size_t)ntp * K;
     __half *base = (__half *)(xs + part_bytes * blockIdx.y);
     float *inv = (float *)(base + 3 * plane);
-    x += (int64_t)K * blockIdx.y;
+    const float *x = src.x + (int64_t)K * blockIdx.y, *u = MADE && src.u ? src.u + (int64_t)K * blockIdx.y : NULL;
+    const int64_t ldx = src.ldx;
     uint4 *h0 = (uint4 *)(base + (size_t)t * K), *h1 = (uint4 *)((__half *)h0 + plane),
           *h2 = (uint4 *)((__half *)h1 + plane);
     const int nc = K / 8;
@@ -160,11 +176,12 @@ __global__ void k_tc_split(const float *x, int64_t ldx, int K, int nt, int ntp, 
         if (threadIdx.x == 0) inv[t] = 0.0f;
         return;
     }
-    const float *xr = x + (int64_t)t * ldx;
+    const int64_t row = MADE && src.rows ? src.rows[t] / src.rdiv : t;
+    const float *xr = x + row * ldx, *ur = u ? u + row * ldx : NULL;
     float m = 0.0f;
     for (int c = threadIdx.x; c < nc; c += blockDim.x) {
         float v[8];
-        tc_split_src(xr, c, perm, v);
+        tc_split_elems(xr, ur, src.limit, c, perm, v);
 #pragma unroll
         for (int i = 0; i < 8; i++) m = fmaxf(m, fabsf(v[i]));
     }
@@ -178,7 +195,7 @@ __global__ void k_tc_split(const float *x, int64_t ldx, int K, int nt, int ntp, 
     const float s = __int_as_float((127 + a) << 23);
     for (int c = threadIdx.x; c < nc; c += blockDim.x) {
         float v[8];
-        tc_split_src(xr, c, perm, v);
+        tc_split_elems(xr, ur, src.limit, c, perm, v);
         uint32_t w[3][4];
 #pragma unroll
         for (int i = 0; i < 4; i++) {
@@ -907,7 +924,7 @@ bool gemm_tc_ok(int type, const void *w, size_t row_bytes, int64_t K) {
 
 /* The split of n rows of x (row stride ldx) into the session's scratch: parts parts of K
  * columns each, part p from column p K. */
-tc_split gemm_tc_split(const float *x, int64_t ldx, int64_t K, int64_t n, int parts) {
+static tc_split launch_tc_split(const tc_src &src, int64_t K, int64_t n, int parts) {
     tc_split sp;
     sp.K = K;
     sp.n = n;
@@ -915,9 +932,25 @@ tc_split gemm_tc_split(const float *x, int64_t ldx, int64_t K, int64_t n, int pa
     sp.parts = parts;
     sp.part_bytes = gemm_tc_scratch_bytes(n, K);
     sp.xs = scratch_get(&sess()->tc_x, sp.part_bytes * (size_t)parts);
-    DS4_LAUNCH(k_tc_split, dim3((unsigned)sp.ntp, (unsigned)parts), TC_THREADS, 0, x, ldx, (int)K, (int)n,
-               (int)sp.ntp, (uint8_t *)sp.xs, sp.part_bytes, (int)tc_wg());
+    if (src.rows || src.u)      /* MADE: the rows made as they are read; plain splits keep 32 registers */
+        DS4_LAUNCH(k_tc_split<true>, dim3((unsigned)sp.ntp, (unsigned)parts), TC_THREADS, 0, src, (int)K, (int)n,
+                   (int)sp.ntp, (uint8_t *)sp.xs, sp.part_bytes, (int)tc_wg());
+    else
+        DS4_LAUNCH(k_tc_split<false>, dim3((unsigned)sp.ntp, (unsigned)parts), TC_THREADS, 0, src, (int)K, (int)n,
+                   (int)sp.ntp, (uint8_t *)sp.xs, sp.part_bytes, (int)tc_wg());
     return sp;
+}
+
+tc_split gemm_tc_split(const float *x, int64_t ldx, int64_t K, int64_t n, int parts) {
+    const tc_src src = { x, NULL, ldx, NULL, 1, 0.0f };
+    return launch_tc_split(src, K, n, parts);
+}
+
+/* One part of n rows made on the fly (ds4_cuda_common.cuh, tc_src): gathered through rows /
+ * rdiv, and/or swiglu(x, u) with limit. */
+tc_split gemm_tc_split_from(const tc_src &src, int64_t K, int64_t n) {
+    if (src.rows && src.rdiv < 1) ds4_fatal("gemm_tc_split_from: row divisor %d below 1", src.rdiv);
+    return launch_tc_split(src, K, n, 1);
 }
 
 /* How many parts of n tokens x K the session's scratch holds. */

@@ -470,16 +470,16 @@ static void cuda_moe_experts(const float *x, const int32_t *sel, const float *wt
     DS4_CUDA_CHECK(cudaMemcpyAsync(dperm, hperm, (tc ? tiles_at + 4 * (size_t)n_tiles : (size_t)(2 * pairs)) *
                                    sizeof(int32_t), cudaMemcpyHostToDevice, ds4_current_stream()));
 
-    float *xg = (float *)scratch_get(&sess()->moe_xg, (size_t)(pairs * D) * sizeof(float));
     float *gu = (float *)scratch_get(&sess()->moe_gu, (size_t)(pairs * 2 * F) * sizeof(float));
-    float *h = (float *)scratch_get(&sess()->moe_h, (size_t)(pairs * F) * sizeof(float));
     float *tmp = (float *)scratch_get(&sess()->moe_tmp, (size_t)(pairs * D) * sizeof(float));
-    launch_moe_gather(x, dperm, k, pairs, D, xg);
     if (tc) {
         /* grouped launches over every expert's tiles (ds4_cuda_gemm.cu): gate and up in one
-         * (two, if their types differ), then down */
+         * (two, if their types differ), then down.  The split of the gate|up input reads each
+         * pair's token row itself (no gathered copy), the down projection's computes swiglu
+         * itself (no h): the values the copies would have held */
         const int4 *dtiles = (const int4 *)(dperm + tiles_at);
-        const tc_split sx = gemm_tc_split(xg, D, D, pairs, 1);
+        const tc_src gx = { x, NULL, D, dperm, k, 0.0f };
+        const tc_split sx = gemm_tc_split_from(gx, D, pairs);
         const tc_seg gs[2] = { { (const uint8_t *)gate->dev, F, gu, 2 * F, 0 }, { (const uint8_t *)up->dev, F, gu + F, 2 * F, 0 } };
         if (gate->type == up->type) {
             gemm_tc_multi(gate->type, (size_t)F * rb_g, rb_g, sx, 2, gs, dtiles, n_tiles);
@@ -487,14 +487,17 @@ static void cuda_moe_experts(const float *x, const int32_t *sel, const float *wt
             gemm_tc_multi(gate->type, (size_t)F * rb_g, rb_g, sx, 1, &gs[0], dtiles, n_tiles);
             gemm_tc_multi(up->type, (size_t)F * rb_u, rb_u, sx, 1, &gs[1], dtiles, n_tiles);
         }
-        launch_swiglu(gu, gu + F, h, pairs, F, 2 * F, F, clamp);
-        const tc_split sh = gemm_tc_split(h, F, F, pairs, 1);
+        const tc_src hx = { gu, gu + F, 2 * F, NULL, 1, clamp };
+        const tc_split sh = gemm_tc_split_from(hx, F, pairs);
         const tc_seg ds = { (const uint8_t *)down->dev, D, tmp, D, 0 };
         gemm_tc_multi(down->type, (size_t)D * rb_d, rb_d, sh, 1, &ds, dtiles, n_tiles);
         launch_moe_combine(tmp, dpos, wts, nt, k, D, add, out);
         return;
     }
 
+    float *xg = (float *)scratch_get(&sess()->moe_xg, (size_t)(pairs * D) * sizeof(float));
+    float *h = (float *)scratch_get(&sess()->moe_h, (size_t)(pairs * F) * sizeof(float));
+    launch_moe_gather(x, dperm, k, pairs, D, xg);
     const size_t gbytes = (size_t)F * rb_g, ubytes = (size_t)F * rb_u, dbytes = (size_t)D * rb_d;
     for (int64_t e = 0; e < E; e++) {
         const int64_t r0 = off[e], cnt = off[e + 1] - off[e];

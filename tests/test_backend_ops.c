@@ -1797,6 +1797,8 @@ static int test_tc_engine(const ds4_limits *lim0, int eng_last) {
          * 4096 x 4096: the 8 groups go as two launches of 4 */
         test_matmul_grouped(DS4_TYPE_Q8_0, 4096, 8, 64, 4096);
         test_moe_experts(DS4_TYPE_Q8_0, 2048, 512, 16, 6, 4096, 10.0f, 0);
+        /* a clamp the gate and up values cross (the swiglu the down projection's split makes) */
+        test_moe_experts(DS4_TYPE_Q8_0, 2048, 512, 16, 6, 512, 0.5f, 0);
         session_pop(ps, prev);
     }
     return 0;
