@@ -37,7 +37,9 @@
 # take hours), written to $TMPDIR.  san: compute-sanitizer on prefills of SAN_MODELS and on
 # test_backend_ops (SAN_OPS: 1 every case, tc the tensor-core engine's, 0 none).
 # l2read: bench/l2_read (the SMs' read bandwidth from L2, ld.global.cg and cp.async).
-#   scripts/gpu-prefill.sh [peak] [l2read] [test] [bench] [attn] [tcw] [q2] [hooks] [vs] [same] [report] [prof] [dprof] [dreport] [l2hot] [stall] [exact] [tcsame] [san] [peer]
+# tbsame: CUDA logits with DS4_CUDA_PREFILL_TC=2 and each of TBSAME_TCS ("3") on TBSAME_MODELS
+# (config/type), a 300-token prompt + 32 greedy steps, byte for byte (the same sums).
+#   scripts/gpu-prefill.sh [peak] [l2read] [test] [bench] [attn] [tcw] [q2] [hooks] [vs] [same] [tbsame] [report] [prof] [dprof] [dreport] [l2hot] [stall] [exact] [tcsame] [san] [peer]
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-build/gpu-out}; mkdir -p "$OUT"
@@ -149,6 +151,25 @@ if want same; then
     else echo "small $ty: CUDA LOGITS DIFFER: $(python3 tests/oracle/ds4logit.py compare "$OUT/same-$ty-prev.ds4logit" \
         "$OUT/same-$ty-head.ds4logit" --tol 5e-5 2>&1 | tr '\n' ' ')"; fi
     rm -f "$OUT"/*.gguf "$OUT"/same-*.ds4logit
+  done
+fi
+if want tbsame; then
+  step "CUDA logits, DS4_CUDA_PREFILL_TC=2 against ${TBSAME_TCS:-3} (the same sums): TBSAME_MODELS, a 300-token prompt + 32 greedy steps"
+  P=$(python3 -c "print(','.join(str((i * 7919) % 1000 + 1) for i in range(300)))")
+  for m in ${TBSAME_MODELS:-small/q8_0 small/f16 small-q4/ small-q2/}; do
+    cfg=${m%%/*}; ty=${m#*/}
+    ./ds4 synth --config "$cfg" --seed 1 ${ty:+--type $ty} -o "$OUT/tb.gguf" > /dev/null 2>&1
+    for tc in 2 ${TBSAME_TCS:-3}; do
+      DS4_CUDA_PREFILL_TC=$tc timeout 120 ./ds4 -m "$OUT/tb.gguf" --backend cuda --tokens "$P" -n 32 \
+        --dump-logits "$OUT/tb-$tc.ds4logit" > "$OUT/tb-$tc.log" 2>&1 || echo "$m TC=$tc: rc $? $(tail -1 "$OUT/tb-$tc.log")"
+    done
+    for tc in ${TBSAME_TCS:-3}; do
+      if cmp -s "$OUT/tb-2.ds4logit" "$OUT/tb-$tc.ds4logit"; then
+        echo "$m: CUDA logits with TC=$tc byte-identical to TC=2 ($(stat -c %s "$OUT/tb-$tc.ds4logit") bytes)"
+      else echo "$m: TC=$tc LOGITS DIFFER: $(python3 tests/oracle/ds4logit.py compare "$OUT/tb-2.ds4logit" \
+          "$OUT/tb-$tc.ds4logit" --tol 5e-5 2>&1 | tr '\n' ' ')"; fi
+    done
+    rm -f "$OUT/tb.gguf" "$OUT"/tb-*.ds4logit
   done
 fi
 if want report; then

@@ -1705,7 +1705,7 @@ static int test_indexer_batches(const ds4_limits *lim0) {
 
 /* Prefill on tensor cores, in a session sized for 4096-token batches (`test_backend_ops tc`
  * runs this alone, e.g. under compute-sanitizer). */
-static int test_tc_engine(const ds4_limits *lim0, int eng_last) {
+static int test_tc_engine(const ds4_limits *lim0, int eng_first, int eng_last) {
     const ds4_limits lim = *lim0;
     /* prefill on tensor cores (ds4_cuda_gemm.cu, Q8_0, F16, then the super-block types): the batch sizes 1, 2, 7, 64, 512
      * and 4096, rows that do not fill a tile, the grouped and expert paths with experts that get
@@ -1713,8 +1713,9 @@ static int test_tc_engine(const ds4_limits *lim0, int eng_last) {
      * types mixed, gate|up, the groups of a grouped product, more groups than one launch or
      * the split scratch takes); in a session sized for 4096-token batches.  Twice: with
      * prefill_tc = 2 (k_tc_wgmma on an sm_90 build and card, else k_tc_gemm) and 1 (k_tc_gemm);
-     * down to eng_last (`test_backend_ops tc2`: 2 alone) */
-    for (int eng = 2; eng >= eng_last; eng--) {
+     * from eng_first down to eng_last (`test_backend_ops tc2`: 2 alone; tc3: 3 alone, k_tc_wgmma
+     * with the activations' stage copies by the tensor memory accelerator) */
+    for (int eng = eng_first; eng >= eng_last; eng--) {
         ds4_limits pl = lim;
         pl.prefill_tc = eng;
         printf("(prefill products: DS4_CUDA_PREFILL_TC=%d)\n", eng);
@@ -1829,10 +1830,11 @@ static int test_prefill_attention(const ds4_limits *lim) {
 }
 
 int main(int argc, char **argv) {
-    if (argc > 2 || (argc == 2 && strcmp(argv[1], "tc") != 0 && strcmp(argv[1], "tc2") != 0 && strcmp(argv[1], "rows") != 0 &&
+    if (argc > 2 || (argc == 2 && strcmp(argv[1], "tc") != 0 && strcmp(argv[1], "tc2") != 0 &&
+                     strcmp(argv[1], "tc3") != 0 && strcmp(argv[1], "rows") != 0 &&
                      strcmp(argv[1], "ix") != 0 && strcmp(argv[1], "att") != 0)) {
-        fprintf(stderr, "usage: test_backend_ops [tc|tc2|rows|ix|att]   (tc: only the tensor-core engine's cases, "
-                        "with DS4_CUDA_PREFILL_TC 2 and 1; tc2: those with 2 alone; rows: "
+        fprintf(stderr, "usage: test_backend_ops [tc|tc2|tc3|rows|ix|att]   (tc: only the tensor-core engine's cases, "
+                        "with DS4_CUDA_PREFILL_TC 2 and 1; tc2, tc3: those with 2 or 3 alone; rows: "
                         "only a batch's rows against one-token calls: attention, the weight products; ix: only the "
                         "indexer at a prompt's batch sizes; att: only the prefill attention kernels)\n");
         return 2;
@@ -1887,7 +1889,8 @@ int main(int argc, char **argv) {
         return g_fail ? 1 : 0;
     }
     if (argc == 2) {
-        if (test_tc_engine(&lim, strcmp(argv[1], "tc2") ? 1 : 2) != 0) return 2;
+        const int first = !strcmp(argv[1], "tc3") ? 3 : 2, last = !strcmp(argv[1], "tc") ? 1 : first;
+        if (test_tc_engine(&lim, first, last) != 0) return 2;
         printf("%d passed, %d failed\n", g_pass, g_fail);
         return g_fail ? 1 : 0;
     }
@@ -2170,7 +2173,7 @@ int main(int argc, char **argv) {
 
     test_quant_types();
 
-    if (test_tc_engine(&lim, 1) != 0) return 2;
+    if (test_tc_engine(&lim, 2, 1) != 0) return 2;
     if (test_indexer_batches(&lim) != 0) return 2;
 
     if (test_prefill_attention(&lim) != 0) return 2;
