@@ -37,9 +37,10 @@
 # take hours), written to $TMPDIR.  san: compute-sanitizer on prefills of SAN_MODELS and on
 # test_backend_ops (SAN_OPS: 1 every case, tc the tensor-core engine's, 0 none).
 # l2read: bench/l2_read (the SMs' read bandwidth from L2, ld.global.cg and cp.async).
-# tbsame: CUDA logits with DS4_CUDA_PREFILL_TC=2 and each of TBSAME_TCS ("3") on TBSAME_MODELS
-# (config/type), a 300-token prompt + 32 greedy steps, byte for byte (the same sums).
-#   scripts/gpu-prefill.sh [peak] [l2read] [test] [bench] [attn] [tcw] [q2] [hooks] [vs] [same] [tbsame] [report] [prof] [dprof] [dreport] [l2hot] [stall] [exact] [tcsame] [san] [peer]
+# envsame: CUDA logits with the defaults and with each setting of ENVSAME (words VAR=VALUE, default
+# "DS4_CUDA_PREFILL_TC=3") on ENVSAME_MODELS (config/type), a 300-token prompt + 32 greedy steps,
+# byte for byte (for a switch that keeps every sum).
+#   scripts/gpu-prefill.sh [peak] [l2read] [test] [bench] [attn] [tcw] [q2] [hooks] [vs] [same] [envsame] [report] [prof] [dprof] [dreport] [l2hot] [stall] [exact] [tcsame] [san] [peer]
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-build/gpu-out}; mkdir -p "$OUT"
@@ -153,23 +154,26 @@ if want same; then
     rm -f "$OUT"/*.gguf "$OUT"/same-*.ds4logit
   done
 fi
-if want tbsame; then
-  step "CUDA logits, DS4_CUDA_PREFILL_TC=2 against ${TBSAME_TCS:-3} (the same sums): TBSAME_MODELS, a 300-token prompt + 32 greedy steps"
+if want envsame; then
+  step "CUDA logits, the defaults against ${ENVSAME:-DS4_CUDA_PREFILL_TC=3} (the same sums): ENVSAME_MODELS, a 300-token prompt + 32 greedy steps"
   P=$(python3 -c "print(','.join(str((i * 7919) % 1000 + 1) for i in range(300)))")
-  for m in ${TBSAME_MODELS:-small/q8_0 small/f16 small-q4/ small-q2/}; do
+  for m in ${ENVSAME_MODELS:-small/q8_0 small/f16 small-q4/ small-q2/}; do
     cfg=${m%%/*}; ty=${m#*/}
-    ./ds4 synth --config "$cfg" --seed 1 ${ty:+--type $ty} -o "$OUT/tb.gguf" > /dev/null 2>&1
-    for tc in 2 ${TBSAME_TCS:-3}; do
-      DS4_CUDA_PREFILL_TC=$tc timeout 120 ./ds4 -m "$OUT/tb.gguf" --backend cuda --tokens "$P" -n 32 \
-        --dump-logits "$OUT/tb-$tc.ds4logit" > "$OUT/tb-$tc.log" 2>&1 || echo "$m TC=$tc: rc $? $(tail -1 "$OUT/tb-$tc.log")"
+    ./ds4 synth --config "$cfg" --seed 1 ${ty:+--type $ty} -o "$OUT/es.gguf" > /dev/null 2>&1
+    i=0
+    for e in default ${ENVSAME:-DS4_CUDA_PREFILL_TC=3}; do
+      if [ "$e" = default ]; then set --; else set -- "$e"; fi
+      env "$@" timeout 120 ./ds4 -m "$OUT/es.gguf" --backend cuda --tokens "$P" -n 32 \
+        --dump-logits "$OUT/es-$i.ds4logit" > "$OUT/es-$i.log" 2>&1 || echo "$m $e: rc $? $(tail -1 "$OUT/es-$i.log")"
+      if [ $i -gt 0 ]; then
+        if cmp -s "$OUT/es-0.ds4logit" "$OUT/es-$i.ds4logit"; then
+          echo "$m: CUDA logits with $e byte-identical to the defaults' ($(stat -c %s "$OUT/es-$i.ds4logit") bytes)"
+        else echo "$m: $e LOGITS DIFFER: $(python3 tests/oracle/ds4logit.py compare "$OUT/es-0.ds4logit" \
+            "$OUT/es-$i.ds4logit" --tol 5e-5 2>&1 | tr '\n' ' ')"; fi
+      fi
+      i=$((i + 1))
     done
-    for tc in ${TBSAME_TCS:-3}; do
-      if cmp -s "$OUT/tb-2.ds4logit" "$OUT/tb-$tc.ds4logit"; then
-        echo "$m: CUDA logits with TC=$tc byte-identical to TC=2 ($(stat -c %s "$OUT/tb-$tc.ds4logit") bytes)"
-      else echo "$m: TC=$tc LOGITS DIFFER: $(python3 tests/oracle/ds4logit.py compare "$OUT/tb-2.ds4logit" \
-          "$OUT/tb-$tc.ds4logit" --tol 5e-5 2>&1 | tr '\n' ' ')"; fi
-    done
-    rm -f "$OUT/tb.gguf" "$OUT"/tb-*.ds4logit
+    rm -f "$OUT/es.gguf" "$OUT"/es-*.ds4logit
   done
 fi
 if want report; then
