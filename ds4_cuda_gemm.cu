@@ -1046,7 +1046,17 @@ static void tc_launch(int64_t rows, unsigned ny, unsigned n, const tc_segs &sg, 
         typedef tc_tile<TYPE, true> TL;
         const dim3 grid((unsigned)((rows + TC_BM - 1) / TC_BM), ny, n);
         static const CUtensorMap none = {};
-        if (tc_tb())
+        ds4_session *S = sess();
+        S->n_tc_wgmma++;
+        if (S->lim.prefill_tc == 3 && !tc_encode) {
+            static bool said;
+            if (!said) fprintf(stderr, "ds4: DS4_CUDA_PREFILL_TC=3: the driver has no tensor-map encoder "
+                                       "(cuTensorMapEncodeTiled); the products run as 2\n");
+            said = true;
+        }
+        const bool tb = tc_tb();
+        S->n_tc_tma += tb;
+        if (tb)
             DS4_LAUNCH(k_tc_wgmma<TYPE, true>, grid, TC_THREADS, TL::SMEM, sg, mat_bytes, row_bytes, (int)sp.K,
                        (const uint8_t *)sp.xs, (int)sp.ntp, tiles, (int)sp.n, tc_split_map(sp));
         else

@@ -213,6 +213,10 @@ typedef struct ds4_backend_stats {
     double   capture_ms, instantiate_ms;   /* summed over the captures */
     uint64_t graph_pdl;               /* 1: recorded kernels launch as programmatic dependents
                                        * (DS4_CUDA_GRAPH_PDL on a device that has it) */
+    /* which engine a switch sent the prefill products to, in launches (tests check the path
+     * they ask for ran) */
+    uint64_t tc_wgmma;                /* k_tc_wgmma (sm_90a on a CC 9.0 card) */
+    uint64_t tc_tma;                  /* of those, with tensor-copy stages (DS4_CUDA_PREFILL_TC=3) */
 } ds4_backend_stats;
 
 /* A device hook emitter (ds4_hooks.h; CUDA: ds4_hooks.cu), opened on a session.  Records go
