@@ -768,7 +768,10 @@ static void cuda_session_stats(void *s, ds4_backend_stats *st, int reset) {
     st->capture_ms = S->gs.capture_ms;
     st->instantiate_ms = S->gs.instantiate_ms;
     st->graph_pdl = S->pdl;
+    st->tc_wgmma = S->n_tc_wgmma;
+    st->tc_tma = S->n_tc_tma;
     if (reset) {
+        S->n_tc_wgmma = S->n_tc_tma = 0;
         S->gs.captures = S->gs.replays = S->gs.fallbacks = 0;
         S->gs.capture_ms = S->gs.instantiate_ms = 0.0;
         S->launches = 0;

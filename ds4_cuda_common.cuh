@@ -96,6 +96,7 @@ struct ds4_session {
     unsigned char *down_stage;        /* pinned staging of a download */
     size_t         down_cap;
     uint64_t       launches;          /* kernel launches + cuBLAS calls */
+    uint64_t       n_tc_wgmma, n_tc_tma;   /* k_tc_wgmma launches; of those with tensor-copy stages */
     double         launch_seconds;    /* host time inside them */
     FILE          *trace;             /* DS4_LAUNCH_TRACE */
     uint64_t       trace_launches;

@@ -87,10 +87,15 @@
  * The instruction needs the sm_90a target: the Makefile builds this unit of an sm_90 build
  * for sm_90a (and compute_90 PTX for later cards, which take k_tc_gemm); DS4_WGMMA tells the
  * host, which also checks that the card is CC 9.0.
+ *   With DS4_CUDA_PREFILL_TC=3 a stage's B (its three parts, 24 KiB) comes by one copy of the
+ * tensor memory accelerator that thread 0 issues, into the same swizzled layout, completing
+ * on the stage's mbarrier; A stays cp.async.  The arithmetic is 2's, bit for bit.
  */
 
 #include "ds4_cuda_common.cuh"
 
+#include <cuda.h>             /* CUtensorMap (k_tc_wgmma's TMA stages) */
+#include <cudaTypedefs.h>     /* PFN_cuTensorMapEncodeTiled */
 #include <cuda_fp16.h>
 
 #define TC_BM      128
@@ -276,7 +281,7 @@ template <int TYPE, bool WG> struct tc_tile {
         ABYTES = WG ? (TC_BM * TT::AROW + 1023) / 1024 * 1024 : TC_BM * TT::AROW,
         STAGE = ABYTES + 3 * TC_BN * 128,
         ST = !WG ? TC_ST : TT::MIN ? 4 : 3,
-        SMEM = ST * STAGE + TT::SMEM_EXTRA + (WG ? 1024 : 0),
+        SMEM = ST * STAGE + TT::SMEM_EXTRA + (WG ? 8 * ST + 1024 : 0),   /* WG: the stages' mbarriers */
     };
 };
 template <int TYPE>
@@ -345,11 +350,9 @@ __device__ __forceinline__ void tc_load_b(uint8_t *st, const tc_copy &cp, size_t
             cp_async16(st + cp.bs + (p * TC_BN + 32 * h) * 128, b + p * plane + (size_t)(32 * h) * K);
 }
 
-/* One stage in flight: the weight rows' data of elements kb*TC_BK .. + TC_BK and the tokens'
- * elements. */
+/* Stage kb's A: the weight rows' data of elements kb*TC_BK .. + TC_BK. */
 template <int TYPE, bool WG>
-__device__ __forceinline__ void tc_load_stage(uint8_t *st, const tc_copy &cp, size_t row_bytes, size_t plane, int K,
-                                              int kb) {
+__device__ __forceinline__ void tc_load_a(uint8_t *st, const tc_copy &cp, size_t row_bytes, int kb) {
     typedef tc_traits<TYPE> TT;
     typedef tc_tile<TYPE, WG> TL;
     if (cp.nv >= TC_BM) {
@@ -368,7 +371,6 @@ __device__ __forceinline__ void tc_load_stage(uint8_t *st, const tc_copy &cp, si
                     else cp_async4(st + cp.as + TT::AROW * TL::RP * i, p);
                 }
         }
-        tc_load_b(st, cp, plane, K, kb);
         return;
     }
     /* a tile reaching past the matrix: its rows past the end read row row0 */
@@ -390,6 +392,14 @@ __device__ __forceinline__ void tc_load_stage(uint8_t *st, const tc_copy &cp, si
             }
         }
     }
+}
+
+/* One stage in flight: the weight rows' data of elements kb*TC_BK .. + TC_BK and the tokens'
+ * elements. */
+template <int TYPE, bool WG>
+__device__ __forceinline__ void tc_load_stage(uint8_t *st, const tc_copy &cp, size_t row_bytes, size_t plane, int K,
+                                              int kb) {
+    tc_load_a<TYPE, WG>(st, cp, row_bytes, kb);
     tc_load_b(st, cp, plane, K, kb);
 }
 
@@ -483,6 +493,7 @@ struct tc_segs {
     float *y[TC_SEG_MAX];
     int64_t ldy[TC_SEG_MAX];
     size_t xoff[TC_SEG_MAX];            /* part * part_bytes */
+    int part[TC_SEG_MAX];
     int nrows[TC_SEG_MAX];
 };
 
@@ -691,6 +702,45 @@ __device__ __forceinline__ void tcw_wait(void) {
     asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 #endif
 }
+/* The TMA stages (DS4_CUDA_PREFILL_TC=3): a stage's mbarrier, which completes when its B has
+ * landed, and the copy of a box of the split into this block's shared memory. */
+__device__ __forceinline__ uint32_t tcw_saddr(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void tcw_mbar_init(uint64_t *bar, unsigned count) {
+#ifdef TCW_ON
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(tcw_saddr(bar)), "r"(count) : "memory");
+#endif
+}
+/* The producer's arrival, with the bytes the phase waits for. */
+__device__ __forceinline__ void tcw_mbar_expect(uint64_t *bar, unsigned bytes) {
+#ifdef TCW_ON
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(tcw_saddr(bar)), "r"(bytes)
+                 : "memory");
+#endif
+}
+/* Waits until the phase of the given parity has completed. */
+__device__ __forceinline__ void tcw_mbar_wait(uint64_t *bar, unsigned parity) {
+#ifdef TCW_ON
+    uint32_t done = 0;
+    do {
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done)
+                     : "r"(tcw_saddr(bar)), "r"(parity)
+                     : "memory");
+    } while (!done);
+#endif
+}
+/* The box at (c0, c1, c2, c3) of the tensor map into dst, completing on bar. */
+__device__ __forceinline__ void tcw_tma(void *dst, const CUtensorMap *tm, int c0, int c1, int c2, int c3,
+                                        uint64_t *bar) {
+#ifdef TCW_ON
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes "
+        "[%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(tcw_saddr(dst)),
+        "l"((uint64_t)tm), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(tcw_saddr(bar))
+        : "memory");
+#endif
+}
+
 /* Keeps the compiler from moving reads of an accumulator across a wait (the registers are
  * written by the tensor core, not by any instruction it sees after the MMA). */
 __device__ __forceinline__ void tcw_hold(float (&d)[32]) {
@@ -770,10 +820,10 @@ __device__ __forceinline__ void tcw_fold(float (&acc)[32], float (&c)[32], float
  *   MMAs every warpgroup waited for before the barrier.  cp.async writes through the generic
  *   proxy and wgmma reads through the async one: a proxy fence after each stage lands, before
  *   the barrier. */
-template <int TYPE>
+template <int TYPE, bool TB>
 __global__ void __launch_bounds__(TC_THREADS, tc_traits<TYPE>::MIN ? 1 : 2)
 k_tc_wgmma(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const uint8_t *xs_all, int ntp,
-           const int4 *tiles, int nt) {
+           const int4 *tiles, int nt, const __grid_constant__ CUtensorMap tm) {
     ds4_grid_dep();
 #ifdef TCW_ON
     typedef tc_traits<TYPE> TT;
@@ -803,18 +853,43 @@ k_tc_wgmma(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const ui
 
     const uint64_t db0 = tcw_desc(smem + AB);      /* stage 0's B */
     const int nk = K / TC_BK;
+    /* TB: full[s] completes when buffer s's B has landed (thread 0 arrives with its bytes) */
+    uint64_t *full = (uint64_t *)(smem + ST * SB + TT::SMEM_EXTRA);
+    const int part = sg.part[si];
+    if (TB) {
+        if (threadIdx.x == 0) {
+#pragma unroll
+            for (int st = 0; st < ST; st++) tcw_mbar_init(full + st, 1);
+            asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        }
+        __syncthreads();
+    }
+    /* stage kb's copies into buffer kb % ST: A by every thread (cp.async), B by every thread
+     * too or, with TB, by thread 0's one tensor copy of the three parts */
+    auto load = [&](int kb) {
+        uint8_t *st = smem + (kb % ST) * SB;
+        if (!TB) {
+            tc_load_stage<TYPE, true>(st, cp, row_bytes, plane, K, kb);
+            return;
+        }
+        tc_load_a<TYPE, true>(st, cp, row_bytes, kb);
+        if (threadIdx.x == 0) {
+            tcw_mbar_expect(full + kb % ST, 3 * TC_BN * 128);
+            tcw_tma(st + AB, &tm, kb * TC_BK, t0, 0, part, full + kb % ST);
+        }
+    };
 #pragma unroll
     for (int st = 0; st < ST - 1; st++) {
-        if (st < nk) tc_load_stage<TYPE, true>(smem + st * SB, cp, row_bytes, plane, K, st);
+        if (st < nk) load(st);
         cp_async_commit();
     }
     for (int kb = 0; kb < nk; kb++) {
         cp_async_wait<ST - 2>();
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        if (!TB) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   /* cp.async's B, read by wgmma */
         __syncthreads();
         {
             const int nx = kb + ST - 1;
-            if (nx < nk) tc_load_stage<TYPE, true>(smem + (nx % ST) * SB, cp, row_bytes, plane, K, nx);
+            if (nx < nk) load(nx);
             cp_async_commit();
         }
         const uint8_t *As = smem + (kb % ST) * SB;
@@ -825,6 +900,7 @@ k_tc_wgmma(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const ui
             tc_frag_a<TYPE>(As, pr, j, t, kb, grid, s8tab, a[j][0], s[j][0], m[j][0], s2[j][0]);
             tc_frag_a<TYPE>(As, pr + 2, j, t, kb, grid, s8tab, a[j][1], s[j][1], m[j][1], s2[j][1]);
         }
+        if (TB) tcw_mbar_wait(full + kb % ST, (unsigned)(kb / ST) & 1u);
         tcw_fence();
         const uint64_t db = db0 + (uint64_t)((kb % ST) * SB >> 4);
 #pragma unroll
@@ -866,10 +942,14 @@ k_tc_wgmma(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const ui
  * with less per block (sm_86, sm_89: 99 KB) sends that type to cuBLAS (gemm_tc_ok). */
 static int tc_smem_opt;     /* the device's largest opt-in shared memory per block */
 static bool tc_wg_dev;      /* the build has k_tc_wgmma (DS4_WGMMA: sm_90a) and the device is CC 9.0 */
+static PFN_cuTensorMapEncodeTiled_v12000 tc_encode;   /* the driver's tensor-map encoder, where it has one */
 
-/* Whether this session's products go to k_tc_wgmma (DS4_CUDA_PREFILL_TC = 2, the default, where
- * the build and the device have it) or k_tc_gemm.  A split is laid out for one of the two. */
-static bool tc_wg(void) { return tc_wg_dev && sess()->lim.prefill_tc == 2; }
+/* Whether this session's products go to k_tc_wgmma (DS4_CUDA_PREFILL_TC = 2, the default, or 3,
+ * where the build and the device have it) or k_tc_gemm.  A split is laid out for one of the
+ * two.  tc_tb: k_tc_wgmma's B by the tensor memory accelerator (3, where the driver encodes
+ * tensor maps). */
+static bool tc_wg(void) { return tc_wg_dev && sess()->lim.prefill_tc >= 2; }
+static bool tc_tb(void) { return tc_wg() && tc_encode && sess()->lim.prefill_tc == 3; }
 
 /* The dynamic shared memory of a type's block: k_tc_wgmma's (wg) or k_tc_gemm's. */
 template <int TYPE>
@@ -890,9 +970,12 @@ static void tc_smem_setup(void) {
     if (tc_smem_bytes<TYPE>() <= tc_smem_opt)
         DS4_CUDA_CHECK(cudaFuncSetAttribute(k_tc_gemm<TYPE>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             tc_smem_bytes<TYPE>()));
-    if (tc_wg_dev && tcw_smem_bytes<TYPE>() <= tc_smem_opt)
-        DS4_CUDA_CHECK(cudaFuncSetAttribute(k_tc_wgmma<TYPE>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    if (tc_wg_dev && tcw_smem_bytes<TYPE>() <= tc_smem_opt) {
+        DS4_CUDA_CHECK(cudaFuncSetAttribute(k_tc_wgmma<TYPE, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             tcw_smem_bytes<TYPE>()));
+        DS4_CUDA_CHECK(cudaFuncSetAttribute(k_tc_wgmma<TYPE, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            tcw_smem_bytes<TYPE>()));
+    }
 }
 
 void gemm_tc_setup(void) {
@@ -904,6 +987,15 @@ void gemm_tc_setup(void) {
     DS4_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
     DS4_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
     tc_wg_dev = major == 9 && minor == 0;
+    if (tc_wg_dev) {
+        void *fn = NULL;
+        cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q) ==
+                cudaSuccess && q == cudaDriverEntryPointSuccess)
+            tc_encode = (PFN_cuTensorMapEncodeTiled_v12000)fn;
+        else
+            (void)cudaGetLastError();
+    }
 #endif
     tc_smem_setup<DS4_TYPE_Q8_0>();
     tc_smem_setup<DS4_TYPE_F16>();
@@ -959,6 +1051,25 @@ int gemm_tc_parts_fit(int64_t n, int64_t K) {
     return one ? (int)(cap / one) : 0;
 }
 
+/* The split as k_tc_wgmma's tensor copies read it (TB): f16 [parts][3][ntp][K] (the planes
+ * of a part 2 K ntp bytes apart, the parts part_bytes apart: the inverse factors sit between
+ * them), a stage's box TC_BK elements x TC_BN tokens x the three planes, 128-byte swizzled as
+ * the MMAs read it. */
+static CUtensorMap tc_split_map(const tc_split &sp) {
+    CUtensorMap tm;
+    const cuuint64_t dim[4] = { (cuuint64_t)sp.K, (cuuint64_t)sp.ntp, 3, (cuuint64_t)sp.parts };
+    const cuuint64_t stride[3] = { (cuuint64_t)sp.K * 2, (cuuint64_t)sp.ntp * (cuuint64_t)sp.K * 2,
+                                   (cuuint64_t)sp.part_bytes };
+    const cuuint32_t box[4] = { TC_BK, TC_BN, 3, 1 }, es[4] = { 1, 1, 1, 1 };
+    const CUresult r = tc_encode(&tm, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4, (void *)sp.xs, dim, stride, box, es,
+                                 CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS)
+        ds4_fatal("gemm_tc: cuTensorMapEncodeTiled failed (%d) for K %lld, %lld tokens, %d parts", (int)r,
+                  (long long)sp.K, (long long)sp.ntp, sp.parts);
+    return tm;
+}
+
 /* grid: row tiles (of the kernel's and type's BM) x ny token tiles x n segments; blocks past a
  * segment's rows return at once (a launch's segments are of similar sizes) */
 template <int TYPE>
@@ -967,8 +1078,23 @@ static void tc_launch(int64_t rows, unsigned ny, unsigned n, const tc_segs &sg, 
     if (tc_wg()) {
         typedef tc_tile<TYPE, true> TL;
         const dim3 grid((unsigned)((rows + TC_BM - 1) / TC_BM), ny, n);
-        DS4_LAUNCH(k_tc_wgmma<TYPE>, grid, TC_THREADS, TL::SMEM, sg, mat_bytes, row_bytes, (int)sp.K,
-                   (const uint8_t *)sp.xs, (int)sp.ntp, tiles, (int)sp.n);
+        static const CUtensorMap none = {};
+        ds4_session *S = sess();
+        S->n_tc_wgmma++;
+        if (S->lim.prefill_tc == 3 && !tc_encode) {
+            static bool said;
+            if (!said) fprintf(stderr, "ds4: DS4_CUDA_PREFILL_TC=3: the driver has no tensor-map encoder "
+                                       "(cuTensorMapEncodeTiled); the products run as 2\n");
+            said = true;
+        }
+        const bool tb = tc_tb();
+        S->n_tc_tma += tb;
+        if (tb)
+            DS4_LAUNCH(k_tc_wgmma<TYPE, true>, grid, TC_THREADS, TL::SMEM, sg, mat_bytes, row_bytes, (int)sp.K,
+                       (const uint8_t *)sp.xs, (int)sp.ntp, tiles, (int)sp.n, tc_split_map(sp));
+        else
+            DS4_LAUNCH(k_tc_wgmma<TYPE, false>, grid, TC_THREADS, TL::SMEM, sg, mat_bytes, row_bytes, (int)sp.K,
+                       (const uint8_t *)sp.xs, (int)sp.ntp, tiles, (int)sp.n, none);
     } else {
         const dim3 grid((unsigned)((rows + TC_BM - 1) / TC_BM), ny, n);
         DS4_LAUNCH(k_tc_gemm<TYPE>, grid, TC_THREADS, tc_smem_bytes<TYPE>(), sg, mat_bytes, row_bytes, (int)sp.K,
@@ -996,6 +1122,7 @@ void gemm_tc_multi(int type, size_t mat_bytes, size_t row_bytes, const tc_split 
         sg.ldy[i] = seg[i].ldy;
         sg.nrows[i] = (int)seg[i].nrows;
         sg.xoff[i] = sp.part_bytes * (size_t)seg[i].part;
+        sg.part[i] = seg[i].part;
         if (seg[i].nrows > rows) rows = seg[i].nrows;
     }
     if (rows <= 0) return;

@@ -183,7 +183,8 @@ typedef struct ds4_limits {
                                * the backend uses it only where the device supports it) */
     int     prefill_tc;       /* batches of the types it takes on tensor cores, not through cuBLAS
                                * (DS4_CUDA_PREFILL_TC; CUDA): 2, with wgmma where the build and the
-                               * card have it (sm_90), else 1's; 1, mma.sync; 0, never */
+                               * card have it (sm_90), else 1's; 3, 2's with the activations' stage
+                               * copies by the tensor memory accelerator; 1, mma.sync; 0, never */
     int     prefill_attn;     /* attention of a batch that fills the device in row tiles shared by a
                                * block's heads (DS4_CUDA_PREFILL_ATTN; CUDA): 2, on tensor cores where d
                                * and the card allow, else 1's; 1, in f32; 0, never */
@@ -212,6 +213,10 @@ typedef struct ds4_backend_stats {
     double   capture_ms, instantiate_ms;   /* summed over the captures */
     uint64_t graph_pdl;               /* 1: recorded kernels launch as programmatic dependents
                                        * (DS4_CUDA_GRAPH_PDL on a device that has it) */
+    /* which engine a switch sent the prefill products to, in launches (tests check the path
+     * they ask for ran) */
+    uint64_t tc_wgmma;                /* k_tc_wgmma (sm_90a on a CC 9.0 card) */
+    uint64_t tc_tma;                  /* of those, with tensor-copy stages (DS4_CUDA_PREFILL_TC=3) */
 } ds4_backend_stats;
 
 /* A device hook emitter (ds4_hooks.h; CUDA: ds4_hooks.cu), opened on a session.  Records go

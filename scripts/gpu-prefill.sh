@@ -36,9 +36,12 @@
 # prefill paths switched off and on.  tcsame: CUDA logits with DS4_CUDA_PREFILL_TC=1 against 0 on
 # TCSAME_MODEL (flash-q2@16: the published layout's experts at Flash's shapes, where the CPU would
 # take hours), written to $TMPDIR.  san: compute-sanitizer on prefills of SAN_MODELS and on
-# test_backend_ops (SAN_OPS: 1 every case, tc the tensor-core engine's, 0 none).
+# test_backend_ops (SAN_OPS: 1 every case; tc, tc2 or tc3 the tensor-core engine's, as test_backend_ops takes them; 0 none).
 # l2read: bench/l2_read (the SMs' read bandwidth from L2, ld.global.cg and cp.async).
-#   scripts/gpu-prefill.sh [peak] [l2read] [test] [bench] [attn] [tcw] [q2] [hooks] [vs] [same] [report] [prof] [dprof] [dreport] [l2hot] [stall] [exact] [tcsame] [san] [peer]
+# envsame: CUDA logits with the defaults and with each setting of ENVSAME (words VAR=VALUE, default
+# "DS4_CUDA_PREFILL_TC=3") on ENVSAME_MODELS (config/type), a 300-token prompt + 32 greedy steps,
+# byte for byte (for a switch that keeps every sum).
+#   scripts/gpu-prefill.sh [peak] [l2read] [test] [bench] [attn] [tcw] [q2] [hooks] [vs] [same] [envsame] [report] [prof] [dprof] [dreport] [l2hot] [stall] [exact] [tcsame] [san] [peer]
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-build/gpu-out}; mkdir -p "$OUT"
@@ -73,7 +76,7 @@ if want test; then
 fi
 bench() {   # MODEL TC PREFILLS REPS [ATTN [TAG]]
   local log="$OUT/bench-$1-tc$2${6:+-$6}.log" pk=$PEAK
-  [ "$2" = 2 ] && [ -n "${WPEAK:-}" ] && pk=$WPEAK
+  [ "$2" -ge 2 ] && [ -n "${WPEAK:-}" ] && pk=$WPEAK
   DS4_CUDA_PREFILL_TC=$2 DS4_CUDA_PREFILL_ATTN=${5:-2} timeout 300 build/cuda-"$ARCH"/ds4_bench --model "$1" \
      --backend cuda --reps "$4" --decode 8 --prefill "$3" --tc-peak "$pk" > "$log" 2>&1
   echo "$1 TC=$2 ATTN=${5:-2}: $(grep -E '^model|^prefill' "$log" | tr '\n' ' ')"
@@ -150,6 +153,28 @@ if want same; then
     else echo "small $ty: CUDA LOGITS DIFFER: $(python3 tests/oracle/ds4logit.py compare "$OUT/same-$ty-prev.ds4logit" \
         "$OUT/same-$ty-head.ds4logit" --tol 5e-5 2>&1 | tr '\n' ' ')"; fi
     rm -f "$OUT"/*.gguf "$OUT"/same-*.ds4logit
+  done
+fi
+if want envsame; then
+  step "CUDA logits, the defaults against ${ENVSAME:-DS4_CUDA_PREFILL_TC=3} (the same sums): ENVSAME_MODELS, a 300-token prompt + 32 greedy steps"
+  P=$(python3 -c "print(','.join(str((i * 7919) % 1000 + 1) for i in range(300)))")
+  for m in ${ENVSAME_MODELS:-small/q8_0 small/f16 small-q4/ small-q2/}; do
+    cfg=${m%%/*}; ty=${m#*/}; [ "$ty" = "$m" ] && ty=""
+    ./ds4 synth --config "$cfg" --seed 1 ${ty:+--type $ty} -o "$OUT/es.gguf" > /dev/null 2>&1
+    i=0
+    for e in default ${ENVSAME:-DS4_CUDA_PREFILL_TC=3}; do
+      if [ "$e" = default ]; then set --; else set -- "$e"; fi
+      env "$@" timeout 120 ./ds4 -m "$OUT/es.gguf" --backend cuda --tokens "$P" -n 32 \
+        --dump-logits "$OUT/es-$i.ds4logit" > "$OUT/es-$i.log" 2>&1 || echo "$m $e: rc $? $(tail -1 "$OUT/es-$i.log")"
+      if [ $i -gt 0 ]; then
+        if cmp -s "$OUT/es-0.ds4logit" "$OUT/es-$i.ds4logit"; then
+          echo "$m: CUDA logits with $e byte-identical to the defaults' ($(stat -c %s "$OUT/es-$i.ds4logit") bytes)"
+        else echo "$m: $e LOGITS DIFFER: $(python3 tests/oracle/ds4logit.py compare "$OUT/es-0.ds4logit" \
+            "$OUT/es-$i.ds4logit" --tol 5e-5 2>&1 | tr '\n' ' ')"; fi
+      fi
+      i=$((i + 1))
+    done
+    rm -f "$OUT/es.gguf" "$OUT"/es-*.ds4logit
   done
 fi
 if want report; then
@@ -265,7 +290,7 @@ if want san; then
   done
   if [ "${SAN_OPS:-1}" != 0 ]; then   # 1: every case; tc: the tensor-core engine's cases only
     timeout 300 compute-sanitizer --tool memcheck --error-exitcode 1 build/cuda-"$ARCH"/test_backend_ops \
-      $([ "${SAN_OPS:-1}" = tc ] && echo tc) > "$OUT/san-ops.log" 2>&1
+      $(case "${SAN_OPS:-1}" in tc|tc2|tc3) echo "$SAN_OPS";; esac) > "$OUT/san-ops.log" 2>&1
     echo "memcheck test_backend_ops ${SAN_OPS:-1}: rc $? $(grep -E 'ERROR SUMMARY' "$OUT/san-ops.log" | tail -1) $(grep -E 'passed, ' "$OUT/san-ops.log" | tail -1)"
   fi
 fi

@@ -190,6 +190,42 @@ static const char *type_name(int t) {
     }
 }
 
+/* Two engines byte for byte (`test_backend_ops tc3`: DS4_CUDA_PREFILL_TC 3 against 2, which
+ * differ only in how a stage's activations are copied): the first pass records each CUDA
+ * output check_f32 sees, the second, on the same inputs (the generator restarted), compares its
+ * own with the recorded one, case by case.  The CPU bound alone would pass a fault in the low
+ * part (2^-22 of a value). */
+static int g_same;                  /* 0 off, 1 record, 2 compare */
+static float **g_same_out;
+static size_t *g_same_n, g_same_cnt, g_same_cap, g_same_at;
+static void same_take(const char *op, const char *shape, const float *got, size_t n) {
+    if (g_same == 1) {
+        if (g_same_cnt == g_same_cap) {
+            g_same_cap = g_same_cap ? 2 * g_same_cap : 64;
+            g_same_out = (float **)realloc(g_same_out, g_same_cap * sizeof *g_same_out);
+            g_same_n = (size_t *)realloc(g_same_n, g_same_cap * sizeof *g_same_n);
+            if (!g_same_out || !g_same_n) { fprintf(stderr, "test: out of memory\n"); exit(2); }
+        }
+        float *c = (float *)malloc(n * sizeof *c);
+        if (!c) { fprintf(stderr, "test: out of memory\n"); exit(2); }
+        memcpy(c, got, n * sizeof *c);
+        g_same_out[g_same_cnt] = c;
+        g_same_n[g_same_cnt++] = n;
+        return;
+    }
+    size_t at = n;
+    const int have = g_same_at < g_same_cnt && g_same_n[g_same_at] == n;
+    if (have)
+        for (size_t i = 0; i < n; i++)
+            if (memcmp(&g_same_out[g_same_at][i], &got[i], sizeof *got)) { at = i; break; }
+    const int ok = have && at == n;
+    if (ok) printf("%-15s %-44s bytes equal to the first engine's  ok\n", op, shape);
+    else if (!have) printf("%-15s %-44s no matching case in the first pass  FAIL\n", op, shape);
+    else printf("%-15s %-44s differs from the first engine at element %zu  FAIL\n", op, shape, at);
+    if (ok) g_pass++; else g_fail++;
+    g_same_at++;
+}
+
 /* ---- comparison ---- */
 static void check_f32(const char *op, const char *shape, const float *ref, const float *got, size_t n,
                       double tol) {
@@ -212,6 +248,7 @@ static void check_f32(const char *op, const char *shape, const float *ref, const
     if (ref_nan) printf("  (%zu NaN in the CPU reference)", ref_nan);
     printf("\n");
     if (ok) g_pass++; else g_fail++;
+    if (g_same) same_take(op, shape, got, n);
 }
 
 static void check_i32(const char *op, const char *shape, const int32_t *ref, const int32_t *got, size_t n) {
@@ -1727,7 +1764,7 @@ static int test_indexer_batches(const ds4_limits *lim0) {
 
 /* Prefill on tensor cores, in a session sized for 4096-token batches (`test_backend_ops tc`
  * runs this alone, e.g. under compute-sanitizer). */
-static int test_tc_engine(const ds4_limits *lim0, int eng_last) {
+static int test_tc_engine(const ds4_limits *lim0, int eng_first, int eng_last) {
     const ds4_limits lim = *lim0;
     /* prefill on tensor cores (ds4_cuda_gemm.cu, Q8_0, F16, then the super-block types): the batch sizes 1, 2, 7, 64, 512
      * and 4096, rows that do not fill a tile, the grouped and expert paths with experts that get
@@ -1735,11 +1772,19 @@ static int test_tc_engine(const ds4_limits *lim0, int eng_last) {
      * types mixed, gate|up, the groups of a grouped product, more groups than one launch or
      * the split scratch takes); in a session sized for 4096-token batches.  Twice: with
      * prefill_tc = 2 (k_tc_wgmma on an sm_90 build and card, else k_tc_gemm) and 1 (k_tc_gemm);
-     * down to eng_last (`test_backend_ops tc2`: 2 alone) */
-    for (int eng = 2; eng >= eng_last; eng--) {
+     * from eng_first down to eng_last (`test_backend_ops tc2`: 2 alone; tc3: 3, k_tc_wgmma with
+     * the activations' stage copies by the tensor memory accelerator, then 2 on the same inputs,
+     * every output byte for byte against 3's (g_same)) */
+    const int same = eng_first == 3 && eng_last == 2;     /* tc3: 3, then 2 byte for byte */
+    const uint64_t rng0 = g_rng;
+    for (int eng = eng_first; eng >= eng_last; eng--) {
         ds4_limits pl = lim;
         pl.prefill_tc = eng;
-        printf("(prefill products: DS4_CUDA_PREFILL_TC=%d)\n", eng);
+        printf("(prefill products: DS4_CUDA_PREFILL_TC=%d%s)\n", eng,
+               !same ? "" : eng == 3 ? ", outputs recorded" : ", compared with 3's byte for byte");
+        g_same = same ? (eng == 3 ? 1 : 2) : 0;
+        g_same_at = 0;
+        g_rng = rng0;                                      /* every pass on the same inputs */
         pl.max_batch = 4096;
         pl.n_ctx = 8192;
         pl.n_embd = 4096;
@@ -1799,8 +1844,29 @@ static int test_tc_engine(const ds4_limits *lim0, int eng_last) {
         test_moe_experts(DS4_TYPE_Q8_0, 2048, 512, 16, 6, 4096, 10.0f, 0);
         /* a clamp the gate and up values cross (the swiglu the down projection's split makes) */
         test_moe_experts(DS4_TYPE_Q8_0, 2048, 512, 16, 6, 512, 0.5f, 0);
+        /* the engine the switch asks for ran: with 3, k_tc_wgmma's launches copy their stages
+         * with the tensor memory accelerator (where the build and card have k_tc_wgmma at all);
+         * with 2 none does */
+        ds4_backend_stats st;
+        B[1]->session_stats(ps[1], &st, 0);
+        if (eng >= 2 && !st.tc_wgmma) {
+            printf("tc engine       DS4_CUDA_PREFILL_TC=%d: no k_tc_wgmma launch (not an sm_90a build on a CC 9.0 "
+                   "card): k_tc_gemm ran\n", eng);
+        } else if (eng >= 2) {
+            const int ok = eng == 3 ? st.tc_tma == st.tc_wgmma : st.tc_tma == 0;
+            printf("tc engine       DS4_CUDA_PREFILL_TC=%d: %llu k_tc_wgmma launches, %llu with tensor copies  %s\n", eng,
+                   (unsigned long long)st.tc_wgmma, (unsigned long long)st.tc_tma, ok ? "ok" : "FAIL");
+            if (ok) g_pass++; else g_fail++;
+        }
+        if (g_same == 2 && g_same_at != g_same_cnt) {
+            printf("tc engine       %zu cases of the first pass, %zu compared  FAIL\n", g_same_cnt, g_same_at);
+            g_fail++;
+        }
         session_pop(ps, prev);
     }
+    g_same = 0;
+    for (size_t i = 0; i < g_same_cnt; i++) free(g_same_out[i]);
+    g_same_cnt = 0;
     return 0;
 }
 
@@ -1853,10 +1919,11 @@ static int test_prefill_attention(const ds4_limits *lim) {
 }
 
 int main(int argc, char **argv) {
-    if (argc > 2 || (argc == 2 && strcmp(argv[1], "tc") != 0 && strcmp(argv[1], "tc2") != 0 && strcmp(argv[1], "rows") != 0 &&
+    if (argc > 2 || (argc == 2 && strcmp(argv[1], "tc") != 0 && strcmp(argv[1], "tc2") != 0 &&
+                     strcmp(argv[1], "tc3") != 0 && strcmp(argv[1], "rows") != 0 &&
                      strcmp(argv[1], "ix") != 0 && strcmp(argv[1], "att") != 0)) {
-        fprintf(stderr, "usage: test_backend_ops [tc|tc2|rows|ix|att]   (tc: only the tensor-core engine's cases, "
-                        "with DS4_CUDA_PREFILL_TC 2 and 1; tc2: those with 2 alone; rows: "
+        fprintf(stderr, "usage: test_backend_ops [tc|tc2|tc3|rows|ix|att]   (tc: only the tensor-core engine's cases, "
+                        "with DS4_CUDA_PREFILL_TC 2 and 1; tc2: those with 2 alone; tc3: with 3, then 2 byte for byte against 3; rows: "
                         "only a batch's rows against one-token calls: attention, the weight products; ix: only the "
                         "indexer at a prompt's batch sizes; att: only the prefill attention kernels)\n");
         return 2;
@@ -1911,7 +1978,8 @@ int main(int argc, char **argv) {
         return g_fail ? 1 : 0;
     }
     if (argc == 2) {
-        if (test_tc_engine(&lim, strcmp(argv[1], "tc2") ? 1 : 2) != 0) return 2;
+        const int first = !strcmp(argv[1], "tc3") ? 3 : 2, last = !strcmp(argv[1], "tc") ? 1 : 2;
+        if (test_tc_engine(&lim, first, last) != 0) return 2;
         printf("%d passed, %d failed\n", g_pass, g_fail);
         return g_fail ? 1 : 0;
     }
@@ -2208,7 +2276,7 @@ int main(int argc, char **argv) {
 
     test_quant_types();
 
-    if (test_tc_engine(&lim, 1) != 0) return 2;
+    if (test_tc_engine(&lim, 2, 1) != 0) return 2;
     if (test_indexer_batches(&lim) != 0) return 2;
     if (test_prompt_batches(&lim) != 0) return 2;
 
