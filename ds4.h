@@ -245,9 +245,10 @@ typedef struct ds4_env {
     int hooks_throttle_us;      /* DS4_HOOKS_THROTTLE_US: debug, the drain pauses after each batch */
     int ubatch;                 /* DS4_UBATCH: the most tokens of one prefill chunk (DS4_UBATCH_DEFAULT) */
     int prefill_tc;             /* DS4_CUDA_PREFILL_TC: prefill products of Q8_0, F16, IQ2_XXS, Q2_K and Q4_K
-                                   weights on tensor cores, 2 = with wgmma where the build and card have
-                                   it (sm_90), else as 1 (default); 3 = as 2 with the activations' stage
-                                   copies by the tensor memory accelerator; 1 = mma.sync; 0 = dequantise
+                                   weights on tensor cores, 3 = with wgmma where the build and card have
+                                   it (sm_90), the activations' stage copies by the tensor memory
+                                   accelerator (default); 2 = as 3 with every thread's cp.async
+                                   copies (both else as 1); 1 = mma.sync; 0 = dequantise
                                    + cuBLAS */
     int prefill_attn;           /* DS4_CUDA_PREFILL_ATTN: a prefill batch's attention in row tiles shared by
                                    32 heads, 2 = on tensor cores (default), 1 = in f32 on the CUDA cores;

@@ -87,9 +87,10 @@
  * The instruction needs the sm_90a target: the Makefile builds this unit of an sm_90 build
  * for sm_90a (and compute_90 PTX for later cards, which take k_tc_gemm); DS4_WGMMA tells the
  * host, which also checks that the card is CC 9.0.
- *   With DS4_CUDA_PREFILL_TC=3 a stage's B (its three parts, 24 KiB) comes by one copy of the
- * tensor memory accelerator that thread 0 issues, into the same swizzled layout, completing
- * on the stage's mbarrier; A stays cp.async.  The arithmetic is 2's, bit for bit.
+ *   A stage's B (its three parts, 24 KiB) comes by one copy of the tensor memory accelerator
+ * that thread 0 issues, into the same swizzled layout, completing on the stage's mbarrier; A
+ * stays cp.async.  DS4_CUDA_PREFILL_TC=2 copies B with every thread's cp.async instead (and
+ * so does a driver with no tensor-map encoder); the arithmetic is the same, bit for bit.
  */
 
 #include "ds4_cuda_common.cuh"
@@ -944,7 +945,7 @@ static int tc_smem_opt;     /* the device's largest opt-in shared memory per blo
 static bool tc_wg_dev;      /* the build has k_tc_wgmma (DS4_WGMMA: sm_90a) and the device is CC 9.0 */
 static PFN_cuTensorMapEncodeTiled_v12000 tc_encode;   /* the driver's tensor-map encoder, where it has one */
 
-/* Whether this session's products go to k_tc_wgmma (DS4_CUDA_PREFILL_TC = 2, the default, or 3,
+/* Whether this session's products go to k_tc_wgmma (DS4_CUDA_PREFILL_TC = 3, the default, or 2,
  * where the build and the device have it) or k_tc_gemm.  A split is laid out for one of the
  * two.  tc_tb: k_tc_wgmma's B by the tensor memory accelerator (3, where the driver encodes
  * tensor maps). */

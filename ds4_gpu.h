@@ -182,9 +182,10 @@ typedef struct ds4_limits {
     int     graph_pdl;        /* recorded kernels launch as programmatic dependents (DS4_CUDA_GRAPH_PDL;
                                * the backend uses it only where the device supports it) */
     int     prefill_tc;       /* batches of the types it takes on tensor cores, not through cuBLAS
-                               * (DS4_CUDA_PREFILL_TC; CUDA): 2, with wgmma where the build and the
-                               * card have it (sm_90), else 1's; 3, 2's with the activations' stage
-                               * copies by the tensor memory accelerator; 1, mma.sync; 0, never */
+                               * (DS4_CUDA_PREFILL_TC; CUDA): 3, with wgmma where the build and the
+                               * card have it (sm_90), else 1's, the activations' stage copies by
+                               * the tensor memory accelerator; 2, 3's with cp.async copies;
+                               * 1, mma.sync; 0, never */
     int     prefill_attn;     /* attention of a batch that fills the device in row tiles shared by a
                                * block's heads (DS4_CUDA_PREFILL_ATTN; CUDA): 2, on tensor cores where d
                                * and the card allow, else 1's; 1, in f32; 0, never */

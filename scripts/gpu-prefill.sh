@@ -13,7 +13,7 @@
 # tensor pipe, shared-memory bank conflicts, L2 bytes and the sampled stall reasons.
 # peak: bench/mma_peak (mma.sync f16 and s8 on every SM, and wgmma f16 on an sm_90 card); bench,
 # attn, q2 and tcw then print each prefill's TFLOP/s as a share of the f16 peak of the
-# instruction the run uses (ds4_bench --tc-peak: wgmma's for DS4_CUDA_PREFILL_TC=2).
+# instruction the run uses (ds4_bench --tc-peak: wgmma's for DS4_CUDA_PREFILL_TC=2 and 3).
 # tcw: TCW_MODELS (flash16) prefill with the DS4_CUDA_PREFILL_TC values of TCW_PAIR ("1 2":
 # k_tc_gemm, mma.sync, and k_tc_wgmma), TCW_ROUNDS (2) rounds alternating.
 # vs, same: PREV=DIR, another tree (e.g. `git archive REV` unpacked), built beside this one; vs:
@@ -27,7 +27,7 @@
 # l2hot: bench/matvec_table (decode shapes) with weights from DRAM (the default rotation) and
 # with --copies 1 (the same weights each call: from L2 where they fit), side by side.
 # report: scripts/kernel_report.sh on a REPORT_MODEL (flash16) prefill of REPORT_N (4096) tokens, kernel
-# by kernel, for each DS4_CUDA_PREFILL_TC (= _ATTN) value of REPORT_TC (2: the defaults), under REPORT_LIMIT
+# by kernel, for each DS4_CUDA_PREFILL_TC value of REPORT_TC (3: the defaults; _ATTN the same, 2 at most), under REPORT_LIMIT
 # (400) s.
 # dreport: scripts/kernel_report.sh flash16 (one decode step, kernel by kernel) with PREV's
 # ds4_bench and with this tree's, one after the other, then the two by kernel family side by
@@ -39,7 +39,7 @@
 # test_backend_ops (SAN_OPS: 1 every case; tc, tc2 or tc3 the tensor-core engine's, as test_backend_ops takes them; 0 none).
 # l2read: bench/l2_read (the SMs' read bandwidth from L2, ld.global.cg and cp.async).
 # envsame: CUDA logits with the defaults and with each setting of ENVSAME (words VAR=VALUE, default
-# "DS4_CUDA_PREFILL_TC=3") on ENVSAME_MODELS (config/type), a 300-token prompt + 32 greedy steps,
+# "DS4_CUDA_PREFILL_TC=2") on ENVSAME_MODELS (config/type), a 300-token prompt + 32 greedy steps,
 # byte for byte (for a switch that keeps every sum).
 #   scripts/gpu-prefill.sh [peak] [l2read] [test] [bench] [attn] [tcw] [q2] [hooks] [vs] [same] [envsame] [report] [prof] [dprof] [dreport] [l2hot] [stall] [exact] [tcsame] [san] [peer]
 set -uo pipefail
@@ -156,13 +156,13 @@ if want same; then
   done
 fi
 if want envsame; then
-  step "CUDA logits, the defaults against ${ENVSAME:-DS4_CUDA_PREFILL_TC=3} (the same sums): ENVSAME_MODELS, a 300-token prompt + 32 greedy steps"
+  step "CUDA logits, the defaults against ${ENVSAME:-DS4_CUDA_PREFILL_TC=2} (the same sums): ENVSAME_MODELS, a 300-token prompt + 32 greedy steps"
   P=$(python3 -c "print(','.join(str((i * 7919) % 1000 + 1) for i in range(300)))")
   for m in ${ENVSAME_MODELS:-small/q8_0 small/f16 small-q4/ small-q2/}; do
     cfg=${m%%/*}; ty=${m#*/}; [ "$ty" = "$m" ] && ty=""
     ./ds4 synth --config "$cfg" --seed 1 ${ty:+--type $ty} -o "$OUT/es.gguf" > /dev/null 2>&1
     i=0
-    for e in default ${ENVSAME:-DS4_CUDA_PREFILL_TC=3}; do
+    for e in default ${ENVSAME:-DS4_CUDA_PREFILL_TC=2}; do
       if [ "$e" = default ]; then set --; else set -- "$e"; fi
       env "$@" timeout 120 ./ds4 -m "$OUT/es.gguf" --backend cuda --tokens "$P" -n 32 \
         --dump-logits "$OUT/es-$i.ds4logit" > "$OUT/es-$i.log" 2>&1 || echo "$m $e: rc $? $(tail -1 "$OUT/es-$i.log")"
@@ -179,9 +179,9 @@ if want envsame; then
 fi
 if want report; then
   RM=${REPORT_MODEL:-flash16}
-  step "kernel report: $RM prefill ${REPORT_N:-4096} (REPORT_TC: 2 = the default paths; 1 = mma.sync and the f32 attention tiles; 0 = cuBLAS and the per-token attention)"
-  for tc in ${REPORT_TC:-2}; do
-    DS4_CUDA_PREFILL_TC=$tc DS4_CUDA_PREFILL_ATTN=$tc PLAIN=0 timeout "${REPORT_LIMIT:-400}" bash scripts/kernel_report.sh "$RM" "$OUT/kr-tc$tc" -- \
+  step "kernel report: $RM prefill ${REPORT_N:-4096} (REPORT_TC: 3 = the default paths; 2 = wgmma with cp.async copies; 1 = mma.sync and the f32 attention tiles; 0 = cuBLAS and the per-token attention)"
+  for tc in ${REPORT_TC:-3}; do
+    DS4_CUDA_PREFILL_TC=$tc DS4_CUDA_PREFILL_ATTN=$((tc > 2 ? 2 : tc)) PLAIN=0 timeout "${REPORT_LIMIT:-400}" bash scripts/kernel_report.sh "$RM" "$OUT/kr-tc$tc" -- \
       --prefill "${REPORT_N:-4096}" --profile-prefill --profile-timed 2 > "$OUT/kr-tc$tc.log" 2>&1
     tail -14 "$OUT/kr-tc$tc/kernels-$RM.md"
   done

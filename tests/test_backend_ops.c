@@ -190,7 +190,7 @@ static const char *type_name(int t) {
     }
 }
 
-/* Two engines byte for byte (`test_backend_ops tc3`: DS4_CUDA_PREFILL_TC 3 against 2, which
+/* Two engines byte for byte (DS4_CUDA_PREFILL_TC 3, the default, against 2, which
  * differ only in how a stage's activations are copied): the first pass records each CUDA
  * output check_f32 sees, the second, on the same inputs (the generator restarted), compares its
  * own with the recorded one, case by case.  The CPU bound alone would pass a fault in the low
@@ -1770,19 +1770,20 @@ static int test_tc_engine(const ds4_limits *lim0, int eng_first, int eng_last) {
      * and 4096, rows that do not fill a tile, the grouped and expert paths with experts that get
      * 0 or 1 token, wide-range activations; several matrices in one launch (matmul_multi with
      * types mixed, gate|up, the groups of a grouped product, more groups than one launch or
-     * the split scratch takes); in a session sized for 4096-token batches.  Twice: with
-     * prefill_tc = 2 (k_tc_wgmma on an sm_90 build and card, else k_tc_gemm) and 1 (k_tc_gemm);
-     * from eng_first down to eng_last (`test_backend_ops tc2`: 2 alone; tc3: 3, k_tc_wgmma with
-     * the activations' stage copies by the tensor memory accelerator, then 2 on the same inputs,
-     * every output byte for byte against 3's (g_same)) */
-    const int same = eng_first == 3 && eng_last == 2;     /* tc3: 3, then 2 byte for byte */
+     * the split scratch takes); in a session sized for 4096-token batches.  With each
+     * prefill_tc from eng_first down to eng_last: 3 (the default: k_tc_wgmma on an sm_90 build
+     * and card, the activations' stage copies by the tensor memory accelerator, else
+     * k_tc_gemm), 2 (k_tc_wgmma with cp.async copies, on the same inputs, every output byte for
+     * byte against 3's: g_same), 1 (k_tc_gemm).  The plain run and `test_backend_ops tc` take
+     * 3 to 1, tc3 3 and 2, tc2 2 alone. */
+    const int same = eng_first == 3 && eng_last <= 2;     /* 3, then 2 byte for byte */
     const uint64_t rng0 = g_rng;
     for (int eng = eng_first; eng >= eng_last; eng--) {
         ds4_limits pl = lim;
         pl.prefill_tc = eng;
         printf("(prefill products: DS4_CUDA_PREFILL_TC=%d%s)\n", eng,
-               !same ? "" : eng == 3 ? ", outputs recorded" : ", compared with 3's byte for byte");
-        g_same = same ? (eng == 3 ? 1 : 2) : 0;
+               !same || eng == 1 ? "" : eng == 3 ? ", outputs recorded" : ", compared with 3's byte for byte");
+        g_same = same ? (eng == 3 ? 1 : eng == 2 ? 2 : 0) : 0;
         g_same_at = 0;
         g_rng = rng0;                                      /* every pass on the same inputs */
         pl.max_batch = 4096;
@@ -1923,7 +1924,7 @@ int main(int argc, char **argv) {
                      strcmp(argv[1], "tc3") != 0 && strcmp(argv[1], "rows") != 0 &&
                      strcmp(argv[1], "ix") != 0 && strcmp(argv[1], "att") != 0)) {
         fprintf(stderr, "usage: test_backend_ops [tc|tc2|tc3|rows|ix|att]   (tc: only the tensor-core engine's cases, "
-                        "with DS4_CUDA_PREFILL_TC 2 and 1; tc2: those with 2 alone; tc3: with 3, then 2 byte for byte against 3; rows: "
+                        "with DS4_CUDA_PREFILL_TC 3, then 2 byte for byte against 3, then 1; tc2: those with 2 alone; tc3: 3 and 2; rows: "
                         "only a batch's rows against one-token calls: attention, the weight products; ix: only the "
                         "indexer at a prompt's batch sizes; att: only the prefill attention kernels)\n");
         return 2;
@@ -1940,7 +1941,7 @@ int main(int argc, char **argv) {
     ds4_limits lim;
     memset(&lim, 0, sizeof lim);
     lim.max_batch = 256;                 /* test_compress_pool(0, 256, ...) */
-    lim.prefill_tc = 2;                  /* the default (DS4_CUDA_PREFILL_TC) */
+    lim.prefill_tc = 3;                  /* the default (DS4_CUDA_PREFILL_TC) */
     lim.prefill_attn = 2;                /* the default (DS4_CUDA_PREFILL_ATTN) */
     lim.decode_group = 1;                /* the default (DS4_CUDA_DECODE_GROUP) */
     lim.n_ctx = 32768;                   /* attention and indexer at position 20000 */
@@ -1978,7 +1979,7 @@ int main(int argc, char **argv) {
         return g_fail ? 1 : 0;
     }
     if (argc == 2) {
-        const int first = !strcmp(argv[1], "tc3") ? 3 : 2, last = !strcmp(argv[1], "tc") ? 1 : 2;
+        const int first = !strcmp(argv[1], "tc2") ? 2 : 3, last = !strcmp(argv[1], "tc") ? 1 : 2;
         if (test_tc_engine(&lim, first, last) != 0) return 2;
         printf("%d passed, %d failed\n", g_pass, g_fail);
         return g_fail ? 1 : 0;
@@ -2276,7 +2277,7 @@ int main(int argc, char **argv) {
 
     test_quant_types();
 
-    if (test_tc_engine(&lim, 2, 1) != 0) return 2;
+    if (test_tc_engine(&lim, 3, 1) != 0) return 2;
     if (test_indexer_batches(&lim) != 0) return 2;
     if (test_prompt_batches(&lim) != 0) return 2;
 
