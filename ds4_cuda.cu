@@ -829,6 +829,8 @@ static ds4_backend make_cuda_backend(void) {
     b.hooks_publish = cuda_hooks_publish;
     b.hooks_join = cuda_hooks_join;
     b.hooks_stats = cuda_hooks_stats;
+    b.hooks_hold = cuda_hooks_hold;
+    b.hooks_commit = cuda_hooks_commit;
     return b;
 }
 

@@ -680,5 +680,7 @@ void cuda_hooks_publish(void);
 void cuda_hooks_join(void);
 void cuda_hooks_stats(ds4_hooks_stats *st, int flush);
 void cuda_hooks_sink(void (*fn)(void *user, const ds4h_record *r, const void *payload), void *user);
+void cuda_hooks_hold(void);
+void cuda_hooks_commit(int pos_end);
 
 #endif /* DS4_CUDA_COMMON_CUH */

@@ -169,6 +169,7 @@ struct ds4h_ctx {
     int                hold;          /* ds4h_hold .. ds4h_commit: the CPU writer keeps records back */
     uint8_t           *held;          /* their descriptors and payloads, back to back, each padded to 8 */
     size_t             held_n, held_cap;
+    uint64_t           rejected;      /* held records that kept no row (not written) */
 };
 
 int ds4h_check(int n_layer, const ds4_env *env, char *err, size_t errlen) {
@@ -422,8 +423,15 @@ static void ds4h_keep(ds4h_ctx *h, const ds4h_record *r, const void *data) {
 int ds4h_hold(ds4h_ctx *h, char *err, size_t errlen) {
     if (!h) return 0;
     if (h->dev) {
-        errf(err, errlen, "DS4_HOOKS: the %s backend's hook emitter cannot hold a call's records back", h->be->name);
-        return -1;
+        if (!h->be->hooks_hold) {
+            errf(err, errlen, "DS4_HOOKS: the %s backend's hook emitter cannot hold a call's records back", h->be->name);
+            return -1;
+        }
+        void *prev = h->be->session_bind(h->sess);
+        h->be->hooks_hold();
+        h->be->session_bind(prev);
+        h->hold = 1;
+        return 0;
     }
     h->hold = 1;
     h->held_n = 0;
@@ -433,19 +441,19 @@ int ds4h_hold(ds4h_ctx *h, char *err, size_t errlen) {
 int ds4h_commit(ds4h_ctx *h, int pos_end, char *err, size_t errlen) {
     if (!h || !h->hold) return 0;
     h->hold = 0;
+    if (h->dev) {               /* the drain cuts and writes them (a failed write: at ds4h_stats) */
+        void *prev = h->be->session_bind(h->sess);
+        h->be->hooks_commit(pos_end);
+        h->be->session_bind(prev);
+        return 0;
+    }
     for (size_t off = 0; off < h->held_n && !h->err;) {
         ds4h_record r;
         memcpy(&r, h->held + off, sizeof r);
         const uint8_t *data = h->held + off + sizeof r;
         off += sizeof r + (size_t)((r.nbytes + 7) / 8 * 8);
-        if ((int64_t)r.pos >= pos_end) continue;             /* rows the sequence does not keep */
-        if (r.hook != DS4H_ATTN_PROBS) {                      /* rows from pos on: cut at pos_end */
-            const uint32_t keep = (uint32_t)(pos_end - (int64_t)r.pos) < r.shape[0]
-                                      ? (uint32_t)(pos_end - (int64_t)r.pos) : r.shape[0];
-            r.nbytes = r.nbytes / r.shape[0] * keep;
-            r.shape[0] = keep;
-        }
-        ds4h_write(h, &r, data);
+        if (ds4h_cut(&r, pos_end)) ds4h_write(h, &r, data);
+        else h->rejected++;                                   /* rows the sequence does not keep */
     }
     h->held_n = 0;
     if (h->err) {
@@ -532,6 +540,7 @@ int ds4h_stats(ds4h_ctx *h, ds4_hooks_stats *st) {
         return 0;
     }
     st->produced = st->written = h->seq;
+    st->rejected = h->rejected;
     st->payload_bytes = h->bytes;
     st->err = h->err;
     return 0;
