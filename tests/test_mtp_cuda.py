@@ -208,6 +208,9 @@ def test_hooks_hold_only_the_sequences_rows(D, graphs):
             steps, drafted, accepted = spec_stats(r.stderr)
             assert 0 < accepted < drafted, (steps, drafted, accepted)
             assert rejected > 0, r.stderr[-2000:]
+            if graphs:                  # the check calls, hooks and all, replayed: one recording a width
+                caps, reps, fb = graph_stats(r.stderr)
+                assert fb == 0 and 1 <= caps <= D and reps > 0, (caps, reps, fb)
         else:
             assert rejected == 0, r.stderr[-2000:]
     hooks_same_rows(paths["plain"], paths[f"D{D}"])
