@@ -10,7 +10,7 @@
  *   - the drain thread: it copies published spans of both rings, in large device-to-host
  *     copies on its own stream, into pinned staging and writes them to the file.
  * A producer (hook_put) is a kernel issued right after the op that made the tensor, on the
- * emitter's side stream forked from the compute stream (ds4h_side_fork), so a capture records
+ * emitter's side stream forked from the compute stream (ds4_side_fork), so a capture records
  * it like any op -- as a branch beside the step's kernels, joined back before the tensor is
  * overwritten (hooks_join).  It computes every address from the
  * device-resident 64-bit heads (struct ds4h_heads) when it runs, and reads the position and
@@ -336,9 +336,7 @@ struct ds4h_emitter {
     char               *path;
     int                 device;
     cudaStream_t        drain;         /* the drain's own non-blocking stream */
-    cudaStream_t        side;          /* the producers' stream, forked from the compute stream */
-    cudaEvent_t         ev_fork, ev_join;
-    bool                pending;       /* producers forked since the last join */
+    ds4_side            side;          /* the producers' stream, forked from the compute stream */
     ds4h_record        *st_desc;       /* pinned staging */
     unsigned char      *st_pay;
     pthread_t           thr;
@@ -564,48 +562,17 @@ static void *ds4h_drain_main(void *arg) {
     return NULL;
 }
 
-/* The side stream.  A producer only reads tensors the step has made; nothing in the step
- * reads what it writes.  So it need not sit on the step's critical path: ds4h_side_fork
- * makes the side stream wait for the work issued so far on the compute stream, the producers
- * are issued there (ds4_stream_push: every op still goes to ds4_current_stream()), and
- * ds4h_side_join -- which the core calls (hooks_join) before an op overwrites a tensor a
- * pending record was made from, and which publication and the end of every recorded region
- * imply -- makes the compute stream wait for them.  Under a capture the events become graph
- * edges, not nodes: a producer is a branch beside the kernels that run while it copies.  The
- * producers stay ordered among themselves (one stream), so sequence numbers and the stream's
- * bytes are what they were on the compute stream.  An event call that fails during a capture
- * fails the capture (launch_check); outside one it is fatal, with one line. */
-static void ds4h_event_op(cudaError_t e, const char *what, int line) {
-    if (e != cudaSuccess && !(g_sess && g_sess->capturing)) {
-        ds4_fatal("CUDA error %s (%s) in the hook emitter's %s at %s:%d", cudaGetErrorName(e),
-                  cudaGetErrorString(e), what, __FILE__, line);
-    }
-    launch_check(e, __FILE__, line);
-}
-
-static void ds4h_side_fork(ds4h_emitter *E) {
-    ds4h_event_op(cudaEventRecord(E->ev_fork, ds4_current_stream()), "fork", __LINE__);
-    if (ds4_stream_push(E->side) != 0) {
-        ds4_fatal("the hook emitter cannot push its stream (ds4_stream.h: %d overrides deep)",
-                  DS4_STREAM_DEPTH);
-    }
-    ds4h_event_op(cudaStreamWaitEvent(ds4_current_stream(), E->ev_fork, 0), "fork", __LINE__);
-}
-
-static void ds4h_side_unfork(ds4h_emitter *E) {
-    ds4h_event_op(cudaEventRecord(E->ev_join, ds4_current_stream()), "join", __LINE__);
-    ds4_stream_pop();
-    E->pending = true;
-}
-
-static void ds4h_side_join(ds4h_emitter *E) {
-    if (!E->pending) return;
-    ds4h_event_op(cudaStreamWaitEvent(ds4_current_stream(), E->ev_join, 0), "join", __LINE__);
-    E->pending = false;
-}
-
+/* The side stream (ds4_side, ds4_cuda_common.cuh).  A producer only reads tensors the step
+ * has made; nothing in the step reads what it writes.  So it need not sit on the step's
+ * critical path: cuda_hook_put forks the side stream from the compute stream and issues the
+ * producers there, and the join -- which the core asks for (hooks_join) before an op
+ * overwrites a tensor a pending record was made from, and which publication and the end of
+ * every recorded region imply -- makes the compute stream wait for them.  Under a capture a
+ * producer is a branch beside the kernels that run while it copies.  The producers stay
+ * ordered among themselves (one stream), so sequence numbers and the stream's bytes are what
+ * they were on the compute stream. */
 static void ds4h_launch_publish(ds4h_emitter *E) {
-    ds4h_side_join(E);          /* every producer before the publication */
+    ds4_side_join(&E->side);    /* every producer before the publication */
     DS4_LAUNCH(k_hook_publish, 1, 32, 0, E->D, E->Hd);
 }
 
@@ -647,9 +614,7 @@ static void ds4h_emitter_free(ds4h_emitter *E) {
     host_free(E->st_desc);
     host_free(E->st_pay);
     if (E->drain) DS4_CUDA_CHECK(cudaStreamDestroy(E->drain));
-    if (E->side) DS4_CUDA_CHECK(cudaStreamDestroy(E->side));
-    if (E->ev_fork) DS4_CUDA_CHECK(cudaEventDestroy(E->ev_fork));
-    if (E->ev_join) DS4_CUDA_CHECK(cudaEventDestroy(E->ev_join));
+    ds4_side_close(&E->side);
     if (E->wmu_ok) pthread_mutex_destroy(&E->wmu);
     free(E->kb);
     free(E->path);
@@ -686,9 +651,7 @@ int cuda_hooks_open(const ds4h_emitter_cfg *cfg, char *err, size_t errlen) {
     ok = ok && host_alloc((void **)&E->st_desc, E->cap_slots * sizeof(ds4h_record)) == cudaSuccess;
     ok = ok && host_alloc((void **)&E->st_pay, E->cap_bytes) == cudaSuccess;
     ok = ok && cudaStreamCreateWithFlags(&E->drain, cudaStreamNonBlocking) == cudaSuccess;
-    ok = ok && cudaStreamCreateWithFlags(&E->side, cudaStreamNonBlocking) == cudaSuccess;
-    ok = ok && cudaEventCreateWithFlags(&E->ev_fork, cudaEventDisableTiming) == cudaSuccess;
-    ok = ok && cudaEventCreateWithFlags(&E->ev_join, cudaEventDisableTiming) == cudaSuccess;
+    ok = ok && ds4_side_open(&E->side, "the hook emitter") == cudaSuccess;
     if (ok) ok = E->wmu_ok = pthread_mutex_init(&E->wmu, NULL) == 0;
     if (!ok) {
         snprintf(err, errlen, "DS4_HOOKS: cannot allocate the hook rings (%llu + %llu bytes of device memory, "
@@ -779,7 +742,7 @@ void cuda_hook_put(const ds4h_put *p, int n) {
         total += (b + 7ull) & ~7ull;
         small = !p[i].dyn;
     }
-    ds4h_side_fork(E);
+    ds4_side_fork(&E->side);
     if (n == 1 || !small || total > DS4H_ONE_BLOCK || total > E->cap_bytes / 4) {
         for (int i = 0; i < n; i++) ds4h_put_one(E, &p[i]);
     } else {
@@ -792,12 +755,12 @@ void cuda_hook_put(const ds4h_put *p, int n) {
         }
         ds4h_launch_put(&b);
     }
-    ds4h_side_unfork(E);
+    ds4_side_unfork(&E->side);
 }
 
 void cuda_hooks_join(void) {
     ds4_session *S = sess();
-    if (S->hk) ds4h_side_join(S->hk);
+    if (S->hk) ds4_side_join(&S->hk->side);
 }
 
 void cuda_hooks_publish(void) {
