@@ -40,10 +40,11 @@
  * are produced like any others; only the sequence keeps fewer rows than the call made.  The
  * main thread marks the call's span of control slots: hold publishes, waits for the stream and
  * opens a window at the publication (every slot below it was made before the hold), commit
- * does the same and closes the window there with pos_end.  The drain keeps each record from
- * an open window back in host memory (so the rings' space goes back as usual and a producer
- * never waits on a commit), with every record after it, and once the window is closed writes
- * them in order, cut by ds4h_cut; a record that keeps no row is not written, and every
+ * does the same and closes the window there with pos_end.  The drain hands every record to
+ * the hold queue (ds4h_holdq, ds4_hooks.c), which keeps each record from an open window back in
+ * host memory (so the rings' space goes back as usual and a producer never waits on a commit),
+ * with every record after it, and once the window is closed writes them in order, cut by
+ * ds4h_cut; a record that keeps no row is not written, and every
  * sequence number after it is one less, so the file's numbers are those of the records the
  * sequence holds, as the CPU writer's are.
  *
@@ -315,15 +316,6 @@ __global__ void k_hook_publish(ds4h_heads *D, ds4h_mapped *H) {
 
 /* ---- the host side ---- */
 
-/* A speculative check's control slots [from, to) (to once closed) and the position its
- * records are cut at. */
-#define DS4H_WINDOWS 16
-struct ds4h_window {
-    unsigned long long from, to;
-    int                pos_end;
-    bool               closed;
-};
-
 struct ds4h_emitter {
     ds4h_heads         *D;
     ds4h_mapped        *Hh, *Hd;       /* the mapped block: host and device views */
@@ -348,18 +340,7 @@ struct ds4h_emitter {
     /* cuda_hooks_sink: stored between steps (user, then fn with release), read by the drain */
     void              (*sink)(void *user, const ds4h_record *r, const void *payload);
     void               *sink_user;
-    /* speculative checks: the windows (hooks_hold opens one, hooks_commit closes it; the drain
-     * retires it once past it), under wmu */
-    pthread_mutex_t     wmu;
-    bool                wmu_ok;
-    ds4h_window         win[DS4H_WINDOWS];
-    int                 win_head, win_n;
-    bool                blocked;       /* the first record kept back is in an open window */
-    /* the drain's: records kept back, [slot (8 bytes)][descriptor][payload padded to 8] each */
-    unsigned char      *kb;
-    size_t              kb_n, kb_cap;
-    unsigned long long  kb_recs;       /* records in kb (others read it with __atomic loads) */
-    unsigned long long  rejected;      /* records written by no one: they kept no row */
+    ds4h_holdq         *hq;            /* speculative checks: records kept back (ds4_hooks.h) */
 };
 
 static unsigned long long ds4h_now_ns(void) {
@@ -392,7 +373,6 @@ static void ds4h_write_record(ds4h_emitter *E, const ds4h_record *r, const unsig
     static const unsigned char zeros[8] = { 0 };
     ds4h_record w = *r;
     w.reserved = 0;
-    w.seq -= E->rejected;      /* the drain's own counter (or, at close, after the drain ended) */
     const size_t pad = (size_t)((8 - w.nbytes % 8) % 8);
     if (fwrite(&w, sizeof w, 1, E->f) != 1 || (w.nbytes && fwrite(payload, 1, (size_t)w.nbytes, E->f) != w.nbytes) ||
         (pad && fwrite(zeros, 1, pad, E->f) != pad)) {
@@ -411,96 +391,9 @@ static void ds4h_write_record(ds4h_emitter *E, const ds4h_record *r, const unsig
     if (sink) sink(E->sink_user, &w, payload);
 }
 
-/* The closed windows that end at or below `slot` go (E->wmu held; every slot below it
- * written). */
-static void ds4h_window_retire(ds4h_emitter *E, unsigned long long slot) {
-    while (E->win_n > 0 && E->win[E->win_head].closed && slot >= E->win[E->win_head].to) {
-        E->win_head = (E->win_head + 1) % DS4H_WINDOWS;
-        E->win_n--;
-    }
-}
-
-/* The drain thread's view of control slot `slot` (every slot below it written): 0 outside
- * any window, 1 in a closed one (its pos_end into *pos_end), 2 in an open one. */
-static int ds4h_window_at(ds4h_emitter *E, unsigned long long slot, int *pos_end) {
-    pthread_mutex_lock(&E->wmu);
-    ds4h_window_retire(E, slot);
-    int st = 0;
-    if (E->win_n > 0 && slot >= E->win[E->win_head].from) {
-        const ds4h_window &w = E->win[E->win_head];
-        st = w.closed ? 1 : 2;
-        *pos_end = w.pos_end;
-    }
-    if (st == 2) E->blocked = true;
-    pthread_mutex_unlock(&E->wmu);
-    return st;
-}
-
-/* Write r as its window says (ds4h_window_at's st): whole, or cut to the rows kept. */
-static void ds4h_take_write(ds4h_emitter *E, const ds4h_record *r, const unsigned char *payload, int st,
-                            int pos_end) {
-    ds4h_record w = *r;
-    if (st == 1 && !ds4h_cut(&w, pos_end)) {
-        __atomic_store_n(&E->rejected, E->rejected + 1, __ATOMIC_RELAXED);
-        return;
-    }
-    ds4h_write_record(E, &w, payload);
-}
-
-/* Write the records kept back, in order, up to the first still in an open window. */
-static void ds4h_kept_run(ds4h_emitter *E) {
-    size_t off = 0;
-    unsigned long long done = 0;
-    while (off < E->kb_n) {
-        unsigned long long slot;
-        ds4h_record r;
-        memcpy(&slot, E->kb + off, sizeof slot);
-        memcpy(&r, E->kb + off + sizeof slot, sizeof r);
-        int pos_end = 0;
-        const int st = ds4h_window_at(E, slot, &pos_end);
-        if (st == 2) break;
-        ds4h_take_write(E, &r, E->kb + off + sizeof slot + sizeof r, st, pos_end);
-        off += sizeof slot + sizeof r + (size_t)((r.nbytes + 7) / 8 * 8);
-        done++;
-    }
-    if (off) {
-        memmove(E->kb, E->kb + off, E->kb_n - off);
-        E->kb_n -= off;
-        __atomic_store_n(&E->kb_recs, E->kb_recs - done, __ATOMIC_RELEASE);
-    }
-}
-
-/* Record `slot` from the staging: written now, or kept back (copied: the staging is reused)
- * while it or a record before it waits for its window's commit. */
-static void ds4h_take(ds4h_emitter *E, unsigned long long slot, const ds4h_record *r, const unsigned char *payload) {
-    int pos_end = 0;
-    if (E->kb_recs == 0) {
-        const int st = ds4h_window_at(E, slot, &pos_end);
-        if (st != 2) {
-            ds4h_take_write(E, r, payload, st, pos_end);
-            return;
-        }
-    }
-    const size_t pay = (size_t)((r->nbytes + 7) / 8 * 8), need = E->kb_n + sizeof slot + sizeof *r + pay;
-    if (need > E->kb_cap) {
-        size_t cap = E->kb_cap ? E->kb_cap : (size_t)1 << 20;
-        while (cap < need) cap *= 2;
-        unsigned char *p = (unsigned char *)realloc(E->kb, cap);
-        if (!p) {               /* the record cannot be kept: the stream names the failure */
-            __atomic_store_n(&E->err, ENOMEM, __ATOMIC_RELEASE);
-            E->lost_io++;
-            return;
-        }
-        E->kb = p;
-        E->kb_cap = cap;
-    }
-    unsigned char *d = E->kb + E->kb_n;
-    memcpy(d, &slot, sizeof slot);
-    memcpy(d + sizeof slot, r, sizeof *r);
-    memcpy(d + sizeof slot + sizeof *r, payload, (size_t)r->nbytes);
-    memset(d + sizeof slot + sizeof *r + r->nbytes, 0, pay - (size_t)r->nbytes);
-    E->kb_n = need;
-    __atomic_store_n(&E->kb_recs, E->kb_recs + 1, __ATOMIC_RELEASE);
+/* The hold queue's writer (ds4h_holdq: a record, its seq renumbered, as the file has it). */
+static void ds4h_write_cb(void *user, const ds4h_record *r, const void *payload) {
+    ds4h_write_record((ds4h_emitter *)user, r, (const unsigned char *)payload);
 }
 
 /* The drain thread: take each published span, copy it down, write it, hand the space back. */
@@ -511,12 +404,8 @@ static void *ds4h_drain_main(void *arg) {
     for (;;) {
         const unsigned long long pub = __atomic_load_n(&E->Hh->pub, __ATOMIC_ACQUIRE);
         if (pub == fill) {
-            if (E->kb_recs) ds4h_kept_run(E);   /* a commit may have closed their window */
-            if (!E->kb_recs) {                  /* every slot below fill written: windows it passed go */
-                pthread_mutex_lock(&E->wmu);
-                ds4h_window_retire(E, fill);
-                pthread_mutex_unlock(&E->wmu);
-            }
+            ds4h_holdq_run(E->hq);              /* a commit may have closed their window */
+            ds4h_holdq_pass(E->hq, fill);
             if (__atomic_load_n(&E->stop, __ATOMIC_ACQUIRE) && __atomic_load_n(&E->Hh->pub, __ATOMIC_ACQUIRE) == fill)
                 break;
             struct timespec ts = { 0, 20000 };   /* 20 us */
@@ -541,9 +430,12 @@ static void *ds4h_drain_main(void *arg) {
         }
         for (unsigned long long i = 0; i < n; i++) {
             const ds4h_record *r = &E->st_desc[i];
-            ds4h_take(E, fill + i, r, E->st_pay + (r->reserved - payd));
+            if (ds4h_holdq_take(E->hq, fill + i, r, E->st_pay + (r->reserved - payd)) != 0) {
+                __atomic_store_n(&E->err, ENOMEM, __ATOMIC_RELEASE);   /* the stream names the failure */
+                E->lost_io++;
+            }
         }
-        if (E->kb_recs) ds4h_kept_run(E);
+        ds4h_holdq_run(E->hq);
         __atomic_fetch_add(&E->batches, 1ull, __ATOMIC_RELAXED);
         if (E->throttle_us) {
             struct timespec ts = { (time_t)(E->throttle_us / 1000000u), (long)(E->throttle_us % 1000000u) * 1000L };
@@ -554,11 +446,7 @@ static void *ds4h_drain_main(void *arg) {
         __atomic_store_n(&E->Hh->drained_pay, payd, __ATOMIC_RELEASE);
         __atomic_store_n(&E->Hh->drained_fill, fill, __ATOMIC_RELEASE);
     }
-    /* the end: what a window closed lets through; a window never closed keeps its rows */
-    ds4h_kept_run(E);
-    __atomic_store_n(&E->rejected, E->rejected + E->kb_recs, __ATOMIC_RELAXED);
-    __atomic_store_n(&E->kb_recs, 0ull, __ATOMIC_RELEASE);
-    E->kb_n = 0;
+    ds4h_holdq_end(E->hq);                      /* a window never closed keeps its rows */
     return NULL;
 }
 
@@ -585,21 +473,12 @@ static unsigned long long ds4h_publish_wait(ds4h_emitter *E) {
     return __atomic_load_n(&E->Hh->pub, __ATOMIC_ACQUIRE);
 }
 
-/* Whether the drain has written every record it took, but those an open window keeps back. */
-static bool ds4h_kept_settled(ds4h_emitter *E) {
-    if (__atomic_load_n(&E->kb_recs, __ATOMIC_ACQUIRE) == 0) return true;
-    pthread_mutex_lock(&E->wmu);
-    const bool b = E->blocked;
-    pthread_mutex_unlock(&E->wmu);
-    return b;
-}
-
 /* Wait (host) until every record produced so far is written (or kept back by an open window):
  * publish, let the stream finish, then watch the drained counter reach the publication. */
 static void ds4h_emitter_flush(ds4_session *S) {
     ds4h_emitter *E = S->hk;
     const unsigned long long pub = ds4h_publish_wait(E);
-    while (__atomic_load_n(&E->Hh->drained_fill, __ATOMIC_ACQUIRE) != pub || !ds4h_kept_settled(E)) {
+    while (__atomic_load_n(&E->Hh->drained_fill, __ATOMIC_ACQUIRE) != pub || !ds4h_holdq_settled(E->hq)) {
         struct timespec ts = { 0, 50000 };
         nanosleep(&ts, NULL);
     }
@@ -615,8 +494,7 @@ static void ds4h_emitter_free(ds4h_emitter *E) {
     host_free(E->st_pay);
     if (E->drain) DS4_CUDA_CHECK(cudaStreamDestroy(E->drain));
     ds4_side_close(&E->side);
-    if (E->wmu_ok) pthread_mutex_destroy(&E->wmu);
-    free(E->kb);
+    ds4h_holdq_free(E->hq);
     free(E->path);
     free(E);
 }
@@ -652,7 +530,7 @@ int cuda_hooks_open(const ds4h_emitter_cfg *cfg, char *err, size_t errlen) {
     ok = ok && host_alloc((void **)&E->st_pay, E->cap_bytes) == cudaSuccess;
     ok = ok && cudaStreamCreateWithFlags(&E->drain, cudaStreamNonBlocking) == cudaSuccess;
     ok = ok && ds4_side_open(&E->side, "the hook emitter") == cudaSuccess;
-    if (ok) ok = E->wmu_ok = pthread_mutex_init(&E->wmu, NULL) == 0;
+    ok = ok && (E->hq = ds4h_holdq_new(ds4h_write_cb, E)) != NULL;
     if (!ok) {
         snprintf(err, errlen, "DS4_HOOKS: cannot allocate the hook rings (%llu + %llu bytes of device memory, "
                  "as much pinned): %s", (unsigned long long)E->cap_bytes,
@@ -788,7 +666,7 @@ void cuda_hooks_stats(ds4_hooks_stats *st, int flush) {
     g_n_stream_sync++;
     DS4_CUDA_CHECK(cudaStreamSynchronize(ds4_current_stream()));   /* NOTE(step result): counters, between steps */
     DS4_CUDA_CHECK(cudaMemcpy(&d, E->D, sizeof d, cudaMemcpyDeviceToHost));   /* NOTE(step result): the same */
-    st->rejected = __atomic_load_n(&E->rejected, __ATOMIC_RELAXED);
+    st->rejected = ds4h_holdq_rejected(E->hq);
     st->produced = d.seq - st->rejected;
     st->dropped = d.dropped;
     st->waits = d.waits;
@@ -808,20 +686,10 @@ void cuda_hooks_hold(void) {
     ds4h_emitter *E = S->hk;
     if (!E) return;
     const unsigned long long from = ds4h_publish_wait(E);
-    pthread_mutex_lock(&E->wmu);
-    while (E->win_n == DS4H_WINDOWS) {
-        pthread_mutex_unlock(&E->wmu);
+    while (ds4h_holdq_open(E->hq, from) != 0) {
         struct timespec ts = { 0, 50000 };
         nanosleep(&ts, NULL);
-        pthread_mutex_lock(&E->wmu);
     }
-    ds4h_window &w = E->win[(E->win_head + E->win_n) % DS4H_WINDOWS];
-    w.from = from;
-    w.to = 0;
-    w.pos_end = 0;
-    w.closed = false;
-    E->win_n++;
-    pthread_mutex_unlock(&E->wmu);
 }
 
 /* The check's rows below pos_end are the sequence's: its window closes at the publication of
@@ -830,18 +698,7 @@ void cuda_hooks_commit(int pos_end) {
     ds4_session *S = sess();
     ds4h_emitter *E = S->hk;
     if (!E) return;
-    const unsigned long long to = ds4h_publish_wait(E);
-    pthread_mutex_lock(&E->wmu);
-    if (E->win_n > 0) {
-        ds4h_window &w = E->win[(E->win_head + E->win_n - 1) % DS4H_WINDOWS];
-        if (!w.closed) {
-            w.to = to;
-            w.pos_end = pos_end;
-            w.closed = true;
-            E->blocked = false;
-        }
-    }
-    pthread_mutex_unlock(&E->wmu);
+    ds4h_holdq_close(E->hq, ds4h_publish_wait(E), pos_end);
 }
 
 /* The emitter's end (session_free): the last publication, the drain to its end, a gap record
@@ -863,6 +720,7 @@ void ds4h_emitter_close(ds4_session *S) {
         g.ndim = 1;
         g.shape[0] = (uint32_t)d.gap_n; g.shape[1] = g.shape[2] = g.shape[3] = 1;
         g.nbytes = 0;
+        g.seq -= ds4h_holdq_rejected(E->hq);       /* numbered as the records written before it */
         ds4h_write_record(E, &g, NULL);
     }
     if (d.dropped)

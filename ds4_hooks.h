@@ -199,6 +199,36 @@ void   ds4h_close(ds4h_ctx *h);
 int    ds4h_set_sink(ds4h_ctx *h, void (*fn)(void *user, const ds4h_record *r, const void *payload), void *user,
                      char *err, size_t errlen);
 
+/* A device emitter's speculative checks (its drain thread; CUDA: ds4_hooks.cu), apart so that
+ * a test can hold it to its promises (tests/test_hooks_hold.c).  The main thread marks a check
+ * call's control slots: ds4h_holdq_open(from) at the publication before the call (-1 while
+ * DS4H_WINDOWS windows are still open or not yet passed: wait for the drain and try again),
+ * ds4h_holdq_close(to, pos_end) at the publication after it.  The drain hands every record it
+ * takes, in slot order, to ds4h_holdq_take (copied: the payload may be reused once it returns;
+ * -1 when it cannot be kept, out of memory), which writes it through write() at once or keeps
+ * it back while it or a record before it is in an open window; ds4h_holdq_run writes the
+ * records kept back whose window has closed, ds4h_holdq_pass(fill) retires the windows below
+ * fill when nothing is kept (call both when idle), ds4h_holdq_end writes what it can and counts
+ * the rest (a window never closed) as rejected.  A record in a closed window is cut by ds4h_cut:
+ * one that keeps no row is not written and counts as rejected, and every record written has its
+ * seq less the records rejected before it, so the file is numbered as the CPU writer numbers
+ * it.  settled: nothing is kept back but what an open window holds (the flush's test).  The
+ * calls are thread-safe as described (open, close, settled, rejected from any thread; the rest
+ * from the drain). */
+#define DS4H_WINDOWS 16
+typedef struct ds4h_holdq ds4h_holdq;
+ds4h_holdq *ds4h_holdq_new(void (*write)(void *user, const ds4h_record *r, const void *payload), void *user);
+void        ds4h_holdq_free(ds4h_holdq *q);
+int         ds4h_holdq_open(ds4h_holdq *q, uint64_t from);
+void        ds4h_holdq_close(ds4h_holdq *q, uint64_t to, int pos_end);
+int         ds4h_holdq_take(ds4h_holdq *q, uint64_t slot, const ds4h_record *r, const void *payload);
+void        ds4h_holdq_run(ds4h_holdq *q);
+void        ds4h_holdq_pass(ds4h_holdq *q, uint64_t fill);
+void        ds4h_holdq_end(ds4h_holdq *q);
+int         ds4h_holdq_settled(ds4h_holdq *q);
+uint64_t    ds4h_holdq_rejected(ds4h_holdq *q);
+uint64_t    ds4h_holdq_kept(ds4h_holdq *q);
+
 /* The device emitter's rings for a selection (ds4h_open's policy, apart so that a test can
  * hold it to its promises): the payload ring DS4_HOOKS_RING_MB MiB when given (-1 with one
  * line when that cannot hold four of the selection's largest record), else 64 x what one
