@@ -23,6 +23,7 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdint.h>
@@ -423,6 +424,10 @@ static void ds4h_keep(ds4h_ctx *h, const ds4h_record *r, const void *data) {
 
 int ds4h_hold(ds4h_ctx *h, char *err, size_t errlen) {
     if (!h) return 0;
+    /* a hold never committed (its call failed): none of its rows is the sequence's; closed with
+     * nothing kept, its records counted as rejected, so that the device's window does not stay
+     * open (keeping every later record back) */
+    if (h->hold && ds4h_commit(h, INT_MIN, err, errlen) != 0) return -1;
     if (h->dev) {
         if (!h->be->hooks_hold) {
             errf(err, errlen, "DS4_HOOKS: the %s backend's hook emitter cannot hold a call's records back", h->be->name);

@@ -529,12 +529,18 @@ int cuda_hooks_open(const ds4h_emitter_cfg *cfg, char *err, size_t errlen) {
     ok = ok && host_alloc((void **)&E->st_desc, E->cap_slots * sizeof(ds4h_record)) == cudaSuccess;
     ok = ok && host_alloc((void **)&E->st_pay, E->cap_bytes) == cudaSuccess;
     ok = ok && cudaStreamCreateWithFlags(&E->drain, cudaStreamNonBlocking) == cudaSuccess;
-    ok = ok && ds4_side_open(&E->side, "the hook emitter") == cudaSuccess;
-    ok = ok && (E->hq = ds4h_holdq_new(ds4h_write_cb, E)) != NULL;
     if (!ok) {
         snprintf(err, errlen, "DS4_HOOKS: cannot allocate the hook rings (%llu + %llu bytes of device memory, "
                  "as much pinned): %s", (unsigned long long)E->cap_bytes,
                  (unsigned long long)(E->cap_slots * sizeof(ds4h_record)), cudaGetErrorString(cudaGetLastError()));
+        ds4h_emitter_free(E);
+        return -1;
+    }
+    const cudaError_t se = ds4_side_open(&E->side, "the hook emitter");
+    if (se != cudaSuccess || !(E->hq = ds4h_holdq_new(ds4h_write_cb, E))) {
+        snprintf(err, errlen, "DS4_HOOKS: %s", se != cudaSuccess ? "cannot create the producers' stream and events"
+                                                                 : "out of host memory for the hold queue");
+        if (se != cudaSuccess) snprintf(err + strlen(err), errlen - strlen(err), ": %s", cudaGetErrorString(se));
         ds4h_emitter_free(E);
         return -1;
     }
@@ -725,7 +731,7 @@ void ds4h_emitter_close(ds4_session *S) {
     }
     if (d.dropped)
         fprintf(stderr, "ds4: DS4_HOOKS_POLICY=drop: %llu of %llu records dropped; %s marks each run of them with a "
-                "gap record\n", d.dropped, d.seq, E->path);
+                "gap record\n", d.dropped, d.seq - ds4h_holdq_rejected(E->hq), E->path);
     if (E->err)
         fprintf(stderr, "ds4: DS4_HOOKS_OUT: writing %s failed: %s (%llu records not written)\n", E->path,
                 strerror(E->err), E->lost_io);

@@ -17,7 +17,15 @@
  *   - settled (the flush's test): false while closed-window records wait, true when only an
  *     open window holds some.
  * Negative control: the same feed with the cut disabled (pos_end past every row) writes every
- * row, which the checks above would refuse. */
+ * row, which the checks above would refuse.
+ * Then the two threads as the CUDA emitter runs them (stress): the main thread opens and closes
+ * a window around each of thousands of speculative checks (1..3 drafts, a random number taken,
+ * records beside them outside any window) while a drain thread takes the records in slot order,
+ * in uneven batches, and runs and passes the queue when idle; the queue often full.  What
+ * reaches the "file": every position of the sequence once per hook, no other, each row's
+ * payload its own, numbered without a hole, and written + rejected = produced. */
+#include <pthread.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -99,6 +107,114 @@ static int feed_check(ds4h_holdq *q, uint64_t slot, uint64_t seq) {
     r = rec(seq + n, DS4H_LOGITS, 10, 4, pay);
     ds4h_holdq_take(q, slot + n, &r, pay); n++;
     return n;
+}
+
+/* ---- the two threads ---- */
+#define ST_STEPS 20000
+#define ST_SLOTS (ST_STEPS * 10)
+#define ST_POS   (ST_STEPS * 4 + 8)
+typedef struct {
+    ds4h_record *ring;                 /* [ST_SLOTS] the "device ring", slot order */
+    uint32_t    *pay;                  /* [ST_SLOTS][16] */
+    uint64_t     pub;                  /* slots published (atomic) */
+    int          done;                 /* the main thread has published its last slot (atomic) */
+    ds4h_holdq  *q;
+    /* the drain side's view of what it wrote */
+    uint8_t      cover[4][ST_POS];     /* [attn, probs, logits, resid][pos] times written */
+    uint64_t     next_seq, written;
+    int          bad_payload, bad_seq;
+    unsigned     rng;
+} stress;
+
+static unsigned st_rand(unsigned *r) { *r = *r * 1103515245u + 12345u; return *r >> 8; }
+
+static int st_hook_index(uint32_t hook) {
+    return hook == DS4H_ATTN ? 0 : hook == DS4H_ATTN_PROBS ? 1 : hook == DS4H_LOGITS ? 2 : 3;
+}
+
+static void st_write(void *user, const ds4h_record *r, const void *payload) {
+    stress *t = user;
+    const uint32_t *p = payload;
+    if (r->seq != t->next_seq) t->bad_seq++;
+    t->next_seq = r->seq + 1;
+    t->written++;
+    for (uint32_t k = 0; k < r->shape[0]; k++) {
+        const uint32_t pos = r->pos + k;
+        if (pos < ST_POS) t->cover[st_hook_index(r->hook)][pos]++;
+        for (int i = 0; i < 4; i++)
+            if (p[4 * k + i] != 100 * pos + (uint32_t)i) t->bad_payload++;
+    }
+}
+
+static void *st_drain(void *arg) {
+    stress *t = arg;
+    uint64_t taken = 0;
+    for (;;) {
+        const uint64_t pub = __atomic_load_n(&t->pub, __ATOMIC_ACQUIRE);
+        const int done = __atomic_load_n(&t->done, __ATOMIC_ACQUIRE);
+        uint64_t batch = 1 + st_rand(&t->rng) % 37;       /* an uneven batch, then idle */
+        while (taken < pub && batch--) {
+            if (ds4h_holdq_take(t->q, taken, &t->ring[taken], t->pay + 16 * taken) != 0) t->bad_payload++;
+            taken++;
+        }
+        if (taken == pub) {
+            ds4h_holdq_run(t->q);
+            ds4h_holdq_pass(t->q, taken);
+            if (done) break;
+            sched_yield();
+        }
+    }
+    ds4h_holdq_end(t->q);
+    return NULL;
+}
+
+/* the main thread's record at slot pub, hook, rows from pos; seq = the slot (every record takes
+ * one, as on the device) */
+static void st_put(stress *t, int hook, int pos, int rows) {
+    const uint64_t slot = t->pub;
+    t->ring[slot] = rec(slot, hook, pos, rows, t->pay + 16 * slot);
+    __atomic_store_n(&t->pub, slot + 1, __ATOMIC_RELEASE);
+}
+
+static void stress_run(void) {
+    stress *t = calloc(1, sizeof *t);
+    t->ring = calloc(ST_SLOTS, sizeof *t->ring);
+    t->pay = calloc((size_t)ST_SLOTS * 16, sizeof *t->pay);
+    t->q = ds4h_holdq_new(st_write, t);
+    t->rng = 12345;
+    unsigned rng = 777;
+    pthread_t th;
+    pthread_create(&th, NULL, st_drain, t);
+    int pos = 0, full = 0;
+    for (int step = 0; step < ST_STEPS; step++) {
+        const int D = 1 + (int)(st_rand(&rng) % 3), a = (int)(st_rand(&rng) % (unsigned)(D + 1));
+        while (ds4h_holdq_open(t->q, t->pub) != 0) { full++; sched_yield(); }
+        st_put(t, DS4H_ATTN, pos, D + 1);
+        for (int k = 0; k <= D; k++) st_put(t, DS4H_ATTN_PROBS, pos + k, 1);
+        st_put(t, DS4H_LOGITS, pos, D + 1);
+        if (st_rand(&rng) % 4 == 0) (void)ds4h_holdq_settled(t->q);
+        ds4h_holdq_close(t->q, t->pub, pos + a + 1);
+        pos += a + 1;
+        if (st_rand(&rng) % 3 == 0) st_put(t, DS4H_RESID, pos - 1, 1);   /* beside, no window */
+    }
+    const uint64_t produced = t->pub;
+    __atomic_store_n(&t->done, 1, __ATOMIC_RELEASE);
+    pthread_join(th, NULL);
+    int cover_ok = 1;
+    for (int h = 0; h < 3; h++)
+        for (int p = 0; p < ST_POS; p++) cover_ok = cover_ok && t->cover[h][p] == (p < pos);
+    for (int p = 0; p < ST_POS; p++) cover_ok = cover_ok && t->cover[3][p] <= 1;
+    char what[300];
+    snprintf(what, sizeof what,
+             "two threads, %d checks (the queue full %d times): every position below %d once per hook, none past it, "
+             "payloads their rows', numbered without a hole (%llu written + %llu rejected = %llu produced)",
+             ST_STEPS, full, pos, (unsigned long long)t->written, (unsigned long long)ds4h_holdq_rejected(t->q),
+             (unsigned long long)produced);
+    check(cover_ok && !t->bad_payload && !t->bad_seq && t->written + ds4h_holdq_rejected(t->q) == produced &&
+              ds4h_holdq_kept(t->q) == 0,
+          what);
+    ds4h_holdq_free(t->q);
+    free(t->ring); free(t->pay); free(t);
 }
 
 int main(void) {
@@ -227,6 +343,8 @@ int main(void) {
               "two windows back to back: the first written when closed, the second held until its commit");
         ds4h_holdq_free(q);
     }
+
+    stress_run();
 
     printf("%d passed, %d failed\n", n_pass, n_fail);
     return n_fail ? 1 : 0;
