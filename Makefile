@@ -190,10 +190,15 @@ $(B)/tests/test_rollback: tests/test_rollback.c $(B)/cpu/ds4.o $(B)/cpu/ds4_synt
 	@mkdir -p $(B)/tests
 	$(CC) $(CFLAGS) -I. $^ -o $@ $(LDLIBS)
 
-test-c: $(B)/tests/test_gguf $(B)/tests/test_kernels $(B)/tests/test_hooks_plan $(B)/tests/test_rollback
+$(B)/tests/test_hooks_hold: tests/test_hooks_hold.c $(B)/cpu/ds4.o $(B)/cpu/ds4_synth.o $(B)/cpu/ds4_hooks.o $(B)/cpu/ds4_quant.o $(B)/cpu/ds4_tok.o $(B)/cpu/ds4_msg.o
+	@mkdir -p $(B)/tests
+	$(CC) $(CFLAGS) -I. $^ -o $@ $(LDLIBS)
+
+test-c: $(B)/tests/test_gguf $(B)/tests/test_kernels $(B)/tests/test_hooks_plan $(B)/tests/test_hooks_hold $(B)/tests/test_rollback
 	$(B)/tests/test_gguf
 	$(B)/tests/test_kernels
 	$(B)/tests/test_hooks_plan
+	$(B)/tests/test_hooks_hold
 	$(B)/tests/test_rollback
 
 # What the tests need beyond gcc and make: python3 with pytest and numpy, npm, git.

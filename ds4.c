@@ -3478,7 +3478,8 @@ static void fwd_span(ds4_ctx *c, int l0, int l1, int nt, int all_rows) {
 
 /* With DS4_CUDA_GRAPHS=1 a decode step (one token, the last row's logits) and a
  * check of speculative drafts (2 .. DS4_GRAPH_MAX_ROWS tokens, every row's
- * logits, hooks off) run as recorded regions
+ * logits; with hooks too, whose producers read the position from the step block
+ * and are shaped by the token count alone) run as recorded regions
  * (ds4_gpu.h region_begin/end): the whole step, or clusters of
  * DS4_CUDA_GRAPH_LAYERS layers.  A region's key names everything its ops bake
  * in: its layers, the token count, whether every row's logits are made, and
@@ -3490,7 +3491,7 @@ static void fwd_span(ds4_ctx *c, int l0, int l1, int nt, int all_rows) {
 static int fwd_recorded(const ds4_ctx *c, int nt, int all_rows) {
     if (!c->graphs) return 0;
     if (nt == 1) return !all_rows;
-    return nt <= DS4_GRAPH_MAX_ROWS && all_rows && !c->hk;
+    return nt <= DS4_GRAPH_MAX_ROWS && all_rows;
 }
 
 static void fwd_batch(ds4_ctx *c, int nt, int all_rows) {

@@ -137,8 +137,9 @@ int      ds4_ctx_set_hook_sink(ds4_ctx *c, ds4_hook_sink fn, void *user, char *e
 /* DS4_HOOKS with speculative checks (ds4 --mtp-draft): after ds4_ctx_hooks_hold the records of
  * the calls that follow are kept back; ds4_ctx_hooks_commit writes them cut to the rows at
  * positions below pos_end (the rows the sequence keeps), so a stream never holds a rejected
- * draft's row.  The CPU backend's writer; hold is -1 with one line for a device emitter.
- * Both do nothing when hooks are off. */
+ * draft's row.  The CPU backend's writer, and a device emitter whose backend has hooks_hold
+ * (CUDA; else hold is -1 with one line).  A hold while one is open (its call failed) first
+ * closes the open one with nothing kept.  Both do nothing when hooks are off. */
 int      ds4_ctx_hooks_hold(ds4_ctx *c, char *err, size_t errlen);
 int      ds4_ctx_hooks_commit(ds4_ctx *c, int pos_end, char *err, size_t errlen);
 

@@ -1257,9 +1257,9 @@ int main(int argc, char **argv) {
                 "returns; it has no rings and no drain to size or slow\n");
     if (env.launch_trace && !strcmp(be->name, "cpu"))
         fprintf(stderr, "ds4: DS4_LAUNCH_TRACE: the cpu backend launches no kernels; nothing is traced\n");
-    if (o.mtp_draft && env.hooks && strcmp(be->name, "cpu"))
-        die_usage("--mtp-draft with DS4_HOOKS: the cpu backend only (the %s emitter cannot yet hold back the rows "
-                  "of rejected drafts)", be->name);
+    if (o.mtp_draft && env.hooks && be->hooks_open && !be->hooks_hold)
+        die_usage("--mtp-draft with DS4_HOOKS: the %s backend's hook emitter cannot hold back the rows of rejected "
+                  "drafts", be->name);
     if (env.mtp_force_file && !o.mtp_draft) die_usage("DS4_MTP_FORCE goes with --mtp-draft");
     if (env.mtp_force_file && o.temp > 0.0f)
         die_usage("DS4_MTP_FORCE goes with greedy decoding (its FILE holds greedy ids; give --temp 0)");
@@ -1526,6 +1526,9 @@ int main(int argc, char **argv) {
                     (unsigned long long)hst.batches,
                     hst.copy_seconds > 0 ? hst.payload_bytes / hst.copy_seconds / 1e9 : 0.0,
                     (unsigned long long)hst.drain_syncs);
+        if (o.stats && hst.rejected)
+            fprintf(stderr, "stats: hooks: %llu records of rejected drafts alone not written (--mtp-draft)\n",
+                    (unsigned long long)hst.rejected);
         if (hst.err) rc = EXIT_FAIL;              /* the line naming it comes when the context closes */
         else {
             char hp[4 * 1024 + 8];

@@ -525,6 +525,57 @@ static int cuda_region_end(uint64_t key) {
     return 0;
 }
 
+/* ---- side streams (ds4_side, ds4_cuda_common.cuh) ---- */
+
+cudaError_t ds4_side_open(ds4_side *d, const char *who) {
+    memset(d, 0, sizeof *d);
+    d->who = who;
+    cudaError_t e = cudaStreamCreateWithFlags(&d->s, cudaStreamNonBlocking);
+    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&d->fork, cudaEventDisableTiming);
+    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&d->join, cudaEventDisableTiming);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        ds4_side_close(d);
+    }
+    return e;
+}
+
+void ds4_side_close(ds4_side *d) {
+    if (d->fork) DS4_CUDA_CHECK(cudaEventDestroy(d->fork));
+    if (d->join) DS4_CUDA_CHECK(cudaEventDestroy(d->join));
+    if (d->s) DS4_CUDA_CHECK(cudaStreamDestroy(d->s));
+    d->fork = d->join = NULL;
+    d->s = NULL;
+}
+
+static void side_event(const ds4_side *d, cudaError_t e, const char *what, int line) {
+    if (e != cudaSuccess && !(g_sess && g_sess->capturing)) {
+        ds4_fatal("CUDA error %s (%s) in %s's %s at %s:%d", cudaGetErrorName(e), cudaGetErrorString(e), d->who, what,
+                  __FILE__, line);
+    }
+    launch_check(e, __FILE__, line);
+}
+
+void ds4_side_fork(ds4_side *d) {
+    side_event(d, cudaEventRecord(d->fork, ds4_current_stream()), "fork", __LINE__);
+    if (ds4_stream_push(d->s) != 0) {
+        ds4_fatal("%s cannot push its stream (ds4_stream.h: %d overrides deep)", d->who, DS4_STREAM_DEPTH);
+    }
+    side_event(d, cudaStreamWaitEvent(ds4_current_stream(), d->fork, 0), "fork", __LINE__);
+}
+
+void ds4_side_unfork(ds4_side *d) {
+    side_event(d, cudaEventRecord(d->join, ds4_current_stream()), "join", __LINE__);
+    ds4_stream_pop();
+    d->pending = true;
+}
+
+void ds4_side_join(ds4_side *d) {
+    if (!d->pending) return;
+    side_event(d, cudaStreamWaitEvent(ds4_current_stream(), d->join, 0), "join", __LINE__);
+    d->pending = false;
+}
+
 static void cuda_session_reset(void *s) {
     ds4_session *S = (ds4_session *)s;
     while (S->n_reg > 0) region_drop(S, S->n_reg - 1);
@@ -549,9 +600,7 @@ static void session_release(ds4_session *S) {
     host_free(S->up_stage);
     host_free(S->down_stage);
     if (S->blas) DS4_CUBLAS_CHECK(cublasDestroy(S->blas));
-    if (S->side_fork) DS4_CUDA_CHECK(cudaEventDestroy(S->side_fork));
-    if (S->side_join) DS4_CUDA_CHECK(cudaEventDestroy(S->side_join));
-    if (S->side) DS4_CUDA_CHECK(cudaStreamDestroy(S->side));   /* its work ended before the stream's (the join) */
+    ds4_side_close(&S->shx);
     if (S->stream) DS4_CUDA_CHECK(cudaStreamDestroy(S->stream));
     if (S->trace) fclose(S->trace);
     if (g_sess == S) g_sess = NULL;
@@ -640,10 +689,7 @@ static void *cuda_session_new(const ds4_limits *lim) {
         if (S->lim.graph_cache < 1) S->lim.graph_cache = 1;
     }
     /* the shared expert's stream and its fork and join events (shared_begin) */
-    if (lim->shared_stream &&
-        (cudaStreamCreateWithFlags(&S->side, cudaStreamNonBlocking) != cudaSuccess ||
-         cudaEventCreateWithFlags(&S->side_fork, cudaEventDisableTiming) != cudaSuccess ||
-         cudaEventCreateWithFlags(&S->side_join, cudaEventDisableTiming) != cudaSuccess)) {
+    if (lim->shared_stream && ds4_side_open(&S->shx, "the shared expert") != cudaSuccess) {
         fprintf(stderr, "ds4: cannot create the shared expert's stream (DS4_CUDA_SHARED_STREAM=0 runs without it)\n");
         (void)cudaGetLastError();
         session_release(S);
@@ -832,6 +878,8 @@ static ds4_backend make_cuda_backend(void) {
     b.hooks_publish = cuda_hooks_publish;
     b.hooks_join = cuda_hooks_join;
     b.hooks_stats = cuda_hooks_stats;
+    b.hooks_hold = cuda_hooks_hold;
+    b.hooks_commit = cuda_hooks_commit;
     return b;
 }
 

@@ -69,11 +69,30 @@ struct ds4_cuda_device {
 };
 extern ds4_cuda_device g_cuda;   /* ds4_cuda.cu: settled by cuda_init */
 
+/* A stream beside the compute stream, for work nothing after it reads until a join (the
+ * MoE's shared expert, ds4_cuda_moe.cu; the hook emitter's producers, ds4_hooks.cu).
+ * ds4_side_fork makes it wait for the work issued so far on the current stream and makes it
+ * the current stream (ds4_stream_push), so the ops issued next go there; ds4_side_unfork
+ * records where they end and pops back; ds4_side_join makes the current stream wait for that
+ * end (a no-op when nothing was forked since the last join).  Under a capture the two events
+ * become edges of the graph, not nodes.  An event call that fails fails a capture
+ * (launch_check); outside one it is fatal, with one line naming `who`.  ds4_side_open: 0, or
+ * the CUDA error with nothing left to free. */
+struct ds4_side {
+    cudaStream_t s;                   /* NULL: not open */
+    cudaEvent_t  fork, join;
+    bool         pending;             /* unforked since the last join */
+    const char  *who;
+};
+cudaError_t ds4_side_open(ds4_side *d, const char *who);
+void ds4_side_close(ds4_side *d);     /* after the join: its work ended before the stream's */
+void ds4_side_fork(ds4_side *d);
+void ds4_side_unfork(ds4_side *d);
+void ds4_side_join(ds4_side *d);
+
 struct ds4_session {
     cudaStream_t   stream;
-    cudaStream_t   side;              /* shared_begin's stream (ds4_cuda_moe.cu); NULL: DS4_CUDA_SHARED_STREAM=0 */
-    cudaEvent_t    side_fork, side_join;
-    bool           side_pending;      /* shared_end recorded side_join: moe_experts waits for it */
+    ds4_side       shx;               /* the shared expert's stream (shared_begin); s NULL: DS4_CUDA_SHARED_STREAM=0 */
     cublasHandle_t blas;
     void          *blas_ws;           /* cuBLAS workspace (cublasSetWorkspace): no allocation inside a call */
     ds4_limits     lim;
@@ -709,5 +728,7 @@ void cuda_hooks_publish(void);
 void cuda_hooks_join(void);
 void cuda_hooks_stats(ds4_hooks_stats *st, int flush);
 void cuda_hooks_sink(void (*fn)(void *user, const ds4h_record *r, const void *payload), void *user);
+void cuda_hooks_hold(void);
+void cuda_hooks_commit(int pos_end);
 
 #endif /* DS4_CUDA_COMMON_CUH */

@@ -323,40 +323,17 @@ static void launch_moe_gather(const float *x, const int32_t *perm, int k, int64_
  * their products share the session's scratch and cuBLAS handle with the routed experts'.
  * ------------------------------------------------------------------------- */
 
-/* An event call's error: fails a capture (launch_check), else fatal with one line. */
-static void side_event(cudaError_t e, const char *what, int line) {
-    if (e != cudaSuccess && !(g_sess && g_sess->capturing)) {
-        ds4_fatal("CUDA error %s (%s) in the shared expert's %s at %s:%d", cudaGetErrorName(e),
-                  cudaGetErrorString(e), what, __FILE__, line);
-    }
-    launch_check(e, __FILE__, line);
-}
-
 static int cuda_shared_begin(int nt) {
     ds4_session *S = sess();
-    if (!S->side || nt > MOE_DECODE_MAX_NT || nt > MV_MAX_NT) return 0;
-    side_event(cudaEventRecord(S->side_fork, ds4_current_stream()), "fork", __LINE__);
-    if (ds4_stream_push(S->side) != 0) {
-        ds4_fatal("the shared expert cannot push its stream (ds4_stream.h: %d overrides deep)", DS4_STREAM_DEPTH);
-    }
-    side_event(cudaStreamWaitEvent(ds4_current_stream(), S->side_fork, 0), "fork", __LINE__);
+    if (!S->shx.s || nt > MOE_DECODE_MAX_NT || nt > MV_MAX_NT) return 0;
+    ds4_side_fork(&S->shx);
     return 1;
 }
 
-static void cuda_shared_end(void) {
-    ds4_session *S = sess();
-    side_event(cudaEventRecord(S->side_join, ds4_current_stream()), "join", __LINE__);
-    ds4_stream_pop();
-    S->side_pending = true;
-}
+static void cuda_shared_end(void) { ds4_side_unfork(&sess()->shx); }
 
 /* The compute stream waits for the shared expert's stream (a no-op unless shared_end was last). */
-static void shared_join(void) {
-    ds4_session *S = sess();
-    if (!S->side_pending) return;
-    side_event(cudaStreamWaitEvent(ds4_current_stream(), S->side_join, 0), "join", __LINE__);
-    S->side_pending = false;
-}
+static void shared_join(void) { ds4_side_join(&sess()->shx); }
 
 static void moe_decode(const float *x, const int32_t *sel, const float *wts,
                        const ds4_weight *gate, const ds4_weight *up, const ds4_weight *down,

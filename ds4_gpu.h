@@ -251,6 +251,8 @@ typedef struct ds4h_put {
 typedef struct ds4_hooks_stats {
     uint64_t produced;          /* records the producers made (each took a sequence number) */
     uint64_t written;           /* records written to the file */
+    uint64_t rejected;          /* records of a speculative check that kept no row (not written,
+                                   no sequence number; not in produced) */
     uint64_t dropped;           /* records dropped (DS4_HOOKS_POLICY=drop) */
     uint64_t gaps;              /* gap records written (each stands for one or more dropped) */
     uint64_t waits;             /* producers that waited for ring space (wait policy) */
@@ -340,13 +342,20 @@ typedef struct ds4_backend {
      * dropped.  hooks_sink (ds4 collect): the drain thread also hands each record it writes
      * (its descriptor as the file has it, and its payload) to fn, on the drain thread, in
      * sequence order; set between steps (it waits for what is in flight first), NULL to stop.
-     * A caller reads what fn gathered after hooks_stats with flush. */
+     * A caller reads what fn gathered after hooks_stats with flush.  hooks_hold and
+     * hooks_commit (between calls; ds4_hooks.h ds4h_hold): the records produced after
+     * hooks_hold and before hooks_commit(pos_end) are written cut to the rows at positions
+     * below pos_end (ds4h_cut), and one that keeps none is not written nor numbered; the
+     * drain keeps them back (host memory: the rings' space goes back as usual) until the
+     * commit names pos_end. */
     int   (*hooks_open)(const ds4h_emitter_cfg *cfg, char *err, size_t errlen);
     void  (*hooks_sink)(void (*fn)(void *user, const struct ds4h_record *r, const void *payload), void *user);
     void  (*hook_put)(const ds4h_put *p, int n);
     void  (*hooks_publish)(void);
     void  (*hooks_join)(void);
     void  (*hooks_stats)(ds4_hooks_stats *st, int flush);
+    void  (*hooks_hold)(void);
+    void  (*hooks_commit)(int pos_end);
 
     /* ---- ops ---- */
 

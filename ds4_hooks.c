@@ -23,6 +23,8 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -169,6 +171,7 @@ struct ds4h_ctx {
     int                hold;          /* ds4h_hold .. ds4h_commit: the CPU writer keeps records back */
     uint8_t           *held;          /* their descriptors and payloads, back to back, each padded to 8 */
     size_t             held_n, held_cap;
+    uint64_t           rejected;      /* held records that kept no row (not written) */
 };
 
 int ds4h_check(int n_layer, const ds4_env *env, char *err, size_t errlen) {
@@ -421,9 +424,20 @@ static void ds4h_keep(ds4h_ctx *h, const ds4h_record *r, const void *data) {
 
 int ds4h_hold(ds4h_ctx *h, char *err, size_t errlen) {
     if (!h) return 0;
+    /* a hold never committed (its call failed): none of its rows is the sequence's; closed with
+     * nothing kept, its records counted as rejected, so that the device's window does not stay
+     * open (keeping every later record back) */
+    if (h->hold && ds4h_commit(h, INT_MIN, err, errlen) != 0) return -1;
     if (h->dev) {
-        errf(err, errlen, "DS4_HOOKS: the %s backend's hook emitter cannot hold a call's records back", h->be->name);
-        return -1;
+        if (!h->be->hooks_hold) {
+            errf(err, errlen, "DS4_HOOKS: the %s backend's hook emitter cannot hold a call's records back", h->be->name);
+            return -1;
+        }
+        void *prev = h->be->session_bind(h->sess);
+        h->be->hooks_hold();
+        h->be->session_bind(prev);
+        h->hold = 1;
+        return 0;
     }
     h->hold = 1;
     h->held_n = 0;
@@ -433,19 +447,19 @@ int ds4h_hold(ds4h_ctx *h, char *err, size_t errlen) {
 int ds4h_commit(ds4h_ctx *h, int pos_end, char *err, size_t errlen) {
     if (!h || !h->hold) return 0;
     h->hold = 0;
+    if (h->dev) {               /* the drain cuts and writes them (a failed write: at ds4h_stats) */
+        void *prev = h->be->session_bind(h->sess);
+        h->be->hooks_commit(pos_end);
+        h->be->session_bind(prev);
+        return 0;
+    }
     for (size_t off = 0; off < h->held_n && !h->err;) {
         ds4h_record r;
         memcpy(&r, h->held + off, sizeof r);
         const uint8_t *data = h->held + off + sizeof r;
         off += sizeof r + (size_t)((r.nbytes + 7) / 8 * 8);
-        if ((int64_t)r.pos >= pos_end) continue;             /* rows the sequence does not keep */
-        if (r.hook != DS4H_ATTN_PROBS) {                      /* rows from pos on: cut at pos_end */
-            const uint32_t keep = (uint32_t)(pos_end - (int64_t)r.pos) < r.shape[0]
-                                      ? (uint32_t)(pos_end - (int64_t)r.pos) : r.shape[0];
-            r.nbytes = r.nbytes / r.shape[0] * keep;
-            r.shape[0] = keep;
-        }
-        ds4h_write(h, &r, data);
+        if (ds4h_cut(&r, pos_end)) ds4h_write(h, &r, data);
+        else h->rejected++;                                   /* rows the sequence does not keep */
     }
     h->held_n = 0;
     if (h->err) {
@@ -532,6 +546,7 @@ int ds4h_stats(ds4h_ctx *h, ds4_hooks_stats *st) {
         return 0;
     }
     st->produced = st->written = h->seq;
+    st->rejected = h->rejected;
     st->payload_bytes = h->bytes;
     st->err = h->err;
     return 0;
@@ -549,3 +564,178 @@ void ds4h_close(ds4h_ctx *h) {
     if (h->probs) h->be->free(h->probs);
     free(h);
 }
+
+/* ---------------------------------------------------------------------------
+ * A device emitter's speculative checks (ds4_hooks.h ds4h_holdq)
+ * ------------------------------------------------------------------------- */
+
+typedef struct {
+    uint64_t from, to;
+    int      pos_end, closed;
+} ds4h_window;
+
+struct ds4h_holdq {
+    pthread_mutex_t mu;               /* guards win, head, n, blocked */
+    ds4h_window     win[DS4H_WINDOWS];
+    int             head, n;
+    int             blocked;          /* the first record kept back is in an open window */
+    uint8_t        *kb;               /* records kept back: [slot (8 bytes)][descriptor][payload padded to 8] */
+    size_t          kb_n, kb_cap;
+    uint64_t        kb_recs;          /* records in kb (the drain writes it, others read it atomically) */
+    uint64_t        rejected;         /* records that kept no row (the same) */
+    void          (*write)(void *user, const ds4h_record *r, const void *payload);
+    void           *user;
+};
+
+ds4h_holdq *ds4h_holdq_new(void (*write)(void *user, const ds4h_record *r, const void *payload), void *user) {
+    ds4h_holdq *q = calloc(1, sizeof *q);
+    if (!q) return NULL;
+    if (pthread_mutex_init(&q->mu, NULL) != 0) { free(q); return NULL; }
+    q->write = write;
+    q->user = user;
+    return q;
+}
+
+void ds4h_holdq_free(ds4h_holdq *q) {
+    if (!q) return;
+    pthread_mutex_destroy(&q->mu);
+    free(q->kb);
+    free(q);
+}
+
+int ds4h_holdq_open(ds4h_holdq *q, uint64_t from) {
+    pthread_mutex_lock(&q->mu);
+    const int full = q->n == DS4H_WINDOWS;
+    if (!full) {
+        ds4h_window *w = &q->win[(q->head + q->n) % DS4H_WINDOWS];
+        w->from = from;
+        w->to = 0;
+        w->pos_end = 0;
+        w->closed = 0;
+        q->n++;
+    }
+    pthread_mutex_unlock(&q->mu);
+    return full ? -1 : 0;
+}
+
+void ds4h_holdq_close(ds4h_holdq *q, uint64_t to, int pos_end) {
+    pthread_mutex_lock(&q->mu);
+    if (q->n > 0) {
+        ds4h_window *w = &q->win[(q->head + q->n - 1) % DS4H_WINDOWS];
+        if (!w->closed) {
+            w->to = to;
+            w->pos_end = pos_end;
+            w->closed = 1;
+            q->blocked = 0;
+        }
+    }
+    pthread_mutex_unlock(&q->mu);
+}
+
+/* The closed windows that end at or below slot go (mu held; every slot below it written). */
+static void holdq_retire(ds4h_holdq *q, uint64_t slot) {
+    while (q->n > 0 && q->win[q->head].closed && slot >= q->win[q->head].to) {
+        q->head = (q->head + 1) % DS4H_WINDOWS;
+        q->n--;
+    }
+}
+
+/* Slot's window (every slot below it written): 0 none, 1 closed (*pos_end its cut), 2 open. */
+static int holdq_window_at(ds4h_holdq *q, uint64_t slot, int *pos_end) {
+    pthread_mutex_lock(&q->mu);
+    holdq_retire(q, slot);
+    int st = 0;
+    if (q->n > 0 && slot >= q->win[q->head].from) {
+        st = q->win[q->head].closed ? 1 : 2;
+        *pos_end = q->win[q->head].pos_end;
+    }
+    if (st == 2) q->blocked = 1;
+    pthread_mutex_unlock(&q->mu);
+    return st;
+}
+
+/* r through write() as its window says: whole, or cut to the rows kept, or not at all. */
+static void holdq_write(ds4h_holdq *q, const ds4h_record *r, const void *payload, int st, int pos_end) {
+    ds4h_record w = *r;
+    if (st == 1 && !ds4h_cut(&w, pos_end)) {
+        __atomic_store_n(&q->rejected, q->rejected + 1, __ATOMIC_RELEASE);
+        return;
+    }
+    w.seq -= q->rejected;
+    q->write(q->user, &w, payload);
+}
+
+int ds4h_holdq_take(ds4h_holdq *q, uint64_t slot, const ds4h_record *r, const void *payload) {
+    int pos_end = 0;
+    if (q->kb_recs == 0) {
+        const int st = holdq_window_at(q, slot, &pos_end);
+        if (st != 2) {
+            holdq_write(q, r, payload, st, pos_end);
+            return 0;
+        }
+    }
+    const size_t pay = (size_t)((r->nbytes + 7) / 8 * 8), need = q->kb_n + sizeof slot + sizeof *r + pay;
+    if (need > q->kb_cap) {
+        size_t cap = q->kb_cap ? q->kb_cap : (size_t)1 << 20;
+        while (cap < need) cap *= 2;
+        uint8_t *p = realloc(q->kb, cap);
+        if (!p) return -1;
+        q->kb = p;
+        q->kb_cap = cap;
+    }
+    uint8_t *d = q->kb + q->kb_n;
+    memcpy(d, &slot, sizeof slot);
+    memcpy(d + sizeof slot, r, sizeof *r);
+    if (r->nbytes) memcpy(d + sizeof slot + sizeof *r, payload, (size_t)r->nbytes);
+    memset(d + sizeof slot + sizeof *r + r->nbytes, 0, pay - (size_t)r->nbytes);
+    q->kb_n = need;
+    __atomic_store_n(&q->kb_recs, q->kb_recs + 1, __ATOMIC_RELEASE);
+    return 0;
+}
+
+void ds4h_holdq_run(ds4h_holdq *q) {
+    size_t off = 0;
+    uint64_t done = 0;
+    while (off < q->kb_n) {
+        uint64_t slot;
+        ds4h_record r;
+        memcpy(&slot, q->kb + off, sizeof slot);
+        memcpy(&r, q->kb + off + sizeof slot, sizeof r);
+        int pos_end = 0;
+        const int st = holdq_window_at(q, slot, &pos_end);
+        if (st == 2) break;
+        holdq_write(q, &r, q->kb + off + sizeof slot + sizeof r, st, pos_end);
+        off += sizeof slot + sizeof r + (size_t)((r.nbytes + 7) / 8 * 8);
+        done++;
+    }
+    if (off) {
+        memmove(q->kb, q->kb + off, q->kb_n - off);
+        q->kb_n -= off;
+        __atomic_store_n(&q->kb_recs, q->kb_recs - done, __ATOMIC_RELEASE);
+    }
+}
+
+void ds4h_holdq_pass(ds4h_holdq *q, uint64_t fill) {
+    if (q->kb_recs) return;
+    pthread_mutex_lock(&q->mu);
+    holdq_retire(q, fill);
+    pthread_mutex_unlock(&q->mu);
+}
+
+void ds4h_holdq_end(ds4h_holdq *q) {
+    ds4h_holdq_run(q);
+    __atomic_store_n(&q->rejected, q->rejected + q->kb_recs, __ATOMIC_RELEASE);
+    __atomic_store_n(&q->kb_recs, (uint64_t)0, __ATOMIC_RELEASE);
+    q->kb_n = 0;
+}
+
+int ds4h_holdq_settled(ds4h_holdq *q) {
+    if (__atomic_load_n(&q->kb_recs, __ATOMIC_ACQUIRE) == 0) return 1;
+    pthread_mutex_lock(&q->mu);
+    const int b = q->blocked;
+    pthread_mutex_unlock(&q->mu);
+    return b;
+}
+
+uint64_t ds4h_holdq_rejected(ds4h_holdq *q) { return __atomic_load_n(&q->rejected, __ATOMIC_ACQUIRE); }
+uint64_t ds4h_holdq_kept(ds4h_holdq *q) { return __atomic_load_n(&q->kb_recs, __ATOMIC_ACQUIRE); }

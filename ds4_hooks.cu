@@ -10,7 +10,7 @@
  *   - the drain thread: it copies published spans of both rings, in large device-to-host
  *     copies on its own stream, into pinned staging and writes them to the file.
  * A producer (hook_put) is a kernel issued right after the op that made the tensor, on the
- * emitter's side stream forked from the compute stream (ds4h_side_fork), so a capture records
+ * emitter's side stream forked from the compute stream (ds4_side_fork), so a capture records
  * it like any op -- as a branch beside the step's kernels, joined back before the tensor is
  * overwritten (hooks_join).  It computes every address from the
  * device-resident 64-bit heads (struct ds4h_heads) when it runs, and reads the position and
@@ -35,6 +35,18 @@
  * the record is counted as dropped (exactly), and the next record that fits is preceded by a
  * gap record (DS4H_FLAG_GAP) naming the first dropped record and how many were dropped;
  * drops at the very end get their gap record when the emitter closes.
+ *
+ * Speculative checks (hooks_hold .. hooks_commit, ds4 --mtp-draft).  A check call's records
+ * are produced like any others; only the sequence keeps fewer rows than the call made.  The
+ * main thread marks the call's span of control slots: hold publishes, waits for the stream and
+ * opens a window at the publication (every slot below it was made before the hold), commit
+ * does the same and closes the window there with pos_end.  The drain hands every record to
+ * the hold queue (ds4h_holdq, ds4_hooks.c), which keeps each record from an open window back in
+ * host memory (so the rings' space goes back as usual and a producer never waits on a commit),
+ * with every record after it, and once the window is closed writes them in order, cut by
+ * ds4h_cut; a record that keeps no row is not written, and every
+ * sequence number after it is one less, so the file's numbers are those of the records the
+ * sequence holds, as the CPU writer's are.
  *
  * Sizes.  Records whose payloads fit DS4H_ONE_BLOCK together are reserved and copied by one
  * block (one launch: every decode record but Flash's logits; the core hands over the records
@@ -316,9 +328,7 @@ struct ds4h_emitter {
     char               *path;
     int                 device;
     cudaStream_t        drain;         /* the drain's own non-blocking stream */
-    cudaStream_t        side;          /* the producers' stream, forked from the compute stream */
-    cudaEvent_t         ev_fork, ev_join;
-    bool                pending;       /* producers forked since the last join */
+    ds4_side            side;          /* the producers' stream, forked from the compute stream */
     ds4h_record        *st_desc;       /* pinned staging */
     unsigned char      *st_pay;
     pthread_t           thr;
@@ -330,6 +340,7 @@ struct ds4h_emitter {
     /* cuda_hooks_sink: stored between steps (user, then fn with release), read by the drain */
     void              (*sink)(void *user, const ds4h_record *r, const void *payload);
     void               *sink_user;
+    ds4h_holdq         *hq;            /* speculative checks: records kept back (ds4_hooks.h) */
 };
 
 static unsigned long long ds4h_now_ns(void) {
@@ -380,6 +391,11 @@ static void ds4h_write_record(ds4h_emitter *E, const ds4h_record *r, const unsig
     if (sink) sink(E->sink_user, &w, payload);
 }
 
+/* The hold queue's writer (ds4h_holdq: a record, its seq renumbered, as the file has it). */
+static void ds4h_write_cb(void *user, const ds4h_record *r, const void *payload) {
+    ds4h_write_record((ds4h_emitter *)user, r, (const unsigned char *)payload);
+}
+
 /* The drain thread: take each published span, copy it down, write it, hand the space back. */
 static void *ds4h_drain_main(void *arg) {
     ds4h_emitter *E = (ds4h_emitter *)arg;
@@ -388,6 +404,8 @@ static void *ds4h_drain_main(void *arg) {
     for (;;) {
         const unsigned long long pub = __atomic_load_n(&E->Hh->pub, __ATOMIC_ACQUIRE);
         if (pub == fill) {
+            ds4h_holdq_run(E->hq);              /* a commit may have closed their window */
+            ds4h_holdq_pass(E->hq, fill);
             if (__atomic_load_n(&E->stop, __ATOMIC_ACQUIRE) && __atomic_load_n(&E->Hh->pub, __ATOMIC_ACQUIRE) == fill)
                 break;
             struct timespec ts = { 0, 20000 };   /* 20 us */
@@ -412,8 +430,12 @@ static void *ds4h_drain_main(void *arg) {
         }
         for (unsigned long long i = 0; i < n; i++) {
             const ds4h_record *r = &E->st_desc[i];
-            ds4h_write_record(E, r, E->st_pay + (r->reserved - payd));
+            if (ds4h_holdq_take(E->hq, fill + i, r, E->st_pay + (r->reserved - payd)) != 0) {
+                __atomic_store_n(&E->err, ENOMEM, __ATOMIC_RELEASE);   /* the stream names the failure */
+                E->lost_io++;
+            }
         }
+        ds4h_holdq_run(E->hq);
         __atomic_fetch_add(&E->batches, 1ull, __ATOMIC_RELAXED);
         if (E->throttle_us) {
             struct timespec ts = { (time_t)(E->throttle_us / 1000000u), (long)(E->throttle_us % 1000000u) * 1000L };
@@ -424,63 +446,39 @@ static void *ds4h_drain_main(void *arg) {
         __atomic_store_n(&E->Hh->drained_pay, payd, __ATOMIC_RELEASE);
         __atomic_store_n(&E->Hh->drained_fill, fill, __ATOMIC_RELEASE);
     }
+    ds4h_holdq_end(E->hq);                      /* a window never closed keeps its rows */
     return NULL;
 }
 
-/* The side stream.  A producer only reads tensors the step has made; nothing in the step
- * reads what it writes.  So it need not sit on the step's critical path: ds4h_side_fork
- * makes the side stream wait for the work issued so far on the compute stream, the producers
- * are issued there (ds4_stream_push: every op still goes to ds4_current_stream()), and
- * ds4h_side_join -- which the core calls (hooks_join) before an op overwrites a tensor a
- * pending record was made from, and which publication and the end of every recorded region
- * imply -- makes the compute stream wait for them.  Under a capture the events become graph
- * edges, not nodes: a producer is a branch beside the kernels that run while it copies.  The
- * producers stay ordered among themselves (one stream), so sequence numbers and the stream's
- * bytes are what they were on the compute stream.  An event call that fails during a capture
- * fails the capture (launch_check); outside one it is fatal, with one line. */
-static void ds4h_event_op(cudaError_t e, const char *what, int line) {
-    if (e != cudaSuccess && !(g_sess && g_sess->capturing)) {
-        ds4_fatal("CUDA error %s (%s) in the hook emitter's %s at %s:%d", cudaGetErrorName(e),
-                  cudaGetErrorString(e), what, __FILE__, line);
-    }
-    launch_check(e, __FILE__, line);
-}
-
-static void ds4h_side_fork(ds4h_emitter *E) {
-    ds4h_event_op(cudaEventRecord(E->ev_fork, ds4_current_stream()), "fork", __LINE__);
-    if (ds4_stream_push(E->side) != 0) {
-        ds4_fatal("the hook emitter cannot push its stream (ds4_stream.h: %d overrides deep)",
-                  DS4_STREAM_DEPTH);
-    }
-    ds4h_event_op(cudaStreamWaitEvent(ds4_current_stream(), E->ev_fork, 0), "fork", __LINE__);
-}
-
-static void ds4h_side_unfork(ds4h_emitter *E) {
-    ds4h_event_op(cudaEventRecord(E->ev_join, ds4_current_stream()), "join", __LINE__);
-    ds4_stream_pop();
-    E->pending = true;
-}
-
-static void ds4h_side_join(ds4h_emitter *E) {
-    if (!E->pending) return;
-    ds4h_event_op(cudaStreamWaitEvent(ds4_current_stream(), E->ev_join, 0), "join", __LINE__);
-    E->pending = false;
-}
-
+/* The side stream (ds4_side, ds4_cuda_common.cuh).  A producer only reads tensors the step
+ * has made; nothing in the step reads what it writes.  So it need not sit on the step's
+ * critical path: cuda_hook_put forks the side stream from the compute stream and issues the
+ * producers there, and the join -- which the core asks for (hooks_join) before an op
+ * overwrites a tensor a pending record was made from, and which publication and the end of
+ * every recorded region imply -- makes the compute stream wait for them.  Under a capture a
+ * producer is a branch beside the kernels that run while it copies.  The producers stay
+ * ordered among themselves (one stream), so sequence numbers and the stream's bytes are what
+ * they were on the compute stream. */
 static void ds4h_launch_publish(ds4h_emitter *E) {
-    ds4h_side_join(E);          /* every producer before the publication */
+    ds4_side_join(&E->side);    /* every producer before the publication */
     DS4_LAUNCH(k_hook_publish, 1, 32, 0, E->D, E->Hd);
 }
 
-/* Wait (host) until every record produced so far is written: publish, let the stream finish,
- * then watch the drained counter reach the publication. */
-static void ds4h_emitter_flush(ds4_session *S) {
-    ds4h_emitter *E = S->hk;
+/* Publish everything produced so far and let the stream finish (a host wait, between steps):
+ * the publication then covers every record made before the call. */
+static unsigned long long ds4h_publish_wait(ds4h_emitter *E) {
     ds4h_launch_publish(E);
     g_n_stream_sync++;
-    DS4_CUDA_CHECK(cudaStreamSynchronize(ds4_current_stream()));   /* NOTE(step result): a flush, between steps */
-    const unsigned long long pub = __atomic_load_n(&E->Hh->pub, __ATOMIC_ACQUIRE);
-    while (__atomic_load_n(&E->Hh->drained_fill, __ATOMIC_ACQUIRE) != pub) {
+    DS4_CUDA_CHECK(cudaStreamSynchronize(ds4_current_stream()));   /* NOTE(step result): between steps */
+    return __atomic_load_n(&E->Hh->pub, __ATOMIC_ACQUIRE);
+}
+
+/* Wait (host) until every record produced so far is written (or kept back by an open window):
+ * publish, let the stream finish, then watch the drained counter reach the publication. */
+static void ds4h_emitter_flush(ds4_session *S) {
+    ds4h_emitter *E = S->hk;
+    const unsigned long long pub = ds4h_publish_wait(E);
+    while (__atomic_load_n(&E->Hh->drained_fill, __ATOMIC_ACQUIRE) != pub || !ds4h_holdq_settled(E->hq)) {
         struct timespec ts = { 0, 50000 };
         nanosleep(&ts, NULL);
     }
@@ -495,9 +493,8 @@ static void ds4h_emitter_free(ds4h_emitter *E) {
     host_free(E->st_desc);
     host_free(E->st_pay);
     if (E->drain) DS4_CUDA_CHECK(cudaStreamDestroy(E->drain));
-    if (E->side) DS4_CUDA_CHECK(cudaStreamDestroy(E->side));
-    if (E->ev_fork) DS4_CUDA_CHECK(cudaEventDestroy(E->ev_fork));
-    if (E->ev_join) DS4_CUDA_CHECK(cudaEventDestroy(E->ev_join));
+    ds4_side_close(&E->side);
+    ds4h_holdq_free(E->hq);
     free(E->path);
     free(E);
 }
@@ -532,13 +529,18 @@ int cuda_hooks_open(const ds4h_emitter_cfg *cfg, char *err, size_t errlen) {
     ok = ok && host_alloc((void **)&E->st_desc, E->cap_slots * sizeof(ds4h_record)) == cudaSuccess;
     ok = ok && host_alloc((void **)&E->st_pay, E->cap_bytes) == cudaSuccess;
     ok = ok && cudaStreamCreateWithFlags(&E->drain, cudaStreamNonBlocking) == cudaSuccess;
-    ok = ok && cudaStreamCreateWithFlags(&E->side, cudaStreamNonBlocking) == cudaSuccess;
-    ok = ok && cudaEventCreateWithFlags(&E->ev_fork, cudaEventDisableTiming) == cudaSuccess;
-    ok = ok && cudaEventCreateWithFlags(&E->ev_join, cudaEventDisableTiming) == cudaSuccess;
     if (!ok) {
         snprintf(err, errlen, "DS4_HOOKS: cannot allocate the hook rings (%llu + %llu bytes of device memory, "
                  "as much pinned): %s", (unsigned long long)E->cap_bytes,
                  (unsigned long long)(E->cap_slots * sizeof(ds4h_record)), cudaGetErrorString(cudaGetLastError()));
+        ds4h_emitter_free(E);
+        return -1;
+    }
+    const cudaError_t se = ds4_side_open(&E->side, "the hook emitter");
+    if (se != cudaSuccess || !(E->hq = ds4h_holdq_new(ds4h_write_cb, E))) {
+        snprintf(err, errlen, "DS4_HOOKS: %s", se != cudaSuccess ? "cannot create the producers' stream and events"
+                                                                 : "out of host memory for the hold queue");
+        if (se != cudaSuccess) snprintf(err + strlen(err), errlen - strlen(err), ": %s", cudaGetErrorString(se));
         ds4h_emitter_free(E);
         return -1;
     }
@@ -624,7 +626,7 @@ void cuda_hook_put(const ds4h_put *p, int n) {
         total += (b + 7ull) & ~7ull;
         small = !p[i].dyn;
     }
-    ds4h_side_fork(E);
+    ds4_side_fork(&E->side);
     if (n == 1 || !small || total > DS4H_ONE_BLOCK || total > E->cap_bytes / 4) {
         for (int i = 0; i < n; i++) ds4h_put_one(E, &p[i]);
     } else {
@@ -637,12 +639,12 @@ void cuda_hook_put(const ds4h_put *p, int n) {
         }
         ds4h_launch_put(&b);
     }
-    ds4h_side_unfork(E);
+    ds4_side_unfork(&E->side);
 }
 
 void cuda_hooks_join(void) {
     ds4_session *S = sess();
-    if (S->hk) ds4h_side_join(S->hk);
+    if (S->hk) ds4_side_join(&S->hk->side);
 }
 
 void cuda_hooks_publish(void) {
@@ -670,7 +672,8 @@ void cuda_hooks_stats(ds4_hooks_stats *st, int flush) {
     g_n_stream_sync++;
     DS4_CUDA_CHECK(cudaStreamSynchronize(ds4_current_stream()));   /* NOTE(step result): counters, between steps */
     DS4_CUDA_CHECK(cudaMemcpy(&d, E->D, sizeof d, cudaMemcpyDeviceToHost));   /* NOTE(step result): the same */
-    st->produced = d.seq;
+    st->rejected = ds4h_holdq_rejected(E->hq);
+    st->produced = d.seq - st->rejected;
     st->dropped = d.dropped;
     st->waits = d.waits;
     st->written = __atomic_load_n(&E->written, __ATOMIC_RELAXED);
@@ -680,6 +683,28 @@ void cuda_hooks_stats(ds4_hooks_stats *st, int flush) {
     st->copy_seconds = (double)__atomic_load_n(&E->copy_ns, __ATOMIC_RELAXED) * 1e-9;
     st->drain_syncs = g_n_hook_sync;
     st->err = __atomic_load_n(&E->err, __ATOMIC_ACQUIRE);
+}
+
+/* A speculative check begins: a window opens at the publication of everything before it
+ * (waiting, should DS4H_WINDOWS be open or not yet passed, for the drain to pass one). */
+void cuda_hooks_hold(void) {
+    ds4_session *S = sess();
+    ds4h_emitter *E = S->hk;
+    if (!E) return;
+    const unsigned long long from = ds4h_publish_wait(E);
+    while (ds4h_holdq_open(E->hq, from) != 0) {
+        struct timespec ts = { 0, 50000 };
+        nanosleep(&ts, NULL);
+    }
+}
+
+/* The check's rows below pos_end are the sequence's: its window closes at the publication of
+ * everything the check made. */
+void cuda_hooks_commit(int pos_end) {
+    ds4_session *S = sess();
+    ds4h_emitter *E = S->hk;
+    if (!E) return;
+    ds4h_holdq_close(E->hq, ds4h_publish_wait(E), pos_end);
 }
 
 /* The emitter's end (session_free): the last publication, the drain to its end, a gap record
@@ -701,11 +726,12 @@ void ds4h_emitter_close(ds4_session *S) {
         g.ndim = 1;
         g.shape[0] = (uint32_t)d.gap_n; g.shape[1] = g.shape[2] = g.shape[3] = 1;
         g.nbytes = 0;
+        g.seq -= ds4h_holdq_rejected(E->hq);       /* numbered as the records written before it */
         ds4h_write_record(E, &g, NULL);
     }
     if (d.dropped)
         fprintf(stderr, "ds4: DS4_HOOKS_POLICY=drop: %llu of %llu records dropped; %s marks each run of them with a "
-                "gap record\n", d.dropped, d.seq, E->path);
+                "gap record\n", d.dropped, d.seq - ds4h_holdq_rejected(E->hq), E->path);
     if (E->err)
         fprintf(stderr, "ds4: DS4_HOOKS_OUT: writing %s failed: %s (%llu records not written)\n", E->path,
                 strerror(E->err), E->lost_io);

@@ -29,8 +29,11 @@
  * Sequence numbers count every record produced, dropped ones included.  A record with
  * DS4H_FLAG_GAP set carries no payload: shape[0] records were dropped there
  * (DS4_HOOKS_POLICY=drop), the first of them with this record's seq, hook, layer, pos and
- * step; the next record's seq follows them.  reserved is 0 in the file.  A truncated file
- * is read up to its last whole record.
+ * step; the next record's seq follows them.  With speculative decoding (ds4 --mtp-draft) a
+ * check call's records hold only the rows the sequence keeps (ds4h_cut, below): a record of
+ * rejected drafts' rows alone is not written and takes no sequence number, so the numbers of
+ * the records written still run 0, 1, 2, ... apart from gaps.  reserved is 0 in the file.  A
+ * truncated file is read up to its last whole record.
  */
 #ifndef DS4_HOOKS_H
 #define DS4_HOOKS_H
@@ -92,6 +95,24 @@ typedef struct ds4h_record {
     uint64_t nbytes;      /* payload bytes (0 for a gap) */
     uint64_t reserved;
 } ds4h_record;
+
+/* A speculative check's record cut to the rows the sequence keeps, those at positions below
+ * pos_end (ds4h_commit; the CUDA emitter's drain does the same): 0 when it keeps none (the
+ * record is not written), else 1 with shape[0] and nbytes cut to the rows kept.  An
+ * attn_probs record is one token's, kept whole or not at all; a gap record (no rows, only
+ * a count of records dropped) is kept as it is. */
+static inline int ds4h_cut(ds4h_record *r, int64_t pos_end) {
+    if (r->flags & DS4H_FLAG_GAP) return 1;
+    if ((int64_t)r->pos >= pos_end) return 0;
+    if (r->hook != DS4H_ATTN_PROBS && r->shape[0] > 0) {
+        const int64_t keep = pos_end - (int64_t)r->pos;
+        if (keep < (int64_t)r->shape[0]) {
+            r->nbytes = r->nbytes / r->shape[0] * (uint64_t)keep;
+            r->shape[0] = (uint32_t)keep;
+        }
+    }
+    return 1;
+}
 
 /* Name of a hook ("attn", ...), NULL past the catalog. */
 const char *ds4h_name(int hook);
@@ -160,11 +181,12 @@ void   ds4h_emit_probs(ds4h_ctx *h, int layer, int nt, int ratio, int k);
 void   ds4h_join(ds4h_ctx *h);
 void   ds4h_publish(ds4h_ctx *h);
 int    ds4h_call_end(ds4h_ctx *h, char *err, size_t errlen);
-/* Speculative checks (the CPU writer): after ds4h_hold the records are kept back, without
- * sequence numbers; ds4h_commit(pos_end) writes them, in the order made, each cut to its rows
- * at positions below pos_end (an attn_probs record, one token's, whole or not at all), then
- * writes as before.  So the stream holds the rows of the sequence and no others.  ds4h_hold:
- * -1 with one line for a device emitter (its records are produced on the device). */
+/* Speculative checks: after ds4h_hold the records are kept back, without sequence numbers;
+ * ds4h_commit(pos_end) writes them, in the order made, each cut to its rows at positions
+ * below pos_end (ds4h_cut), then writes as before.  So the stream holds the rows of the
+ * sequence and no others.  The CPU writer keeps them itself; a device emitter's drain does
+ * (ds4_gpu.h hooks_hold / hooks_commit), its records being produced on the device.  hold:
+ * -1 with one line for a device emitter without them. */
 int    ds4h_hold(ds4h_ctx *h, char *err, size_t errlen);
 int    ds4h_commit(ds4h_ctx *h, int pos_end, char *err, size_t errlen);
 int    ds4h_stats(ds4h_ctx *h, struct ds4_hooks_stats *st);
@@ -176,6 +198,36 @@ void   ds4h_close(ds4h_ctx *h);
  * line when the context has no hooks or its backend's emitter has no sink. */
 int    ds4h_set_sink(ds4h_ctx *h, void (*fn)(void *user, const ds4h_record *r, const void *payload), void *user,
                      char *err, size_t errlen);
+
+/* A device emitter's speculative checks (its drain thread; CUDA: ds4_hooks.cu), apart so that
+ * a test can hold it to its promises (tests/test_hooks_hold.c).  The main thread marks a check
+ * call's control slots: ds4h_holdq_open(from) at the publication before the call (-1 while
+ * DS4H_WINDOWS windows are still open or not yet passed: wait for the drain and try again),
+ * ds4h_holdq_close(to, pos_end) at the publication after it.  The drain hands every record it
+ * takes, in slot order, to ds4h_holdq_take (copied: the payload may be reused once it returns;
+ * -1 when it cannot be kept, out of memory), which writes it through write() at once or keeps
+ * it back while it or a record before it is in an open window; ds4h_holdq_run writes the
+ * records kept back whose window has closed, ds4h_holdq_pass(fill) retires the windows below
+ * fill when nothing is kept (call both when idle), ds4h_holdq_end writes what it can and counts
+ * the rest (a window never closed) as rejected.  A record in a closed window is cut by ds4h_cut:
+ * one that keeps no row is not written and counts as rejected, and every record written has its
+ * seq less the records rejected before it, so the file is numbered as the CPU writer numbers
+ * it.  settled: nothing is kept back but what an open window holds (the flush's test).  The
+ * calls are thread-safe as described (open, close, settled, rejected from any thread; the rest
+ * from the drain). */
+#define DS4H_WINDOWS 16
+typedef struct ds4h_holdq ds4h_holdq;
+ds4h_holdq *ds4h_holdq_new(void (*write)(void *user, const ds4h_record *r, const void *payload), void *user);
+void        ds4h_holdq_free(ds4h_holdq *q);
+int         ds4h_holdq_open(ds4h_holdq *q, uint64_t from);
+void        ds4h_holdq_close(ds4h_holdq *q, uint64_t to, int pos_end);
+int         ds4h_holdq_take(ds4h_holdq *q, uint64_t slot, const ds4h_record *r, const void *payload);
+void        ds4h_holdq_run(ds4h_holdq *q);
+void        ds4h_holdq_pass(ds4h_holdq *q, uint64_t fill);
+void        ds4h_holdq_end(ds4h_holdq *q);
+int         ds4h_holdq_settled(ds4h_holdq *q);
+uint64_t    ds4h_holdq_rejected(ds4h_holdq *q);
+uint64_t    ds4h_holdq_kept(ds4h_holdq *q);
 
 /* The device emitter's rings for a selection (ds4h_open's policy, apart so that a test can
  * hold it to its promises): the payload ring DS4_HOOKS_RING_MB MiB when given (-1 with one

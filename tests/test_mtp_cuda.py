@@ -16,7 +16,9 @@ must hold:
     compares whole runs' dumps at the full shape;
   - with DS4_CUDA_GRAPHS=1 the dump is byte-identical to the eager run's, the check calls are
     replayed graphs (one recording per width, DS4_GRAPH_MAX_ROWS in ds4.c), no region falls back
-    to eager launches and nothing is recorded twice: the steady state makes no re-captures.
+    to eager launches and nothing is recorded twice: the steady state makes no re-captures;
+  - DS4_HOOKS with --mtp-draft: the CUDA emitter's stream holds the sequence's rows and no
+    others, byte for byte plain decoding's, numbered as written (as the CPU writer's).
 
 The models are tiny and small (ds4 synth --mtp, seed 1) declared with a 65,536-token context,
 so that 4096 steps fit, and small with Q8_0 matrices and in the published layouts (all drafts
@@ -30,7 +32,7 @@ import pytest
 
 from conftest import BUILD, CUDA_BIN, OUT, ds4_run, run
 from test_gpu import GPU_TOL, skip_no_gpu
-from test_mtp_spec import check_stats, ids_line, prompt
+from test_mtp_spec import HOOKS, check_stats, hook_stats, hooks_same_rows, ids_line, prompt
 
 import ds4logit
 
@@ -182,14 +184,36 @@ def test_head_matches_cpu(name):
     print(f"{name}: the MTP head, cuda vs cpu, 200 rows: max |dlogit| {worst:.3g}, argmax identical")
 
 
+HOOK_STEPS = 400
+
+
 @skip_no_gpu
-def test_hooks_refused_in_one_line():
-    """The CUDA emitter produces its records on the device and cannot yet hold back a check
-    call's rows (the CPU writer does: tests/test_mtp_spec.py), so the pair is refused."""
-    r = run([CUDA_BIN, "-m", model("tiny"), "--backend", "cuda", "--tokens", "1,2,3", "-n", "4", "--mtp-draft", "1"],
-            env=env(DS4_HOOKS="attn"))
-    lines = [l for l in r.stderr.splitlines() if l.strip()]
-    assert r.returncode == 2 and len(lines) == 1 and "the cpu backend only" in lines[0], r.stderr
+@pytest.mark.parametrize("D,graphs", [(1, 0), (3, 0), (1, 1), (3, 1)])
+def test_hooks_hold_only_the_sequences_rows(D, graphs):
+    """DS4_HOOKS with --mtp-draft on the CUDA emitter: the drain keeps a check call's records
+    back until the drafts taken are known (hooks_hold / hooks_commit), then writes them cut to
+    the rows kept.  As on the CPU (tests/test_mtp_spec.py): joined by (hook, layer, position),
+    every hook's rows are plain CUDA greedy decoding's, byte for byte, with no row of a
+    rejected draft, and the records are numbered as written; eager and with graphs."""
+    _, _, ref = plain("tiny")
+    paths = {}
+    for tag, extra, kv in (("plain", [], {}), (f"D{D}", ["--mtp-draft", str(D)], {"DS4_MTP_FORCE": f"0.5:{ref}"})):
+        path = paths[tag] = os.path.join(OUT, f"mtp-cuda.hooks-{tag}-g{graphs}.ds4h")
+        r = ds4_run(["-m", model("tiny"), "--backend", "cuda", "--tokens", prompt(PROMPTS["tiny"]),
+                     "-n", str(HOOK_STEPS), "-v", "--stats"] + extra, binary=CUDA_BIN,
+                    env=env(DS4_HOOKS=HOOKS, DS4_HOOKS_OUT=path, DS4_CUDA_GRAPHS=graphs, **kv))
+        produced, written, rejected = hook_stats(r.stderr)
+        assert produced == written, r.stderr[-2000:]
+        if extra:
+            steps, drafted, accepted = spec_stats(r.stderr)
+            assert 0 < accepted < drafted, (steps, drafted, accepted)
+            assert rejected > 0, r.stderr[-2000:]
+            if graphs:                  # the check calls, hooks and all, replayed: one recording a width
+                caps, reps, fb = graph_stats(r.stderr)
+                assert fb == 0 and 1 <= caps <= D and reps > 0, (caps, reps, fb)
+        else:
+            assert rejected == 0, r.stderr[-2000:]
+    hooks_same_rows(paths["plain"], paths[f"D{D}"])
 
 
 @skip_no_gpu

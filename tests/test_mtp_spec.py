@@ -216,7 +216,33 @@ def hook_arrays(path):
     import ds4hooks
     st = ds4hooks.read(path)
     assert not st.truncated and st.dropped() == 0
+    assert [r.seq for r in st.records] == list(range(len(st.records))), path   # numbered as written
     return st, st.arrays()
+
+
+def hooks_same_rows(plain_path, spec_path):
+    """Two hook streams of one sequence, plain decoding's and a speculative run's: joined by
+    (hook, layer, position), every hook's rows the same, byte for byte -- the same positions,
+    once each, none of a rejected draft -- and the speculative stream in fewer records (a
+    check call's rows share one)."""
+    (s0, a0), (s1, a1) = hook_arrays(plain_path), hook_arrays(spec_path)
+    assert a0.keys() == a1.keys() and len(a0) > 4 * 8
+    for key in a0:
+        (p0, v0), (p1, v1) = a0[key], a1[key]
+        assert np.array_equal(p0, p1), key           # every position once, none past the sequence
+        if isinstance(v0, list):
+            assert len(v0) == len(v1) and all(np.array_equal(x, y) for x, y in zip(v0, v1)), key
+        else:
+            assert v0.dtype == v1.dtype and np.array_equal(v0, v1), key
+    assert len(s1.records) < len(s0.records)
+
+
+def hook_stats(stderr):
+    """The run's --stats hook lines: (produced, written, rejected)."""
+    m = re.search(r"stats: hooks: (\d+) records produced, (\d+) written", stderr)
+    assert m, stderr[-2000:]
+    rj = re.search(r"stats: hooks: (\d+) records of rejected drafts alone not written", stderr)
+    return int(m.group(1)), int(m.group(2)), int(rj.group(1)) if rj else 0
 
 
 @pytest.mark.parametrize("D", [1, 3])
@@ -227,24 +253,20 @@ def test_hooks_hold_only_the_sequences_rows(D):
     row of a rejected draft: the same positions, once each, the same values."""
     _, _, ref = plain("tiny")
     P, n = 40, 200
-    streams = {}
+    paths = {}
     for tag, extra, kv in (("plain", [], {}), (f"D{D}", ["--mtp-draft", str(D)], {"DS4_MTP_FORCE": f"0.5:{ref}"})):
-        path = os.path.join(OUT, f"mtp-spec.hooks-{tag}.ds4h")
-        _, _, _, st = gen(model("tiny"), prompt(P), n, f"tiny-hooks-{tag}", *extra, DS4_HOOKS=HOOKS,
-                          DS4_HOOKS_OUT=path, **kv)
+        path = paths[tag] = os.path.join(OUT, f"mtp-spec.hooks-{tag}.ds4h")
+        _, err, _, st = gen(model("tiny"), prompt(P), n, f"tiny-hooks-{tag}", *extra, DS4_HOOKS=HOOKS,
+                            DS4_HOOKS_OUT=path, **kv)
+        produced, written, rejected = hook_stats(err)
+        # the counters against the file: every record counted as written is in it, numbered
+        assert produced == written == len(hook_arrays(path)[0].records), err[-2000:]
         if extra:
             assert 0 < st[2] < st[1], st             # drafts taken and drafts refused
-        streams[tag] = hook_arrays(path)
-    (s0, a0), (s1, a1) = streams["plain"], streams[f"D{D}"]
-    assert a0.keys() == a1.keys() and len(a0) > 4 * 8
-    for key in a0:
-        (p0, v0), (p1, v1) = a0[key], a1[key]
-        assert np.array_equal(p0, p1), key           # every position once, none past the sequence
-        if isinstance(v0, list):
-            assert len(v0) == len(v1) and all(np.array_equal(x, y) for x, y in zip(v0, v1)), key
+            assert rejected > 0, err[-2000:]         # records of refused drafts' rows alone
         else:
-            assert v0.dtype == v1.dtype and np.array_equal(v0, v1), key
-    assert len(s1.records) < len(s0.records)         # a check call's rows share a record
+            assert rejected == 0, err[-2000:]
+    hooks_same_rows(paths["plain"], paths[f"D{D}"])
 
 
 def one_line_error(args, needle, status, **envkv):
