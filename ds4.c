@@ -2912,6 +2912,9 @@ struct ds4_ctx {
     struct { int pos, n; } ckp[2];  /* the checkpoint of each part (DS4_PART_*): position, width; n 0 = none */
     int      restore;             /* DS4_ROLLBACK_RESTORE: bit 1 << part, that part's slots are restored */
     float   *mtp_cat;             /* its eh_proj input [B][hc][2D] (a model with the block) */
+    float   *mtp_q;               /* the head's queued input streams (ds4_mtp_queue): B + 1 rows of
+                                     [hc][D], then a row of zeros (DS4_MTP_SRC_ZERO's source) */
+    int      mtp_nq;              /* rows queued */
 };
 
 /* DS4_HOOKS against the model (ds4.h); the hooks module checks it (ds4_hooks.c). */
@@ -3103,7 +3106,10 @@ ds4_ctx *ds4_ctx_new(ds4_model *m, const ds4_backend *be, int n_ctx, int max_bat
     c->su   = ctx_alloc(c, B * F * 4, &fail);
     c->sd   = ctx_alloc(c, B * D * 4, &fail);
     c->logits = ctx_alloc(c, B * (size_t)hp->n_vocab * 4, &fail);
-    if (hp->n_mtp) c->mtp_cat = ctx_alloc(c, B * hc * 2 * D * 4, &fail);
+    if (hp->n_mtp) {
+        c->mtp_cat = ctx_alloc(c, B * hc * 2 * D * 4, &fail);
+        c->mtp_q = ctx_alloc(c, (B + 2) * hc * D * 4, &fail);   /* zero-filled: the last row stays so */
+    }
     if (fail) {
         errf(err, errlen, "cannot allocate context buffers on backend '%s' (n_ctx %d, batch %d)",
              be->name, n_ctx, max_batch);
@@ -3188,6 +3194,7 @@ void ds4_ctx_reset(ds4_ctx *c) {
     c->mtp_pos = 0;
     c->last_rows = 0;
     c->mtp_rows = 0;
+    c->mtp_nq = 0;
     c->ckp[0].n = c->ckp[1].n = 0;
     c->generation++;
     c->be->session_reset(c->sess);
@@ -3603,11 +3610,57 @@ static int ctx_x_rows(ds4_ctx *c, float *out, int rows, int have) {
 int ds4_ctx_streams(ds4_ctx *c, float *out, int rows) { return ctx_x_rows(c, out, rows, c->last_rows); }
 int ds4_mtp_streams(ds4_ctx *c, float *out, int rows) { return ctx_x_rows(c, out, rows, c->mtp_rows); }
 
-int ds4_mtp_eval(ds4_ctx *c, const float *h, const int32_t *tokens, int n, float *logits, int all_rows,
-                 char *err, size_t errlen) {
+/* The head of n rows whose trunk streams are at hdev on the backend ([n][hc][D]; the host
+ * entry uploads them to c->x2 first).  With DS4_CUDA_GRAPHS=1 a call of up to
+ * DS4_GRAPH_MAX_ROWS rows from the queue (c->mtp_q) runs as a recorded region keyed by its
+ * width, whether it makes logits (and of every row), and the context's generation: like a
+ * check call's, its ops read the position and tokens from the step block and choose their
+ * kernels from the width alone. */
+static void mtp_eval_dev(ds4_ctx *c, const float *hdev, const int32_t *tokens, int n, float *logits, int all_rows) {
     const ds4_model *m = c->m;
     const ds4_hparams *hp = &m->hp;
     const ds4_backend *be = c->be;
+    const int D = hp->n_embd, hc = hp->n_hc, il = hp->n_layer;
+    const ds4_mtp_w *M = &m->mtp;
+    ds4h_ctx *hk = c->hk;                        /* the block's ops emit no hook records */
+    c->hk = NULL;
+    step_upload(c, c->mtp_pos, tokens, n);
+    const int head = logits != NULL, rows = all_rows ? n : 1;
+    const int rec = c->graphs && hdev == c->mtp_q && n <= DS4_GRAPH_MAX_ROWS;
+    const uint64_t key = (uint64_t)1 << 31 | (uint64_t)head << 28 | (uint64_t)n << 24 | (uint64_t)all_rows << 30 |
+                         (uint64_t)c->generation << 32;
+    for (int pass = 0; pass < 2; pass++) {
+        if (rec && pass == 0 && be->region_begin(key) == DS4_REGION_REPLAYED) break;
+        /* the input streams: enorm(e) beside each hnorm(h_s), then eh_proj */
+        be->embed(M->embed_tokens.host ? &M->embed_tokens : &m->tok_embd, c->tok, n, 1, c->f);
+        be->rmsnorm(c->f, M->enorm.dev, c->f, n, D, hp->rms_eps);
+        be->rmsnorm(hdev, M->hnorm.dev, c->x2, n * hc, D, hp->rms_eps);
+        for (int r = 0; r < n * hc; r++) {
+            be->copy(c->mtp_cat + (size_t)r * 2 * D, c->f + (size_t)(r / hc) * D, (size_t)D * 4);
+            be->copy(c->mtp_cat + (size_t)r * 2 * D + D, c->x2 + (size_t)r * D, (size_t)D * 4);
+        }
+        be->matmul(&M->eh_proj, 0, c->mtp_cat, c->x, n * hc);
+        /* the block as a layer (its input streams need no update first), the model's mHC head, the
+         * block's head norm and projection */
+        fwd_layer(c, il, NULL, n);
+        fwd_head_norm(c, M->shared_head_norm.host ? &M->shared_head_norm : &m->output_norm, n);
+        if (head) {
+            const ds4_weight *hw = M->shared_head_head.host ? &M->shared_head_head : &m->output;
+            be->matmul(hw, 0, c->h + (size_t)(n - rows) * D, c->logits, rows);
+        }
+        if (!rec || pass == 1 || be->region_end(key) != DS4_REGION_REISSUE) break;
+    }
+    if (head) be->download(logits, c->logits, (size_t)rows * hp->n_vocab * 4);
+    else be->synchronize();
+    c->hk = hk;
+    c->mtp_pos += n;
+    c->last_rows = 0;                            /* c->x now holds the block's streams */
+    c->mtp_rows = n;
+}
+
+/* What every head call checks first. */
+static int mtp_eval_check(ds4_ctx *c, const int32_t *tokens, int n, char *err, size_t errlen) {
+    const ds4_hparams *hp = &c->m->hp;
     if (!hp->n_mtp) { errf(err, errlen, "the model has no MTP block"); return -1; }
     if (n < 1 || n > c->max_batch) { errf(err, errlen, "MTP rows %d outside [1, %d]", n, c->max_batch); return -1; }
     if (c->mtp_pos + n > c->n_ctx) {
@@ -3619,44 +3672,65 @@ int ds4_mtp_eval(ds4_ctx *c, const float *h, const int32_t *tokens, int n, float
             errf(err, errlen, "token id %d out of range [0, %d)", tokens[i], hp->n_vocab);
             return -1;
         }
-    const int D = hp->n_embd, hc = hp->n_hc, il = hp->n_layer;
-    if (hp->ratio[il] != 0) {       /* llama.cpp's graph_mtp attends over a window whatever the ratio */
+    if (hp->ratio[hp->n_layer] != 0) {   /* llama.cpp's graph_mtp attends over a window whatever the ratio */
         errf(err, errlen, "the MTP block has compress ratio %d: its head is specified for a window-attention block (ratio 0)",
-             hp->ratio[il]);
+             hp->ratio[hp->n_layer]);
         return -1;
     }
-    const ds4_mtp_w *M = &m->mtp;
-    void *prev = be->session_bind(c->sess);
-    ds4h_ctx *hk = c->hk;                        /* the block's ops emit no hook records */
-    c->hk = NULL;
-    step_upload(c, c->mtp_pos, tokens, n);
-    /* the input streams: enorm(e) beside each hnorm(h_s), then eh_proj */
-    be->embed(M->embed_tokens.host ? &M->embed_tokens : &m->tok_embd, c->tok, n, 1, c->f);
-    be->rmsnorm(c->f, M->enorm.dev, c->f, n, D, hp->rms_eps);
-    be->upload(c->x2, h, (size_t)n * hc * D * 4);
-    be->rmsnorm(c->x2, M->hnorm.dev, c->x2, n * hc, D, hp->rms_eps);
-    for (int r = 0; r < n * hc; r++) {
-        be->copy(c->mtp_cat + (size_t)r * 2 * D, c->f + (size_t)(r / hc) * D, (size_t)D * 4);
-        be->copy(c->mtp_cat + (size_t)r * 2 * D + D, c->x2 + (size_t)r * D, (size_t)D * 4);
+    return 0;
+}
+
+int ds4_mtp_eval(ds4_ctx *c, const float *h, const int32_t *tokens, int n, float *logits, int all_rows,
+                 char *err, size_t errlen) {
+    if (mtp_eval_check(c, tokens, n, err, errlen) != 0) return -1;
+    const ds4_hparams *hp = &c->m->hp;
+    void *prev = c->be->session_bind(c->sess);
+    c->be->upload(c->x2, h, (size_t)n * hp->n_hc * hp->n_embd * 4);
+    mtp_eval_dev(c, c->x2, tokens, n, logits, all_rows);
+    c->be->session_bind(prev);
+    return 0;
+}
+
+int ds4_mtp_queue(ds4_ctx *c, int src, int row0, int n, char *err, size_t errlen) {
+    const ds4_hparams *hp = &c->m->hp;
+    if (!hp->n_mtp) { errf(err, errlen, "the model has no MTP block"); return -1; }
+    const size_t hw = (size_t)hp->n_hc * hp->n_embd;
+    const int have = src == DS4_MTP_SRC_MODEL ? c->last_rows : src == DS4_MTP_SRC_HEAD ? c->mtp_rows : n;
+    if ((src != DS4_MTP_SRC_MODEL && src != DS4_MTP_SRC_HEAD && src != DS4_MTP_SRC_ZERO) || n < 1 || row0 < 0 ||
+        (src != DS4_MTP_SRC_ZERO && row0 + n > have)) {
+        errf(err, errlen, "MTP queue: rows %d..%d of source %d, which has %d", row0, row0 + n - 1, src, have);
+        return -1;
     }
-    be->matmul(&M->eh_proj, 0, c->mtp_cat, c->x, n * hc);
-    /* the block as a layer (its input streams need no update first), the model's mHC head, the
-     * block's head norm and projection */
-    fwd_layer(c, il, NULL, n);
-    fwd_head_norm(c, M->shared_head_norm.host ? &M->shared_head_norm : &m->output_norm, n);
-    if (logits) {
-        const ds4_weight *head = M->shared_head_head.host ? &M->shared_head_head : &m->output;
-        if (all_rows) be->matmul(head, 0, c->h, c->logits, n);
-        else be->matmul(head, 0, c->h + (size_t)(n - 1) * D, c->logits, 1);
-        be->download(logits, c->logits, (size_t)(all_rows ? n : 1) * hp->n_vocab * 4);
-    } else {
-        be->synchronize();
+    if (c->mtp_nq + n > c->max_batch + 1) {
+        errf(err, errlen, "MTP queue: %d rows queued, %d more exceed %d", c->mtp_nq, n, c->max_batch + 1);
+        return -1;
     }
-    c->hk = hk;
-    be->session_bind(prev);
-    c->mtp_pos += n;
-    c->last_rows = 0;                            /* c->x now holds the block's streams */
-    c->mtp_rows = n;
+    void *prev = c->be->session_bind(c->sess);
+    float *dst = c->mtp_q + (size_t)c->mtp_nq * hw;
+    if (src == DS4_MTP_SRC_ZERO)
+        for (int i = 0; i < n; i++) c->be->copy(dst + (size_t)i * hw, c->mtp_q + (size_t)(c->max_batch + 1) * hw, hw * 4);
+    else
+        c->be->copy(dst, c->x + (size_t)row0 * hw, (size_t)n * hw * 4);
+    c->be->session_bind(prev);
+    c->mtp_nq += n;
+    return 0;
+}
+
+int ds4_mtp_queued(const ds4_ctx *c) { return c->mtp_nq; }
+
+int ds4_mtp_eval_queued(ds4_ctx *c, const int32_t *tokens, int n, float *logits, int all_rows,
+                        char *err, size_t errlen) {
+    if (mtp_eval_check(c, tokens, n, err, errlen) != 0) return -1;
+    if (n > c->mtp_nq) { errf(err, errlen, "MTP queue: %d rows asked, %d queued", n, c->mtp_nq); return -1; }
+    const ds4_hparams *hp = &c->m->hp;
+    const size_t hw = (size_t)hp->n_hc * hp->n_embd;
+    void *prev = c->be->session_bind(c->sess);
+    mtp_eval_dev(c, c->mtp_q, tokens, n, logits, all_rows);
+    /* the rows after them go first, in order (row i from row n + i: each read before it is written) */
+    for (int i = 0; i < c->mtp_nq - n; i++)
+        c->be->copy(c->mtp_q + (size_t)i * hw, c->mtp_q + (size_t)(n + i) * hw, hw * 4);
+    c->be->session_bind(prev);
+    c->mtp_nq -= n;
     return 0;
 }
 
