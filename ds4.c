@@ -2913,7 +2913,7 @@ struct ds4_ctx {
     int      restore;             /* DS4_ROLLBACK_RESTORE: bit 1 << part, that part's slots are restored */
     float   *mtp_cat;             /* its eh_proj input [B][hc][2D] (a model with the block) */
     float   *mtp_q;               /* the head's queued input streams (ds4_mtp_queue): B + 1 rows of
-                                     [hc][D], then a row of zeros (DS4_MTP_SRC_ZERO's source) */
+                                     [hc][D], then a row of zeros (DS4_MTP_SRC_ZERO's source): B + 2 */
     int      mtp_nq;              /* rows queued */
 };
 
@@ -2963,8 +2963,8 @@ size_t ds4_ctx_plan_bytes(const ds4_model *m, int n_ctx, int max_batch) {
                                   2 * (size_t)hp->n_head * d + d + (size_t)hp->o_groups * hp->o_lora + D +
                                   4 * d + 4 * (di ? di : 1) + (Hi * di != 0 ? Hi * di : 1) + (Hi ? Hi : 1) + topk +
                                   hp->n_expert + 2 * (size_t)hp->n_expert_used + 2 * F + D + hp->n_vocab +
-                                  (hp->n_mtp ? 2 * hc * D : 0));   /* the MTP head's eh_proj input */
-    return kv + B * per_token;
+                                  (hp->n_mtp ? 3 * hc * D : 0));   /* the MTP head's eh_proj input, its queue */
+    return kv + B * per_token + (hp->n_mtp ? 2 * (size_t)hc * D * 4 : 0);   /* the queue's two more rows */
 }
 
 size_t ds4_ctx_bytes(const ds4_ctx *c) { return c->bytes; }
@@ -3627,7 +3627,7 @@ static void mtp_eval_dev(ds4_ctx *c, const float *hdev, const int32_t *tokens, i
     step_upload(c, c->mtp_pos, tokens, n);
     const int head = logits != NULL, rows = all_rows ? n : 1;
     const int rec = c->graphs && hdev == c->mtp_q && n <= DS4_GRAPH_MAX_ROWS;
-    const uint64_t key = (uint64_t)1 << 31 | (uint64_t)head << 28 | (uint64_t)n << 24 | (uint64_t)all_rows << 30 |
+    const uint64_t key = (uint64_t)1 << 31 | (uint64_t)head << 28 | (uint64_t)n << 24 | (uint64_t)(all_rows != 0) << 30 |
                          (uint64_t)c->generation << 32;
     for (int pass = 0; pass < 2; pass++) {
         if (rec && pass == 0 && be->region_begin(key) == DS4_REGION_REPLAYED) break;

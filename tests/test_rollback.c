@@ -14,6 +14,7 @@
  * backend (ds4_mtp_queue) against the same streams through the host. */
 #define _POSIX_C_SOURCE 200809L   /* setenv */
 #include "ds4.h"
+#include "ds4_gpu.h"           /* ds4_backend_stats */
 
 #include <stdint.h>
 #include <stdio.h>
@@ -140,6 +141,16 @@ static void mtp_queue(ds4_model *m, const ds4_backend *be, const int32_t *toks) 
     }
     snprintf(what, sizeof what, "%s: the head from its queue, the carry and 5 chained rows: logits byte-identical", be->name);
     check(same, what);
+    const char *gr = getenv("DS4_CUDA_GRAPHS");
+    if (be != ds4_backend_cpu() && gr && atoi(gr) == 1) {
+        /* the six one-row calls: one recording, replayed (an eager fallback gives the same
+         * bytes, so only the counters show that the region recorded) */
+        ds4_backend_stats st;
+        ds4_ctx_stats(b, &st, 0);
+        snprintf(what, sizeof what, "%s, graphs: the one-row head calls replayed (%llu captures, %llu replays, %llu eager fallbacks)",
+                 be->name, (unsigned long long)st.captures, (unsigned long long)st.replays, (unsigned long long)st.fallbacks);
+        check(st.fallbacks == 0 && st.replays >= 5, what);
+    }
     if (be == ds4_backend_cpu()) {
         check(ds4_mtp_queue(b, DS4_MTP_SRC_MODEL, 0, 1, err, sizeof err) == -1 && strstr(err, "which has 0"),
               "the model's streams after a head call (gone) refused");
