@@ -2127,6 +2127,12 @@ static void cpu_scale(float *x, float s, int64_t n) {
     ew_args a = { NULL, NULL, x, s };
     parallel_for(n, 8192, scale_task, &a);
 }
+static void cpu_pair_rows(const float *a, const float *b, float *y, int rows, int rep, int64_t n) {
+    for (int r = 0; r < rows; r++) {
+        memcpy(y + (size_t)r * 2 * n, a + (size_t)(r / rep) * n, (size_t)n * sizeof(float));
+        memcpy(y + (size_t)r * 2 * n + n, b + (size_t)r * n, (size_t)n * sizeof(float));
+    }
+}
 
 /* -- fused ops: the compositions ds4_gpu.h defines them as -- */
 static void cpu_hc_pre(const float *f, const float *x_res, float *x,
@@ -2224,7 +2230,7 @@ static const ds4_backend g_cpu_backend = {
     .rope = cpu_rope, .attention = cpu_attention, .ring_store = cpu_ring_store,
     .add_cyclic = cpu_add_cyclic, .compress_pool = cpu_compress_pool,
     .indexer_topk = cpu_indexer_topk, .moe_route = cpu_moe_route,
-    .moe_experts = cpu_moe_experts, .swiglu = cpu_swiglu, .add = cpu_add, .scale = cpu_scale,
+    .moe_experts = cpu_moe_experts, .swiglu = cpu_swiglu, .add = cpu_add, .scale = cpu_scale, .pair_rows = cpu_pair_rows,
     .hc_pre = cpu_hc_pre, .matmul_multi = cpu_matmul_multi, .head_norm_rope = cpu_head_norm_rope,
     .matmul_swiglu = cpu_matmul_swiglu, .attention_step = cpu_attention_step,
     .compressor_step = cpu_compressor_step, .moe_gate = cpu_moe_gate,
@@ -3635,10 +3641,7 @@ static void mtp_eval_dev(ds4_ctx *c, const float *hdev, const int32_t *tokens, i
         be->embed(M->embed_tokens.host ? &M->embed_tokens : &m->tok_embd, c->tok, n, 1, c->f);
         be->rmsnorm(c->f, M->enorm.dev, c->f, n, D, hp->rms_eps);
         be->rmsnorm(hdev, M->hnorm.dev, c->x2, n * hc, D, hp->rms_eps);
-        for (int r = 0; r < n * hc; r++) {
-            be->copy(c->mtp_cat + (size_t)r * 2 * D, c->f + (size_t)(r / hc) * D, (size_t)D * 4);
-            be->copy(c->mtp_cat + (size_t)r * 2 * D + D, c->x2 + (size_t)r * D, (size_t)D * 4);
-        }
+        be->pair_rows(c->f, c->x2, c->mtp_cat, n * hc, hc, D);
         be->matmul(&M->eh_proj, 0, c->mtp_cat, c->x, n * hc);
         /* the block as a layer (its input streams need no update first), the model's mHC head, the
          * block's head norm and projection */
