@@ -250,7 +250,7 @@ static inline size_t capture_nodes(void) {
     cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
     cudaGraph_t g = NULL;
     size_t n = 0;
-#if CUDART_VERSION >= 13000
+#if CUDART_VERSION >= 12000     /* the graph is the 4th argument in 12.x's and 13.x's signatures */
     const cudaError_t e = cudaStreamGetCaptureInfo(ds4_current_stream(), &st, NULL, &g);
 #else
     const cudaError_t e = cudaStreamGetCaptureInfo_v2(ds4_current_stream(), &st, NULL, &g);
