@@ -2127,6 +2127,12 @@ static void cpu_scale(float *x, float s, int64_t n) {
     ew_args a = { NULL, NULL, x, s };
     parallel_for(n, 8192, scale_task, &a);
 }
+static void cpu_pair_rows(const float *a, const float *b, float *y, int rows, int rep, int64_t n) {
+    for (int r = 0; r < rows; r++) {
+        memcpy(y + (size_t)r * 2 * n, a + (size_t)(r / rep) * n, (size_t)n * sizeof(float));
+        memcpy(y + (size_t)r * 2 * n + n, b + (size_t)r * n, (size_t)n * sizeof(float));
+    }
+}
 
 /* -- fused ops: the compositions ds4_gpu.h defines them as -- */
 static void cpu_hc_pre(const float *f, const float *x_res, float *x,
@@ -2224,7 +2230,7 @@ static const ds4_backend g_cpu_backend = {
     .rope = cpu_rope, .attention = cpu_attention, .ring_store = cpu_ring_store,
     .add_cyclic = cpu_add_cyclic, .compress_pool = cpu_compress_pool,
     .indexer_topk = cpu_indexer_topk, .moe_route = cpu_moe_route,
-    .moe_experts = cpu_moe_experts, .swiglu = cpu_swiglu, .add = cpu_add, .scale = cpu_scale,
+    .moe_experts = cpu_moe_experts, .swiglu = cpu_swiglu, .add = cpu_add, .scale = cpu_scale, .pair_rows = cpu_pair_rows,
     .hc_pre = cpu_hc_pre, .matmul_multi = cpu_matmul_multi, .head_norm_rope = cpu_head_norm_rope,
     .matmul_swiglu = cpu_matmul_swiglu, .attention_step = cpu_attention_step,
     .compressor_step = cpu_compressor_step, .moe_gate = cpu_moe_gate,
@@ -2912,6 +2918,9 @@ struct ds4_ctx {
     struct { int pos, n; } ckp[2];  /* the checkpoint of each part (DS4_PART_*): position, width; n 0 = none */
     int      restore;             /* DS4_ROLLBACK_RESTORE: bit 1 << part, that part's slots are restored */
     float   *mtp_cat;             /* its eh_proj input [B][hc][2D] (a model with the block) */
+    float   *mtp_q;               /* the head's queued input streams (ds4_mtp_queue): B + 1 rows of
+                                     [hc][D], then a row of zeros (DS4_MTP_SRC_ZERO's source): B + 2 */
+    int      mtp_nq;              /* rows queued */
 };
 
 /* DS4_HOOKS against the model (ds4.h); the hooks module checks it (ds4_hooks.c). */
@@ -2960,8 +2969,8 @@ size_t ds4_ctx_plan_bytes(const ds4_model *m, int n_ctx, int max_batch) {
                                   2 * (size_t)hp->n_head * d + d + (size_t)hp->o_groups * hp->o_lora + D +
                                   4 * d + 4 * (di ? di : 1) + (Hi * di != 0 ? Hi * di : 1) + (Hi ? Hi : 1) + topk +
                                   hp->n_expert + 2 * (size_t)hp->n_expert_used + 2 * F + D + hp->n_vocab +
-                                  (hp->n_mtp ? 2 * hc * D : 0));   /* the MTP head's eh_proj input */
-    return kv + B * per_token;
+                                  (hp->n_mtp ? 3 * hc * D : 0));   /* the MTP head's eh_proj input, its queue */
+    return kv + B * per_token + (hp->n_mtp ? 2 * (size_t)hc * D * 4 : 0);   /* the queue's two more rows */
 }
 
 size_t ds4_ctx_bytes(const ds4_ctx *c) { return c->bytes; }
@@ -3103,7 +3112,10 @@ ds4_ctx *ds4_ctx_new(ds4_model *m, const ds4_backend *be, int n_ctx, int max_bat
     c->su   = ctx_alloc(c, B * F * 4, &fail);
     c->sd   = ctx_alloc(c, B * D * 4, &fail);
     c->logits = ctx_alloc(c, B * (size_t)hp->n_vocab * 4, &fail);
-    if (hp->n_mtp) c->mtp_cat = ctx_alloc(c, B * hc * 2 * D * 4, &fail);
+    if (hp->n_mtp) {
+        c->mtp_cat = ctx_alloc(c, B * hc * 2 * D * 4, &fail);
+        c->mtp_q = ctx_alloc(c, (B + 2) * hc * D * 4, &fail);   /* zero-filled: the last row stays so */
+    }
     if (fail) {
         errf(err, errlen, "cannot allocate context buffers on backend '%s' (n_ctx %d, batch %d)",
              be->name, n_ctx, max_batch);
@@ -3188,6 +3200,7 @@ void ds4_ctx_reset(ds4_ctx *c) {
     c->mtp_pos = 0;
     c->last_rows = 0;
     c->mtp_rows = 0;
+    c->mtp_nq = 0;
     c->ckp[0].n = c->ckp[1].n = 0;
     c->generation++;
     c->be->session_reset(c->sess);
@@ -3604,11 +3617,54 @@ static int ctx_x_rows(ds4_ctx *c, float *out, int rows, int have) {
 int ds4_ctx_streams(ds4_ctx *c, float *out, int rows) { return ctx_x_rows(c, out, rows, c->last_rows); }
 int ds4_mtp_streams(ds4_ctx *c, float *out, int rows) { return ctx_x_rows(c, out, rows, c->mtp_rows); }
 
-int ds4_mtp_eval(ds4_ctx *c, const float *h, const int32_t *tokens, int n, float *logits, int all_rows,
-                 char *err, size_t errlen) {
+/* The head of n rows whose trunk streams are at hdev on the backend ([n][hc][D]; the host
+ * entry uploads them to c->x2 first).  With DS4_CUDA_GRAPHS=1 a call of up to
+ * DS4_GRAPH_MAX_ROWS rows from the queue (c->mtp_q) runs as a recorded region keyed by its
+ * width, whether it makes logits (and of every row), and the context's generation: like a
+ * check call's, its ops read the position and tokens from the step block and choose their
+ * kernels from the width alone. */
+static void mtp_eval_dev(ds4_ctx *c, const float *hdev, const int32_t *tokens, int n, float *logits, int all_rows) {
     const ds4_model *m = c->m;
     const ds4_hparams *hp = &m->hp;
     const ds4_backend *be = c->be;
+    const int D = hp->n_embd, hc = hp->n_hc, il = hp->n_layer;
+    const ds4_mtp_w *M = &m->mtp;
+    ds4h_ctx *hk = c->hk;                        /* the block's ops emit no hook records */
+    c->hk = NULL;
+    step_upload(c, c->mtp_pos, tokens, n);
+    const int head = logits != NULL, rows = all_rows ? n : 1;
+    const int rec = c->graphs && hdev == c->mtp_q && n <= DS4_GRAPH_MAX_ROWS;
+    const uint64_t key = (uint64_t)1 << 31 | (uint64_t)head << 28 | (uint64_t)n << 24 | (uint64_t)(all_rows != 0) << 30 |
+                         (uint64_t)c->generation << 32;
+    for (int pass = 0; pass < 2; pass++) {
+        if (rec && pass == 0 && be->region_begin(key) == DS4_REGION_REPLAYED) break;
+        /* the input streams: enorm(e) beside each hnorm(h_s), then eh_proj */
+        be->embed(M->embed_tokens.host ? &M->embed_tokens : &m->tok_embd, c->tok, n, 1, c->f);
+        be->rmsnorm(c->f, M->enorm.dev, c->f, n, D, hp->rms_eps);
+        be->rmsnorm(hdev, M->hnorm.dev, c->x2, n * hc, D, hp->rms_eps);
+        be->pair_rows(c->f, c->x2, c->mtp_cat, n * hc, hc, D);
+        be->matmul(&M->eh_proj, 0, c->mtp_cat, c->x, n * hc);
+        /* the block as a layer (its input streams need no update first), the model's mHC head, the
+         * block's head norm and projection */
+        fwd_layer(c, il, NULL, n);
+        fwd_head_norm(c, M->shared_head_norm.host ? &M->shared_head_norm : &m->output_norm, n);
+        if (head) {
+            const ds4_weight *hw = M->shared_head_head.host ? &M->shared_head_head : &m->output;
+            be->matmul(hw, 0, c->h + (size_t)(n - rows) * D, c->logits, rows);
+        }
+        if (!rec || pass == 1 || be->region_end(key) != DS4_REGION_REISSUE) break;
+    }
+    if (head) be->download(logits, c->logits, (size_t)rows * hp->n_vocab * 4);
+    else be->synchronize();
+    c->hk = hk;
+    c->mtp_pos += n;
+    c->last_rows = 0;                            /* c->x now holds the block's streams */
+    c->mtp_rows = n;
+}
+
+/* What every head call checks first. */
+static int mtp_eval_check(ds4_ctx *c, const int32_t *tokens, int n, char *err, size_t errlen) {
+    const ds4_hparams *hp = &c->m->hp;
     if (!hp->n_mtp) { errf(err, errlen, "the model has no MTP block"); return -1; }
     if (n < 1 || n > c->max_batch) { errf(err, errlen, "MTP rows %d outside [1, %d]", n, c->max_batch); return -1; }
     if (c->mtp_pos + n > c->n_ctx) {
@@ -3620,44 +3676,65 @@ int ds4_mtp_eval(ds4_ctx *c, const float *h, const int32_t *tokens, int n, float
             errf(err, errlen, "token id %d out of range [0, %d)", tokens[i], hp->n_vocab);
             return -1;
         }
-    const int D = hp->n_embd, hc = hp->n_hc, il = hp->n_layer;
-    if (hp->ratio[il] != 0) {       /* llama.cpp's graph_mtp attends over a window whatever the ratio */
+    if (hp->ratio[hp->n_layer] != 0) {   /* llama.cpp's graph_mtp attends over a window whatever the ratio */
         errf(err, errlen, "the MTP block has compress ratio %d: its head is specified for a window-attention block (ratio 0)",
-             hp->ratio[il]);
+             hp->ratio[hp->n_layer]);
         return -1;
     }
-    const ds4_mtp_w *M = &m->mtp;
-    void *prev = be->session_bind(c->sess);
-    ds4h_ctx *hk = c->hk;                        /* the block's ops emit no hook records */
-    c->hk = NULL;
-    step_upload(c, c->mtp_pos, tokens, n);
-    /* the input streams: enorm(e) beside each hnorm(h_s), then eh_proj */
-    be->embed(M->embed_tokens.host ? &M->embed_tokens : &m->tok_embd, c->tok, n, 1, c->f);
-    be->rmsnorm(c->f, M->enorm.dev, c->f, n, D, hp->rms_eps);
-    be->upload(c->x2, h, (size_t)n * hc * D * 4);
-    be->rmsnorm(c->x2, M->hnorm.dev, c->x2, n * hc, D, hp->rms_eps);
-    for (int r = 0; r < n * hc; r++) {
-        be->copy(c->mtp_cat + (size_t)r * 2 * D, c->f + (size_t)(r / hc) * D, (size_t)D * 4);
-        be->copy(c->mtp_cat + (size_t)r * 2 * D + D, c->x2 + (size_t)r * D, (size_t)D * 4);
+    return 0;
+}
+
+int ds4_mtp_eval(ds4_ctx *c, const float *h, const int32_t *tokens, int n, float *logits, int all_rows,
+                 char *err, size_t errlen) {
+    if (mtp_eval_check(c, tokens, n, err, errlen) != 0) return -1;
+    const ds4_hparams *hp = &c->m->hp;
+    void *prev = c->be->session_bind(c->sess);
+    c->be->upload(c->x2, h, (size_t)n * hp->n_hc * hp->n_embd * 4);
+    mtp_eval_dev(c, c->x2, tokens, n, logits, all_rows);
+    c->be->session_bind(prev);
+    return 0;
+}
+
+int ds4_mtp_queue(ds4_ctx *c, int src, int row0, int n, char *err, size_t errlen) {
+    const ds4_hparams *hp = &c->m->hp;
+    if (!hp->n_mtp) { errf(err, errlen, "the model has no MTP block"); return -1; }
+    const size_t hw = (size_t)hp->n_hc * hp->n_embd;
+    const int have = src == DS4_MTP_SRC_MODEL ? c->last_rows : src == DS4_MTP_SRC_HEAD ? c->mtp_rows : n;
+    if ((src != DS4_MTP_SRC_MODEL && src != DS4_MTP_SRC_HEAD && src != DS4_MTP_SRC_ZERO) || n < 1 || row0 < 0 ||
+        (src != DS4_MTP_SRC_ZERO && row0 + n > have)) {
+        errf(err, errlen, "MTP queue: rows %d..%d of source %d, which has %d", row0, row0 + n - 1, src, have);
+        return -1;
     }
-    be->matmul(&M->eh_proj, 0, c->mtp_cat, c->x, n * hc);
-    /* the block as a layer (its input streams need no update first), the model's mHC head, the
-     * block's head norm and projection */
-    fwd_layer(c, il, NULL, n);
-    fwd_head_norm(c, M->shared_head_norm.host ? &M->shared_head_norm : &m->output_norm, n);
-    if (logits) {
-        const ds4_weight *head = M->shared_head_head.host ? &M->shared_head_head : &m->output;
-        if (all_rows) be->matmul(head, 0, c->h, c->logits, n);
-        else be->matmul(head, 0, c->h + (size_t)(n - 1) * D, c->logits, 1);
-        be->download(logits, c->logits, (size_t)(all_rows ? n : 1) * hp->n_vocab * 4);
-    } else {
-        be->synchronize();
+    if (c->mtp_nq + n > c->max_batch + 1) {
+        errf(err, errlen, "MTP queue: %d rows queued, %d more exceed %d", c->mtp_nq, n, c->max_batch + 1);
+        return -1;
     }
-    c->hk = hk;
-    be->session_bind(prev);
-    c->mtp_pos += n;
-    c->last_rows = 0;                            /* c->x now holds the block's streams */
-    c->mtp_rows = n;
+    void *prev = c->be->session_bind(c->sess);
+    float *dst = c->mtp_q + (size_t)c->mtp_nq * hw;
+    if (src == DS4_MTP_SRC_ZERO)
+        for (int i = 0; i < n; i++) c->be->copy(dst + (size_t)i * hw, c->mtp_q + (size_t)(c->max_batch + 1) * hw, hw * 4);
+    else
+        c->be->copy(dst, c->x + (size_t)row0 * hw, (size_t)n * hw * 4);
+    c->be->session_bind(prev);
+    c->mtp_nq += n;
+    return 0;
+}
+
+int ds4_mtp_queued(const ds4_ctx *c) { return c->mtp_nq; }
+
+int ds4_mtp_eval_queued(ds4_ctx *c, const int32_t *tokens, int n, float *logits, int all_rows,
+                        char *err, size_t errlen) {
+    if (mtp_eval_check(c, tokens, n, err, errlen) != 0) return -1;
+    if (n > c->mtp_nq) { errf(err, errlen, "MTP queue: %d rows asked, %d queued", n, c->mtp_nq); return -1; }
+    const ds4_hparams *hp = &c->m->hp;
+    const size_t hw = (size_t)hp->n_hc * hp->n_embd;
+    void *prev = c->be->session_bind(c->sess);
+    mtp_eval_dev(c, c->mtp_q, tokens, n, logits, all_rows);
+    /* the rows after them go first, in order (row i from row n + i: each read before it is written) */
+    for (int i = 0; i < c->mtp_nq - n; i++)
+        c->be->copy(c->mtp_q + (size_t)i * hw, c->mtp_q + (size_t)(n + i) * hw, hw * 4);
+    c->be->session_bind(prev);
+    c->mtp_nq -= n;
     return 0;
 }
 

@@ -201,6 +201,20 @@ int ds4_mtp_streams(ds4_ctx *c, float *out, int rows);
 int ds4_mtp_eval(ds4_ctx *c, const float *h, const int32_t *tokens, int n, float *logits, int all_rows,
                  char *err, size_t errlen);
 int ds4_ctx_mtp_pos(const ds4_ctx *c);
+/* The head's input streams kept on the backend (speculative decoding, without the streams
+ * through the host): a queue of rows, each [n_hc][n_embd].  ds4_mtp_queue appends n rows:
+ * DS4_MTP_SRC_MODEL rows row0 .. row0 + n - 1 of the last ds4_eval chunk's final streams (those
+ * ds4_ctx_streams reads), DS4_MTP_SRC_HEAD those of the last ds4_mtp_eval's output streams
+ * (ds4_mtp_streams'), DS4_MTP_SRC_ZERO zeros (row0 unused: the streams before position 0).
+ * ds4_mtp_eval_queued is ds4_mtp_eval with the queue's first n rows as h; the rows after them
+ * stay queued, first (with DS4_CUDA_GRAPHS=1 a call of up to 4 rows replays a recording of its
+ * width).  ds4_ctx_reset empties the queue.  -1 with one line: no block, rows the source does
+ * not have, more than max_batch + 1 rows queued, or more rows asked than queued. */
+enum { DS4_MTP_SRC_MODEL = 0, DS4_MTP_SRC_HEAD = 1, DS4_MTP_SRC_ZERO = 2 };
+int ds4_mtp_queue(ds4_ctx *c, int src, int row0, int n, char *err, size_t errlen);
+int ds4_mtp_queued(const ds4_ctx *c);
+int ds4_mtp_eval_queued(ds4_ctx *c, const int32_t *tokens, int n, float *logits, int all_rows,
+                        char *err, size_t errlen);
 
 /* ---- sampling ---- */
 

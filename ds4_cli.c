@@ -732,21 +732,20 @@ static int on_chunk(void *user, int done, int total) {
  * the head's own output streams of the row before (llama.cpp chains them so); those rows are
  * rolled back once the drafts are made (DS4_PART_MTP).  The rows of the drafts the model
  * accepted, paired with its streams, wait in a queue and go with the next step's first row in
- * one call.
+ * one call.  The streams stay on the backend: the context's head queue (ds4_mtp_queue) holds
+ * those rows, then the model's streams before its next position (the carry: zeros at 0), and
+ * the decoder keeps the queued rows' tokens; a call takes the first rows, the carry stays.
  *
  * DS4_MTP_FORCE=P:FILE (a measurement knob for random-weight models, whose head is almost never
  * right): draft k of the step at generated token j becomes FILE's id j + 1 + k with
  * probability P (a generator seeded by --seed), else a token that differs from it; the head
  * still runs. */
 typedef struct spec {
-    int D, V, hw;                /* drafts per step, vocabulary, floats of one row of streams */
-    float *h;                    /* [max_batch + 1][hw]: row 0 the model's streams before its next
-                                    position (zeros at 0), then a call's rows */
-    float *hq;                   /* [D + 1][hw] the queued head rows: their streams... */
-    int32_t *tq;                 /* [D + 1] ...and their tokens */
+    int D, V;                    /* drafts per step, vocabulary */
+    int32_t *tq;                 /* [D + 1] the tokens of the head queue's first nq rows (the row
+                                    after them is the carry) */
     int nq;
-    float *hv;                   /* [D + 1][hw] the check call's streams */
-    float *g;                    /* [hw] the head's output streams of its last row */
+    int hrows;                   /* rows of the head's last call */
     float *mlog;                 /* [V] the head's logits of its last row */
     float *vlog;                 /* [D + 1][V] the check call's logits, when no dump holds them */
     int sampling;                /* --temp > 0 (and no --force): speculative sampling */
@@ -810,20 +809,17 @@ static int32_t spec_choose(run *r, spec *s, int k, long idx) {
 static int spec_flush(run *r, spec *s, int want_logits) {
     char err[1024];
     if (!s->nq) return 0;
-    if (ds4_mtp_eval(r->c, s->hq, s->tq, s->nq, want_logits ? s->mlog : NULL, 0, err, sizeof err) != 0) {
+    if (ds4_mtp_eval_queued(r->c, s->tq, s->nq, want_logits ? s->mlog : NULL, 0, err, sizeof err) != 0) {
         fprintf(stderr, "ds4: the MTP head: %s\n", err);
         return -1;
     }
+    s->hrows = s->nq;
     s->nq = 0;
     return 0;
 }
 
-/* Queue the head's row of token tok, paired with the streams h. */
-static void spec_queue(spec *s, int32_t tok, const float *h) {
-    s->tq[s->nq] = tok;
-    memcpy(s->hq + (size_t)s->nq * s->hw, h, sizeof(float) * s->hw);
-    s->nq++;
-}
+/* The carry becomes the head's row of token tok (the next row queued is the next carry). */
+static void spec_queue(spec *s, int32_t tok) { s->tq[s->nq++] = tok; }
 
 /* n drafts for generated tokens j + 1 .. j + n into out: the queue (its last row the token just
  * chosen) gives the first, each further one the head's row of the one before, paired with the
@@ -838,8 +834,10 @@ static int spec_draft(run *r, spec *s, int n, long j, int32_t *out) {
     const int mpos = ds4_ctx_mtp_pos(c);
     if (ds4_ctx_checkpoint(c, DS4_PART_MTP, n - 1, err, sizeof err) != 0) goto fail;
     for (int k = 1; k < n; k++) {
-        ds4_mtp_streams(c, s->g, 1);
-        if (ds4_mtp_eval(c, s->g, &out[k - 1], 1, s->mlog, 0, err, sizeof err) != 0) goto fail;
+        if (ds4_mtp_queue(c, DS4_MTP_SRC_HEAD, s->hrows - 1, 1, err, sizeof err) != 0 ||
+            ds4_mtp_eval_queued(c, &out[k - 1], 1, s->mlog, 0, err, sizeof err) != 0)
+            goto fail;
+        s->hrows = 1;
         out[k] = spec_choose(r, s, k, s->base + j + 1 + k);
     }
     if (ds4_ctx_rollback(c, DS4_PART_MTP, mpos, err, sizeof err) != 0) goto fail;
@@ -886,24 +884,19 @@ static int32_t *spec_read_ref(const char *path, int V, int *n_ref) {
  * (ref, NULL: none; the decoder frees them); out of memory ends the program. */
 static void spec_init(spec *s, run *r, int D, int n_gen, int sampling, float force_p, int32_t *ref, int n_ref,
                       uint64_t seed) {
-    int n_layer, n_embd, n_hc, n_used;
-    ds4_model_dims(r->m, &n_layer, &n_embd, &n_hc, &n_used);
     s->D = D;
     s->V = r->V;
-    s->hw = n_hc * n_embd;
-    const size_t hw = (size_t)s->hw, mb = (size_t)ds4_ctx_max_batch(r->c);
-    s->h = calloc((mb + 1) * hw, sizeof(float));
-    s->hq = malloc((size_t)(D + 1) * hw * sizeof(float));
+    char err[1024];
+    if (ds4_mtp_queue(r->c, DS4_MTP_SRC_ZERO, 0, 1, err, sizeof err) != 0)   /* the carry at position 0 */
+        die_run("the MTP head: %s", err);
     s->tq = malloc((size_t)(D + 1) * sizeof(int32_t));
-    s->hv = malloc((size_t)(D + 1) * hw * sizeof(float));
-    s->g = malloc(hw * sizeof(float));
     s->mlog = malloc((size_t)s->V * sizeof(float));
     s->vlog = malloc((size_t)(D + 1) * s->V * sizeof(float));
     s->first = malloc((size_t)(n_gen + 1) * sizeof(int32_t));
     s->sampling = sampling;
     s->q = malloc((size_t)D * s->V * sizeof(float));
     s->p = malloc((size_t)s->V * sizeof(float));
-    if (!s->h || !s->hq || !s->tq || !s->hv || !s->g || !s->mlog || !s->vlog || !s->first || !s->q || !s->p)
+    if (!s->tq || !s->mlog || !s->vlog || !s->first || !s->q || !s->p)
         die_run("out of host memory for --mtp-draft");
     s->force_p = force_p;
     s->ref = ref;
@@ -912,12 +905,13 @@ static void spec_init(spec *s, run *r, int D, int n_gen, int sampling, float for
 }
 
 static void spec_free(spec *s) {
-    free(s->h); free(s->hq); free(s->tq); free(s->hv); free(s->g); free(s->mlog); free(s->vlog); free(s->ref);
+    free(s->tq); free(s->mlog); free(s->vlog); free(s->ref);
     free(s->first); free(s->q); free(s->p);
 }
 
 /* prefill's work with the head: ids[0:n) through the model in chunks of its batch, each
- * chunk's rows then through the head (paired with the streams before them). */
+ * chunk's rows then through the head (paired with the streams before them: the carry, then the
+ * chunk's own; its last row's streams stay queued as the next carry). */
 static int spec_feed(run *r, const int32_t *ids, int n, float *rows_out, float *last) {
     char err[1024];
     spec *s = r->sp;
@@ -929,13 +923,13 @@ static int spec_feed(run *r, const int32_t *ids, int n, float *rows_out, float *
     for (int i = 0, nb; i < n; i += nb) {
         nb = n - i < mb ? n - i : mb;
         if (ds4_eval(c, ids + i, nb, rows_out ? rows_out + (size_t)i * r->V : last, rows_out != NULL, err, sizeof err) != 0 ||
-            ds4_ctx_streams(c, s->h + s->hw, nb) != 0 ||
-            ds4_mtp_eval(c, s->h, ids + i, nb, NULL, 0, err, sizeof err) != 0) {
+            ds4_mtp_queue(c, DS4_MTP_SRC_MODEL, 0, nb, err, sizeof err) != 0 ||
+            ds4_mtp_eval_queued(c, ids + i, nb, NULL, 0, err, sizeof err) != 0) {
             meter_clear(&r->pmt);
             fprintf(stderr, "ds4: %s\n", err);
             return -1;
         }
-        memcpy(s->h, s->h + (size_t)nb * s->hw, sizeof(float) * s->hw);
+        s->hrows = nb;
         meter_show(&r->pmt, "prompt", i + nb, n);
         if (i + nb < n && g_interrupted) { meter_clear(&r->pmt); return -3; }
     }
@@ -1006,7 +1000,7 @@ static void spec_generate(run *r, int n, const int32_t *force, const float *prev
         const int nd = s->D < n - j - 1 ? s->D : n - j - 1;   /* drafts: no further than -n */
         const int pos = ds4_ctx_pos(c);
         batch[0] = next;
-        spec_queue(s, next, s->h);
+        spec_queue(s, next);
         const double t0 = now_s();
         if (nd > 0 && spec_draft(r, s, nd, j, batch + 1) != 0) { r->stopped = 2; return; }
         const double t1 = now_s();
@@ -1017,7 +1011,6 @@ static void spec_generate(run *r, int n, const int32_t *force, const float *prev
             r->stopped = 2;
             return;
         }
-        ds4_ctx_streams(c, s->hv, nd + 1);
         s->t_draft += t1 - t0;
         s->t_check += now_s() - t1;
         /* the drafts taken: while each is the model's choice after the row before it (EOS never:
@@ -1054,9 +1047,14 @@ static void spec_generate(run *r, int n, const int32_t *force, const float *prev
             r->stopped = 2;
             return;
         }
-        /* the head's rows of the drafts taken wait for the next step's first draft */
-        for (int i = 1; i <= a; i++) spec_queue(s, batch[i], s->hv + (size_t)(i - 1) * s->hw);
-        memcpy(s->h, s->hv + (size_t)a * s->hw, sizeof(float) * s->hw);
+        /* the head's rows of the drafts taken wait for the next step's first draft, paired with
+         * the check's streams before each; its row a's streams are the next carry */
+        if (ds4_mtp_queue(c, DS4_MTP_SRC_MODEL, 0, a + 1, err, sizeof err) != 0) {
+            fprintf(stderr, "ds4: the MTP head: %s\n", err);
+            r->stopped = 2;
+            return;
+        }
+        for (int i = 1; i <= a; i++) spec_queue(s, batch[i]);
         if (!rows) memcpy(last, out + (size_t)a * V, sizeof(float) * V);
         s->steps++;
         s->drafted += nd;

@@ -304,6 +304,7 @@ static void cuda_download(void *dst, const void *src, size_t bytes) {
 static void cuda_copy(void *dst, const void *src, size_t bytes) {
     if (bytes == 0) return;
     DS4_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, ds4_current_stream()));
+    if (g_sess && g_sess->capturing) g_sess->cap_other++;    /* a recorded copy is a node */
 }
 
 /* Weights keep the file's byte layout (Q8_0 rows of 34-byte blocks included);
@@ -455,6 +456,7 @@ static int cuda_region_begin(uint64_t key) {
     S->capturing = true;
     S->cap_key = key;
     S->cap_launches0 = S->launches;
+    S->cap_other = 0;
     S->cap_err = cudaSuccess;
     S->cap_t0 = ds4_now();
     return DS4_REGION_ISSUE;
@@ -467,7 +469,7 @@ static int cuda_region_end(uint64_t key) {
     cudaError_t e = cudaStreamEndCapture(ds4_current_stream(), &g);
     S->capturing = false;
     const double t1 = ds4_now();
-    const uint64_t launched = S->launches - S->cap_launches0;
+    const uint64_t launched = S->launches - S->cap_launches0 + (uint64_t)S->cap_other;   /* and the copies */
     char why[160] = "";
     S->n_captures_tried++;
     size_t n_nodes = 0;

@@ -126,6 +126,8 @@ struct ds4_session {
     bool           capturing;         /* between a capture's begin and end */
     bool           pdl;               /* DS4_CUDA_GRAPH_PDL on a device that has it (cc >= 9.0) */
     uint64_t       cap_key, cap_launches0;
+    int64_t        cap_other;         /* a recording's nodes that are not one a launch: its copies, and
+                                         the nodes of a cuBLAS call beyond the one it counts */
     cudaError_t    cap_err;           /* the first launch error while capturing */
     struct ds4h_emitter *hk;          /* DS4_HOOKS: the hook emitter (ds4_hooks.cu), NULL = hooks off */
     double         cap_t0;
@@ -262,11 +264,31 @@ static cudaError_t ds4_launch_kernel(int line, void (*kernel)(P...), dim3 grid, 
         sess_count_launch(ds4_now() - t0_);                                         \
     } while (0)
 
+/* The nodes of the graph the calling thread's stream is recording into (0: none). */
+static inline size_t capture_nodes(void) {
+    if (!g_sess || !g_sess->capturing) return 0;
+    cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+    cudaGraph_t g = NULL;
+    size_t n = 0;
+#if CUDART_VERSION >= 12000     /* the graph is the 4th argument in 12.x's and 13.x's signatures */
+    const cudaError_t e = cudaStreamGetCaptureInfo(ds4_current_stream(), &st, NULL, &g);
+#else
+    const cudaError_t e = cudaStreamGetCaptureInfo_v2(ds4_current_stream(), &st, NULL, &g);
+#endif
+    if (e != cudaSuccess || st != cudaStreamCaptureStatusActive || !g || cudaGraphGetNodes(g, NULL, &n) != cudaSuccess)
+        return 0;
+    return n;
+}
+
+/* A cuBLAS call counts as one launch; recorded, the nodes it added are counted too (cuBLAS may
+ * add a reduction or a memset), so that region_end's node check holds. */
 #define DS4_CUBLAS(...) do {                                                        \
         const double t0_ = ds4_now();                                               \
+        const size_t n0_ = capture_nodes();                                         \
         DS4_CUBLAS_CHECK(cublasSetStream(sess_blas(), ds4_current_stream()));       \
         DS4_CUBLAS_CHECK(__VA_ARGS__);                                              \
         sess_count_launch(ds4_now() - t0_);                                         \
+        if (g_sess && g_sess->capturing) g_sess->cap_other += (int64_t)capture_nodes() - (int64_t)n0_ - 1; \
     } while (0)
 
 /* ---------------------------------------------------------------------------

@@ -270,6 +270,25 @@ static void cuda_scale(float *x, float s, int64_t n) {
     launch_scale(x, s, n);
 }
 
+/* y[r] = a[r / rep], b[r]: a block per row of y, its 2 n elements (ds4_gpu.h pair_rows). */
+__global__ void k_pair_rows(const float *a, const float *b, float *y, int rep, int64_t n) {
+    ds4_grid_dep();
+    const int r = blockIdx.x;
+    const float *ar = a + (int64_t)(r / rep) * n, *br = b + (int64_t)r * n;
+    float *yr = y + (int64_t)r * 2 * n;
+    for (int64_t i = threadIdx.x; i < 2 * n; i += blockDim.x) yr[i] = i < n ? ar[i] : br[i - n];
+}
+
+static void launch_pair_rows(const float *a, const float *b, float *y, int rows, int rep, int64_t n) {
+    if (rows <= 0 || n <= 0) return;
+    if (rep < 1) ds4_fatal("pair_rows: rep %d below 1", rep);
+    DS4_LAUNCH(k_pair_rows, (unsigned)rows, 256, 0, a, b, y, rep, n);
+}
+
+static void cuda_pair_rows(const float *a, const float *b, float *y, int rows, int rep, int64_t n) {
+    launch_pair_rows(a, b, y, rows, rep, n);
+}
+
 /* Its entries in the backend table (ds4_cuda.cu). */
 void ds4_cuda_ops_norm(ds4_backend *b) {
     b->embed = cuda_embed;
@@ -278,4 +297,5 @@ void ds4_cuda_ops_norm(ds4_backend *b) {
     b->head_norm_rope = cuda_head_norm_rope;
     b->add = cuda_add;
     b->scale = cuda_scale;
+    b->pair_rows = cuda_pair_rows;
 }

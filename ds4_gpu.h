@@ -576,6 +576,11 @@ typedef struct ds4_backend {
 
     /* x *= s, n elements. */
     void (*scale)(float *x, float s, int64_t n);
+
+    /* y[r] = a[r / rep] then b[r] (rows of 2 n) for r < rows: a row of a beside each of rep rows
+     * of b in turn (the MTP head's eh_proj input: enorm(e) beside each stream's hnorm(h)).  y
+     * must not overlap a or b. */
+    void (*pair_rows)(const float *a, const float *b, float *y, int rows, int rep, int64_t n);
 } ds4_backend;
 
 /* The CPU backend (ds4.c): the specification. */

@@ -32,6 +32,7 @@
 #   mtp       the MTP block (patch 0025) on CUDA: small with and without it (ds4 synth --mtp), a
 #             300-token prompt + 32 greedy steps: the CUDA logits byte-identical (the block goes up
 #             with the model and is not run), ds4 info's line; then speculative decoding on CUDA:
+#             test_rollback cuda (eager and with graphs: the rollback, the head fed from its queue),
 #             tests/test_mtp_cuda.py (MTP_PYTEST=0: skip; MTP_PYTEST_K: its -k; TEST_MTP_CUDA_STEPS),
 #             and the speed on MTP_MODELS (default "flash16 flash-q2@64"; empty: none), each written
 #             with an MTP block: plain greedy decoding with graphs, then --mtp-draft D = 1, 2, 3 (MTP_DS)
@@ -483,8 +484,15 @@ if want mtp; then
   else row "mtp: CUDA LOGITS DIFFER with the MTP block"; fi
   if [ "${MTP_PYTEST:-1}" != 0 ]; then
     step "speculative decoding on CUDA: tests/test_mtp_cuda.py"
-    make --no-print-directory build/cuda-"$ARCH"/mtp_dump build/tests/mtp_dump CUDA_ARCH="$ARCH" >> "$OUT/build.log" 2>&1 \
-      || echo "mtp: building mtp_dump failed"
+    make --no-print-directory build/cuda-"$ARCH"/mtp_dump build/tests/mtp_dump build/cuda-"$ARCH"/test_rollback \
+      CUDA_ARCH="$ARCH" >> "$OUT/build.log" 2>&1 || echo "mtp: building mtp_dump or test_rollback failed"
+    # the rollback and the head's queue on the GPU, eager and with graphs (the queued head's
+    # calls of up to 4 rows then replay recordings, the host-fed ones run eagerly)
+    for g in 0 1; do
+      DS4_CUDA_GRAPHS=$g timeout 300 build/cuda-"$ARCH"/test_rollback cuda > "$OUT/mtp-rollback-g$g.log" 2>&1
+      row "mtp: test_rollback cuda, graphs $g: rc $? $(tail -1 "$OUT/mtp-rollback-g$g.log")"
+      grep FAIL "$OUT/mtp-rollback-g$g.log"
+    done
     TEST_DS4_CUDA_BIN=$PWD/ds4 CUDA_ARCH="$ARCH" PYTHONUNBUFFERED=1 timeout "${MTP_PYTEST_LIMIT:-600}" \
       $PY -m pytest -q -rs -s tests/test_mtp_cuda.py ${MTP_PYTEST_K:+-k "$MTP_PYTEST_K"} > "$OUT/mtp-pytest.log" 2>&1
     tail -25 "$OUT/mtp-pytest.log"

@@ -1494,6 +1494,31 @@ static void test_add_scale(int64_t n) {
     free(a); free(b);
 }
 
+/* pair_rows (the MTP head's eh_proj input): rows rows of [a[r / rep], b[r]], exact copies. */
+static void test_pair_rows(int rows, int rep, int64_t n) {
+    const int ra = (rows + rep - 1) / rep;
+    float *a = rnd_vec((size_t)ra * n, 1.0f), *b = rnd_vec((size_t)rows * n, 1.0f);
+    float *out[2];
+    for (int bi = 0; bi < 2; bi++) {
+        float *da = dev_put(bi, a, (size_t)ra * n * 4), *db = dev_put(bi, b, (size_t)rows * n * 4);
+        float *dy = dev_poison(bi, (size_t)rows * 2 * n);
+        B[bi]->pair_rows(da, db, dy, rows, rep, n);
+        out[bi] = dev_get(bi, dy, (size_t)rows * 2 * n * 4);
+        dev_free_all(bi);
+    }
+    /* the CPU's own rows against the definition, then CUDA's against the CPU's */
+    int bad = 0;
+    for (int r = 0; r < rows; r++)
+        bad += memcmp(out[0] + (size_t)r * 2 * n, a + (size_t)(r / rep) * n, (size_t)n * 4) != 0 ||
+               memcmp(out[0] + (size_t)r * 2 * n + n, b + (size_t)r * n, (size_t)n * 4) != 0;
+    char shape[96];
+    snprintf(shape, sizeof shape, "rows=%d rep=%d n=%lld", rows, rep, (long long)n);
+    printf("%-15s %-44s CPU rows against the definition: %d wrong  %s\n", "pair_rows", shape, bad, bad ? "FAIL" : "ok");
+    if (bad) g_fail++; else g_pass++;
+    check_f32("pair_rows", shape, out[0], out[1], (size_t)rows * 2 * n, TOL_EXACT);
+    free(out[0]); free(out[1]); free(a); free(b);
+}
+
 /* Run to run, the CUDA backend must give byte-identical outputs (no
  * order-dependent atomics): the reduction-heavy paths run twice on the same
  * inputs and are compared bit for bit. */
@@ -2172,6 +2197,9 @@ int main(int argc, char **argv) {
 
     test_add_scale(1);
     test_add_scale(100003);
+    test_pair_rows(4, 4, 4096);          /* one head row of Flash's 4 streams */
+    test_pair_rows(16, 4, 4096);
+    test_pair_rows(7, 3, 1000);
 
     /* fused ops: decode and prefill token counts, Flash shapes and odd ones */
     for (int ni = 0; ni < 3; ni++) {

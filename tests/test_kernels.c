@@ -318,9 +318,10 @@ static void test_converters(void) {
  * ds4_ctx_new allocates: tiny and small, short and long contexts, batch 1 and large.  The
  * buffers that scale are planned exactly; a fixed remainder (a stage's step block) may not be. */
 static void test_ctx_plan(void) {
-    static const char *const cfg[] = { "tiny/1048576", "small/1048576" };
+    /* tiny+mtp: the MTP block's caches, its eh_proj input and its queue (ds4_mtp_queue) */
+    static const char *const cfg[] = { "tiny/1048576", "small/1048576", "tiny+mtp/1048576" };
     static const int sizes[][2] = { { 16, 1 }, { 300, 300 }, { 70000, 64 }, { 1 << 20, 8 } };
-    for (int ci = 0; ci < 2; ci++) {
+    for (int ci = 0; ci < 3; ci++) {
         char err[512];
         ds4_model *m = ds4_synth_open(cfg[ci], 1, DS4_TYPE_F32, 2, err, sizeof err);
         if (!m) { printf("FAIL ctx plan: %s\n", err); n_fail++; continue; }

@@ -10,9 +10,11 @@
  * after it, rolled back to keep the real one: the speculative check's case), and the MTP block's
  * own caches (DS4_PART_MTP, the head being CPU-only).  Negative control: with
  * DS4_ROLLBACK_RESTORE=0 (positions moved back, nothing restored) the logits must differ, or the
- * test would see nothing.  Also the calls' errors. */
+ * test would see nothing.  Also the calls' errors, and the MTP head fed from its queue on the
+ * backend (ds4_mtp_queue) against the same streams through the host. */
 #define _POSIX_C_SOURCE 200809L   /* setenv */
 #include "ds4.h"
+#include "ds4_gpu.h"           /* ds4_backend_stats */
 
 #include <stdint.h>
 #include <stdio.h>
@@ -98,6 +100,76 @@ static void run_mtp(ds4_model *m, const int32_t *toks, const float *h, int hw, i
     ds4_ctx_free(c);
 }
 
+/* The head's queue (ds4_mtp_queue, ds4_mtp_eval_queued) against ds4_mtp_eval with the same
+ * streams through the host, on backend be: the prompt's rows (zeros, then the model's streams
+ * of rows 0 .. P - 2), the carry (row P - 1's), then chained rows of the head's own streams; the
+ * logits byte-identical.  On the CPU also the queue's refusals. */
+static void mtp_queue(ds4_model *m, const ds4_backend *be, const int32_t *toks) {
+    char err[512], what[160];
+    const int V = ds4_model_n_vocab(m);
+    int L, D, hc, k;
+    ds4_model_dims(m, &L, &D, &hc, &k);
+    const size_t hw = (size_t)D * hc;
+    ds4_ctx *a = ds4_ctx_new(m, be, 3 * P, P, err, sizeof err), *b = ds4_ctx_new(m, be, 3 * P, P, err, sizeof err);
+    if (!a || !b) die("context", err);
+    float *h = calloc((size_t)(P + 1) * hw, sizeof(float)), *ref = malloc(sizeof(float) * (size_t)P * V),
+          *got = malloc(sizeof(float) * (size_t)P * V);
+    if (!h || !ref || !got) die("buffers", "out of memory");
+    /* the prompt: a from the host (h row 0 zeros), b from the queue */
+    if (ds4_eval(a, toks, P, NULL, 0, err, sizeof err) != 0 || ds4_ctx_streams(a, h + hw, P) != 0 ||
+        ds4_mtp_eval(a, h, toks, P, ref, 1, err, sizeof err) != 0)
+        die("head (host)", err);
+    if (ds4_eval(b, toks, P, NULL, 0, err, sizeof err) != 0 || ds4_mtp_queue(b, DS4_MTP_SRC_ZERO, 0, 1, err, sizeof err) != 0 ||
+        ds4_mtp_queue(b, DS4_MTP_SRC_MODEL, 0, P, err, sizeof err) != 0 ||
+        ds4_mtp_eval_queued(b, toks, P, got, 1, err, sizeof err) != 0)
+        die("head (queue)", err);
+    snprintf(what, sizeof what, "%s: the head from its queue (%d prompt rows): logits byte-identical to the host's", be->name, P);
+    check(!memcmp(ref, got, sizeof(float) * (size_t)P * V) && ds4_mtp_queued(b) == 1, what);
+    /* the carry, then rows of the head's own streams, one a call (the chained drafts' case) */
+    int same = 1;
+    for (int i = 0; i < 6; i++) {
+        const float *hr = h + (size_t)P * hw;          /* i = 0: the carry, row P - 1's streams */
+        if (i > 0) {
+            if (ds4_mtp_streams(a, h, 1) != 0) die("streams", "the head's");
+            hr = h;
+            if (ds4_mtp_queue(b, DS4_MTP_SRC_HEAD, 0, 1, err, sizeof err) != 0) die("queue", err);
+        }
+        if (ds4_mtp_eval(a, hr, &toks[P + i], 1, ref, 0, err, sizeof err) != 0 ||
+            ds4_mtp_eval_queued(b, &toks[P + i], 1, got, 0, err, sizeof err) != 0)
+            die("head", err);
+        same = same && !memcmp(ref, got, sizeof(float) * (size_t)V) && ds4_mtp_queued(b) == 0;
+    }
+    snprintf(what, sizeof what, "%s: the head from its queue, the carry and 5 chained rows: logits byte-identical", be->name);
+    check(same, what);
+    const char *gr = getenv("DS4_CUDA_GRAPHS");
+    if (be != ds4_backend_cpu() && gr && atoi(gr) == 1) {
+        /* the six one-row calls: one recording, replayed (an eager fallback gives the same
+         * bytes, so only the counters show that the region recorded) */
+        ds4_backend_stats st;
+        ds4_ctx_stats(b, &st, 0);
+        snprintf(what, sizeof what, "%s, graphs: the one-row head calls replayed (%llu captures, %llu replays, %llu eager fallbacks)",
+                 be->name, (unsigned long long)st.captures, (unsigned long long)st.replays, (unsigned long long)st.fallbacks);
+        check(st.fallbacks == 0 && st.replays >= 5, what);
+    }
+    if (be == ds4_backend_cpu()) {
+        check(ds4_mtp_queue(b, DS4_MTP_SRC_MODEL, 0, 1, err, sizeof err) == -1 && strstr(err, "which has 0"),
+              "the model's streams after a head call (gone) refused");
+        check(ds4_mtp_queue(b, DS4_MTP_SRC_HEAD, 1, 1, err, sizeof err) == -1, "a head row past its last call refused");
+        check(ds4_mtp_queue(b, 9, 0, 1, err, sizeof err) == -1, "an unknown source refused");
+        check(ds4_mtp_queue(b, DS4_MTP_SRC_ZERO, 0, P + 1, err, sizeof err) == 0 &&
+              ds4_mtp_queue(b, DS4_MTP_SRC_ZERO, 0, 1, err, sizeof err) == -1 && strstr(err, "exceed"),
+              "a queue past max_batch + 1 rows refused");
+        check(ds4_mtp_eval_queued(b, toks, P, NULL, 0, err, sizeof err) == 0 && ds4_mtp_queued(b) == 1 &&
+              ds4_mtp_eval_queued(b, toks, 2, NULL, 0, err, sizeof err) == -1 && strstr(err, "2 rows asked, 1 queued"),
+              "more rows asked than queued refused");
+        ds4_ctx_reset(b);
+        check(ds4_mtp_queued(b) == 0, "ds4_ctx_reset empties the head's queue");
+    }
+    free(h); free(ref); free(got);
+    ds4_ctx_free(a);
+    ds4_ctx_free(b);
+}
+
 static void errors(ds4_model *m, ds4_model *plain) {
     char err[512];
     ds4_ctx *c = ds4_ctx_new(m, ds4_backend_cpu(), 64, 8, err, sizeof err);
@@ -135,6 +207,8 @@ static void errors(ds4_model *m, ds4_model *plain) {
     if (!c) die("context", err);
     check(ds4_ctx_checkpoint(c, DS4_PART_MTP, 1, err, sizeof err) == -1 && strstr(err, "no MTP block"),
           "DS4_PART_MTP on a model without the block refused");
+    check(ds4_mtp_queue(c, DS4_MTP_SRC_ZERO, 0, 1, err, sizeof err) == -1 && strstr(err, "no MTP block"),
+          "the head's queue on a model without the block refused");
     ds4_ctx_free(c);
 }
 
@@ -173,6 +247,7 @@ int main(int argc, char **argv) {
     snprintf(what, sizeof what, "%s: DS4_ROLLBACK_RESTORE=0 (nothing restored): the logits differ", be->name);
     check(memcmp(ref, got, sizeof(float) * (size_t)STEPS * V) != 0, what);
     unsetenv("DS4_ROLLBACK_RESTORE");
+    mtp_queue(m, be, toks);
 
     if (be == ds4_backend_cpu()) {
         int L, D, hc, k;
