@@ -818,8 +818,9 @@ static void cuda_session_stats(void *s, ds4_backend_stats *st, int reset) {
     st->graph_pdl = S->pdl;
     st->tc_wgmma = S->n_tc_wgmma;
     st->tc_tma = S->n_tc_tma;
+    st->tc_tma_a = S->n_tc_tma_a;
     if (reset) {
-        S->n_tc_wgmma = S->n_tc_tma = 0;
+        S->n_tc_wgmma = S->n_tc_tma = S->n_tc_tma_a = 0;
         S->gs.captures = S->gs.replays = S->gs.fallbacks = 0;
         S->gs.capture_ms = S->gs.instantiate_ms = 0.0;
         S->launches = 0;

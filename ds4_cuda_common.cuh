@@ -115,7 +115,8 @@ struct ds4_session {
     unsigned char *down_stage;        /* pinned staging of a download */
     size_t         down_cap;
     uint64_t       launches;          /* kernel launches + cuBLAS calls */
-    uint64_t       n_tc_wgmma, n_tc_tma;   /* k_tc_wgmma launches; of those with tensor-copy stages */
+    uint64_t       n_tc_wgmma, n_tc_tma, n_tc_tma_a;   /* k_tc_wgmma launches; of those with tensor-copy
+                                                        stages; of those with the weights' too */
     double         launch_seconds;    /* host time inside them */
     FILE          *trace;             /* DS4_LAUNCH_TRACE */
     uint64_t       trace_launches;
@@ -719,8 +720,8 @@ tc_split gemm_tc_split(const float *x, int64_t ldx, int64_t K, int64_t n, int pa
 struct tc_src { const float *x, *u; int64_t ldx; const int32_t *rows; int rdiv; float limit; };
 tc_split gemm_tc_split_from(const tc_src &src, int64_t K, int64_t n);
 int gemm_tc_parts_fit(int64_t n, int64_t K);
-void gemm_tc_multi(int type, size_t mat_bytes, size_t row_bytes, const tc_split &sp, int n, const tc_seg *seg,
-                   const int4 *tiles, int n_tiles);
+void gemm_tc_multi(int type, size_t mat_bytes, int nmat, size_t row_bytes, const tc_split &sp, int n,
+                   const tc_seg *seg, const int4 *tiles, int n_tiles);
 int gemm_tc_tiles(const int32_t *off, int E, int32_t *out);
 int64_t gemm_tc_max_tiles(int64_t rows, int64_t E);
 bool gemm_tc_rows(int type, const uint8_t *w, size_t row_bytes, int64_t K, int64_t nrows, const float *x,

@@ -104,6 +104,7 @@
 #define TC_BK      64       /* k per pipeline stage: two Q8_0 blocks */
 #define TC_ST      3        /* pipeline stages */
 #define TC_THREADS 256
+#define TC_APITCH  80       /* k_tc_wgmma with A by tensor copies (TA): a Q8_0 row's staged bytes */
 /* TC_SEG_MAX (ds4_cuda_common.cuh): matrices of one launch */
 
 bool gemm_tc_type(int type) {
@@ -274,12 +275,13 @@ template <int TYPE> struct tc_traits {
  * per SM: their second accumulators take 250 registers); 1 KiB more to align the dynamic shared
  * memory's start.  RP rows one pass of the threads copies (4-byte or 16-byte pieces, NP a row), NPASS
  * passes. */
-template <int TYPE, bool WG> struct tc_tile {
+template <int TYPE, bool WG, bool TA = false> struct tc_tile {
     typedef tc_traits<TYPE> TT;
     enum {
         RP = TC_THREADS / TT::NP,
         NPASS = (TC_BM + RP - 1) / RP,
-        ABYTES = WG ? (TC_BM * TT::AROW + 1023) / 1024 * 1024 : TC_BM * TT::AROW,
+        APITCH = TA ? TC_APITCH : TT::AROW,   /* a staged row's bytes (TA: Q8_0's tensor-copy box) */
+        ABYTES = WG ? (TC_BM * APITCH + 1023) / 1024 * 1024 : TC_BM * APITCH,
         STAGE = ABYTES + 3 * TC_BN * 128,
         ST = !WG ? TC_ST : TT::MIN ? 4 : 3,
         SMEM = ST * STAGE + TT::SMEM_EXTRA + (WG ? 8 * ST + 1024 : 0),   /* WG: the stages' mbarriers */
@@ -287,8 +289,8 @@ template <int TYPE, bool WG> struct tc_tile {
 };
 template <int TYPE>
 __host__ __device__ constexpr int tc_smem_bytes() { return tc_tile<TYPE, false>::SMEM; }
-template <int TYPE>
-__host__ __device__ constexpr int tcw_smem_bytes() { return tc_tile<TYPE, true>::SMEM; }
+template <int TYPE, bool TA = false>
+__host__ __device__ constexpr int tcw_smem_bytes() { return tc_tile<TYPE, true, TA>::SMEM; }
 __device__ __forceinline__ int tc_swz(int row, int chunk) { return 16 * (chunk ^ ((row & 1) << 2)); }
 
 /* Byte offset in a weight row of what stage kb copies (the super-block types: rounded down
@@ -414,10 +416,13 @@ __device__ __forceinline__ void tc_load_stage(uint8_t *st, const tc_copy &cp, si
  *     d (2 ls + 1) / 8 (exact: ds4_quant.c's ((d (0.5 + ls)) 0.25) mag sign).
  *   - Q2_K: a = sc q (<= 45, sc the 16-group's scale), s = d; m = the group's min, s2 = -dmin.
  *   - Q4_K: a = q, s = d sc; m = 1, s2 = -dmin mn (sc, mn the 32-group's).
- * grid, s8tab: IQ2_XXS's tables in shared memory. */
-template <int TYPE>
+ * grid, s8tab: IQ2_XXS's tables in shared memory.  Q8_0's staged rows are AP bytes apart, the
+ * stage's first block ao bytes into each (AP = 68, ao = 0, except with A by tensor copies: 80
+ * and (68 kb) % 16, see k_tc_wgmma). */
+template <int TYPE, int AP = 68>
 __device__ __forceinline__ void tc_frag_a(const uint8_t *As, int r, int j, int t, int kb, const uint4 *grid,
-                                          const uint8_t *s8tab, uint32_t (&a)[4], float &s, uint32_t &m, float &s2) {
+                                          const uint8_t *s8tab, uint32_t (&a)[4], float &s, uint32_t &m, float &s2,
+                                          int ao = 0) {
     m = 0;
     s2 = 0.0f;
     if (TYPE == DS4_TYPE_F16) {
@@ -425,9 +430,9 @@ __device__ __forceinline__ void tc_frag_a(const uint8_t *As, int r, int j, int t
         a[0] = v.x; a[1] = v.y; a[2] = v.z; a[3] = v.w;
         s = 1.0f;
     } else if (TYPE == DS4_TYPE_Q8_0) {
-        /* block j at 34 j of the row (68 r: 4-byte aligned): quants at + 2, the lane's at + 8 t,
-         * 2 past a word boundary for j = 0, on one for j = 1 */
-        const uint8_t *blk = As + 68 * r + 34 * j;
+        /* block j at 34 j of the row (AP r + ao: 4-byte aligned): quants at + 2, the lane's at
+         * + 8 t, 2 past a word boundary for j = 0, on one for j = 1 */
+        const uint8_t *blk = As + AP * r + ao + 34 * j;
         s = dsq_f16(*(const uint16_t *)blk);
         const uint8_t *q = blk + 2 + 8 * t;
         uint32_t lo, hi;
@@ -504,6 +509,7 @@ struct tc_blk {
     const uint8_t *w;
     const __half *xs;
     int t0, t1;
+    int mat;            /* the matrix of a grouped product (0 otherwise) */
 };
 __device__ __forceinline__ tc_blk tc_block_of(const tc_segs &sg, size_t mat_bytes, const uint8_t *xs_all,
                                               const int4 *tiles, int nt) {
@@ -513,8 +519,10 @@ __device__ __forceinline__ tc_blk tc_block_of(const tc_segs &sg, size_t mat_byte
     b.xs = (const __half *)(xs_all + sg.xoff[si]);
     b.t0 = blockIdx.y * TC_BN;
     b.t1 = b.t0 + TC_BN < nt ? b.t0 + TC_BN : nt;
+    b.mat = 0;
     if (tiles) {
         const int4 tl = tiles[blockIdx.y];
+        b.mat = tl.x;
         b.w += mat_bytes * (size_t)tl.x;
         b.t0 = tl.y;
         b.t1 = tl.z;
@@ -742,6 +750,17 @@ __device__ __forceinline__ void tcw_tma(void *dst, const CUtensorMap *tm, int c0
 #endif
 }
 
+/* The same from a 3-d map (the weights: byte c0 of row c1 of matrix c2). */
+__device__ __forceinline__ void tcw_tma3(void *dst, const CUtensorMap *tm, int c0, int c1, int c2, uint64_t *bar) {
+#ifdef TCW_ON
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes "
+        "[%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(tcw_saddr(dst)),
+        "l"((uint64_t)tm), "r"(c0), "r"(c1), "r"(c2), "r"(tcw_saddr(bar))
+        : "memory");
+#endif
+}
+
 /* Keeps the compiler from moving reads of an accumulator across a wait (the registers are
  * written by the tensor core, not by any instruction it sees after the MMA). */
 __device__ __forceinline__ void tcw_hold(float (&d)[32]) {
@@ -802,6 +821,12 @@ __device__ __forceinline__ void tcw_fold(float (&acc)[32], float (&c)[32], float
     }
 }
 
+/* The weights' tensor maps of a launch (TA): segment s's matrices as [nmat][nrows][row_bytes]
+ * bytes, a box of TC_APITCH bytes x TC_BM rows x 1 matrix (tc_a_maps). */
+struct tc_amaps {
+    CUtensorMap m[TC_SEG_MAX];
+};
+
 /* k_tc_gemm's block on wgmma: the same tile (TC_BM = 128 rows x TC_BN = 64 tokens), grid,
  * segments, tiles, A fragments and sums, the MMAs issued by warpgroups.  Warpgroup wg (warps
  * 4 wg .. 4 wg + 3) computes rows 64 wg .. + 63 of the tile for all 64 tokens: m64n64k16, A
@@ -820,11 +845,23 @@ __device__ __forceinline__ void tcw_fold(float (&acc)[32], float (&c)[32], float
  *   Stages: ST buffers, stage kb + ST - 1 copied while kb is read, into kb - 1's buffer, whose
  *   MMAs every warpgroup waited for before the barrier.  cp.async writes through the generic
  *   proxy and wgmma reads through the async one: a proxy fence after each stage lands, before
- *   the barrier. */
-template <int TYPE, bool TB>
+ *   the barrier.
+ *   TA (Q8_0 with TB, DS4_CUDA_PREFILL_TC=4): thread 0 copies the stage's A too, as a second
+ *   tensor copy on the same mbarrier: the TC_APITCH = 80 bytes from (68 kb) rounded down to 16
+ *   of each of the tile's 128 rows (a box's inner size is a multiple of 16 bytes, and its start
+ *   is kept on 16), packed 80 bytes apart; the stage's data starts ao = (68 kb) % 16 into each
+ *   row, and the last stage's box ends at the row's end (K is a multiple of 256: four stages
+ *   are 272 bytes).  Rows past the matrix are zeros (never stored).  At an 80-byte pitch the
+ *   A fragments' rows g and g + 8 are tile rows 16 w4 + g and + 8 of the warpgroup's 64 (rows
+ *   0..7 at word offsets 20 g mod 32, eight distinct multiples of 4: a 4-byte load of the
+ *   lanes' t = 0..3 is two-way on the banks, against four ways for the 68-byte layout's rows).
+ *   The buffer a tensor copy refills was last read by the threads (A) and the MMAs (B) before
+ *   the barrier; every thread's proxy fence before it orders its reads before the async
+ *   proxy's writes. */
+template <int TYPE, bool TB, bool TA>
 __global__ void __launch_bounds__(TC_THREADS, tc_traits<TYPE>::MIN ? 1 : 2)
 k_tc_wgmma(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const uint8_t *xs_all, int ntp,
-           const int4 *tiles, int nt, const __grid_constant__ CUtensorMap tm) {
+           const int4 *tiles, int nt, const __grid_constant__ CUtensorMap tm, const __grid_constant__ tc_amaps am) {
     ds4_grid_dep();
 #ifdef TCW_ON
     typedef tc_traits<TYPE> TT;
@@ -833,7 +870,8 @@ k_tc_wgmma(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const ui
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int si = blockIdx.z;
     const int nrows = sg.nrows[si];
-    typedef tc_tile<TYPE, true> TL;
+    static_assert(!TA || (TB && TYPE == DS4_TYPE_Q8_0), "k_tc_wgmma: A by tensor copies is Q8_0's, with B's");
+    typedef tc_tile<TYPE, true, TA> TL;
     const int row0 = blockIdx.x * TC_BM;
     if (row0 >= nrows) return;
     const size_t plane = (size_t)ntp * K;
@@ -846,7 +884,10 @@ k_tc_wgmma(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const ui
     const uint8_t *s8tab = (const uint8_t *)(grid + 256);
     if (TYPE == DS4_TYPE_IQ2_XXS) tc_iq2_tables((uint4 *)grid, (uint8_t *)s8tab);
     const int w4 = warp & 3;
-    const int pr = 64 * (warp >> 2) + (g & 1) + 8 * (g >> 1) + 4 * (w4 & 1) + 32 * (w4 >> 1);
+    /* the lane's A rows: pr (fragment row g) and pr + DR (g + 8) */
+    constexpr int DR = TA ? 8 : 2;
+    const int pr = TA ? 64 * (warp >> 2) + 16 * w4 + g
+                      : 64 * (warp >> 2) + (g & 1) + 8 * (g >> 1) + 4 * (w4 & 1) + 32 * (w4 >> 1);
     const tc_copy cp = tc_copy_plan<TYPE, true>(w, row_bytes, row0, nrows, xs, K, t0);
     float acc[32], c[2][32], cm[2][32];
 #pragma unroll
@@ -866,17 +907,19 @@ k_tc_wgmma(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const ui
         __syncthreads();
     }
     /* stage kb's copies into buffer kb % ST: A by every thread (cp.async), B by every thread
-     * too or, with TB, by thread 0's one tensor copy of the three parts */
+     * too or, with TB, by thread 0's one tensor copy of the three parts; with TA, A by a
+     * second tensor copy of thread 0's */
     auto load = [&](int kb) {
         uint8_t *st = smem + (kb % ST) * SB;
         if (!TB) {
             tc_load_stage<TYPE, true>(st, cp, row_bytes, plane, K, kb);
             return;
         }
-        tc_load_a<TYPE, true>(st, cp, row_bytes, kb);
+        if (!TA) tc_load_a<TYPE, true>(st, cp, row_bytes, kb);
         if (threadIdx.x == 0) {
-            tcw_mbar_expect(full + kb % ST, 3 * TC_BN * 128);
+            tcw_mbar_expect(full + kb % ST, 3 * TC_BN * 128 + (TA ? TC_BM * TC_APITCH : 0));
             tcw_tma(st + AB, &tm, kb * TC_BK, t0, 0, part, full + kb % ST);
+            if (TA) tcw_tma3(st, &am.m[si], (kb * 68) & ~15, row0, bk.mat, full + kb % ST);
         }
     };
 #pragma unroll
@@ -886,7 +929,9 @@ k_tc_wgmma(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const ui
     }
     for (int kb = 0; kb < nk; kb++) {
         cp_async_wait<ST - 2>();
-        if (!TB) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   /* cp.async's B, read by wgmma */
+        /* !TB: cp.async's B, read by wgmma; TA: the threads' reads of A, before a tensor copy
+         * refills the buffer */
+        if (!TB || TA) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         __syncthreads();
         {
             const int nx = kb + ST - 1;
@@ -896,12 +941,14 @@ k_tc_wgmma(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const ui
         const uint8_t *As = smem + (kb % ST) * SB;
         uint32_t a[2][2][4], m[2][2];
         float s[2][2], s2[2][2];
+        if (TA) tcw_mbar_wait(full + kb % ST, (unsigned)(kb / ST) & 1u);
+        const int ao = TA ? (kb * 68) & 15 : 0;
 #pragma unroll
         for (int j = 0; j < 2; j++) {
-            tc_frag_a<TYPE>(As, pr, j, t, kb, grid, s8tab, a[j][0], s[j][0], m[j][0], s2[j][0]);
-            tc_frag_a<TYPE>(As, pr + 2, j, t, kb, grid, s8tab, a[j][1], s[j][1], m[j][1], s2[j][1]);
+            tc_frag_a<TYPE, TL::APITCH>(As, pr, j, t, kb, grid, s8tab, a[j][0], s[j][0], m[j][0], s2[j][0], ao);
+            tc_frag_a<TYPE, TL::APITCH>(As, pr + DR, j, t, kb, grid, s8tab, a[j][1], s[j][1], m[j][1], s2[j][1], ao);
         }
-        if (TB) tcw_mbar_wait(full + kb % ST, (unsigned)(kb / ST) & 1u);
+        if (TB && !TA) tcw_mbar_wait(full + kb % ST, (unsigned)(kb / ST) & 1u);
         tcw_fence();
         const uint64_t db = db0 + (uint64_t)((kb % ST) * SB >> 4);
 #pragma unroll
@@ -917,7 +964,7 @@ k_tc_wgmma(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const ui
         tcw_fold<TYPE>(acc, c[1], s[1][0], s[1][1]);
         if (TT::MIN) tcw_fold<TYPE>(acc, cm[1], s2[1][0], s2[1][1]);
     }
-    /* acc[4 i + 2 h + e]: row pr + 2 h, token 8 i + 2 t + e */
+    /* acc[4 i + 2 h + e]: row pr + DR h, token 8 i + 2 t + e */
     float *y = sg.y[si];
     const int64_t ldy = sg.ldy[si];
     const float *inv = (const float *)(xs + 3 * plane);
@@ -930,7 +977,7 @@ k_tc_wgmma(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const ui
             const float f = inv[n];
 #pragma unroll
             for (int h = 0; h < 2; h++) {
-                const int r = row0 + pr + 2 * h;
+                const int r = row0 + pr + DR * h;
                 if (r < nrows) y[(int64_t)n * ldy + r] = acc[4 * i + 2 * h + e] * f;
             }
         }
@@ -950,7 +997,9 @@ static PFN_cuTensorMapEncodeTiled_v12000 tc_encode;   /* the driver's tensor-map
  * two.  tc_tb: k_tc_wgmma's B by the tensor memory accelerator (3, where the driver encodes
  * tensor maps). */
 static bool tc_wg(void) { return tc_wg_dev && sess()->lim.prefill_tc >= 2; }
-static bool tc_tb(void) { return tc_wg() && tc_encode && sess()->lim.prefill_tc == 3; }
+static bool tc_tb(void) { return tc_wg() && tc_encode && sess()->lim.prefill_tc >= 3; }
+/* tc_ta: Q8_0's weights by tensor copies too (4). */
+static bool tc_ta(void) { return tc_tb() && sess()->lim.prefill_tc == 4; }
 
 /* The dynamic shared memory of a type's block: k_tc_wgmma's (wg) or k_tc_gemm's. */
 template <int TYPE>
@@ -972,11 +1021,15 @@ static void tc_smem_setup(void) {
         DS4_CUDA_CHECK(cudaFuncSetAttribute(k_tc_gemm<TYPE>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             tc_smem_bytes<TYPE>()));
     if (tc_wg_dev && tcw_smem_bytes<TYPE>() <= tc_smem_opt) {
-        DS4_CUDA_CHECK(cudaFuncSetAttribute(k_tc_wgmma<TYPE, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+        DS4_CUDA_CHECK(cudaFuncSetAttribute(k_tc_wgmma<TYPE, false, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             tcw_smem_bytes<TYPE>()));
-        DS4_CUDA_CHECK(cudaFuncSetAttribute(k_tc_wgmma<TYPE, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+        DS4_CUDA_CHECK(cudaFuncSetAttribute(k_tc_wgmma<TYPE, true, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             tcw_smem_bytes<TYPE>()));
     }
+    if (TYPE == DS4_TYPE_Q8_0 && tc_wg_dev && tcw_smem_bytes<DS4_TYPE_Q8_0, true>() <= tc_smem_opt)
+        DS4_CUDA_CHECK(cudaFuncSetAttribute(k_tc_wgmma<DS4_TYPE_Q8_0, true, true>,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            tcw_smem_bytes<DS4_TYPE_Q8_0, true>()));
 }
 
 void gemm_tc_setup(void) {
@@ -1071,31 +1124,61 @@ static CUtensorMap tc_split_map(const tc_split &sp) {
     return tm;
 }
 
+/* The weights of a launch's n segments as k_tc_wgmma's A copies read them (TA): matrix e of
+ * segment s is nmat [e][nrows_s][row_bytes] bytes at w_s (mat_bytes apart; nmat 1: one
+ * matrix), a box TC_APITCH bytes x TC_BM rows x 1 matrix, packed (no swizzle); rows past
+ * nrows_s read as zeros. */
+static tc_amaps tc_a_maps(const tc_segs &sg, int n, size_t mat_bytes, int nmat, size_t row_bytes) {
+    tc_amaps am;
+    memset(&am, 0, sizeof am);
+    for (int i = 0; i < n; i++) {
+        const cuuint64_t dim[3] = { (cuuint64_t)row_bytes, (cuuint64_t)sg.nrows[i], (cuuint64_t)nmat };
+        const cuuint64_t stride[2] = { (cuuint64_t)row_bytes,
+                                       nmat > 1 ? (cuuint64_t)mat_bytes : (cuuint64_t)row_bytes * sg.nrows[i] };
+        const cuuint32_t box[3] = { TC_APITCH, TC_BM, 1 }, es[3] = { 1, 1, 1 };
+        const CUresult r = tc_encode(&am.m[i], CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, (void *)sg.w[i], dim, stride, box, es,
+                                     CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+                                     CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+        if (r != CUDA_SUCCESS)
+            ds4_fatal("gemm_tc: cuTensorMapEncodeTiled failed (%d) for %d rows of %zu bytes, %d matrices", (int)r,
+                      sg.nrows[i], row_bytes, nmat);
+    }
+    return am;
+}
+
 /* grid: row tiles (of the kernel's and type's BM) x ny token tiles x n segments; blocks past a
  * segment's rows return at once (a launch's segments are of similar sizes) */
 template <int TYPE>
-static void tc_launch(int64_t rows, unsigned ny, unsigned n, const tc_segs &sg, size_t mat_bytes, size_t row_bytes,
-                      const tc_split &sp, const int4 *tiles) {
+static void tc_launch(int64_t rows, unsigned ny, unsigned n, const tc_segs &sg, size_t mat_bytes, int nmat,
+                      size_t row_bytes, const tc_split &sp, const int4 *tiles) {
     if (tc_wg()) {
         typedef tc_tile<TYPE, true> TL;
         const dim3 grid((unsigned)((rows + TC_BM - 1) / TC_BM), ny, n);
         static const CUtensorMap none = {};
+        static const tc_amaps anone = {};
         ds4_session *S = sess();
         S->n_tc_wgmma++;
-        if (S->lim.prefill_tc == 3 && !tc_encode) {
+        if (S->lim.prefill_tc >= 3 && !tc_encode) {
             static bool said;
-            if (!said) fprintf(stderr, "ds4: DS4_CUDA_PREFILL_TC=3: the driver has no tensor-map encoder "
-                                       "(cuTensorMapEncodeTiled); the products run as 2\n");
+            if (!said) fprintf(stderr, "ds4: DS4_CUDA_PREFILL_TC=%d: the driver has no tensor-map encoder "
+                                       "(cuTensorMapEncodeTiled); the products run as 2\n", S->lim.prefill_tc);
             said = true;
         }
         const bool tb = tc_tb();
         S->n_tc_tma += tb;
-        if (tb)
-            DS4_LAUNCH(k_tc_wgmma<TYPE, true>, grid, TC_THREADS, TL::SMEM, sg, mat_bytes, row_bytes, (int)sp.K,
-                       (const uint8_t *)sp.xs, (int)sp.ntp, tiles, (int)sp.n, tc_split_map(sp));
+        const bool ta = TYPE == DS4_TYPE_Q8_0 && tc_ta();
+        S->n_tc_tma_a += ta;
+        if (ta)
+            DS4_LAUNCH((k_tc_wgmma<DS4_TYPE_Q8_0, true, true>), grid, TC_THREADS,
+                       (tcw_smem_bytes<DS4_TYPE_Q8_0, true>()), sg, mat_bytes, row_bytes, (int)sp.K,
+                       (const uint8_t *)sp.xs, (int)sp.ntp, tiles, (int)sp.n, tc_split_map(sp),
+                       tc_a_maps(sg, (int)n, mat_bytes, nmat, row_bytes));
+        else if (tb)
+            DS4_LAUNCH((k_tc_wgmma<TYPE, true, false>), grid, TC_THREADS, TL::SMEM, sg, mat_bytes, row_bytes, (int)sp.K,
+                       (const uint8_t *)sp.xs, (int)sp.ntp, tiles, (int)sp.n, tc_split_map(sp), anone);
         else
-            DS4_LAUNCH(k_tc_wgmma<TYPE, false>, grid, TC_THREADS, TL::SMEM, sg, mat_bytes, row_bytes, (int)sp.K,
-                       (const uint8_t *)sp.xs, (int)sp.ntp, tiles, (int)sp.n, none);
+            DS4_LAUNCH((k_tc_wgmma<TYPE, false, false>), grid, TC_THREADS, TL::SMEM, sg, mat_bytes, row_bytes, (int)sp.K,
+                       (const uint8_t *)sp.xs, (int)sp.ntp, tiles, (int)sp.n, none, anone);
     } else {
         const dim3 grid((unsigned)((rows + TC_BM - 1) / TC_BM), ny, n);
         DS4_LAUNCH(k_tc_gemm<TYPE>, grid, TC_THREADS, tc_smem_bytes<TYPE>(), sg, mat_bytes, row_bytes, (int)sp.K,
@@ -1105,10 +1188,10 @@ static void tc_launch(int64_t rows, unsigned ny, unsigned n, const tc_segs &sg, 
 
 /* One launch over the segments seg[0 .. n - 1] (n <= TC_SEG_MAX, one type, K = sp.K, rows
  * row_bytes apart): y_s[t][r] (row stride ldy_s) = sum_k W_s,e[r][k] x_part_s[t][k] over the
- * tiles (grouped: tiles on the device, n_tiles of them; matrix e of a segment mat_bytes * e
- * in) or over tokens 0 .. sp.n - 1 (tiles NULL). */
-void gemm_tc_multi(int type, size_t mat_bytes, size_t row_bytes, const tc_split &sp, int n, const tc_seg *seg,
-                   const int4 *tiles, int n_tiles) {
+ * tiles (grouped: tiles on the device, n_tiles of them; matrix e < nmat of a segment
+ * mat_bytes * e in) or over tokens 0 .. sp.n - 1 (tiles NULL, nmat 1). */
+void gemm_tc_multi(int type, size_t mat_bytes, int nmat, size_t row_bytes, const tc_split &sp, int n,
+                   const tc_seg *seg, const int4 *tiles, int n_tiles) {
     if (n <= 0 || sp.n <= 0) return;
     if (n > TC_SEG_MAX) ds4_fatal("gemm_tc_multi: %d matrices above %d", n, TC_SEG_MAX);
     const unsigned ny = tiles ? (unsigned)n_tiles : (unsigned)((sp.n + TC_BN - 1) / TC_BN);
@@ -1127,13 +1210,14 @@ void gemm_tc_multi(int type, size_t mat_bytes, size_t row_bytes, const tc_split 
         if (seg[i].nrows > rows) rows = seg[i].nrows;
     }
     if (rows <= 0) return;
+    if (nmat < 1 || (nmat > 1 && !tiles)) ds4_fatal("gemm_tc_multi: %d matrices a segment", nmat);
     const unsigned ns = (unsigned)n;
     switch (type) {
-    case DS4_TYPE_Q8_0:    tc_launch<DS4_TYPE_Q8_0>(rows, ny, ns, sg, mat_bytes, row_bytes, sp, tiles); break;
-    case DS4_TYPE_F16:     tc_launch<DS4_TYPE_F16>(rows, ny, ns, sg, mat_bytes, row_bytes, sp, tiles); break;
-    case DS4_TYPE_IQ2_XXS: tc_launch<DS4_TYPE_IQ2_XXS>(rows, ny, ns, sg, mat_bytes, row_bytes, sp, tiles); break;
-    case DS4_TYPE_Q2_K:    tc_launch<DS4_TYPE_Q2_K>(rows, ny, ns, sg, mat_bytes, row_bytes, sp, tiles); break;
-    case DS4_TYPE_Q4_K:    tc_launch<DS4_TYPE_Q4_K>(rows, ny, ns, sg, mat_bytes, row_bytes, sp, tiles); break;
+    case DS4_TYPE_Q8_0:    tc_launch<DS4_TYPE_Q8_0>(rows, ny, ns, sg, mat_bytes, nmat, row_bytes, sp, tiles); break;
+    case DS4_TYPE_F16:     tc_launch<DS4_TYPE_F16>(rows, ny, ns, sg, mat_bytes, nmat, row_bytes, sp, tiles); break;
+    case DS4_TYPE_IQ2_XXS: tc_launch<DS4_TYPE_IQ2_XXS>(rows, ny, ns, sg, mat_bytes, nmat, row_bytes, sp, tiles); break;
+    case DS4_TYPE_Q2_K:    tc_launch<DS4_TYPE_Q2_K>(rows, ny, ns, sg, mat_bytes, nmat, row_bytes, sp, tiles); break;
+    case DS4_TYPE_Q4_K:    tc_launch<DS4_TYPE_Q4_K>(rows, ny, ns, sg, mat_bytes, nmat, row_bytes, sp, tiles); break;
     default: ds4_fatal("gemm_tc_multi: weight type %d is not one the engine takes", type);
     }
 }
@@ -1163,6 +1247,6 @@ bool gemm_tc_rows(int type, const uint8_t *w, size_t row_bytes, int64_t K, int64
     if (nrows <= 0 || nt <= 0) return true;
     const tc_split sp = gemm_tc_split(x, ldx, K, nt, 1);
     const tc_seg seg = { w, nrows, y, ldy, 0 };
-    gemm_tc_multi(type, 0, row_bytes, sp, 1, &seg, NULL, 0);
+    gemm_tc_multi(type, 0, 1, row_bytes, sp, 1, &seg, NULL, 0);
     return true;
 }

@@ -660,7 +660,7 @@ static void cuda_matmul_grouped(const ds4_weight *w, int groups, const float *x,
             for (int i = 0; i < ng; i++)
                 seg[i] = (tc_seg){ (const uint8_t *)w->dev + (size_t)(g0 + i) * R * rb, R, y + (int64_t)(g0 + i) * R,
                                    (int64_t)groups * R, i };
-            gemm_tc_multi(w->type, 0, rb, sp, ng, seg, NULL, 0);
+            gemm_tc_multi(w->type, 0, 1, rb, sp, ng, seg, NULL, 0);
         }
     } else {
         for (int g = 0; g < groups; g++)
@@ -747,7 +747,7 @@ static void cuda_matmul_multi(int n, const ds4_weight *const *w, float *const *y
         if (ns > 0) {
             if (!split) sp = gemm_tc_split(x, K, K, nt, 1);
             split = true;
-            gemm_tc_multi(type, 0, rb, sp, ns, seg, NULL, 0);
+            gemm_tc_multi(type, 0, 1, rb, sp, ns, seg, NULL, 0);
         } else {
             cuda_matmul(w[i], 0, x, y[i], nt);
             done[i] = true;
@@ -788,7 +788,7 @@ static void cuda_matmul_swiglu(const ds4_weight *gate, const ds4_weight *up, con
         /* gate and up in one launch from one split (ds4_cuda_gemm.cu) */
         const tc_split sp = gemm_tc_split(x, K, K, nt, 1);
         const tc_seg seg[2] = { { (const uint8_t *)gate->dev, F, g, F, 0 }, { (const uint8_t *)up->dev, F, u, F, 0 } };
-        gemm_tc_multi(gate->type, 0, rb, sp, 2, seg, NULL, 0);
+        gemm_tc_multi(gate->type, 0, 1, rb, sp, 2, seg, NULL, 0);
     } else {
         cuda_matmul(gate, 0, x, g, nt);
         cuda_matmul(up, 0, x, u, nt);

@@ -459,15 +459,15 @@ static void cuda_moe_experts(const float *x, const int32_t *sel, const float *wt
         const tc_split sx = gemm_tc_split_from(gx, D, pairs);
         const tc_seg gs[2] = { { (const uint8_t *)gate->dev, F, gu, 2 * F, 0 }, { (const uint8_t *)up->dev, F, gu + F, 2 * F, 0 } };
         if (gate->type == up->type) {
-            gemm_tc_multi(gate->type, (size_t)F * rb_g, rb_g, sx, 2, gs, dtiles, n_tiles);
+            gemm_tc_multi(gate->type, (size_t)F * rb_g, (int)E, rb_g, sx, 2, gs, dtiles, n_tiles);
         } else {
-            gemm_tc_multi(gate->type, (size_t)F * rb_g, rb_g, sx, 1, &gs[0], dtiles, n_tiles);
-            gemm_tc_multi(up->type, (size_t)F * rb_u, rb_u, sx, 1, &gs[1], dtiles, n_tiles);
+            gemm_tc_multi(gate->type, (size_t)F * rb_g, (int)E, rb_g, sx, 1, &gs[0], dtiles, n_tiles);
+            gemm_tc_multi(up->type, (size_t)F * rb_u, (int)E, rb_u, sx, 1, &gs[1], dtiles, n_tiles);
         }
         const tc_src hx = { gu, gu + F, 2 * F, NULL, 1, clamp };
         const tc_split sh = gemm_tc_split_from(hx, F, pairs);
         const tc_seg ds = { (const uint8_t *)down->dev, D, tmp, D, 0 };
-        gemm_tc_multi(down->type, (size_t)D * rb_d, rb_d, sh, 1, &ds, dtiles, n_tiles);
+        gemm_tc_multi(down->type, (size_t)D * rb_d, (int)E, rb_d, sh, 1, &ds, dtiles, n_tiles);
         launch_moe_combine(tmp, dpos, wts, nt, k, D, add, out);
         return;
     }

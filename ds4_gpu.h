@@ -184,7 +184,8 @@ typedef struct ds4_limits {
     int     prefill_tc;       /* batches of the types it takes on tensor cores, not through cuBLAS
                                * (DS4_CUDA_PREFILL_TC; CUDA): 3, with wgmma where the build and the
                                * card have it (sm_90), else 1's, the activations' stage copies by
-                               * the tensor memory accelerator; 2, 3's with cp.async copies;
+                               * the tensor memory accelerator; 4, 3's with Q8_0 weights' stage
+                               * copies by it too; 2, 3's with cp.async copies;
                                * 1, mma.sync; 0, never */
     int     prefill_attn;     /* attention of a batch that fills the device in row tiles shared by a
                                * block's heads (DS4_CUDA_PREFILL_ATTN; CUDA): 2, on tensor cores where d
@@ -217,7 +218,8 @@ typedef struct ds4_backend_stats {
     /* which engine a switch sent the prefill products to, in launches (tests check the path
      * they ask for ran) */
     uint64_t tc_wgmma;                /* k_tc_wgmma (sm_90a on a CC 9.0 card) */
-    uint64_t tc_tma;                  /* of those, with tensor-copy stages (DS4_CUDA_PREFILL_TC=3) */
+    uint64_t tc_tma;                  /* of those, with tensor-copy stages (DS4_CUDA_PREFILL_TC=3, 4) */
+    uint64_t tc_tma_a;                /* of those, with the Q8_0 weights' too (4) */
 } ds4_backend_stats;
 
 /* A device hook emitter (ds4_hooks.h; CUDA: ds4_hooks.cu), opened on a session.  Records go

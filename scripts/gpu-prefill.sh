@@ -36,7 +36,7 @@
 # prefill paths switched off and on.  tcsame: CUDA logits with DS4_CUDA_PREFILL_TC=1 against 0 on
 # TCSAME_MODEL (flash-q2@16: the published layout's experts at Flash's shapes, where the CPU would
 # take hours), written to $TMPDIR.  san: compute-sanitizer on prefills of SAN_MODELS and on
-# test_backend_ops (SAN_OPS: 1 every case; tc, tc2 or tc3 the tensor-core engine's, as test_backend_ops takes them; 0 none).
+# test_backend_ops (SAN_OPS: 1 every case; tc, tc2, tc3 or tc4 the tensor-core engine's, as test_backend_ops takes them; 0 none).
 # l2read: bench/l2_read (the SMs' read bandwidth from L2, ld.global.cg and cp.async).
 # envsame: CUDA logits with the defaults and with each setting of ENVSAME (words VAR=VALUE, default
 # "DS4_CUDA_PREFILL_TC=2") on ENVSAME_MODELS (config/type), a 300-token prompt + 32 greedy steps,
@@ -290,7 +290,7 @@ if want san; then
   done
   if [ "${SAN_OPS:-1}" != 0 ]; then   # 1: every case; tc: the tensor-core engine's cases only
     timeout 300 compute-sanitizer --tool memcheck --error-exitcode 1 build/cuda-"$ARCH"/test_backend_ops \
-      $(case "${SAN_OPS:-1}" in tc|tc2|tc3) echo "$SAN_OPS";; esac) > "$OUT/san-ops.log" 2>&1
+      $(case "${SAN_OPS:-1}" in tc|tc2|tc3|tc4) echo "$SAN_OPS";; esac) > "$OUT/san-ops.log" 2>&1
     echo "memcheck test_backend_ops ${SAN_OPS:-1}: rc $? $(grep -E 'ERROR SUMMARY' "$OUT/san-ops.log" | tail -1) $(grep -E 'passed, ' "$OUT/san-ops.log" | tail -1)"
   fi
 fi

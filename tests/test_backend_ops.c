@@ -1796,19 +1796,20 @@ static int test_tc_engine(const ds4_limits *lim0, int eng_first, int eng_last) {
      * 0 or 1 token, wide-range activations; several matrices in one launch (matmul_multi with
      * types mixed, gate|up, the groups of a grouped product, more groups than one launch or
      * the split scratch takes); in a session sized for 4096-token batches.  With each
-     * prefill_tc from eng_first down to eng_last: 3 (the default: k_tc_wgmma on an sm_90 build
-     * and card, the activations' stage copies by the tensor memory accelerator, else
-     * k_tc_gemm), 2 (k_tc_wgmma with cp.async copies, on the same inputs, every output byte for
-     * byte against 3's: g_same), 1 (k_tc_gemm).  The plain run and `test_backend_ops tc` take
-     * 3 to 1, tc3 3 and 2, tc2 2 alone. */
-    const int same = eng_first == 3 && eng_last <= 2;     /* 3, then 2 byte for byte */
+     * prefill_tc from eng_first down to eng_last: 4 (3 with the Q8_0 weights' stage copies by
+     * the tensor memory accelerator too), 3 (the default: k_tc_wgmma on an sm_90 build and
+     * card, the activations' stage copies by the tensor memory accelerator, else k_tc_gemm), 2
+     * (k_tc_wgmma with cp.async copies), each on the same inputs and every output byte for byte
+     * against the first engine's (g_same), then 1 (k_tc_gemm).  The plain run and
+     * `test_backend_ops tc` take 4 to 1, tc4 4 and 3, tc3 3 and 2, tc2 2 alone. */
+    const int same = eng_first >= 3 && eng_last < eng_first;    /* the first, then the others to 2 byte for byte */
     const uint64_t rng0 = g_rng;
     for (int eng = eng_first; eng >= eng_last; eng--) {
         ds4_limits pl = lim;
         pl.prefill_tc = eng;
         printf("(prefill products: DS4_CUDA_PREFILL_TC=%d%s)\n", eng,
-               !same || eng == 1 ? "" : eng == 3 ? ", outputs recorded" : ", compared with 3's byte for byte");
-        g_same = same ? (eng == 3 ? 1 : eng == 2 ? 2 : 0) : 0;
+               !same || eng == 1 ? "" : eng == eng_first ? ", outputs recorded" : ", compared with the first's byte for byte");
+        g_same = same ? (eng == eng_first ? 1 : eng >= 2 ? 2 : 0) : 0;
         g_same_at = 0;
         g_rng = rng0;                                      /* every pass on the same inputs */
         pl.max_batch = 4096;
@@ -1870,18 +1871,21 @@ static int test_tc_engine(const ds4_limits *lim0, int eng_first, int eng_last) {
         test_moe_experts(DS4_TYPE_Q8_0, 2048, 512, 16, 6, 4096, 10.0f, 0);
         /* a clamp the gate and up values cross (the swiglu the down projection's split makes) */
         test_moe_experts(DS4_TYPE_Q8_0, 2048, 512, 16, 6, 512, 0.5f, 0);
-        /* the engine the switch asks for ran: with 3, k_tc_wgmma's launches copy their stages
-         * with the tensor memory accelerator (where the build and card have k_tc_wgmma at all);
-         * with 2 none does */
+        /* the engine the switch asks for ran: with 3 and 4, k_tc_wgmma's launches copy their
+         * stages with the tensor memory accelerator (where the build and card have k_tc_wgmma at
+         * all), with 4 the Q8_0 launches their weights too (some of every pass's launches are
+         * Q8_0); with 2 none does */
         ds4_backend_stats st;
         B[1]->session_stats(ps[1], &st, 0);
         if (eng >= 2 && !st.tc_wgmma) {
             printf("tc engine       DS4_CUDA_PREFILL_TC=%d: no k_tc_wgmma launch (not an sm_90a build on a CC 9.0 "
                    "card): k_tc_gemm ran\n", eng);
         } else if (eng >= 2) {
-            const int ok = eng == 3 ? st.tc_tma == st.tc_wgmma : st.tc_tma == 0;
-            printf("tc engine       DS4_CUDA_PREFILL_TC=%d: %llu k_tc_wgmma launches, %llu with tensor copies  %s\n", eng,
-                   (unsigned long long)st.tc_wgmma, (unsigned long long)st.tc_tma, ok ? "ok" : "FAIL");
+            const int ok = (eng >= 3 ? st.tc_tma == st.tc_wgmma : st.tc_tma == 0) &&
+                           (eng == 4 ? st.tc_tma_a > 0 && st.tc_tma_a < st.tc_wgmma : st.tc_tma_a == 0);
+            printf("tc engine       DS4_CUDA_PREFILL_TC=%d: %llu k_tc_wgmma launches, %llu with tensor copies, %llu of "
+                   "the weights too  %s\n", eng, (unsigned long long)st.tc_wgmma, (unsigned long long)st.tc_tma,
+                   (unsigned long long)st.tc_tma_a, ok ? "ok" : "FAIL");
             if (ok) g_pass++; else g_fail++;
         }
         if (g_same == 2 && g_same_at != g_same_cnt) {
@@ -1946,10 +1950,11 @@ static int test_prefill_attention(const ds4_limits *lim) {
 
 int main(int argc, char **argv) {
     if (argc > 2 || (argc == 2 && strcmp(argv[1], "tc") != 0 && strcmp(argv[1], "tc2") != 0 &&
-                     strcmp(argv[1], "tc3") != 0 && strcmp(argv[1], "rows") != 0 &&
+                     strcmp(argv[1], "tc3") != 0 && strcmp(argv[1], "tc4") != 0 && strcmp(argv[1], "rows") != 0 &&
                      strcmp(argv[1], "ix") != 0 && strcmp(argv[1], "att") != 0)) {
-        fprintf(stderr, "usage: test_backend_ops [tc|tc2|tc3|rows|ix|att]   (tc: only the tensor-core engine's cases, "
-                        "with DS4_CUDA_PREFILL_TC 3, then 2 byte for byte against 3, then 1; tc2: those with 2 alone; tc3: 3 and 2; rows: "
+        fprintf(stderr, "usage: test_backend_ops [tc|tc2|tc3|tc4|rows|ix|att]   (tc: only the tensor-core engine's cases, "
+                        "with DS4_CUDA_PREFILL_TC 4, then 3 and 2 byte for byte against 4, then 1; tc2: those with 2 alone; tc3: 3 "
+                        "and 2; tc4: 4 and 3; rows: "
                         "only a batch's rows against one-token calls: attention, the weight products; ix: only the "
                         "indexer at a prompt's batch sizes; att: only the prefill attention kernels)\n");
         return 2;
@@ -2004,7 +2009,8 @@ int main(int argc, char **argv) {
         return g_fail ? 1 : 0;
     }
     if (argc == 2) {
-        const int first = !strcmp(argv[1], "tc2") ? 2 : 3, last = !strcmp(argv[1], "tc") ? 1 : 2;
+        const int first = !strcmp(argv[1], "tc2") ? 2 : !strcmp(argv[1], "tc3") ? 3 : 4,
+                  last = !strcmp(argv[1], "tc") ? 1 : !strcmp(argv[1], "tc4") ? 3 : 2;
         if (test_tc_engine(&lim, first, last) != 0) return 2;
         printf("%d passed, %d failed\n", g_pass, g_fail);
         return g_fail ? 1 : 0;
@@ -2305,7 +2311,7 @@ int main(int argc, char **argv) {
 
     test_quant_types();
 
-    if (test_tc_engine(&lim, 3, 1) != 0) return 2;
+    if (test_tc_engine(&lim, 4, 1) != 0) return 2;
     if (test_indexer_batches(&lim) != 0) return 2;
     if (test_prompt_batches(&lim) != 0) return 2;
 
