@@ -3890,7 +3890,7 @@ int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
     if (cg) env->cuda_graphs = cg == 2;
     env->graph_cache = 64;
     env->graph_pdl = 1;
-    env->prefill_tc = 3;
+    env->prefill_tc = 4;
     env->prefill_attn = 2;
     env->decode_group = 1;
     env->shared_stream = 1;
@@ -3904,7 +3904,7 @@ int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
         { "DS4_HOOKS_RING_MB", 0, 65536, "MiB of the hook payload ring, 0 = sized from the model and the selection" },
         { "DS4_HOOKS_THROTTLE_US", 0, 1000000, "debug: microseconds the hook drain pauses after each batch" },
         { "DS4_UBATCH", 1, DS4_UBATCH_MAX, "the most tokens of one prefill chunk" },
-        { "DS4_CUDA_PREFILL_TC", 0, 4, "prefill products of Q8_0, F16, IQ2_XXS, Q2_K and Q4_K weights on tensor cores: 4 = 3 with Q8_0 weights' stage copies by the tensor memory accelerator too, 3 = wgmma on sm_90 with the activations' stage copies by the tensor memory accelerator, 2 = wgmma with cp.async copies, 1 = mma.sync, 0 = cuBLAS" },
+        { "DS4_CUDA_PREFILL_TC", 0, 4, "prefill products of Q8_0, F16, IQ2_XXS, Q2_K and Q4_K weights on tensor cores: 4 = wgmma on sm_90 with the activations' and the Q8_0 weights' stage copies by the tensor memory accelerator, 3 = the activations' alone, 2 = wgmma with cp.async copies, 1 = mma.sync, 0 = cuBLAS" },
         { "DS4_CUDA_PREFILL_ATTN", 0, 2, "a prefill batch's attention in row tiles shared by 32 heads: 2 = on tensor cores, 1 = f32, 0 = per query" },
         { "DS4_CUDA_DECODE_GROUP", 0, 1, "1 = a call of up to 4 tokens streams each dense matrix once, in one launch" },
         { "DS4_CUDA_SHARED_STREAM", 0, 1, "1 = at decode the MoE's shared expert runs on a second stream" },

@@ -260,10 +260,10 @@ typedef struct ds4_env {
     int hooks_throttle_us;      /* DS4_HOOKS_THROTTLE_US: debug, the drain pauses after each batch */
     int ubatch;                 /* DS4_UBATCH: the most tokens of one prefill chunk (DS4_UBATCH_DEFAULT) */
     int prefill_tc;             /* DS4_CUDA_PREFILL_TC: prefill products of Q8_0, F16, IQ2_XXS, Q2_K and Q4_K
-                                   weights on tensor cores, 3 = with wgmma where the build and card have
-                                   it (sm_90), the activations' stage copies by the tensor memory
-                                   accelerator (default); 4 = as 3 with Q8_0 weights' stage
-                                   copies by it too; 2 = as 3 with every thread's cp.async
+                                   weights on tensor cores, 4 = with wgmma where the build and card have
+                                   it (sm_90), the activations' and the Q8_0 weights' stage copies by
+                                   the tensor memory accelerator (default); 3 = the activations'
+                                   alone; 2 = as 3 with every thread's cp.async
                                    copies (both else as 1); 1 = mma.sync; 0 = dequantise
                                    + cuBLAS */
     int prefill_attn;           /* DS4_CUDA_PREFILL_ATTN: a prefill batch's attention in row tiles shared by

@@ -88,9 +88,12 @@
  * for sm_90a (and compute_90 PTX for later cards, which take k_tc_gemm); DS4_WGMMA tells the
  * host, which also checks that the card is CC 9.0.
  *   A stage's B (its three parts, 24 KiB) comes by one copy of the tensor memory accelerator
- * that thread 0 issues, into the same swizzled layout, completing on the stage's mbarrier; A
- * stays cp.async.  DS4_CUDA_PREFILL_TC=2 copies B with every thread's cp.async instead (and
- * so does a driver with no tensor-map encoder); the arithmetic is the same, bit for bit.
+ * that thread 0 issues, into the same swizzled layout, completing on the stage's mbarrier.  A
+ * Q8_0 stage's A comes by a second such copy (128 rows of 80 bytes, the 68 it needs from the
+ * 16-byte boundary at or below them: see k_tc_wgmma); the other types' A stays cp.async.
+ * DS4_CUDA_PREFILL_TC=4 (the default) is that; 3 copies Q8_0's A with cp.async like the
+ * others'; 2 copies B with every thread's cp.async too (and so does a driver with no
+ * tensor-map encoder).  The arithmetic is the same, bit for bit.
  */
 
 #include "ds4_cuda_common.cuh"
@@ -992,10 +995,10 @@ static int tc_smem_opt;     /* the device's largest opt-in shared memory per blo
 static bool tc_wg_dev;      /* the build has k_tc_wgmma (DS4_WGMMA: sm_90a) and the device is CC 9.0 */
 static PFN_cuTensorMapEncodeTiled_v12000 tc_encode;   /* the driver's tensor-map encoder, where it has one */
 
-/* Whether this session's products go to k_tc_wgmma (DS4_CUDA_PREFILL_TC = 3, the default, or 2,
- * where the build and the device have it) or k_tc_gemm.  A split is laid out for one of the
- * two.  tc_tb: k_tc_wgmma's B by the tensor memory accelerator (3, where the driver encodes
- * tensor maps). */
+/* Whether this session's products go to k_tc_wgmma (DS4_CUDA_PREFILL_TC = 4, the default, 3 or
+ * 2, where the build and the device have it) or k_tc_gemm.  A split is laid out for one of the
+ * two.  tc_tb: k_tc_wgmma's B by the tensor memory accelerator (3 and 4, where the driver
+ * encodes tensor maps). */
 static bool tc_wg(void) { return tc_wg_dev && sess()->lim.prefill_tc >= 2; }
 static bool tc_tb(void) { return tc_wg() && tc_encode && sess()->lim.prefill_tc >= 3; }
 /* tc_ta: Q8_0's weights by tensor copies too (4). */
@@ -1006,7 +1009,7 @@ template <int TYPE>
 static int tc_smem_of(bool wg) { return wg ? tcw_smem_bytes<TYPE>() : tc_smem_bytes<TYPE>(); }
 static int tc_smem_need(int type, bool wg) {
     switch (type) {
-    case DS4_TYPE_Q8_0:    return tc_smem_of<DS4_TYPE_Q8_0>(wg);
+    case DS4_TYPE_Q8_0:    return wg && tc_ta() ? tcw_smem_bytes<DS4_TYPE_Q8_0, true>() : tc_smem_of<DS4_TYPE_Q8_0>(wg);
     case DS4_TYPE_F16:     return tc_smem_of<DS4_TYPE_F16>(wg);
     case DS4_TYPE_IQ2_XXS: return tc_smem_of<DS4_TYPE_IQ2_XXS>(wg);
     case DS4_TYPE_Q2_K:    return tc_smem_of<DS4_TYPE_Q2_K>(wg);

@@ -182,10 +182,10 @@ typedef struct ds4_limits {
     int     graph_pdl;        /* recorded kernels launch as programmatic dependents (DS4_CUDA_GRAPH_PDL;
                                * the backend uses it only where the device supports it) */
     int     prefill_tc;       /* batches of the types it takes on tensor cores, not through cuBLAS
-                               * (DS4_CUDA_PREFILL_TC; CUDA): 3, with wgmma where the build and the
-                               * card have it (sm_90), else 1's, the activations' stage copies by
-                               * the tensor memory accelerator; 4, 3's with Q8_0 weights' stage
-                               * copies by it too; 2, 3's with cp.async copies;
+                               * (DS4_CUDA_PREFILL_TC; CUDA): 4, with wgmma where the build and the
+                               * card have it (sm_90), else 1's, the activations' and the Q8_0
+                               * weights' stage copies by the tensor memory accelerator; 3, the
+                               * activations' alone; 2, 3's with cp.async copies;
                                * 1, mma.sync; 0, never */
     int     prefill_attn;     /* attention of a batch that fills the device in row tiles shared by a
                                * block's heads (DS4_CUDA_PREFILL_ATTN; CUDA): 2, on tensor cores where d

@@ -13,7 +13,7 @@
 # tensor pipe, shared-memory bank conflicts, L2 bytes and the sampled stall reasons.
 # peak: bench/mma_peak (mma.sync f16 and s8 on every SM, and wgmma f16 on an sm_90 card); bench,
 # attn, q2 and tcw then print each prefill's TFLOP/s as a share of the f16 peak of the
-# instruction the run uses (ds4_bench --tc-peak: wgmma's for DS4_CUDA_PREFILL_TC=2 and 3).
+# instruction the run uses (ds4_bench --tc-peak: wgmma's for DS4_CUDA_PREFILL_TC=2 to 4).
 # tcw: TCW_MODELS (flash16) prefill with the DS4_CUDA_PREFILL_TC values of TCW_PAIR ("1 2":
 # k_tc_gemm, mma.sync, and k_tc_wgmma), TCW_ROUNDS (2) rounds alternating.
 # vs, same: PREV=DIR, another tree (e.g. `git archive REV` unpacked), built beside this one; vs:
@@ -27,7 +27,7 @@
 # l2hot: bench/matvec_table (decode shapes) with weights from DRAM (the default rotation) and
 # with --copies 1 (the same weights each call: from L2 where they fit), side by side.
 # report: scripts/kernel_report.sh on a REPORT_MODEL (flash16) prefill of REPORT_N (4096) tokens, kernel
-# by kernel, for each DS4_CUDA_PREFILL_TC value of REPORT_TC (3: the defaults; _ATTN the same, 2 at most), under REPORT_LIMIT
+# by kernel, for each DS4_CUDA_PREFILL_TC value of REPORT_TC (4: the defaults; _ATTN the same, 2 at most), under REPORT_LIMIT
 # (400) s.
 # dreport: scripts/kernel_report.sh flash16 (one decode step, kernel by kernel) with PREV's
 # ds4_bench and with this tree's, one after the other, then the two by kernel family side by
@@ -180,7 +180,7 @@ fi
 if want report; then
   RM=${REPORT_MODEL:-flash16}
   step "kernel report: $RM prefill ${REPORT_N:-4096} (REPORT_TC: 3 = the default paths; 2 = wgmma with cp.async copies; 1 = mma.sync and the f32 attention tiles; 0 = cuBLAS and the per-token attention)"
-  for tc in ${REPORT_TC:-3}; do
+  for tc in ${REPORT_TC:-4}; do
     DS4_CUDA_PREFILL_TC=$tc DS4_CUDA_PREFILL_ATTN=$((tc > 2 ? 2 : tc)) PLAIN=0 timeout "${REPORT_LIMIT:-400}" bash scripts/kernel_report.sh "$RM" "$OUT/kr-tc$tc" -- \
       --prefill "${REPORT_N:-4096}" --profile-prefill --profile-timed 2 > "$OUT/kr-tc$tc.log" 2>&1
     tail -14 "$OUT/kr-tc$tc/kernels-$RM.md"

@@ -190,9 +190,9 @@ static const char *type_name(int t) {
     }
 }
 
-/* Two engines byte for byte (DS4_CUDA_PREFILL_TC 3, the default, against 2, which
- * differ only in how a stage's activations are copied): the first pass records each CUDA
- * output check_f32 sees, the second, on the same inputs (the generator restarted), compares its
+/* Engines byte for byte (DS4_CUDA_PREFILL_TC 4, the default, against 3 and 2, which
+ * differ only in how a stage's weights and activations are copied): the first pass records each CUDA
+ * output check_f32 sees, each later pass, on the same inputs (the generator restarted), compares its
  * own with the recorded one, case by case.  The CPU bound alone would pass a fault in the low
  * part (2^-22 of a value). */
 static int g_same;                  /* 0 off, 1 record, 2 compare */
@@ -1971,7 +1971,7 @@ int main(int argc, char **argv) {
     ds4_limits lim;
     memset(&lim, 0, sizeof lim);
     lim.max_batch = 256;                 /* test_compress_pool(0, 256, ...) */
-    lim.prefill_tc = 3;                  /* the default (DS4_CUDA_PREFILL_TC) */
+    lim.prefill_tc = 4;                  /* the default (DS4_CUDA_PREFILL_TC) */
     lim.prefill_attn = 2;                /* the default (DS4_CUDA_PREFILL_ATTN) */
     lim.decode_group = 1;                /* the default (DS4_CUDA_DECODE_GROUP) */
     lim.n_ctx = 32768;                   /* attention and indexer at position 20000 */
