@@ -714,8 +714,9 @@ __device__ __forceinline__ void tcw_wait(void) {
     asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 #endif
 }
-/* The TMA stages (DS4_CUDA_PREFILL_TC=3): a stage's mbarrier, which completes when its B has
- * landed, and the copy of a box of the split into this block's shared memory. */
+/* The TMA stages (DS4_CUDA_PREFILL_TC=3, 4): a stage's mbarrier, which completes when its
+ * tensor copies (B; with 4 A too) have landed, and the copy of a box into this block's shared
+ * memory. */
 __device__ __forceinline__ uint32_t tcw_saddr(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
 __device__ __forceinline__ void tcw_mbar_init(uint64_t *bar, unsigned count) {
 #ifdef TCW_ON
@@ -834,9 +835,9 @@ struct tc_amaps {
  * segments, tiles, A fragments and sums, the MMAs issued by warpgroups.  Warpgroup wg (warps
  * 4 wg .. 4 wg + 3) computes rows 64 wg .. + 63 of the tile for all 64 tokens: m64n64k16, A
  * (the converted weights) from registers, B (the parts) from the stage by descriptor.
- *   A warp's accumulator rows g and g + 8 of its 16 are the tile rows pr and pr + 2 (pr in the
- *   kernel: k_tc_gemm's pg spread over the 4 warps of a warpgroup), so that a warp's loads of A
- *   hit 32 banks.
+ *   A warp's accumulator rows g and g + 8 of its 16 are the tile rows pr and pr + DR (DR = 2,
+ *   pr k_tc_gemm's pg spread over the 4 warps of a warpgroup, so that a warp's loads of the
+ *   68-byte rows hit 32 banks; with A by tensor copies, TA below, DR = 8).
  *   Per stage (two blocks of 32 k): both blocks' A fragments, a fence, each block's six MMAs
  *   into its own accumulator set c from zero and a commit per block; a wait for the first
  *   block and its fold into acc (one FMA by s per element), then a wait for the second and its
