@@ -207,8 +207,10 @@ test-deps:
 	@bash scripts/test-deps.sh
 .PHONY: test-deps
 
+# pytest on TEST_WORKERS processes (tests/run_pytest.sh): the CI machine's 2 cores
+TEST_WORKERS ?= 2
 test-py: test-deps cpu $(B)/tests/mtp_dump
-	bash tests/run_pytest.sh
+	TEST_WORKERS=$(TEST_WORKERS) bash tests/run_pytest.sh
 
 test-gpu: cuda-check
 	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \

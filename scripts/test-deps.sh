@@ -2,7 +2,8 @@
 # scripts/test-deps.sh -- the packages `make test` needs beyond gcc and make.
 #
 # The pytest harness (tests/run_pytest.sh) needs a python3 with pytest and numpy (and Debian's
-# python3-matplotlib, for the hook plot: without it that test skips, saying so), and the
+# python3-matplotlib, for the hook plot: without it that test skips, saying so, and
+# python3-pytest-xdist, for make test-py's two workers: without it one runs, saying so), and the
 # llama.cpp oracle fetch (tests/oracle/fetch_llama.sh) needs npm and git, and the fuzz targets
 # (scripts/fuzz.sh, make fuzz / fuzz-replay) need clang with libFuzzer (Debian 12: clang, and
 # libclang-rt-14-dev for libclang_rt.fuzzer-x86_64.a), and ds4 collect's Arrow check
@@ -26,13 +27,17 @@ set -u
 # Sets need=(the Debian packages still missing).
 check() {
   need=()
-  local cand have_py=0
+  local cand have_py=0 py=/usr/bin/python3
   for cand in /usr/bin/python3 python3; do   # the same search as tests/run_pytest.sh
-    if "$cand" -c "import pytest, numpy" >/dev/null 2>&1; then have_py=1; break; fi
+    if "$cand" -c "import pytest, numpy" >/dev/null 2>&1; then have_py=1; py=$cand; break; fi
   done
   if [ $have_py -eq 0 ]; then
     /usr/bin/python3 -c "import pytest" >/dev/null 2>&1 || need+=(python3-pytest)
     /usr/bin/python3 -c "import numpy" >/dev/null 2>&1 || need+=(python3-numpy)
+  fi
+  # pytest's workers (make test-py); into Debian's python3 only (another runs one worker)
+  if [ "$py" = /usr/bin/python3 ] && ! /usr/bin/python3 -c "import xdist" >/dev/null 2>&1; then
+    need+=(python3-pytest-xdist)
   fi
   # the hook streams' plot (scripts/ds4hooks.py plot; tests/test_hooks.py draws one)
   /usr/bin/python3 -c "import matplotlib" >/dev/null 2>&1 || need+=(python3-matplotlib)

@@ -5,6 +5,8 @@ llama.cpp's gguf-py writes the "other" model (an independent writer).  Oracle
 dumps from llama.cpp are produced live in every run (build/oracle holds the
 npm-fetched libllama), so perturbing the engine fails these tests.
 """
+import contextlib
+import fcntl
 import os
 import shutil
 import subprocess
@@ -49,11 +51,25 @@ def model_path(name):
     return os.path.join(OUT, f"{name}.gguf")
 
 
+@contextlib.contextmanager
+def one_writer(path):
+    """The caller alone makes PATH: pytest's workers (tests/run_pytest.sh, TEST_WORKERS) share
+    build/test-out.  What it makes is written beside it and renamed over it, whole."""
+    with open(path + ".lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
 def make_model(name):
     """tiny/small from ds4 synth (seed 1, f32), small-q2/small-q4 from ds4 synth (seed 1, the
     published files' types); other from llama.cpp's gguf-py writer (seed 1).  Any other name
     must already exist in OUT (e.g. qo-q2-ggml, written by test_quant_oracle)."""
     p = model_path(name)
+    with one_writer(p):
+        return _make_model(name, p)
+
+
+def _make_model(name, p):
     if os.path.exists(p):
         return p
     if name in ("tiny", "small"):
@@ -65,8 +81,9 @@ def make_model(name):
     elif name == "other":
         r = run([sys.executable, os.path.join(REPO, "tests", "oracle", "write_gguf_ggufpy.py"),
                  "--gguf-py", os.path.join(ORACLE_DIR, "gguf-py"), "--config", "other",
-                 "--seed", "1", "-o", p])
+                 "--seed", "1", "-o", p + ".part"])
         assert r.returncode == 0, r.stderr
+        os.replace(p + ".part", p)            # whole or not at all, as ds4 synth writes
     else:
         raise ValueError(name)
     return p
@@ -74,13 +91,16 @@ def make_model(name):
 
 def llama_dump(name, prompt=PROMPT, n_gen=N_GEN):
     out = os.path.join(OUT, f"{name}.llama.ds4logit")
-    if os.path.exists(out):
+    model = make_model(name)
+    with one_writer(out):
+        if os.path.exists(out):
+            return out
+        assert os.path.exists(ORACLE_BIN), "llama oracle not built (tests/run_pytest.sh builds it)"
+        r = run([ORACLE_BIN, "-m", model, "--tokens", ",".join(map(str, prompt)),
+                 "-n", str(n_gen), "-o", out + ".part", "--threads", "2"])
+        assert r.returncode == 0, f"llama.cpp failed on {name}: {r.stderr}"
+        os.replace(out + ".part", out)
         return out
-    assert os.path.exists(ORACLE_BIN), "llama oracle not built (tests/run_pytest.sh builds it)"
-    r = run([ORACLE_BIN, "-m", make_model(name), "--tokens", ",".join(map(str, prompt)),
-             "-n", str(n_gen), "-o", out, "--threads", "2"])
-    assert r.returncode == 0, f"llama.cpp failed on {name}: {r.stderr}"
-    return out
 
 
 def logit_diff(a, b):

@@ -3,6 +3,9 @@
 # Fetches and builds the llama.cpp oracle first (npm registry; cached in build/oracle).
 # Extra arguments go to pytest.  pytest's exit 5 ("no tests collected") counts as failure
 # here unless a marker selection was asked for, where it means "nothing to run".
+# TEST_WORKERS (default 1; `make test-py` sets 2): pytest processes (pytest-xdist), each test
+# file whole in one (--dist loadfile: a file's tests keep their order and what they share);
+# where the interpreter has no pytest-xdist, one process, after a line saying so.
 set -u
 cd "$(dirname "$0")/.."
 PY=""
@@ -26,7 +29,17 @@ if ! tests/oracle/fetch_llama.sh build/oracle; then
   exit 2
 fi
 make --no-print-directory -f tests/oracle/Makefile.inc oracle ORACLE_PYTHON="$PY" >/dev/null || exit 2
-"$PY" -m pytest -v -rs tests "$@"
+W=${TEST_WORKERS:-1}
+[[ "$W" =~ ^[1-9][0-9]?$ ]] || { echo "run_pytest: TEST_WORKERS='$W' is not a worker count (1..99)" >&2; exit 2; }
+XD=()
+if [ "$W" -gt 1 ]; then
+  if "$PY" -c "import xdist" >/dev/null 2>&1; then
+    XD=(-n "$W" --dist loadfile)
+  else
+    echo "run_pytest: $PY has no pytest-xdist (scripts/test-deps.sh installs python3-pytest-xdist): one worker, not $W"
+  fi
+fi
+"$PY" -m pytest -v -rs "${XD[@]}" tests "$@"
 rc=$?
 if [ $rc -eq 5 ]; then
   case " $* " in
