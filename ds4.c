@@ -3144,6 +3144,7 @@ ds4_ctx *ds4_ctx_new(ds4_model *m, const ds4_backend *be, int n_ctx, int max_bat
     lim.graph_pdl = env.graph_pdl;
     lim.prefill_tc = env.prefill_tc;
     lim.prefill_attn = env.prefill_attn;
+    lim.prefill_planes = env.prefill_planes;
     lim.decode_group = env.decode_group;
     lim.shared_stream = env.shared_stream;
     ds4_weight **ws = malloc(sizeof(*ws) * DS4_MAX_WEIGHTS);
@@ -3853,7 +3854,7 @@ int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
                                    "DS4_CUDA_GRAPH_CACHE", "DS4_CUDA_GRAPH_FAIL", "DS4_CUDA_GRAPH_PDL", "DS4_HOOKS", "DS4_HOOKS_OUT",
                                    "DS4_HOOKS_POLICY", "DS4_HOOKS_RING_MB", "DS4_HOOKS_THROTTLE_US", "DS4_UBATCH",
                                    "DS4_CUDA_PREFILL_TC", "DS4_CUDA_PREFILL_ATTN", "DS4_CUDA_DECODE_GROUP", "DS4_ROLLBACK_RESTORE",
-                                   "DS4_MTP_FORCE", "DS4_CUDA_SHARED_STREAM" };
+                                   "DS4_MTP_FORCE", "DS4_CUDA_SHARED_STREAM", "DS4_CUDA_PREFILL_PLANES" };
     char shown[256];
     memset(env, 0, sizeof(*env));
     for (char **e = environ; e && *e; e++) {
@@ -3867,7 +3868,8 @@ int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
             errf(err, errlen, "unknown environment variable %s (ds4 reads: DS4_THREADS, DS4_CUDA_GRAPHS, DS4_CUDA_GRAPH_LAYERS, "
                  "DS4_CUDA_GRAPH_CACHE, DS4_CUDA_GRAPH_FAIL, DS4_CUDA_GRAPH_PDL, DS4_LAUNCH_TRACE, DS4_HOOKS, DS4_HOOKS_OUT, "
                  "DS4_HOOKS_POLICY, DS4_HOOKS_RING_MB, DS4_HOOKS_THROTTLE_US, DS4_UBATCH, DS4_CUDA_PREFILL_TC, "
-                 "DS4_CUDA_PREFILL_ATTN, DS4_CUDA_DECODE_GROUP, DS4_CUDA_SHARED_STREAM, DS4_ROLLBACK_RESTORE, DS4_MTP_FORCE; "
+                 "DS4_CUDA_PREFILL_ATTN, DS4_CUDA_PREFILL_PLANES, DS4_CUDA_DECODE_GROUP, DS4_CUDA_SHARED_STREAM, "
+                 "DS4_ROLLBACK_RESTORE, DS4_MTP_FORCE; "
                  "see README)",
                  ds4_show(shown, sizeof shown, *e, nl, 48));
             return -1;
@@ -3892,6 +3894,7 @@ int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
     env->graph_pdl = 1;
     env->prefill_tc = 4;
     env->prefill_attn = 2;
+    env->prefill_planes = 3;
     env->decode_group = 1;
     env->shared_stream = 1;
     env->rollback_restore = 3;
@@ -3908,6 +3911,7 @@ int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
         { "DS4_CUDA_PREFILL_ATTN", 0, 2, "a prefill batch's attention in row tiles shared by 32 heads: 2 = on tensor cores, 1 = f32, 0 = per query" },
         { "DS4_CUDA_DECODE_GROUP", 0, 1, "1 = a call of up to 4 tokens streams each dense matrix once, in one launch" },
         { "DS4_CUDA_SHARED_STREAM", 0, 1, "1 = at decode the MoE's shared expert runs on a second stream" },
+        { "DS4_CUDA_PREFILL_PLANES", 2, 3, "f16 parts of each activation in the prefill's tensor-core products (DS4_CUDA_PREFILL_TC 3, 4) and attention (DS4_CUDA_PREFILL_ATTN 2): 3 = hi + mid + lo, 2 = hi + mid" },
         { "DS4_ROLLBACK_RESTORE", 0, 3, "debug: the parts a rollback restores, bit 0 the model's layers, bit 1 the MTP block's" },
     };
     for (size_t i = 0; i < sizeof ints / sizeof ints[0]; i++) {
@@ -3932,6 +3936,7 @@ int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
         else if (i == 8) env->prefill_attn = (int)x;
         else if (i == 9) env->decode_group = (int)x;
         else if (i == 10) env->shared_stream = (int)x;
+        else if (i == 11) env->prefill_planes = (int)x;
         else env->rollback_restore = (int)x;
     }
     const char *mf = getenv("DS4_MTP_FORCE");

@@ -819,8 +819,12 @@ static void cuda_session_stats(void *s, ds4_backend_stats *st, int reset) {
     st->tc_wgmma = S->n_tc_wgmma;
     st->tc_tma = S->n_tc_tma;
     st->tc_tma_a = S->n_tc_tma_a;
+    st->tc_pl2 = S->n_tc_pl2;
+    st->att_mma = S->n_att_mma;
+    st->att_mma_pl2 = S->n_att_mma_pl2;
     if (reset) {
         S->n_tc_wgmma = S->n_tc_tma = S->n_tc_tma_a = 0;
+        S->n_tc_pl2 = S->n_att_mma = S->n_att_mma_pl2 = 0;
         S->gs.captures = S->gs.replays = S->gs.fallbacks = 0;
         S->gs.capture_ms = S->gs.instantiate_ms = 0.0;
         S->launches = 0;

@@ -654,7 +654,7 @@ __device__ __forceinline__ float att_pow2(int e) {
  * [2^14, 2^15), into three f16 planes dst, dst + plane, dst + 2 plane; returns a (0 for a
  * zero or non-finite row, whose NaN and Inf then reach the sums as they are).  The whole
  * warp calls it; a lane takes the pairs 64 j + 2 lane. */
-template <int KS>
+template <int KS, int PL>
 __device__ __forceinline__ int att_split_row(const float *x, __half *dst, int64_t plane, int lane) {
     float2 v[KS];
     float m = 0.0f;
@@ -673,14 +673,14 @@ __device__ __forceinline__ int att_split_row(const float *x, __half *dst, int64_
         const int e = 64 * j + 2 * lane;
         *(__half2 *)(dst + e) = __halves2half2(h0, h1);
         *(__half2 *)(dst + plane + e) = __halves2half2(m0, m1);
-        *(__half2 *)(dst + 2 * plane + e) = __halves2half2(l0, l1);
+        if (PL == 3) *(__half2 *)(dst + 2 * plane + e) = __halves2half2(l0, l1);
     }
     return a;
 }
 
 /* Every row a call may read, split (one warp per row of the list kv | ring | compressed; the
  * compressed rows past those visible to the batch are skipped). */
-template <int KS>
+template <int KS, int PL>
 __global__ void __launch_bounds__(ATT_THREADS) k_att_rows_split(const attn_args a) {
     ds4_grid_dep();
     constexpr int D = 64 * KS;
@@ -695,7 +695,7 @@ __global__ void __launch_bounds__(ATT_THREADS) k_att_rows_split(const attn_args 
         if (c >= ds4_comp_rows(a.step->pos0 + a.nt - 1, a.ratio)) return;
         x = a.comp + c * D;
     }
-    const int e = att_split_row<KS>(x, a.sp + i * D, a.sp_rows * D, lane);
+    const int e = att_split_row<KS, PL>(x, a.sp + i * D, a.sp_rows * D, lane);
     if (lane == 0) a.sp_exp[i] = e;
 }
 
@@ -712,7 +712,7 @@ __device__ __forceinline__ int64_t att_split_index(const attn_args &a, int pos0,
 /* Tile tt of a query's rows (its parts and exponents) into buffer kb, ke; rows past L are
  * zeros with an exponent that makes their weights 0.  NTHR / 16 threads per row; one cp.async
  * group. */
-template <int D, int NTHR>
+template <int D, int NTHR, int PL>
 __device__ __forceinline__ void atm_load_tile(const attn_args &a, __half *kb, int *ke, const int *ids_s, int tt,
                                               int L, int n_win, int p_first, int pos0) {
     constexpr int LD = D + ATM_PAD, PIECES = D / 8;          /* 16-byte pieces per row and part */
@@ -723,14 +723,14 @@ __device__ __forceinline__ void atm_load_tile(const attn_args &a, __half *kb, in
         const int64_t si = att_split_index(a, pos0, ids_s, n_win, p_first, i);
         const __half *src = a.sp + si * D;
 #pragma unroll
-        for (int p = 0; p < 3; p++)
+        for (int p = 0; p < PL; p++)
 #pragma unroll
             for (int c = sub; c < PIECES; c += TPR)
                 cp_async16(dst + p * ATM_TR * LD + 8 * c, src + p * a.sp_rows * D + 8 * c);
         if (sub == 0) cp_async4(ke + r, a.sp_exp + si);
     } else {
 #pragma unroll
-        for (int p = 0; p < 3; p++)
+        for (int p = 0; p < PL; p++)
 #pragma unroll
             for (int c = sub; c < PIECES; c += TPR) *(uint4 *)(dst + p * ATM_TR * LD + 8 * c) = make_uint4(0, 0, 0, 0);
         if (sub == 0) ke[r] = 1000;
@@ -749,7 +749,7 @@ __device__ __forceinline__ void att_split3x2(float x, float y, uint32_t &hi, uin
     lo = *(uint32_t *)&l;
 }
 
-template <int KS>
+template <int KS, int PL>
 __global__ void __launch_bounds__(atm_warps(KS) * 32, 1) k_attention_mma(const attn_args a) {
     ds4_grid_dep();
     constexpr int NW = atm_warps(KS), NTHR = NW * 32, NG = NW / 2;           /* NG warps share a head group */
@@ -773,11 +773,12 @@ __global__ void __launch_bounds__(atm_warps(KS) * 32, 1) k_attention_mma(const a
     const int L = att_compact_picks<NTHR>(a, t, P, n_win, ids_s, cnt_s);
     const int T = (L + ATM_TR - 1) / ATM_TR;
 
-    atm_load_tile<D, NTHR>(a, kp, kexp_s[0], ids_s, 0, L, n_win, p_first, pos0);   /* in flight with the split */
+    static_assert(PL == 2 || PL == 3, "k_attention_mma: two or three planes");
+    atm_load_tile<D, NTHR, PL>(a, kp, kexp_s[0], ids_s, 0, L, n_win, p_first, pos0);   /* in flight with the split */
 #pragma unroll 1
     for (int i = 0; i < ATT_TH / NW; i++) {
         const int hl = warp * (ATT_TH / NW) + i, h = hb0 + hl;
-        const int e = att_split_row<KS>(h < a.H ? a.q + ((int64_t)t * a.H + h) * D : NULL, qp + hl * LD,
+        const int e = att_split_row<KS, PL>(h < a.H ? a.q + ((int64_t)t * a.H + h) * D : NULL, qp + hl * LD,
                                         ATT_TH * LD, lane);
         if (lane == 0) qinv_s[hl] = __int_as_float((127 - e) << 23);
     }
@@ -800,7 +801,7 @@ __global__ void __launch_bounds__(atm_warps(KS) * 32, 1) k_attention_mma(const a
         cp_async_wait<0>();
         __syncthreads();                 /* tile tt is in buf; every warp is done with buf ^ 1 */
         if (tt + 1 < T)
-            atm_load_tile<D, NTHR>(a, kp + (buf ^ 1) * TILE, kexp_s[buf ^ 1], ids_s, tt + 1, L, n_win, p_first, pos0);
+            atm_load_tile<D, NTHR, PL>(a, kp + (buf ^ 1) * TILE, kexp_s[buf ^ 1], ids_s, tt + 1, L, n_win, p_first, pos0);
         const __half *kt = kp + buf * TILE;
         const int *ke = kexp_s[buf];
         const int nv = min(ATM_TR, L - tt * ATM_TR);     /* rows of this tile that exist */
@@ -814,9 +815,9 @@ __global__ void __launch_bounds__(atm_warps(KS) * 32, 1) k_attention_mma(const a
             for (int n = 0; n < 2; n++) acc[u][n][0] = acc[u][n][1] = acc[u][n][2] = acc[u][n][3] = 0.0f;
 #pragma unroll
         for (int ks = 0; ks < DQ / 16; ks++) {
-            uint32_t A[3][4], B[3][4];
+            uint32_t A[PL][4], B[PL][4];
 #pragma unroll
-            for (int p = 0; p < 3; p++) {
+            for (int p = 0; p < PL; p++) {
                 ldsm_x4(A[p], qa + p * ATT_TH * LD + ks * 16);
                 ldsm_x4(B[p], kt + kb_off + p * ATM_TR * LD + ks * 16);
             }
@@ -824,13 +825,15 @@ __global__ void __launch_bounds__(atm_warps(KS) * 32, 1) k_attention_mma(const a
             for (int n = 0; n < 2; n++) {
                 const uint2 bh = make_uint2(B[0][2 * n], B[0][2 * n + 1]);
                 const uint2 bm = make_uint2(B[1][2 * n], B[1][2 * n + 1]);
-                const uint2 bl = make_uint2(B[2][2 * n], B[2][2 * n + 1]);
                 mma_f16_16816(acc[0][n], A[0][0], A[0][1], A[0][2], A[0][3], bh);
                 mma_f16_16816(acc[1][n], A[0][0], A[0][1], A[0][2], A[0][3], bm);
-                mma_f16_16816(acc[2][n], A[0][0], A[0][1], A[0][2], A[0][3], bl);
                 mma_f16_16816(acc[1][n], A[1][0], A[1][1], A[1][2], A[1][3], bh);
-                mma_f16_16816(acc[2][n], A[2][0], A[2][1], A[2][2], A[2][3], bh);
-                mma_f16_16816(acc[2][n], A[1][0], A[1][1], A[1][2], A[1][3], bm);
+                if (PL == 3) {
+                    const uint2 bl = make_uint2(B[PL - 1][2 * n], B[PL - 1][2 * n + 1]);
+                    mma_f16_16816(acc[2][n], A[0][0], A[0][1], A[0][2], A[0][3], bl);
+                    mma_f16_16816(acc[2][n], A[PL - 1][0], A[PL - 1][1], A[PL - 1][2], A[PL - 1][3], bh);
+                    mma_f16_16816(acc[2][n], A[1][0], A[1][1], A[1][2], A[1][3], bm);
+                }
             }
         }
 #pragma unroll
@@ -882,24 +885,26 @@ __global__ void __launch_bounds__(atm_warps(KS) * 32, 1) k_attention_mma(const a
         for (int c = 0; c < 8; c += 2) {
             const int r = 8 * (c >> 2) + 2 * tq;
             const float f0 = sv[c] * att_pow2(Bn - ke[r] + 14), f1 = sv[c + 1] * att_pow2(Bn - ke[r + 1] + 14);
-            att_split3x2(f0, f1, F[0][c >> 1], F[1][c >> 1], F[2][c >> 1]);
+            att_split3x2(f0, f1, F[0][c >> 1], F[1][c >> 1], F[2][c >> 1]);   /* PL = 2: lo unused */
         }
 
         /* O += P V: 16 heads x this warp's DQ dims, two n8 tiles per ldmatrix */
 #pragma unroll
         for (int np = 0; np < NT / 2; np++) {
-            uint32_t V[3][4];
+            uint32_t V[PL][4];
 #pragma unroll
-            for (int p = 0; p < 3; p++) ldsm_x4_trans(V[p], kt + vb_off + p * ATM_TR * LD + np * 16);
+            for (int p = 0; p < PL; p++) ldsm_x4_trans(V[p], kt + vb_off + p * ATM_TR * LD + np * 16);
 #pragma unroll
             for (int k = 0; k < 2; k++) {
                 const uint2 vh = make_uint2(V[0][2 * k], V[0][2 * k + 1]);
                 const uint2 vm = make_uint2(V[1][2 * k], V[1][2 * k + 1]);
-                const uint2 vl = make_uint2(V[2][2 * k], V[2][2 * k + 1]);
                 float c4[4] = { 0.0f, 0.0f, 0.0f, 0.0f };
-                mma_f16_16816(c4, F[1][0], F[1][1], F[1][2], F[1][3], vm);
-                mma_f16_16816(c4, F[2][0], F[2][1], F[2][2], F[2][3], vh);
-                mma_f16_16816(c4, F[0][0], F[0][1], F[0][2], F[0][3], vl);
+                if (PL == 3) {
+                    const uint2 vl = make_uint2(V[PL - 1][2 * k], V[PL - 1][2 * k + 1]);
+                    mma_f16_16816(c4, F[1][0], F[1][1], F[1][2], F[1][3], vm);
+                    mma_f16_16816(c4, F[2][0], F[2][1], F[2][2], F[2][3], vh);
+                    mma_f16_16816(c4, F[0][0], F[0][1], F[0][2], F[0][3], vl);
+                }
                 mma_f16_16816(c4, F[1][0], F[1][1], F[1][2], F[1][3], vh);
                 mma_f16_16816(c4, F[0][0], F[0][1], F[0][2], F[0][3], vm);
                 mma_f16_16816(c4, F[0][0], F[0][1], F[0][2], F[0][3], vh);
@@ -942,9 +947,17 @@ static void launch_attention_mma_t(const attn_args &a0) {
     uint8_t *base = (uint8_t *)scratch_get(&sess()->att_split, attention_split_bytes(a.sp_rows, a.d));
     a.sp = (__half *)base;
     a.sp_exp = (int32_t *)(base + (size_t)3 * a.sp_rows * a.d * sizeof(__half));
-    DS4_LAUNCH(k_att_rows_split<KS>, dim3((unsigned)((a.sp_rows + ATT_WARPS - 1) / ATT_WARPS)), ATT_THREADS, 0, a);
     const dim3 grid((unsigned)a.nt, (unsigned)((a.H + ATT_TH - 1) / ATT_TH));
-    DS4_LAUNCH(k_attention_mma<KS>, grid, atm_warps(KS) * 32, attention_mma_smem(a.d), a);
+    ds4_session *S = sess();
+    S->n_att_mma++;
+    if (S->lim.prefill_planes == 2) {
+        S->n_att_mma_pl2++;
+        DS4_LAUNCH((k_att_rows_split<KS, 2>), dim3((unsigned)((a.sp_rows + ATT_WARPS - 1) / ATT_WARPS)), ATT_THREADS, 0, a);
+        DS4_LAUNCH((k_attention_mma<KS, 2>), grid, atm_warps(KS) * 32, attention_mma_smem(a.d), a);
+    } else {
+        DS4_LAUNCH((k_att_rows_split<KS, 3>), dim3((unsigned)((a.sp_rows + ATT_WARPS - 1) / ATT_WARPS)), ATT_THREADS, 0, a);
+        DS4_LAUNCH((k_attention_mma<KS, 3>), grid, atm_warps(KS) * 32, attention_mma_smem(a.d), a);
+    }
 }
 
 /* The tile kernels take the batch when every row they copy is whole 16-byte pieces (d a
@@ -993,8 +1006,10 @@ static void launch_attention_tiles(const attn_args &a) {
 template <int KS>
 static void attention_mma_setup(void) {
     const size_t sm = attention_mma_smem(64 * KS);
-    if (sm + ATM_STATIC_SMEM <= g_cuda.smem_optin)
-        DS4_CUDA_CHECK(cudaFuncSetAttribute(k_attention_mma<KS>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sm));
+    if (sm + ATM_STATIC_SMEM <= g_cuda.smem_optin) {
+        DS4_CUDA_CHECK(cudaFuncSetAttribute(k_attention_mma<KS, 3>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sm));
+        DS4_CUDA_CHECK(cudaFuncSetAttribute(k_attention_mma<KS, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sm));
+    }
 }
 
 /* Resident k_attention blocks per SM (registers and shared memory decide): asked at init. */

@@ -117,6 +117,8 @@ struct ds4_session {
     uint64_t       launches;          /* kernel launches + cuBLAS calls */
     uint64_t       n_tc_wgmma, n_tc_tma, n_tc_tma_a;   /* k_tc_wgmma launches; of those with tensor-copy
                                                         stages; of those with the weights' too */
+    uint64_t       n_tc_pl2, n_att_mma, n_att_mma_pl2;   /* of k_tc_wgmma's, on two planes; k_attention_mma
+                                                          launches, and of those on two planes */
     double         launch_seconds;    /* host time inside them */
     FILE          *trace;             /* DS4_LAUNCH_TRACE */
     uint64_t       trace_launches;
@@ -707,7 +709,8 @@ void matmul_setup(void);
 void ds4_cuda_ops_matmul(ds4_backend *b);
 /* ds4_cuda_gemm.cu: prefill products on tensor cores */
 #define TC_SEG_MAX 8   /* matrices of one launch */
-struct tc_split { void *xs; size_t part_bytes; int64_t K, n, ntp; int parts; };   /* activations split for them */
+struct tc_split { void *xs; size_t part_bytes; int64_t K, n, ntp; int parts, planes; };   /* activations split for them
+                                                                                     (planes: 3, or 2 written) */
 struct tc_seg { const uint8_t *w; int64_t nrows; float *y; int64_t ldy; int part; };   /* one matrix of a launch */
 bool gemm_tc_type(int type);
 bool gemm_tc_ok(int type, const void *w, size_t row_bytes, int64_t K);

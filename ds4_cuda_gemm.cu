@@ -169,7 +169,8 @@ __device__ __forceinline__ void tc_split_elems(const float *xr, const float *ur,
  * copied); with src.u, swiglu(x, u) (tc_split_elems).  MADE: rows or u may be set (the
  * plain splits, every other product's, compile without them). */
 template <bool MADE>
-__global__ void k_tc_split(const tc_src src, int K, int nt, int ntp, uint8_t *xs, size_t part_bytes, int perm) {
+__global__ void k_tc_split(const tc_src src, int K, int nt, int ntp, uint8_t *xs, size_t part_bytes, int perm,
+                           int planes) {
     ds4_grid_dep();
     const int t = blockIdx.x;
     const size_t plane = (size_t)ntp * K;
@@ -182,7 +183,10 @@ __global__ void k_tc_split(const tc_src src, int K, int nt, int ntp, uint8_t *xs
     const int nc = K / 8;
     if (t >= nt) {                                  /* padding tokens: zero, never stored */
         const uint4 z = make_uint4(0, 0, 0, 0);
-        for (int c = threadIdx.x; c < nc; c += blockDim.x) h0[c] = h1[c] = h2[c] = z;
+        for (int c = threadIdx.x; c < nc; c += blockDim.x) {
+            h0[c] = h1[c] = z;
+            if (planes == 3) h2[c] = z;
+        }
         if (threadIdx.x == 0) inv[t] = 0.0f;
         return;
     }
@@ -219,7 +223,7 @@ __global__ void k_tc_split(const tc_src src, int K, int nt, int ntp, uint8_t *xs
         }
         h0[c] = make_uint4(w[0][0], w[0][1], w[0][2], w[0][3]);
         h1[c] = make_uint4(w[1][0], w[1][1], w[1][2], w[1][3]);
-        h2[c] = make_uint4(w[2][0], w[2][1], w[2][2], w[2][3]);
+        if (planes == 3) h2[c] = make_uint4(w[2][0], w[2][1], w[2][2], w[2][3]);
     }
     if (threadIdx.x == 0) inv[t] = __int_as_float((127 - a) << 23);
 }
@@ -278,22 +282,22 @@ template <int TYPE> struct tc_traits {
  * per SM: their second accumulators take 250 registers); 1 KiB more to align the dynamic shared
  * memory's start.  RP rows one pass of the threads copies (4-byte or 16-byte pieces, NP a row), NPASS
  * passes. */
-template <int TYPE, bool WG, bool TA = false> struct tc_tile {
+template <int TYPE, bool WG, bool TA = false, int PL = 3> struct tc_tile {
     typedef tc_traits<TYPE> TT;
     enum {
         RP = TC_THREADS / TT::NP,
         NPASS = (TC_BM + RP - 1) / RP,
         APITCH = TA ? TC_APITCH : TT::AROW,   /* a staged row's bytes (TA: Q8_0's tensor-copy box) */
         ABYTES = WG ? (TC_BM * APITCH + 1023) / 1024 * 1024 : TC_BM * APITCH,
-        STAGE = ABYTES + 3 * TC_BN * 128,
+        STAGE = ABYTES + PL * TC_BN * 128,
         ST = !WG ? TC_ST : TT::MIN ? 4 : 3,
         SMEM = ST * STAGE + TT::SMEM_EXTRA + (WG ? 8 * ST + 1024 : 0),   /* WG: the stages' mbarriers */
     };
 };
 template <int TYPE>
 __host__ __device__ constexpr int tc_smem_bytes() { return tc_tile<TYPE, false>::SMEM; }
-template <int TYPE, bool TA = false>
-__host__ __device__ constexpr int tcw_smem_bytes() { return tc_tile<TYPE, true, TA>::SMEM; }
+template <int TYPE, bool TA = false, int PL = 3>
+__host__ __device__ constexpr int tcw_smem_bytes() { return tc_tile<TYPE, true, TA, PL>::SMEM; }
 __device__ __forceinline__ int tc_swz(int row, int chunk) { return 16 * (chunk ^ ((row & 1) << 2)); }
 
 /* Byte offset in a weight row of what stage kb copies (the super-block types: rounded down
@@ -797,21 +801,23 @@ __device__ __forceinline__ void tcw_mma(float (&d)[32], uint32_t a0, uint32_t a1
  * from zero.  db: the descriptor of the stage's B (tcw_desc), whose address field takes the
  * offsets of part p and step hf of block j as a sum (an address in shared memory stays under
  * 2^18); a[h]: the lane's rows g (h = 0) and g + 8 (h = 1). */
+template <int PL>
 __device__ __forceinline__ void tcw_block(float (&c)[32], const uint32_t (&a0)[4], const uint32_t (&a1)[4],
                                           uint64_t db, int j) {
 #pragma unroll
     for (int hf = 0; hf < 2; hf++)
 #pragma unroll
-        for (int p = 0; p < 3; p++) {
+        for (int p = 0; p < PL; p++) {
             const uint64_t b = db + (uint64_t)((p * TC_BN * 128 + 32 * (2 * j + hf)) >> 4);
             if (hf == 0 && p == 0) tcw_mma<0>(c, a0[0], a1[0], a0[1], a1[1], b);
             else tcw_mma<1>(c, a0[2 * hf], a1[2 * hf], a0[2 * hf + 1], a1[2 * hf + 1], b);
         }
 }
 /* The same with one register pair for all of A (the mins' pass: m per row, all k). */
+template <int PL>
 __device__ __forceinline__ void tcw_block_min(float (&c)[32], uint32_t m0, uint32_t m1, uint64_t db, int j) {
     const uint32_t a0[4] = { m0, m0, m0, m0 }, a1[4] = { m1, m1, m1, m1 };
-    tcw_block(c, a0, a1, db, j);
+    tcw_block<PL>(c, a0, a1, db, j);
 }
 
 /* acc += s c, row g (elements 4 i, 4 i + 1) by s0 and row g + 8 by s1 (F16: plain sums). */
@@ -862,7 +868,7 @@ struct tc_amaps {
  *   The buffer a tensor copy refills was last read by the threads (A) and the MMAs (B) before
  *   the barrier; every thread's proxy fence before it orders its reads before the async
  *   proxy's writes. */
-template <int TYPE, bool TB, bool TA>
+template <int TYPE, bool TB, bool TA, int PL = 3>
 __global__ void __launch_bounds__(TC_THREADS, tc_traits<TYPE>::MIN ? 1 : 2)
 k_tc_wgmma(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const uint8_t *xs_all, int ntp,
            const int4 *tiles, int nt, const __grid_constant__ CUtensorMap tm, const __grid_constant__ tc_amaps am) {
@@ -875,7 +881,8 @@ k_tc_wgmma(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const ui
     const int si = blockIdx.z;
     const int nrows = sg.nrows[si];
     static_assert(!TA || (TB && TYPE == DS4_TYPE_Q8_0), "k_tc_wgmma: A by tensor copies is Q8_0's, with B's");
-    typedef tc_tile<TYPE, true, TA> TL;
+    static_assert(PL == 3 || (PL == 2 && TB), "k_tc_wgmma: two planes are copied by tensor copies");
+    typedef tc_tile<TYPE, true, TA, PL> TL;
     const int row0 = blockIdx.x * TC_BM;
     if (row0 >= nrows) return;
     const size_t plane = (size_t)ntp * K;
@@ -921,7 +928,7 @@ k_tc_wgmma(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const ui
         }
         if (!TA) tc_load_a<TYPE, true>(st, cp, row_bytes, kb);
         if (threadIdx.x == 0) {
-            tcw_mbar_expect(full + kb % ST, 3 * TC_BN * 128 + (TA ? TC_BM * TC_APITCH : 0));
+            tcw_mbar_expect(full + kb % ST, PL * TC_BN * 128 + (TA ? TC_BM * TC_APITCH : 0));
             tcw_tma(st + AB, &tm, kb * TC_BK, t0, 0, part, full + kb % ST);
             if (TA) tcw_tma3(st, &am.m[si], (kb * 68) & ~15, row0, bk.mat, full + kb % ST);
         }
@@ -957,8 +964,8 @@ k_tc_wgmma(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const ui
         const uint64_t db = db0 + (uint64_t)((kb % ST) * SB >> 4);
 #pragma unroll
         for (int j = 0; j < 2; j++) {
-            tcw_block(c[j], a[j][0], a[j][1], db, j);
-            if (TT::MIN) tcw_block_min(cm[j], m[j][0], m[j][1], db, j);
+            tcw_block<PL>(c[j], a[j][0], a[j][1], db, j);
+            if (TT::MIN) tcw_block_min<PL>(cm[j], m[j][0], m[j][1], db, j);
             tcw_commit();
         }
         tcw_wait<1>();                          /* block 0 done: fold it (block 1 may still run) */
@@ -1004,6 +1011,9 @@ static bool tc_wg(void) { return tc_wg_dev && sess()->lim.prefill_tc >= 2; }
 static bool tc_tb(void) { return tc_wg() && tc_encode && sess()->lim.prefill_tc >= 3; }
 /* tc_ta: Q8_0's weights by tensor copies too (4). */
 static bool tc_ta(void) { return tc_tb() && sess()->lim.prefill_tc == 4; }
+/* The activations' planes the products read (DS4_CUDA_PREFILL_PLANES): 2 where the stages come by
+ * tensor copies (tc_tb) and the session asks for 2, else 3. */
+static int tc_planes(void) { return tc_tb() && sess()->lim.prefill_planes == 2 ? 2 : 3; }
 
 /* The dynamic shared memory of a type's block: k_tc_wgmma's (wg) or k_tc_gemm's. */
 template <int TYPE>
@@ -1030,10 +1040,17 @@ static void tc_smem_setup(void) {
         DS4_CUDA_CHECK(cudaFuncSetAttribute(k_tc_wgmma<TYPE, true, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             tcw_smem_bytes<TYPE>()));
     }
-    if (TYPE == DS4_TYPE_Q8_0 && tc_wg_dev && tcw_smem_bytes<DS4_TYPE_Q8_0, true>() <= tc_smem_opt)
+    if (tc_wg_dev && tcw_smem_bytes<TYPE, false, 2>() <= tc_smem_opt)
+        DS4_CUDA_CHECK(cudaFuncSetAttribute(k_tc_wgmma<TYPE, true, false, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            tcw_smem_bytes<TYPE, false, 2>()));
+    if (TYPE == DS4_TYPE_Q8_0 && tc_wg_dev && tcw_smem_bytes<DS4_TYPE_Q8_0, true>() <= tc_smem_opt) {
         DS4_CUDA_CHECK(cudaFuncSetAttribute(k_tc_wgmma<DS4_TYPE_Q8_0, true, true>,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             tcw_smem_bytes<DS4_TYPE_Q8_0, true>()));
+        DS4_CUDA_CHECK(cudaFuncSetAttribute(k_tc_wgmma<DS4_TYPE_Q8_0, true, true, 2>,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            tcw_smem_bytes<DS4_TYPE_Q8_0, true, 2>()));
+    }
 }
 
 void gemm_tc_setup(void) {
@@ -1080,14 +1097,15 @@ static tc_split launch_tc_split(const tc_src &src, int64_t K, int64_t n, int par
     sp.n = n;
     sp.ntp = (n + TC_BN - 1) / TC_BN * TC_BN + TC_BN;   /* a grouped tile may start anywhere */
     sp.parts = parts;
+    sp.planes = tc_planes();
     sp.part_bytes = gemm_tc_scratch_bytes(n, K);
     sp.xs = scratch_get(&sess()->tc_x, sp.part_bytes * (size_t)parts);
     if (src.rows || src.u)      /* MADE: the rows made as they are read; plain splits keep 32 registers */
         DS4_LAUNCH(k_tc_split<true>, dim3((unsigned)sp.ntp, (unsigned)parts), TC_THREADS, 0, src, (int)K, (int)n,
-                   (int)sp.ntp, (uint8_t *)sp.xs, sp.part_bytes, (int)tc_wg());
+                   (int)sp.ntp, (uint8_t *)sp.xs, sp.part_bytes, (int)tc_wg(), sp.planes);
     else
         DS4_LAUNCH(k_tc_split<false>, dim3((unsigned)sp.ntp, (unsigned)parts), TC_THREADS, 0, src, (int)K, (int)n,
-                   (int)sp.ntp, (uint8_t *)sp.xs, sp.part_bytes, (int)tc_wg());
+                   (int)sp.ntp, (uint8_t *)sp.xs, sp.part_bytes, (int)tc_wg(), sp.planes);
     return sp;
 }
 
@@ -1111,14 +1129,14 @@ int gemm_tc_parts_fit(int64_t n, int64_t K) {
 
 /* The split as k_tc_wgmma's tensor copies read it (TB): f16 [parts][3][ntp][K] (the planes
  * of a part 2 K ntp bytes apart, the parts part_bytes apart: the inverse factors sit between
- * them), a stage's box TC_BK elements x TC_BN tokens x the three planes, 128-byte swizzled as
- * the MMAs read it. */
+ * them), a stage's box TC_BK elements x TC_BN tokens x the split's planes (3, or 2: hi and mid),
+ * 128-byte swizzled as the MMAs read it. */
 static CUtensorMap tc_split_map(const tc_split &sp) {
     CUtensorMap tm;
-    const cuuint64_t dim[4] = { (cuuint64_t)sp.K, (cuuint64_t)sp.ntp, 3, (cuuint64_t)sp.parts };
+    const cuuint64_t dim[4] = { (cuuint64_t)sp.K, (cuuint64_t)sp.ntp, (cuuint64_t)sp.planes, (cuuint64_t)sp.parts };
     const cuuint64_t stride[3] = { (cuuint64_t)sp.K * 2, (cuuint64_t)sp.ntp * (cuuint64_t)sp.K * 2,
                                    (cuuint64_t)sp.part_bytes };
-    const cuuint32_t box[4] = { TC_BK, TC_BN, 3, 1 }, es[4] = { 1, 1, 1, 1 };
+    const cuuint32_t box[4] = { TC_BK, TC_BN, (cuuint32_t)sp.planes, 1 }, es[4] = { 1, 1, 1, 1 };
     const CUresult r = tc_encode(&tm, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4, (void *)sp.xs, dim, stride, box, es,
                                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
@@ -1172,11 +1190,24 @@ static void tc_launch(int64_t rows, unsigned ny, unsigned n, const tc_segs &sg, 
         S->n_tc_tma += tb;
         const bool ta = TYPE == DS4_TYPE_Q8_0 && tc_ta();
         S->n_tc_tma_a += ta;
-        if (ta)
+        if (sp.planes != (tb ? tc_planes() : 3))
+            ds4_fatal("gemm_tc_multi: a split of %d planes for products that read %d", sp.planes, tb ? tc_planes() : 3);
+        const bool pl2 = sp.planes == 2;
+        S->n_tc_pl2 += pl2;
+        if (ta && pl2)
+            DS4_LAUNCH((k_tc_wgmma<DS4_TYPE_Q8_0, true, true, 2>), grid, TC_THREADS,
+                       (tcw_smem_bytes<DS4_TYPE_Q8_0, true, 2>()), sg, mat_bytes, row_bytes, (int)sp.K,
+                       (const uint8_t *)sp.xs, (int)sp.ntp, tiles, (int)sp.n, tc_split_map(sp),
+                       tc_a_maps(sg, (int)n, mat_bytes, nmat, row_bytes));
+        else if (ta)
             DS4_LAUNCH((k_tc_wgmma<DS4_TYPE_Q8_0, true, true>), grid, TC_THREADS,
                        (tcw_smem_bytes<DS4_TYPE_Q8_0, true>()), sg, mat_bytes, row_bytes, (int)sp.K,
                        (const uint8_t *)sp.xs, (int)sp.ntp, tiles, (int)sp.n, tc_split_map(sp),
                        tc_a_maps(sg, (int)n, mat_bytes, nmat, row_bytes));
+        else if (tb && pl2)
+            DS4_LAUNCH((k_tc_wgmma<TYPE, true, false, 2>), grid, TC_THREADS, (tcw_smem_bytes<TYPE, false, 2>()), sg,
+                       mat_bytes, row_bytes, (int)sp.K, (const uint8_t *)sp.xs, (int)sp.ntp, tiles, (int)sp.n,
+                       tc_split_map(sp), anone);
         else if (tb)
             DS4_LAUNCH((k_tc_wgmma<TYPE, true, false>), grid, TC_THREADS, TL::SMEM, sg, mat_bytes, row_bytes, (int)sp.K,
                        (const uint8_t *)sp.xs, (int)sp.ntp, tiles, (int)sp.n, tc_split_map(sp), anone);

@@ -36,12 +36,14 @@
 # prefill paths switched off and on.  tcsame: CUDA logits with DS4_CUDA_PREFILL_TC=1 against 0 on
 # TCSAME_MODEL (flash-q2@16: the published layout's experts at Flash's shapes, where the CPU would
 # take hours), written to $TMPDIR.  san: compute-sanitizer on prefills of SAN_MODELS and on
-# test_backend_ops (SAN_OPS: 1 every case; tc, tc2, tc3 or tc4 the tensor-core engine's, as test_backend_ops takes them; 0 none).
+# test_backend_ops (SAN_OPS: 1 every case; tc, tc2, tc3, tc4 or pl2, as test_backend_ops takes them; 0 none).
 # l2read: bench/l2_read (the SMs' read bandwidth from L2, ld.global.cg and cp.async).
 # envsame: CUDA logits with the defaults and with each setting of ENVSAME (words VAR=VALUE, default
 # "DS4_CUDA_PREFILL_TC=2") on ENVSAME_MODELS (config/type), a 300-token prompt + 32 greedy steps,
 # byte for byte (for a switch that keeps every sum).
-#   scripts/gpu-prefill.sh [peak] [l2read] [test] [bench] [attn] [tcw] [q2] [hooks] [vs] [same] [envsame] [report] [prof] [dprof] [dreport] [l2hot] [stall] [exact] [tcsame] [san] [peer]
+# planes: PLANES_MODELS (flash16) prefill with DS4_CUDA_PREFILL_PLANES 3 and 2, PLANES_ROUNDS (2)
+# rounds alternating.  peer: llama.cpp and ds4 on the same file (see the step).
+#   scripts/gpu-prefill.sh [peak] [l2read] [test] [bench] [attn] [planes] [tcw] [q2] [hooks] [vs] [same] [envsame] [report] [prof] [dprof] [dreport] [l2hot] [stall] [exact] [tcsame] [san] [peer]
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-build/gpu-out}; mkdir -p "$OUT"
@@ -96,6 +98,16 @@ if want l2read; then
   step "L2 read bandwidth (bench/l2_read)"
   make --no-print-directory build/cuda-"$ARCH"/l2_read CUDA_ARCH="$ARCH" >> "$OUT/build.log" 2>&1 &&
     timeout 120 build/cuda-"$ARCH"/l2_read | tee "$OUT/l2read.log"
+fi
+if want planes; then
+  step "prefill, DS4_CUDA_PREFILL_PLANES 3 and 2 (TC=4, ATTN=2), ${PLANES_ROUNDS:-2} rounds alternating"
+  for m in ${PLANES_MODELS:-flash16}; do
+    for r in $(seq 1 "${PLANES_ROUNDS:-2}"); do
+      for pl in 3 2; do
+        echo "planes $pl: $(DS4_CUDA_PREFILL_PLANES=$pl bench "$m" 4 "${PLANES_PREFILLS:-512,4096}" 3 2 "pl$pl-$r")"
+      done
+    done
+  done
 fi
 if want tcw; then
   step "prefill, DS4_CUDA_PREFILL_TC ${TCW_PAIR:-1 2} (1 k_tc_gemm, 2 k_tc_wgmma), ${TCW_ROUNDS:-2} rounds alternating"
@@ -290,11 +302,27 @@ if want san; then
   done
   if [ "${SAN_OPS:-1}" != 0 ]; then   # 1: every case; tc: the tensor-core engine's cases only
     timeout 300 compute-sanitizer --tool memcheck --error-exitcode 1 build/cuda-"$ARCH"/test_backend_ops \
-      $(case "${SAN_OPS:-1}" in tc|tc2|tc3|tc4) echo "$SAN_OPS";; esac) > "$OUT/san-ops.log" 2>&1
+      $(case "${SAN_OPS:-1}" in tc|tc2|tc3|tc4|pl2) echo "$SAN_OPS";; esac) > "$OUT/san-ops.log" 2>&1
     echo "memcheck test_backend_ops ${SAN_OPS:-1}: rc $? $(grep -E 'ERROR SUMMARY' "$OUT/san-ops.log" | tail -1) $(grep -E 'passed, ' "$OUT/san-ops.log" | tail -1)"
   fi
 fi
 if want peer; then
-  step "llama.cpp"
-  bash .peer/run.sh flash16 2>&1 | tail -5
+  # llama.cpp v0.4.0 CUDA (.peer: cp -r ../shared/peer .peer, carried) and ds4 on the same file,
+  # side by side: ds4 synth writes PEER_MODELS (flash16) to $TMPDIR; run.sh prefills PEER_PROMPTS
+  # (512 4096) random ids + 16 greedy steps, 3 reps, its graphs on and off; ds4_bench reads the
+  # same file (medians of 3) with the environment as given.
+  [ -f .peer/run.sh ] || { echo "peer: .peer/run.sh missing (cp -r ../shared/peer .peer and carry it)"; exit 2; }
+  for m in ${PEER_MODELS:-flash16}; do
+    G=${TMPDIR:-/tmp}/peer-${m//[@\/]/_}.gguf
+    step "llama.cpp and ds4 on $m (ds4 synth --config $m --seed 1), prompts ${PEER_PROMPTS:-512 4096}"
+    ./ds4 synth --config "$m" --seed 1 -o "$G" > "$OUT/peer-synth.log" 2>&1 || { tail -3 "$OUT/peer-synth.log"; continue; }
+    ls -l "$G" | awk '{print "file bytes", $5}'
+    for p in ${PEER_PROMPTS:-512 4096}; do
+      echo "llama.cpp prompt $p: $(timeout "${PEER_LIMIT:-240}" bash .peer/run.sh "$G" "$p" 16 3 2>&1 | tr '\n' ' ')"
+    done
+    timeout 300 build/cuda-"$ARCH"/ds4_bench --model "$G" --backend cuda --reps 3 --decode 8 \
+      --prefill "$(echo ${PEER_PROMPTS:-512 4096} | tr ' ' ',')" > "$OUT/peer-ds4-$m.log" 2>&1
+    echo "ds4 $m: $(grep -E '^model|^prefill' "$OUT/peer-ds4-$m.log" | tr '\n' ' ')"
+    rm -f "$G"
+  done
 fi

@@ -1881,11 +1881,15 @@ static int test_tc_engine(const ds4_limits *lim0, int eng_first, int eng_last) {
             printf("tc engine       DS4_CUDA_PREFILL_TC=%d: no k_tc_wgmma launch (not an sm_90a build on a CC 9.0 "
                    "card): k_tc_gemm ran\n", eng);
         } else if (eng >= 2) {
+            /* two planes (DS4_CUDA_PREFILL_PLANES=2) on the launches with tensor copies, none otherwise */
+            const uint64_t pl2 = pl.prefill_planes == 2 ? st.tc_tma : 0;
             const int ok = (eng >= 3 ? st.tc_tma == st.tc_wgmma : st.tc_tma == 0) &&
-                           (eng == 4 ? st.tc_tma_a > 0 && st.tc_tma_a < st.tc_wgmma : st.tc_tma_a == 0);
+                           (eng == 4 ? st.tc_tma_a > 0 && st.tc_tma_a < st.tc_wgmma : st.tc_tma_a == 0) &&
+                           st.tc_pl2 == pl2;
             printf("tc engine       DS4_CUDA_PREFILL_TC=%d: %llu k_tc_wgmma launches, %llu with tensor copies, %llu of "
-                   "the weights too  %s\n", eng, (unsigned long long)st.tc_wgmma, (unsigned long long)st.tc_tma,
-                   (unsigned long long)st.tc_tma_a, ok ? "ok" : "FAIL");
+                   "the weights too, %llu on two planes  %s\n", eng, (unsigned long long)st.tc_wgmma,
+                   (unsigned long long)st.tc_tma, (unsigned long long)st.tc_tma_a, (unsigned long long)st.tc_pl2,
+                   ok ? "ok" : "FAIL");
             if (ok) g_pass++; else g_fail++;
         }
         if (g_same == 2 && g_same_at != g_same_cnt) {
@@ -1943,6 +1947,15 @@ static int test_prefill_attention(const ds4_limits *lim) {
             test_attention_step(32, 10, 150, 3, 192, 4, 40, 32, 1);
             test_attention(64, 300, 150, 40, 320, 128, 0);
         }
+        /* the tensor-core kernel ran, on the planes the session asks for */
+        ds4_backend_stats st;
+        B[1]->session_stats(ps[1], &st, 0);
+        if (pa[pi].kern == 2) {
+            const int ok = st.att_mma > 0 && st.att_mma_pl2 == (pl.prefill_planes == 2 ? st.att_mma : 0);
+            printf("attention mma   %llu k_attention_mma launches, %llu on two planes  %s\n",
+                   (unsigned long long)st.att_mma, (unsigned long long)st.att_mma_pl2, ok ? "ok" : "FAIL");
+            if (ok) g_pass++; else g_fail++;
+        }
         session_pop(ps, prev);
     }
     return 0;
@@ -1951,12 +1964,13 @@ static int test_prefill_attention(const ds4_limits *lim) {
 int main(int argc, char **argv) {
     if (argc > 2 || (argc == 2 && strcmp(argv[1], "tc") != 0 && strcmp(argv[1], "tc2") != 0 &&
                      strcmp(argv[1], "tc3") != 0 && strcmp(argv[1], "tc4") != 0 && strcmp(argv[1], "rows") != 0 &&
-                     strcmp(argv[1], "ix") != 0 && strcmp(argv[1], "att") != 0)) {
-        fprintf(stderr, "usage: test_backend_ops [tc|tc2|tc3|tc4|rows|ix|att]   (tc: only the tensor-core engine's cases, "
+                     strcmp(argv[1], "ix") != 0 && strcmp(argv[1], "att") != 0 && strcmp(argv[1], "pl2") != 0)) {
+        fprintf(stderr, "usage: test_backend_ops [tc|tc2|tc3|tc4|rows|ix|att|pl2]   (tc: only the tensor-core engine's cases, "
                         "with DS4_CUDA_PREFILL_TC 4, then 3 and 2 byte for byte against 4, then 1; tc2: those with 2 alone; tc3: 3 "
                         "and 2; tc4: 4 and 3; rows: "
                         "only a batch's rows against one-token calls: attention, the weight products; ix: only the "
-                        "indexer at a prompt's batch sizes; att: only the prefill attention kernels)\n");
+                        "indexer at a prompt's batch sizes; att: only the prefill attention kernels; pl2: the prefill attention, "
+                        "then tc4's cases, with DS4_CUDA_PREFILL_PLANES=2)\n");
         return 2;
     }
     B[0] = ds4_backend_cpu();
@@ -1973,6 +1987,7 @@ int main(int argc, char **argv) {
     lim.max_batch = 256;                 /* test_compress_pool(0, 256, ...) */
     lim.prefill_tc = 4;                  /* the default (DS4_CUDA_PREFILL_TC) */
     lim.prefill_attn = 2;                /* the default (DS4_CUDA_PREFILL_ATTN) */
+    lim.prefill_planes = 3;              /* the default (DS4_CUDA_PREFILL_PLANES) */
     lim.decode_group = 1;                /* the default (DS4_CUDA_DECODE_GROUP) */
     lim.n_ctx = 32768;                   /* attention and indexer at position 20000 */
     lim.n_swa = 128;                     /* the largest window of the attention cases */
@@ -2000,6 +2015,12 @@ int main(int argc, char **argv) {
     }
     if (argc == 2 && !strcmp(argv[1], "att")) {
         if (test_prefill_attention(&lim) != 0) return 2;
+        printf("%d passed, %d failed\n", g_pass, g_fail);
+        return g_fail ? 1 : 0;
+    }
+    if (argc == 2 && !strcmp(argv[1], "pl2")) {     /* every element of the activations on two planes */
+        lim.prefill_planes = 2;
+        if (test_prefill_attention(&lim) != 0 || test_tc_engine(&lim, 4, 3) != 0) return 2;
         printf("%d passed, %d failed\n", g_pass, g_fail);
         return g_fail ? 1 : 0;
     }

@@ -123,6 +123,7 @@ ENV_CASES = [
     ({"DS4_CUDA_GRAPH_PDL": "on"}, "DS4_CUDA_GRAPH_PDL='on'"),
     ({"DS4_CUDA_PREFILL_TC": "5"}, "DS4_CUDA_PREFILL_TC='5' is not an integer in [0, 4]"),
     ({"DS4_CUDA_PREFILL_ATTN": "3"}, "DS4_CUDA_PREFILL_ATTN='3' is not an integer in [0, 2]"),
+    ({"DS4_CUDA_PREFILL_PLANES": "1"}, "DS4_CUDA_PREFILL_PLANES='1' is not an integer in [2, 3]"),
     ({"DS4_CUDA_DECODE_GROUP": "2"}, "DS4_CUDA_DECODE_GROUP='2' is not an integer in [0, 1]"),
     ({"DS4_CUDA_SHARED_STREAM": "on"}, "DS4_CUDA_SHARED_STREAM='on' is not an integer in [0, 1]"),
     ({"DS4_ROLLBACK_RESTORE": "4"}, "DS4_ROLLBACK_RESTORE='4' is not an integer in [0, 3]"),
