@@ -310,7 +310,7 @@ if want peer; then
   # llama.cpp v0.4.0 CUDA (.peer: cp -r ../shared/peer .peer, carried) and ds4 on the same file,
   # side by side: ds4 synth writes PEER_MODELS (flash16) to $TMPDIR; run.sh prefills PEER_PROMPTS
   # (512 4096) random ids + 16 greedy steps, 3 reps, its graphs on and off; ds4_bench reads the
-  # same file (medians of 3) with the environment as given.
+  # same file (medians of 3), once for each word VAR=VALUE of PEER_ENVS (default: the environment as given).
   [ -f .peer/run.sh ] || { echo "peer: .peer/run.sh missing (cp -r ../shared/peer .peer and carry it)"; exit 2; }
   for m in ${PEER_MODELS:-flash16}; do
     G=${TMPDIR:-/tmp}/peer-${m//[@\/]/_}.gguf
@@ -320,9 +320,14 @@ if want peer; then
     for p in ${PEER_PROMPTS:-512 4096}; do
       echo "llama.cpp prompt $p: $(timeout "${PEER_LIMIT:-240}" bash .peer/run.sh "$G" "$p" 16 3 2>&1 | tr '\n' ' ')"
     done
-    timeout 300 build/cuda-"$ARCH"/ds4_bench --model "$G" --backend cuda --reps 3 --decode 8 \
-      --prefill "$(echo ${PEER_PROMPTS:-512 4096} | tr ' ' ',')" > "$OUT/peer-ds4-$m.log" 2>&1
-    echo "ds4 $m: $(grep -E '^model|^prefill' "$OUT/peer-ds4-$m.log" | tr '\n' ' ')"
+    i=0
+    for e in ${PEER_ENVS:-default}; do   # words VAR=VALUE: one ds4 run each
+      if [ "$e" = default ]; then set --; else set -- "$e"; fi
+      env "$@" timeout 300 build/cuda-"$ARCH"/ds4_bench --model "$G" --backend cuda --reps 3 --decode 8 \
+        --prefill "$(echo ${PEER_PROMPTS:-512 4096} | tr ' ' ',')" > "$OUT/peer-ds4-$m-$i.log" 2>&1
+      echo "ds4 $m ($e): $(grep -E '^model|^prefill' "$OUT/peer-ds4-$m-$i.log" | sed 's/ (.*//' | tr '\n' ' ')"
+      i=$((i + 1))
+    done
     rm -f "$G"
   done
 fi
