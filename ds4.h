@@ -271,7 +271,7 @@ typedef struct ds4_env {
                                    0 = the per-query kernel decode uses */
     int prefill_planes;         /* DS4_CUDA_PREFILL_PLANES: f16 parts of each activation in the prefill's
                                    tensor-core products (DS4_CUDA_PREFILL_TC 3, 4) and attention
-                                   (DS4_CUDA_PREFILL_ATTN 2), 3 = hi + mid + lo (default), 2 = hi + mid */
+                                   (DS4_CUDA_PREFILL_ATTN 2), 2 = hi + mid (default), 3 = hi + mid + lo */
     int decode_group;           /* DS4_CUDA_DECODE_GROUP: 1 = a call of up to 4 tokens (a speculative check)
                                    streams each dense matrix once, in one launch (default); 0 = chunks of
                                    4, 2, 1 (a call of 3 streams them twice) */

@@ -565,11 +565,14 @@ static void launch_attention_tiles_t(const attn_args &a) {
  *     one warp's slice only (at most d / 64 k steps).  The warps that share a (head, row) hold a
  *     slice of the dims; their partials are added in f32 in a fixed order, and the scale
  *     2^-(a_q + a_k) comes off exactly.
+ *   - By default (DS4_CUDA_PREFILL_PLANES=2) the parts are hi + mid alone (k_att_rows_split
+ *     writes two planes, a tile copies two): a score is three MMAs per k step (hi.hi; hi.mid and
+ *     mid.hi), each element within 2^-22 of itself; P V below is three MMAs too.
  *   - The softmax weights p (in [0, 1]) become f = p 2^(B - a_k + 14) <= 2^14, B the
  *     smallest a_k seen so far (the largest row), and f is split in three parts too, so
  *     f.(2^a_k v) = 2^(B + 14) p v for every row; O is kept in units of 2^(B + 14) and
  *     rescaled exactly (with the softmax's correction) when B falls.  Each tile's P V starts
- *     from zero accumulators (six MMAs, smallest terms first) and goes into the running O
+ *     from zero accumulators (six MMAs, three with two planes, smallest terms first) and goes into the running O
  *     with one f32 FMA, so the truncation never chains across tiles.
  * The result is f32-accurate in an order of its own: test_backend_ops holds it, like the two
  * other attention kernels, to TOL_CHAIN of the CPU op (on rows of one scale and on rows

@@ -28,10 +28,15 @@
  *     bits for x's 24, so the split is exact for every element down to 2^-7 of the row's
  *     largest (lo is then a normal f16) and within 2^-39 of that largest below it (half of
  *     f16's subnormal step), far under f32's own rounding of the dot product.
+ *     k_tc_wgmma with tensor copies (DS4_CUDA_PREFILL_TC 3, 4) reads hi and mid alone by default
+ *     (DS4_CUDA_PREFILL_PLANES=2; the split then writes only those two): each element within
+ *     2^-22 of itself where mid is a normal f16 (f32's own inputs carry 2^-24), 4 MMAs a block
+ *     of 32 instead of 6.  The dot product stays within f32's accuracy; what it gives up is
+ *     the last bits of an exact input, which decide only near-ties downstream (bench/RESULTS.md).
  *   - Every product in the MMA (at most 11 x 11 bits) is exact; the sums are the tensor
  *     core's f32 accumulation, which is not IEEE round-to-nearest (it truncates, and chained
- *     through a whole row its error grows with K: bench/RESULTS.md).  So the 6 MMAs of one
- *     block of 32 (and pass) start from zero, and the block's sum goes into the running sum
+ *     through a whole row its error grows with K: bench/RESULTS.md).  So the 6 (two planes: 4)
+ *     MMAs of one block of 32 (and pass) start from zero, and the block's sum goes into the running sum
  *     with one f32 FMA by s (FADD for F16), blocks in order.  Then y = sum * 2^-a.
  * The result is an f32-accurate dot product in an order of its own, like every other matmul
  * of this backend: test_backend_ops holds it to TOL_DOT against the CPU.  A row's arithmetic
@@ -87,7 +92,7 @@
  * The instruction needs the sm_90a target: the Makefile builds this unit of an sm_90 build
  * for sm_90a (and compute_90 PTX for later cards, which take k_tc_gemm); DS4_WGMMA tells the
  * host, which also checks that the card is CC 9.0.
- *   A stage's B (its three parts, 24 KiB) comes by one copy of the tensor memory accelerator
+ *   A stage's B (its parts: three, 24 KiB, or two, 16 KiB) comes by one copy of the tensor memory accelerator
  * that thread 0 issues, into the same swizzled layout, completing on the stage's mbarrier.  A
  * Q8_0 stage's A comes by a second such copy (128 rows of 80 bytes, the 68 it needs from the
  * 16-byte boundary at or below them: see k_tc_wgmma); the other types' A stays cp.async.

@@ -191,8 +191,8 @@ typedef struct ds4_limits {
                                * block's heads (DS4_CUDA_PREFILL_ATTN; CUDA): 2, on tensor cores where d
                                * and the card allow, else 1's; 1, in f32; 0, never */
     int     prefill_planes;   /* f16 parts of an activation in k_tc_wgmma with tensor copies and in
-                               * k_attention_mma (DS4_CUDA_PREFILL_PLANES; CUDA): 3 (hi + mid + lo) or 2
-                               * (hi + mid: each element kept to 2^-22 of itself) */
+                               * k_attention_mma (DS4_CUDA_PREFILL_PLANES; CUDA): 2 (hi + mid: each
+                               * element kept to 2^-22 of itself) or 3 (hi + mid + lo); 0 reads as 3 */
     int     prefill_attn_all; /* tests: the tile kernels take every batch they can, not only those
                                * that fill the device */
     int     decode_group;     /* DS4_CUDA_DECODE_GROUP (CUDA): 1, a call of up to 4 tokens (a speculative

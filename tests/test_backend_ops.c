@@ -1796,20 +1796,24 @@ static int test_tc_engine(const ds4_limits *lim0, int eng_first, int eng_last) {
      * 0 or 1 token, wide-range activations; several matrices in one launch (matmul_multi with
      * types mixed, gate|up, the groups of a grouped product, more groups than one launch or
      * the split scratch takes); in a session sized for 4096-token batches.  With each
-     * prefill_tc from eng_first down to eng_last: 4 (3 with the Q8_0 weights' stage copies by
-     * the tensor memory accelerator too), 3 (the default: k_tc_wgmma on an sm_90 build and
-     * card, the activations' stage copies by the tensor memory accelerator, else k_tc_gemm), 2
+     * prefill_tc from eng_first down to eng_last: 4 (the default: 3 with the Q8_0 weights' stage
+     * copies by the tensor memory accelerator too), 3 (k_tc_wgmma on an sm_90 build and card,
+     * the activations' stage copies by the tensor memory accelerator, else k_tc_gemm), 2
      * (k_tc_wgmma with cp.async copies), each on the same inputs and every output byte for byte
-     * against the first engine's (g_same), then 1 (k_tc_gemm).  The plain run and
+     * against the first engine's (g_same) where both run on the same planes (4 and 3 on the
+     * session's DS4_CUDA_PREFILL_PLANES, 2 on three), then 1 (k_tc_gemm).  The plain run and
      * `test_backend_ops tc` take 4 to 1, tc4 4 and 3, tc3 3 and 2, tc2 2 alone. */
     const int same = eng_first >= 3 && eng_last < eng_first;    /* the first, then the others to 2 byte for byte */
     const uint64_t rng0 = g_rng;
     for (int eng = eng_first; eng >= eng_last; eng--) {
         ds4_limits pl = lim;
         pl.prefill_tc = eng;
-        printf("(prefill products: DS4_CUDA_PREFILL_TC=%d%s)\n", eng,
-               !same || eng == 1 ? "" : eng == eng_first ? ", outputs recorded" : ", compared with the first's byte for byte");
-        g_same = same ? (eng == eng_first ? 1 : eng >= 2 ? 2 : 0) : 0;
+        /* 2 copies with cp.async, on three planes whatever the session asks (tc_planes): compared
+         * byte for byte only when the first engine ran on three too */
+        g_same = same ? (eng == eng_first ? 1 : eng >= (pl.prefill_planes == 2 ? 3 : 2) ? 2 : 0) : 0;
+        printf("(prefill products: DS4_CUDA_PREFILL_TC=%d, %d planes%s)\n", eng,
+               eng >= 3 && pl.prefill_planes == 2 ? 2 : 3,
+               g_same == 1 ? ", outputs recorded" : g_same == 2 ? ", compared with the first's byte for byte" : "");
         g_same_at = 0;
         g_rng = rng0;                                      /* every pass on the same inputs */
         pl.max_batch = 4096;
@@ -1882,7 +1886,7 @@ static int test_tc_engine(const ds4_limits *lim0, int eng_first, int eng_last) {
                    "card): k_tc_gemm ran\n", eng);
         } else if (eng >= 2) {
             /* two planes (DS4_CUDA_PREFILL_PLANES=2) on the launches with tensor copies, none otherwise */
-            const uint64_t pl2 = pl.prefill_planes == 2 ? st.tc_tma : 0;
+            const uint64_t pl2 = pl.prefill_planes == 2 ? st.tc_tma : 0;   /* 2 and 1: three planes */
             const int ok = (eng >= 3 ? st.tc_tma == st.tc_wgmma : st.tc_tma == 0) &&
                            (eng == 4 ? st.tc_tma_a > 0 && st.tc_tma_a < st.tc_wgmma : st.tc_tma_a == 0) &&
                            st.tc_pl2 == pl2;
@@ -1964,13 +1968,13 @@ static int test_prefill_attention(const ds4_limits *lim) {
 int main(int argc, char **argv) {
     if (argc > 2 || (argc == 2 && strcmp(argv[1], "tc") != 0 && strcmp(argv[1], "tc2") != 0 &&
                      strcmp(argv[1], "tc3") != 0 && strcmp(argv[1], "tc4") != 0 && strcmp(argv[1], "rows") != 0 &&
-                     strcmp(argv[1], "ix") != 0 && strcmp(argv[1], "att") != 0 && strcmp(argv[1], "pl2") != 0)) {
-        fprintf(stderr, "usage: test_backend_ops [tc|tc2|tc3|tc4|rows|ix|att|pl2]   (tc: only the tensor-core engine's cases, "
+                     strcmp(argv[1], "ix") != 0 && strcmp(argv[1], "att") != 0 && strcmp(argv[1], "pl3") != 0)) {
+        fprintf(stderr, "usage: test_backend_ops [tc|tc2|tc3|tc4|rows|ix|att|pl3]   (tc: only the tensor-core engine's cases, "
                         "with DS4_CUDA_PREFILL_TC 4, then 3 and 2 byte for byte against 4, then 1; tc2: those with 2 alone; tc3: 3 "
                         "and 2; tc4: 4 and 3; rows: "
                         "only a batch's rows against one-token calls: attention, the weight products; ix: only the "
-                        "indexer at a prompt's batch sizes; att: only the prefill attention kernels; pl2: the prefill attention, "
-                        "then tc4's cases, with DS4_CUDA_PREFILL_PLANES=2)\n");
+                        "indexer at a prompt's batch sizes; att: only the prefill attention kernels; pl3: the prefill attention, "
+                        "then tc4's cases, with DS4_CUDA_PREFILL_PLANES=3)\n");
         return 2;
     }
     B[0] = ds4_backend_cpu();
@@ -1987,7 +1991,7 @@ int main(int argc, char **argv) {
     lim.max_batch = 256;                 /* test_compress_pool(0, 256, ...) */
     lim.prefill_tc = 4;                  /* the default (DS4_CUDA_PREFILL_TC) */
     lim.prefill_attn = 2;                /* the default (DS4_CUDA_PREFILL_ATTN) */
-    lim.prefill_planes = 3;              /* the default (DS4_CUDA_PREFILL_PLANES) */
+    lim.prefill_planes = 2;              /* the default (DS4_CUDA_PREFILL_PLANES) */
     lim.decode_group = 1;                /* the default (DS4_CUDA_DECODE_GROUP) */
     lim.n_ctx = 32768;                   /* attention and indexer at position 20000 */
     lim.n_swa = 128;                     /* the largest window of the attention cases */
@@ -2018,8 +2022,8 @@ int main(int argc, char **argv) {
         printf("%d passed, %d failed\n", g_pass, g_fail);
         return g_fail ? 1 : 0;
     }
-    if (argc == 2 && !strcmp(argv[1], "pl2")) {     /* every element of the activations on two planes */
-        lim.prefill_planes = 2;
+    if (argc == 2 && !strcmp(argv[1], "pl3")) {     /* the activations on three planes, not the default two */
+        lim.prefill_planes = 3;
         if (test_prefill_attention(&lim) != 0 || test_tc_engine(&lim, 4, 3) != 0) return 2;
         printf("%d passed, %d failed\n", g_pass, g_fail);
         return g_fail ? 1 : 0;
