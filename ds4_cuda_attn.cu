@@ -572,8 +572,8 @@ static void launch_attention_tiles_t(const attn_args &a) {
  *     smallest a_k seen so far (the largest row), and f is split in three parts too, so
  *     f.(2^a_k v) = 2^(B + 14) p v for every row; O is kept in units of 2^(B + 14) and
  *     rescaled exactly (with the softmax's correction) when B falls.  Each tile's P V starts
- *     from zero accumulators (six MMAs, three with two planes, smallest terms first) and goes into the running O
- *     with one f32 FMA, so the truncation never chains across tiles.
+ *     from zero accumulators (six MMAs, three with two planes, smallest terms first) and goes
+ *     into the running O with one f32 FMA, so the truncation never chains across tiles.
  * The result is f32-accurate in an order of its own: test_backend_ops holds it, like the two
  * other attention kernels, to TOL_CHAIN of the CPU op (on rows of one scale and on rows
  * whose magnitudes differ by 2^16).
@@ -654,7 +654,7 @@ __device__ __forceinline__ float att_pow2(int e) {
 }
 
 /* Row x of d = 64 KS floats (NULL: zeros) scaled by 2^a, its largest |element| then in
- * [2^14, 2^15), into three f16 planes dst, dst + plane, dst + 2 plane; returns a (0 for a
+ * [2^14, 2^15), into PL f16 planes dst, dst + plane (, dst + 2 plane); returns a (0 for a
  * zero or non-finite row, whose NaN and Inf then reach the sums as they are).  The whole
  * warp calls it; a lane takes the pairs 64 j + 2 lane. */
 template <int KS, int PL>
