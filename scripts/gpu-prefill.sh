@@ -39,7 +39,7 @@
 # test_backend_ops (SAN_OPS: 1 every case; tc, tc2, tc3, tc4 or pl2, as test_backend_ops takes them; 0 none).
 # l2read: bench/l2_read (the SMs' read bandwidth from L2, ld.global.cg and cp.async).
 # envsame: CUDA logits with the defaults and with each setting of ENVSAME (words VAR=VALUE, default
-# "DS4_CUDA_PREFILL_TC=2") on ENVSAME_MODELS (config/type), a 300-token prompt + 32 greedy steps,
+# "DS4_CUDA_PREFILL_TC=3"; TC=2 runs on three planes, the default two) on ENVSAME_MODELS (config/type), a 300-token prompt + 32 greedy steps,
 # byte for byte (for a switch that keeps every sum).
 # planes: PLANES_MODELS (flash16) prefill with DS4_CUDA_PREFILL_PLANES 3 and 2, PLANES_ROUNDS (2)
 # rounds alternating.  peer: llama.cpp and ds4 on the same file (see the step).
@@ -168,13 +168,13 @@ if want same; then
   done
 fi
 if want envsame; then
-  step "CUDA logits, the defaults against ${ENVSAME:-DS4_CUDA_PREFILL_TC=2} (the same sums): ENVSAME_MODELS, a 300-token prompt + 32 greedy steps"
+  step "CUDA logits, the defaults against ${ENVSAME:-DS4_CUDA_PREFILL_TC=3} (the same sums): ENVSAME_MODELS, a 300-token prompt + 32 greedy steps"
   P=$(python3 -c "print(','.join(str((i * 7919) % 1000 + 1) for i in range(300)))")
   for m in ${ENVSAME_MODELS:-small/q8_0 small/f16 small-q4/ small-q2/}; do
     cfg=${m%%/*}; ty=${m#*/}; [ "$ty" = "$m" ] && ty=""
     ./ds4 synth --config "$cfg" --seed 1 ${ty:+--type $ty} -o "$OUT/es.gguf" > /dev/null 2>&1
     i=0
-    for e in default ${ENVSAME:-DS4_CUDA_PREFILL_TC=2}; do
+    for e in default ${ENVSAME:-DS4_CUDA_PREFILL_TC=3}; do
       if [ "$e" = default ]; then set --; else set -- "$e"; fi
       env "$@" timeout 120 ./ds4 -m "$OUT/es.gguf" --backend cuda --tokens "$P" -n 32 \
         --dump-logits "$OUT/es-$i.ds4logit" > "$OUT/es-$i.log" 2>&1 || echo "$m $e: rc $? $(tail -1 "$OUT/es-$i.log")"
