@@ -1195,8 +1195,8 @@ static void tc_launch(int64_t rows, unsigned ny, unsigned n, const tc_segs &sg, 
         S->n_tc_tma += tb;
         const bool ta = TYPE == DS4_TYPE_Q8_0 && tc_ta();
         S->n_tc_tma_a += ta;
-        if (sp.planes != (tb ? tc_planes() : 3))
-            ds4_fatal("gemm_tc_multi: a split of %d planes for products that read %d", sp.planes, tb ? tc_planes() : 3);
+        if (sp.planes != tc_planes())
+            ds4_fatal("gemm_tc_multi: a split of %d planes for products that read %d", sp.planes, tc_planes());
         const bool pl2 = sp.planes == 2;
         S->n_tc_pl2 += pl2;
         if (ta && pl2)
