@@ -2,10 +2,10 @@
 # series.sh -- the patch series of patches/ (patches/README.md): the eager baseline engine and one
 # patch per stage on top of it.  No baseline tree is stored: it is HEAD's tracked files (outside
 # patches/) with every patch of patches/series reverse-applied.  Invariant: baseline + every patch
-# == HEAD, byte for byte.  The project's documents (README.md, bench/RESULTS.md, tests/fuzz/RESULTS.md)
-# and the tooling that drives the series and the GPU machine (this script, scripts/gpu-check.sh,
-# tests/test_series.py) are in no patch: every stage carries HEAD's, so editing them never
-# regenerates a patch.
+# == HEAD, byte for byte.  The project's documents (README.md, bench/RESULTS.md, bench/pending/:
+# changes waiting for a GPU run, tests/fuzz/RESULTS.md) and the tooling that drives the series and
+# the GPU machine (this script, scripts/gpu-check.sh, tests/test_series.py) are in no patch: every
+# stage carries HEAD's, so editing them never regenerates a patch.
 #
 #   scripts/series.sh base DIR          the baseline tree into DIR (created; must not exist)
 #   scripts/series.sh tree N DIR        the baseline with the first N patches applied, into DIR
@@ -67,7 +67,7 @@ die() { echo "series.sh: $*" >&2; exit 2; }
 
 # What a patch never holds: the series itself, the project's documents and results, and the tooling
 # that drives the series and the GPU machine (HEAD's at every stage: it works on HEAD's tree).
-NOT_STAGED=(':(exclude)patches' ':(exclude)README.md' ':(exclude)bench/RESULTS.md' ':(exclude)tests/fuzz/RESULTS.md'
+NOT_STAGED=(':(exclude)patches' ':(exclude)README.md' ':(exclude)bench/RESULTS.md' ':(exclude)bench/pending' ':(exclude)tests/fuzz/RESULTS.md'
             ':(exclude)scripts/series.sh' ':(exclude)scripts/gpu-check.sh' ':(exclude)tests/test_series.py')
 
 # git apply in directory $1, as a plain patch tool there: a repository that merely encloses $1
