@@ -3911,7 +3911,7 @@ int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
         { "DS4_CUDA_PREFILL_ATTN", 0, 2, "a prefill batch's attention in row tiles shared by 32 heads: 2 = on tensor cores, 1 = f32, 0 = per query" },
         { "DS4_CUDA_DECODE_GROUP", 0, 1, "1 = a call of up to 4 tokens streams each dense matrix once, in one launch" },
         { "DS4_CUDA_SHARED_STREAM", 0, 1, "1 = at decode the MoE's shared expert runs on a second stream" },
-        { "DS4_CUDA_PREFILL_PLANES", 2, 3, "f16 parts of each activation in the prefill's tensor-core products (DS4_CUDA_PREFILL_TC 3, 4) and attention (DS4_CUDA_PREFILL_ATTN 2): 2 = hi + mid, 3 = hi + mid + lo" },
+        { "DS4_CUDA_PREFILL_PLANES", 2, 3, "f16 parts of each activation in the prefill's tensor-core products (DS4_CUDA_PREFILL_TC 1 to 4) and attention (DS4_CUDA_PREFILL_ATTN 2): 2 = hi + mid, 3 = hi + mid + lo" },
         { "DS4_ROLLBACK_RESTORE", 0, 3, "debug: the parts a rollback restores, bit 0 the model's layers, bit 1 the MTP block's" },
     };
     for (size_t i = 0; i < sizeof ints / sizeof ints[0]; i++) {

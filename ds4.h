@@ -270,7 +270,7 @@ typedef struct ds4_env {
                                    32 heads, 2 = on tensor cores (default), 1 = in f32 on the CUDA cores;
                                    0 = the per-query kernel decode uses */
     int prefill_planes;         /* DS4_CUDA_PREFILL_PLANES: f16 parts of each activation in the prefill's
-                                   tensor-core products (DS4_CUDA_PREFILL_TC 3, 4) and attention
+                                   tensor-core products (DS4_CUDA_PREFILL_TC 1 to 4) and attention
                                    (DS4_CUDA_PREFILL_ATTN 2), 2 = hi + mid (default), 3 = hi + mid + lo */
     int decode_group;           /* DS4_CUDA_DECODE_GROUP: 1 = a call of up to 4 tokens (a speculative check)
                                    streams each dense matrix once, in one launch (default); 0 = chunks of

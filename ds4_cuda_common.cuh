@@ -117,7 +117,7 @@ struct ds4_session {
     uint64_t       launches;          /* kernel launches + cuBLAS calls */
     uint64_t       n_tc_wgmma, n_tc_tma, n_tc_tma_a;   /* k_tc_wgmma launches; of those with tensor-copy
                                                         stages; of those with the weights' too */
-    uint64_t       n_tc_pl2, n_att_mma, n_att_mma_pl2;   /* of k_tc_wgmma's, on two planes; k_attention_mma
+    uint64_t       n_tc_pl2, n_att_mma, n_att_mma_pl2;   /* product launches on two planes; k_attention_mma
                                                           launches, and of those on two planes */
     double         launch_seconds;    /* host time inside them */
     FILE          *trace;             /* DS4_LAUNCH_TRACE */

@@ -28,8 +28,8 @@
  *     bits for x's 24, so the split is exact for every element down to 2^-7 of the row's
  *     largest (lo is then a normal f16) and within 2^-39 of that largest below it (half of
  *     f16's subnormal step), far under f32's own rounding of the dot product.
- *     k_tc_wgmma with tensor copies (DS4_CUDA_PREFILL_TC 3, 4) reads hi and mid alone by default
- *     (DS4_CUDA_PREFILL_PLANES=2; the split then writes only those two): each element within
+ *     Both kernels read hi and mid alone by default (DS4_CUDA_PREFILL_PLANES=2; the split then
+ *     writes only those two, and a stage holds two parts): each element within
  *     2^-22 of itself where mid is a normal f16 (f32's own inputs carry 2^-24), 4 MMAs a block
  *     of 32 instead of 6.  The dot product stays within f32's accuracy; what it gives up is
  *     the last bits of an exact input, which decide only near-ties downstream (bench/RESULTS.md).
@@ -52,7 +52,7 @@
  *   The block streams K in stages of TC_BK = 64 through a TC_ST-deep cp.async pipeline: a
  * stage is the raw weight bytes of its 128 rows (Q8_0: two 34-byte blocks per row; F16:
  * 128 bytes; a super-block type: the whole super-block the stage is a quarter of, the same
- * bytes four stages running, from L2; tc_traits) and the three parts of its 64 tokens
+ * bytes four stages running, from L2; tc_traits) and the parts (three, or two) of its 64 tokens
  * (16-byte chunks, swizzled so a quarter-warp's reads fall on distinct banks).  From a stage
  * a lane takes, per block of 32 k, one 16-byte read per n tile and part for B (the 8 halves
  * it needs are adjacent because the k order inside the block is permuted, see below) and
@@ -60,7 +60,7 @@
  * and in adjacent bytes or one grid entry) and the factors per A row, makes them exact f16
  * integers (Q8_0: a byte permute into 1024 + (q + 128), then one f16x2 subtraction;
  * IQ2_XXS: its grid entry, expanded per block into f16 magnitude pairs in shared memory,
- * with the sign bits flipped in), and issues 2 MMAs x 3 parts per tile pair (and pass).  The grid is row tiles x token tiles.  The row tiles are those of up to TC_SEG_MAX
+ * with the sign bits flipped in), and issues 2 MMAs x PL parts per tile pair (and pass).  The grid is row tiles x token tiles.  The row tiles are those of up to TC_SEG_MAX
  * matrices of one type and K (segments, grid z): the projections of one input (matmul_multi,
  * gate|up), or the groups of a grouped projection, each group reading its own part of the
  * split.  So a batch's small projections fill the device together, in one launch, from one
@@ -267,7 +267,7 @@ __device__ __forceinline__ void tc_u8x4_f16(uint32_t u, uint32_t &p01, uint32_t 
  *     84 bytes and IQ2_XXS 68 (its 66 bytes from the 4-byte boundary at or below them: a
  *     super-block at an odd index starts 2 bytes into a word), copied 4 bytes at a time;
  *     Q4_K 144 bytes in 16-byte chunks.
- * AROW bytes a row, in pieces of PS bytes; then B, three parts x TC_BN tokens x TC_BK halves
+ * AROW bytes a row, in pieces of PS bytes; then B, PL parts (three or two) x TC_BN tokens x TC_BK halves
  * (128 bytes a token). */
 template <int TYPE> struct tc_traits {
     enum {
@@ -299,8 +299,8 @@ template <int TYPE, bool WG, bool TA = false, int PL = 3> struct tc_tile {
         SMEM = ST * STAGE + TT::SMEM_EXTRA + (WG ? 8 * ST + 1024 : 0),   /* WG: the stages' mbarriers */
     };
 };
-template <int TYPE>
-__host__ __device__ constexpr int tc_smem_bytes() { return tc_tile<TYPE, false>::SMEM; }
+template <int TYPE, int PL = 3>
+__host__ __device__ constexpr int tc_smem_bytes() { return tc_tile<TYPE, false, false, PL>::SMEM; }
 template <int TYPE, bool TA = false, int PL = 3>
 __host__ __device__ constexpr int tcw_smem_bytes() { return tc_tile<TYPE, true, TA, PL>::SMEM; }
 __device__ __forceinline__ int tc_swz(int row, int chunk) { return 16 * (chunk ^ ((row & 1) << 2)); }
@@ -354,12 +354,13 @@ __device__ __forceinline__ tc_copy tc_copy_plan(const uint8_t *w, size_t row_byt
     return cp;
 }
 
-/* Stage kb's B: the three parts of the tile's tokens, elements kb*TC_BK .. + TC_BK (cp.bs holds
+/* Stage kb's B: the PL parts of the tile's tokens, elements kb*TC_BK .. + TC_BK (cp.bs holds
  * the kernel's layout). */
+template <int PL>
 __device__ __forceinline__ void tc_load_b(uint8_t *st, const tc_copy &cp, size_t plane, int K, int kb) {
     const __half *b = cp.b + (size_t)kb * 64;
 #pragma unroll
-    for (int p = 0; p < 3; p++)
+    for (int p = 0; p < PL; p++)
 #pragma unroll
         for (int h = 0; h < 2; h++)
             cp_async16(st + cp.bs + (p * TC_BN + 32 * h) * 128, b + p * plane + (size_t)(32 * h) * K);
@@ -411,11 +412,11 @@ __device__ __forceinline__ void tc_load_a(uint8_t *st, const tc_copy &cp, size_t
 
 /* One stage in flight: the weight rows' data of elements kb*TC_BK .. + TC_BK and the tokens'
  * elements. */
-template <int TYPE, bool WG>
+template <int TYPE, bool WG, int PL>
 __device__ __forceinline__ void tc_load_stage(uint8_t *st, const tc_copy &cp, size_t row_bytes, size_t plane, int K,
                                               int kb) {
     tc_load_a<TYPE, WG>(st, cp, row_bytes, kb);
-    tc_load_b(st, cp, plane, K, kb);
+    tc_load_b<PL>(st, cp, plane, K, kb);
 }
 
 /* A lane's 8 elements 32 j + 8 t .. + 7 of stage kb's staged row r, as four f16x2 registers
@@ -553,7 +554,7 @@ __device__ __forceinline__ void tc_iq2_tables(uint4 *grid, uint8_t *s8tab) {
  * (grouped: the matrix e = tile.x, tokens tile.y .. tile.z - 1, at most TC_BN) or, with tiles
  * NULL, tokens TC_BN blockIdx.y .. up to nt.  Matrix e of a segment starts mat_bytes * e into
  * its w. */
-template <int TYPE>
+template <int TYPE, int PL>
 __global__ void __launch_bounds__(TC_THREADS, 2)
 k_tc_gemm(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const uint8_t *xs_all, int ntp,
           const int4 *tiles, int nt) {
@@ -572,7 +573,7 @@ k_tc_gemm(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const uin
     const int t0 = bk.t0, t1 = bk.t1;
     /* IQ2_XXS: the grid as f16 magnitude pairs and the sign bytes, after the stages (the main
      * loop's first barrier orders these stores before any read) */
-    constexpr int SB = tc_tile<TYPE, false>::STAGE;
+    constexpr int SB = tc_tile<TYPE, false, false, PL>::STAGE;
     const uint4 *grid = (const uint4 *)(tc_smem + TC_ST * SB);
     const uint8_t *s8tab = (const uint8_t *)(grid + 256);
     if (TYPE == DS4_TYPE_IQ2_XXS) tc_iq2_tables((uint4 *)grid, (uint8_t *)s8tab);
@@ -595,7 +596,7 @@ k_tc_gemm(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const uin
     const int nk = K / TC_BK;
 #pragma unroll
     for (int s = 0; s < TC_ST - 1; s++) {
-        if (s < nk) tc_load_stage<TYPE, false>(tc_smem + s * SB, cp, row_bytes, plane, K, s);
+        if (s < nk) tc_load_stage<TYPE, false, PL>(tc_smem + s * SB, cp, row_bytes, plane, K, s);
         cp_async_commit();
     }
     for (int kb = 0; kb < nk; kb++) {
@@ -603,13 +604,13 @@ k_tc_gemm(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const uin
         __syncthreads();
         {
             const int nx = kb + TC_ST - 1;
-            if (nx < nk) tc_load_stage<TYPE, false>(tc_smem + (nx % TC_ST) * SB, cp, row_bytes, plane, K, nx);
+            if (nx < nk) tc_load_stage<TYPE, false, PL>(tc_smem + (nx % TC_ST) * SB, cp, row_bytes, plane, K, nx);
             cp_async_commit();
         }
         const uint8_t *As = tc_smem + (kb % TC_ST) * SB, *Bs = As + TC_BM * TT::AROW;
 #pragma unroll
         for (int j = 0; j < 2; j++) {
-            /* the lane's A of both m tiles for block j, then one n tile's three parts at a time */
+            /* the lane's A of both m tiles for block j, then one n tile's PL parts at a time */
             uint32_t a[2][2][4], m[2][2];
             float d[2][2], d2[2][2];
 #pragma unroll
@@ -619,19 +620,19 @@ k_tc_gemm(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const uin
             }
 #pragma unroll
             for (int n2 = 0; n2 < 4; n2 += 2) {
-                uint4 bf[2][3];
+                uint4 bf[2][PL];
 #pragma unroll
                 for (int q = 0; q < 2; q++) {
                     const int n = wn0 + 8 * (n2 + q) + g;
 #pragma unroll
-                    for (int p = 0; p < 3; p++) bf[q][p] = *(const uint4 *)(Bs + (p * TC_BN + n) * 128 + tc_swz(n, 4 * j + t));
+                    for (int p = 0; p < PL; p++) bf[q][p] = *(const uint4 *)(Bs + (p * TC_BN + n) * 128 + tc_swz(n, 4 * j + t));
                 }
                 /* pass 0: the weights' integers a; pass 1 (types with mins): the min m */
 #pragma unroll
                 for (int pass = 0; pass < 1 + TT::MIN; pass++) {
                     float c[2][2][4] = {};
 #pragma unroll
-                    for (int p = 0; p < 3; p++)
+                    for (int p = 0; p < PL; p++)
 #pragma unroll
                         for (int hf = 0; hf < 2; hf++)
 #pragma unroll
@@ -886,7 +887,7 @@ k_tc_wgmma(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const ui
     const int si = blockIdx.z;
     const int nrows = sg.nrows[si];
     static_assert(!TA || (TB && TYPE == DS4_TYPE_Q8_0), "k_tc_wgmma: A by tensor copies is Q8_0's, with B's");
-    static_assert(PL == 3 || (PL == 2 && TB), "k_tc_wgmma: two planes are copied by tensor copies");
+    static_assert(PL == 2 || PL == 3, "k_tc_wgmma: two or three planes");
     typedef tc_tile<TYPE, true, TA, PL> TL;
     const int row0 = blockIdx.x * TC_BM;
     if (row0 >= nrows) return;
@@ -923,12 +924,12 @@ k_tc_wgmma(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const ui
         __syncthreads();
     }
     /* stage kb's copies into buffer kb % ST: A by every thread (cp.async), B by every thread
-     * too or, with TB, by thread 0's one tensor copy of the three parts; with TA, A by a
+     * too or, with TB, by thread 0's one tensor copy of the PL parts; with TA, A by a
      * second tensor copy of thread 0's */
     auto load = [&](int kb) {
         uint8_t *st = smem + (kb % ST) * SB;
         if (!TB) {
-            tc_load_stage<TYPE, true>(st, cp, row_bytes, plane, K, kb);
+            tc_load_stage<TYPE, true, PL>(st, cp, row_bytes, plane, K, kb);
             return;
         }
         if (!TA) tc_load_a<TYPE, true>(st, cp, row_bytes, kb);
@@ -1016,9 +1017,8 @@ static bool tc_wg(void) { return tc_wg_dev && sess()->lim.prefill_tc >= 2; }
 static bool tc_tb(void) { return tc_wg() && tc_encode && sess()->lim.prefill_tc >= 3; }
 /* tc_ta: Q8_0's weights by tensor copies too (4). */
 static bool tc_ta(void) { return tc_tb() && sess()->lim.prefill_tc == 4; }
-/* The activations' planes the products read (DS4_CUDA_PREFILL_PLANES): 2 where the stages come by
- * tensor copies (tc_tb) and the session asks for 2, else 3. */
-static int tc_planes(void) { return tc_tb() && sess()->lim.prefill_planes == 2 ? 2 : 3; }
+/* The activations' planes the products read (DS4_CUDA_PREFILL_PLANES: 2, else 3), every engine. */
+static int tc_planes(void) { return sess()->lim.prefill_planes == 2 ? 2 : 3; }
 
 /* The dynamic shared memory of a type's block: k_tc_wgmma's (wg) or k_tc_gemm's. */
 template <int TYPE>
@@ -1036,18 +1036,24 @@ static int tc_smem_need(int type, bool wg) {
 
 template <int TYPE>
 static void tc_smem_setup(void) {
-    if (tc_smem_bytes<TYPE>() <= tc_smem_opt)
-        DS4_CUDA_CHECK(cudaFuncSetAttribute(k_tc_gemm<TYPE>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    if (tc_smem_bytes<TYPE>() <= tc_smem_opt) {
+        DS4_CUDA_CHECK(cudaFuncSetAttribute(k_tc_gemm<TYPE, 3>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             tc_smem_bytes<TYPE>()));
+        DS4_CUDA_CHECK(cudaFuncSetAttribute(k_tc_gemm<TYPE, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            tc_smem_bytes<TYPE, 2>()));
+    }
     if (tc_wg_dev && tcw_smem_bytes<TYPE>() <= tc_smem_opt) {
         DS4_CUDA_CHECK(cudaFuncSetAttribute(k_tc_wgmma<TYPE, false, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             tcw_smem_bytes<TYPE>()));
         DS4_CUDA_CHECK(cudaFuncSetAttribute(k_tc_wgmma<TYPE, true, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             tcw_smem_bytes<TYPE>()));
     }
-    if (tc_wg_dev && tcw_smem_bytes<TYPE, false, 2>() <= tc_smem_opt)
+    if (tc_wg_dev && tcw_smem_bytes<TYPE, false, 2>() <= tc_smem_opt) {
+        DS4_CUDA_CHECK(cudaFuncSetAttribute(k_tc_wgmma<TYPE, false, false, 2>,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize, tcw_smem_bytes<TYPE, false, 2>()));
         DS4_CUDA_CHECK(cudaFuncSetAttribute(k_tc_wgmma<TYPE, true, false, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             tcw_smem_bytes<TYPE, false, 2>()));
+    }
     if (TYPE == DS4_TYPE_Q8_0 && tc_wg_dev && tcw_smem_bytes<DS4_TYPE_Q8_0, true>() <= tc_smem_opt) {
         DS4_CUDA_CHECK(cudaFuncSetAttribute(k_tc_wgmma<DS4_TYPE_Q8_0, true, true>,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -1195,8 +1201,6 @@ static void tc_launch(int64_t rows, unsigned ny, unsigned n, const tc_segs &sg, 
         S->n_tc_tma += tb;
         const bool ta = TYPE == DS4_TYPE_Q8_0 && tc_ta();
         S->n_tc_tma_a += ta;
-        if (sp.planes != tc_planes())
-            ds4_fatal("gemm_tc_multi: a split of %d planes for products that read %d", sp.planes, tc_planes());
         const bool pl2 = sp.planes == 2;
         S->n_tc_pl2 += pl2;
         if (ta && pl2)
@@ -1216,13 +1220,22 @@ static void tc_launch(int64_t rows, unsigned ny, unsigned n, const tc_segs &sg, 
         else if (tb)
             DS4_LAUNCH((k_tc_wgmma<TYPE, true, false>), grid, TC_THREADS, TL::SMEM, sg, mat_bytes, row_bytes, (int)sp.K,
                        (const uint8_t *)sp.xs, (int)sp.ntp, tiles, (int)sp.n, tc_split_map(sp), anone);
+        else if (pl2)
+            DS4_LAUNCH((k_tc_wgmma<TYPE, false, false, 2>), grid, TC_THREADS, (tcw_smem_bytes<TYPE, false, 2>()), sg,
+                       mat_bytes, row_bytes, (int)sp.K, (const uint8_t *)sp.xs, (int)sp.ntp, tiles, (int)sp.n, none,
+                       anone);
         else
             DS4_LAUNCH((k_tc_wgmma<TYPE, false, false>), grid, TC_THREADS, TL::SMEM, sg, mat_bytes, row_bytes, (int)sp.K,
                        (const uint8_t *)sp.xs, (int)sp.ntp, tiles, (int)sp.n, none, anone);
     } else {
         const dim3 grid((unsigned)((rows + TC_BM - 1) / TC_BM), ny, n);
-        DS4_LAUNCH(k_tc_gemm<TYPE>, grid, TC_THREADS, tc_smem_bytes<TYPE>(), sg, mat_bytes, row_bytes, (int)sp.K,
-                   (const uint8_t *)sp.xs, (int)sp.ntp, tiles, (int)sp.n);
+        sess()->n_tc_pl2 += sp.planes == 2;
+        if (sp.planes == 2)
+            DS4_LAUNCH((k_tc_gemm<TYPE, 2>), grid, TC_THREADS, (tc_smem_bytes<TYPE, 2>()), sg, mat_bytes, row_bytes,
+                       (int)sp.K, (const uint8_t *)sp.xs, (int)sp.ntp, tiles, (int)sp.n);
+        else
+            DS4_LAUNCH((k_tc_gemm<TYPE, 3>), grid, TC_THREADS, tc_smem_bytes<TYPE>(), sg, mat_bytes, row_bytes, (int)sp.K,
+                       (const uint8_t *)sp.xs, (int)sp.ntp, tiles, (int)sp.n);
     }
 }
 

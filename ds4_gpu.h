@@ -190,7 +190,7 @@ typedef struct ds4_limits {
     int     prefill_attn;     /* attention of a batch that fills the device in row tiles shared by a
                                * block's heads (DS4_CUDA_PREFILL_ATTN; CUDA): 2, on tensor cores where d
                                * and the card allow, else 1's; 1, in f32; 0, never */
-    int     prefill_planes;   /* f16 parts of an activation in k_tc_wgmma with tensor copies and in
+    int     prefill_planes;   /* f16 parts of an activation in the tensor-core products and in
                                * k_attention_mma (DS4_CUDA_PREFILL_PLANES; CUDA): 2 (hi + mid: each
                                * element kept to 2^-22 of itself) or 3 (hi + mid + lo); 0 reads as 3 */
     int     prefill_attn_all; /* tests: the tile kernels take every batch they can, not only those
@@ -223,7 +223,8 @@ typedef struct ds4_backend_stats {
     uint64_t tc_wgmma;                /* k_tc_wgmma (sm_90a on a CC 9.0 card) */
     uint64_t tc_tma;                  /* of those, with tensor-copy stages (DS4_CUDA_PREFILL_TC=3, 4) */
     uint64_t tc_tma_a;                /* of those, with the Q8_0 weights' too (4) */
-    uint64_t tc_pl2;                  /* of k_tc_wgmma's, on two planes (DS4_CUDA_PREFILL_PLANES=2) */
+    uint64_t tc_pl2;                  /* product launches (k_tc_wgmma and k_tc_gemm) on two planes
+                                       * (DS4_CUDA_PREFILL_PLANES=2) */
     uint64_t att_mma;                 /* k_attention_mma launches (DS4_CUDA_PREFILL_ATTN=2) */
     uint64_t att_mma_pl2;             /* of those, on two planes */
 } ds4_backend_stats;

@@ -1800,19 +1800,16 @@ static int test_tc_engine(const ds4_limits *lim0, int eng_first, int eng_last) {
      * copies by the tensor memory accelerator too), 3 (k_tc_wgmma on an sm_90 build and card,
      * the activations' stage copies by the tensor memory accelerator, else k_tc_gemm), 2
      * (k_tc_wgmma with cp.async copies), each on the same inputs and every output byte for byte
-     * against the first engine's (g_same) where both run on the same planes (4 and 3 on the
-     * session's DS4_CUDA_PREFILL_PLANES, 2 on three), then 1 (k_tc_gemm).  The plain run and
-     * `test_backend_ops tc` take 4 to 1, tc4 4 and 3, tc3 3 and 2, tc2 2 alone. */
+     * against the first engine's (g_same), then 1 (k_tc_gemm), all on the session's planes
+     * (DS4_CUDA_PREFILL_PLANES).  The plain run and `test_backend_ops tc` take 4 to 1, tc4 4
+     * and 3, tc3 3 and 2, tc2 2 alone, tc1 1 alone. */
     const int same = eng_first >= 3 && eng_last < eng_first;    /* the first, then the others to 2 byte for byte */
     const uint64_t rng0 = g_rng;
     for (int eng = eng_first; eng >= eng_last; eng--) {
         ds4_limits pl = lim;
         pl.prefill_tc = eng;
-        /* 2 copies with cp.async, on three planes whatever the session asks (tc_planes): compared
-         * byte for byte only when the first engine ran on three too */
-        g_same = same ? (eng == eng_first ? 1 : eng >= (pl.prefill_planes == 2 ? 3 : 2) ? 2 : 0) : 0;
-        printf("(prefill products: DS4_CUDA_PREFILL_TC=%d, %d planes%s)\n", eng,
-               eng >= 3 && pl.prefill_planes == 2 ? 2 : 3,
+        g_same = same ? (eng == eng_first ? 1 : eng >= 2 ? 2 : 0) : 0;
+        printf("(prefill products: DS4_CUDA_PREFILL_TC=%d, %d planes%s)\n", eng, pl.prefill_planes == 2 ? 2 : 3,
                g_same == 1 ? ", outputs recorded" : g_same == 2 ? ", compared with the first's byte for byte" : "");
         g_same_at = 0;
         g_rng = rng0;                                      /* every pass on the same inputs */
@@ -1885,8 +1882,8 @@ static int test_tc_engine(const ds4_limits *lim0, int eng_first, int eng_last) {
             printf("tc engine       DS4_CUDA_PREFILL_TC=%d: no k_tc_wgmma launch (not an sm_90a build on a CC 9.0 "
                    "card): k_tc_gemm ran\n", eng);
         } else if (eng >= 2) {
-            /* two planes (DS4_CUDA_PREFILL_PLANES=2) on the launches with tensor copies, none otherwise */
-            const uint64_t pl2 = pl.prefill_planes == 2 ? st.tc_tma : 0;   /* 2 and 1: three planes */
+            /* every launch on two planes (DS4_CUDA_PREFILL_PLANES=2), or none */
+            const uint64_t pl2 = pl.prefill_planes == 2 ? st.tc_wgmma : 0;
             const int ok = (eng >= 3 ? st.tc_tma == st.tc_wgmma : st.tc_tma == 0) &&
                            (eng == 4 ? st.tc_tma_a > 0 && st.tc_tma_a < st.tc_wgmma : st.tc_tma_a == 0) &&
                            st.tc_pl2 == pl2;
@@ -1894,6 +1891,12 @@ static int test_tc_engine(const ds4_limits *lim0, int eng_first, int eng_last) {
                    "the weights too, %llu on two planes  %s\n", eng, (unsigned long long)st.tc_wgmma,
                    (unsigned long long)st.tc_tma, (unsigned long long)st.tc_tma_a, (unsigned long long)st.tc_pl2,
                    ok ? "ok" : "FAIL");
+            if (ok) g_pass++; else g_fail++;
+        }
+        if (eng == 1 || !st.tc_wgmma) {     /* k_tc_gemm: on the planes asked for too */
+            const int ok = (st.tc_pl2 > 0) == (pl.prefill_planes == 2);
+            printf("tc engine       DS4_CUDA_PREFILL_TC=%d: k_tc_gemm, %llu launches on two planes  %s\n", eng,
+                   (unsigned long long)st.tc_pl2, ok ? "ok" : "FAIL");
             if (ok) g_pass++; else g_fail++;
         }
         if (g_same == 2 && g_same_at != g_same_cnt) {
@@ -1967,10 +1970,11 @@ static int test_prefill_attention(const ds4_limits *lim) {
 
 int main(int argc, char **argv) {
     if (argc > 2 || (argc == 2 && strcmp(argv[1], "tc") != 0 && strcmp(argv[1], "tc2") != 0 &&
-                     strcmp(argv[1], "tc3") != 0 && strcmp(argv[1], "tc4") != 0 && strcmp(argv[1], "rows") != 0 &&
+                     strcmp(argv[1], "tc3") != 0 && strcmp(argv[1], "tc4") != 0 && strcmp(argv[1], "tc1") != 0 &&
+                     strcmp(argv[1], "rows") != 0 &&
                      strcmp(argv[1], "ix") != 0 && strcmp(argv[1], "att") != 0 && strcmp(argv[1], "pl3") != 0)) {
-        fprintf(stderr, "usage: test_backend_ops [tc|tc2|tc3|tc4|rows|ix|att|pl3]   (tc: only the tensor-core engine's cases, "
-                        "with DS4_CUDA_PREFILL_TC 4, then 3 and 2 byte for byte against 4, then 1; tc2: those with 2 alone; tc3: 3 "
+        fprintf(stderr, "usage: test_backend_ops [tc|tc1|tc2|tc3|tc4|rows|ix|att|pl3]   (tc: only the tensor-core engine's cases, "
+                        "with DS4_CUDA_PREFILL_TC 4, then 3 and 2 byte for byte against 4, then 1; tc1, tc2: those with 1 or 2 alone; tc3: 3 "
                         "and 2; tc4: 4 and 3; rows: "
                         "only a batch's rows against one-token calls: attention, the weight products; ix: only the "
                         "indexer at a prompt's batch sizes; att: only the prefill attention kernels; pl3: the prefill attention, "
@@ -2034,8 +2038,8 @@ int main(int argc, char **argv) {
         return g_fail ? 1 : 0;
     }
     if (argc == 2) {
-        const int first = !strcmp(argv[1], "tc2") ? 2 : !strcmp(argv[1], "tc3") ? 3 : 4,
-                  last = !strcmp(argv[1], "tc") ? 1 : !strcmp(argv[1], "tc4") ? 3 : 2;
+        const int first = !strcmp(argv[1], "tc1") ? 1 : !strcmp(argv[1], "tc2") ? 2 : !strcmp(argv[1], "tc3") ? 3 : 4,
+                  last = !strcmp(argv[1], "tc") || !strcmp(argv[1], "tc1") ? 1 : !strcmp(argv[1], "tc4") ? 3 : 2;
         if (test_tc_engine(&lim, first, last) != 0) return 2;
         printf("%d passed, %d failed\n", g_pass, g_fail);
         return g_fail ? 1 : 0;
