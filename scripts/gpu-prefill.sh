@@ -39,7 +39,7 @@
 # test_backend_ops (SAN_OPS: 1 every case; tc, tc2, tc3, tc4 or pl2, as test_backend_ops takes them; 0 none).
 # l2read: bench/l2_read (the SMs' read bandwidth from L2, ld.global.cg and cp.async).
 # envsame: CUDA logits with the defaults and with each setting of ENVSAME (words VAR=VALUE, default
-# "DS4_CUDA_PREFILL_TC=3"; TC=2 runs on three planes, the default two) on ENVSAME_MODELS (config/type), a 300-token prompt + 32 greedy steps,
+# "DS4_CUDA_PREFILL_TC=3") on ENVSAME_MODELS (config/type), a 300-token prompt + 32 greedy steps,
 # byte for byte (for a switch that keeps every sum).
 # planes: PLANES_MODELS (flash16) prefill with DS4_CUDA_PREFILL_PLANES 3 and 2, PLANES_ROUNDS (2)
 # rounds alternating.  peer: llama.cpp and ds4 on the same file (see the step).
