@@ -87,7 +87,7 @@
  * descriptor, so B's 16 slots of a k16 step must lie in shared memory in slot order: the split
  * writes each row permuted for it (k_tc_split's perm: the k permutation above, applied to the data),
  * and the stage holds it in the 128-byte swizzle the descriptor names.  Each block of 32 still
- * sums from zero in 6 MMAs and folds into the running sum with one FMA, blocks in order, so
+ * sums from zero in 2 PL MMAs (4, or 6 on three planes) and folds into the running sum with one FMA, blocks in order, so
  * the two kernels' results differ only by the tensor cores' own summation inside a block.
  * The instruction needs the sm_90a target: the Makefile builds this unit of an sm_90 build
  * for sm_90a (and compute_90 PTX for later cards, which take k_tc_gemm); DS4_WGMMA tells the
@@ -803,7 +803,7 @@ __device__ __forceinline__ void tcw_mma(float (&d)[32], uint32_t a0, uint32_t a1
 #endif
 }
 
-/* One block of 32 k (and pass) for the warpgroup: six MMAs, k16 steps hf x parts p, the first
+/* One block of 32 k (and pass) for the warpgroup: 2 PL MMAs, k16 steps hf x parts p, the first
  * from zero.  db: the descriptor of the stage's B (tcw_desc), whose address field takes the
  * offsets of part p and step hf of block j as a sum (an address in shared memory stays under
  * 2^18); a[h]: the lane's rows g (h = 0) and g + 8 (h = 1). */
@@ -850,7 +850,7 @@ struct tc_amaps {
  *   A warp's accumulator rows g and g + 8 of its 16 are the tile rows pr and pr + DR (DR = 2,
  *   pr k_tc_gemm's pg spread over the 4 warps of a warpgroup, so that a warp's loads of the
  *   68-byte rows hit 32 banks; with A by tensor copies, TA below, DR = 8).
- *   Per stage (two blocks of 32 k): both blocks' A fragments, a fence, each block's six MMAs
+ *   Per stage (two blocks of 32 k): both blocks' A fragments, a fence, each block's 2 PL MMAs
  *   into its own accumulator set c from zero and a commit per block; a wait for the first
  *   block and its fold into acc (one FMA by s per element), then a wait for the second and its
  *   fold.  Blocks fold in order, as in k_tc_gemm.  The first fold is written to overlap the
