@@ -588,7 +588,10 @@ static void launch_attention_tiles_t(const attn_args &a) {
  * Warp w takes heads 16 (w % 2) .. + 15 and the dim slice w / 2 of NW / 2: in S it sums its
  * slice of the dims for 16 heads x 16 rows (ldmatrix for both operands); in O += P V its 16 heads x its slice of the output dims, with P's fragments
  * taken from the reduced S in registers (the m16n8k16 C layout of two n tiles is the A layout
- * of one k16 step) and V's by ldmatrix.trans from the same parts.  The online softmax runs on
+ * of one k16 step) and V's by ldmatrix.trans from the same parts.  S is reduced once per head
+ * group: the group's warps share out its 8 values a lane (of 16 heads x 16 rows), each sums
+ * its values over the slices in slice order and scales them, and all read the result back
+ * (two named barriers of the group's warps, not of the block).  The online softmax runs on
  * the reduced S, the same in the NW / 2 warps of a head group.
  * Shared memory for d = 512: query parts 98 KiB, two tiles of row parts 98 KiB, score
  * partials 16 KiB, picks 4 KiB; one block per SM.  Rows are padded by 8 halves, so the 8 row
@@ -741,6 +744,12 @@ __device__ __forceinline__ void atm_load_tile(const attn_args &a, __half *kb, in
     cp_async_commit();
 }
 
+/* The NG warps of head group mi (warps mi, mi + 2, ...) wait for one another: named barrier
+ * 1 + mi, so the two groups of a block go on without each other. */
+__device__ __forceinline__ void atm_group_sync(int mi, int NG) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(1 + mi), "r"(NG * 32) : "memory");
+}
+
 /* x, y -> their three parts packed as f16x2 (low half: x, the lower column). */
 __device__ __forceinline__ void att_split3x2(float x, float y, uint32_t &hi, uint32_t &mid, uint32_t &lo) {
     __half hx, mx, lx, hy, my, ly;
@@ -770,6 +779,7 @@ __global__ void __launch_bounds__(atm_warps(KS) * 32, 1) k_attention_mma(const a
     const int g = lane >> 2, tq = lane & 3;
     const int mi = warp & 1, dq = warp >> 1;                         /* heads 16 mi .., dims DQ dq .. */
     static_assert(DQ % 16 == 0 && ATT_TH == 32, "a warp's dims are whole k16 steps; two m16 head tiles");
+    static_assert(8 % NG == 0, "a head group's warps share out a lane's 8 values of S evenly");
     const int t = blockIdx.x, hb0 = blockIdx.y * ATT_TH;
     const int pos0 = a.step->pos0, P = pos0 + t;
     const int n_win = ds4_win_rows(P, a.W), p_first = P - n_win + 1;
@@ -844,20 +854,27 @@ __global__ void __launch_bounds__(atm_warps(KS) * 32, 1) k_attention_mma(const a
             const int n = c >> 2, j = c & 3;
             xs[(warp * 8 + c) * 32 + lane] = (acc[2][n][j] + acc[1][n][j]) + acc[0][n][j];
         }
-        __syncthreads();
+        atm_group_sync(mi, NG);          /* the head group's partials are in xs */
 
-        /* value c: head g + 8 ((c >> 1) & 1), row 8 (c >> 2) + 2 tq + (c & 1) */
-        float sv[8];
+        /* value c: head g + 8 ((c >> 1) & 1), row 8 (c >> 2) + 2 tq + (c & 1).  Warp dq of the
+         * group sums the values c = dq (mod NG) over the slices, scales them and leaves them in
+         * slice 0's place, which only it reads; then every warp of the group takes all 8. */
 #pragma unroll
-        for (int c = 0; c < 8; c++) {
+        for (int c0 = 0; c0 < 8; c0 += NG) {
+            const int c = c0 + dq;
             float s = xs[(mi * 8 + c) * 32 + lane];
 #pragma unroll
             for (int q = 1; q < NG; q++) s += xs[((mi + 2 * q) * 8 + c) * 32 + lane];   /* dims in order */
             const int r = 8 * (c >> 2) + 2 * tq + (c & 1);
             const int hl = mi * 16 + g + 8 * ((c >> 1) & 1);
             /* exact until * scale (powers of two) */
-            sv[c] = r < nv ? s * qinv_s[hl] * __int_as_float((127 - ke[r]) << 23) * a.scale : -INFINITY;
+            xs[(mi * 8 + c) * 32 + lane] =
+                r < nv ? s * qinv_s[hl] * __int_as_float((127 - ke[r]) << 23) * a.scale : -INFINITY;
         }
+        atm_group_sync(mi, NG);
+        float sv[8];
+#pragma unroll
+        for (int c = 0; c < 8; c++) sv[c] = xs[(mi * 8 + c) * 32 + lane];
         const int Bt = __reduce_min_sync(FULL_MASK, (lane & 15) < nv ? ke[lane & 15] : INT_MAX);
         const int Bn = tt == 0 ? Bt : min(B_run, Bt);
         float fo[2];

@@ -167,9 +167,32 @@ __device__ __forceinline__ void tc_split_elems(const float *xr, const float *ur,
     for (int i = 0; i < 8; i++) v[i] = silu_mul(v[i], w[i], limit);
 }
 
+/* Chunk v (8 elements) times s (a power of two: exact) split into its parts, one 16-byte store
+ * per plane (lo only with three planes). */
+__device__ __forceinline__ void tc_split_store(const float (&v)[8], float s, int planes, uint4 *d0, uint4 *d1,
+                                               uint4 *d2) {
+    uint32_t w[3][4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        __half hi0, mi0, lo0, hi1, mi1, lo1;
+        tc_split3(v[2 * i] * s, hi0, mi0, lo0);
+        tc_split3(v[2 * i + 1] * s, hi1, mi1, lo1);
+        const __half2 hh = __halves2half2(hi0, hi1), mm = __halves2half2(mi0, mi1), ll = __halves2half2(lo0, lo1);
+        w[0][i] = *(const uint32_t *)&hh;
+        w[1][i] = *(const uint32_t *)&mm;
+        w[2][i] = *(const uint32_t *)&ll;
+    }
+    *d0 = make_uint4(w[0][0], w[0][1], w[0][2], w[0][3]);
+    *d1 = make_uint4(w[1][0], w[1][1], w[1][2], w[1][3]);
+    if (planes == 3) *d2 = make_uint4(w[2][0], w[2][1], w[2][2], w[2][3]);
+}
+
+#define TC_SPLIT_KEEP 2     /* chunks of 8 a thread keeps in registers: K <= 8 x 256 x 2 */
+
 /* Block (t, p): token t's part p.  A thread takes 16-byte chunks of the planes (c = tid,
  * tid + 256, ...): the row's largest |element| first, then each chunk's 8 elements split and
- * stored as one 16-byte store per plane.  Row t is src.x's row t, or with src.rows its row
+ * stored as one 16-byte store per plane (tc_split_store).  A thread's first TC_SPLIT_KEEP
+ * chunks are read once, kept in registers between the two passes.  Row t is src.x's row t, or with src.rows its row
  * rows[t] / rdiv (the MoE's gather of its pairs' tokens, the values k_moe_gather would have
  * copied); with src.u, swiglu(x, u) (tc_split_elems).  MADE: rows or u may be set (the
  * plain splits, every other product's, compile without them). */
@@ -197,8 +220,20 @@ __global__ void k_tc_split(const tc_src src, int K, int nt, int ntp, uint8_t *xs
     }
     const int64_t row = MADE && src.rows ? src.rows[t] / src.rdiv : t;
     const float *xr = x + row * ldx, *ur = u ? u + row * ldx : NULL;
+    /* a thread's first TC_SPLIT_KEEP chunks stay in registers between the two passes (every
+     * chunk of K <= 4096, the most products); the rest are read again */
+    float vk[TC_SPLIT_KEEP][8];
     float m = 0.0f;
-    for (int c = threadIdx.x; c < nc; c += blockDim.x) {
+#pragma unroll
+    for (int j = 0; j < TC_SPLIT_KEEP; j++) {
+        const int c = threadIdx.x + j * TC_THREADS;
+        if (c < nc) {
+            tc_split_elems(xr, ur, src.limit, c, perm, vk[j]);
+#pragma unroll
+            for (int i = 0; i < 8; i++) m = fmaxf(m, fabsf(vk[j][i]));
+        }
+    }
+    for (int c = threadIdx.x + TC_SPLIT_KEEP * TC_THREADS; c < nc; c += TC_THREADS) {
         float v[8];
         tc_split_elems(xr, ur, src.limit, c, perm, v);
 #pragma unroll
@@ -212,23 +247,15 @@ __global__ void k_tc_split(const tc_src src, int K, int nt, int ntp, uint8_t *xs
     for (int i = 1; i < (int)(blockDim.x >> 5); i++) m = fmaxf(m, red[i]);
     const int a = tc_part_exp(m);
     const float s = __int_as_float((127 + a) << 23);
-    for (int c = threadIdx.x; c < nc; c += blockDim.x) {
+#pragma unroll
+    for (int j = 0; j < TC_SPLIT_KEEP; j++) {
+        const int c = threadIdx.x + j * TC_THREADS;
+        if (c < nc) tc_split_store(vk[j], s, planes, h0 + c, h1 + c, h2 + c);
+    }
+    for (int c = threadIdx.x + TC_SPLIT_KEEP * TC_THREADS; c < nc; c += TC_THREADS) {
         float v[8];
         tc_split_elems(xr, ur, src.limit, c, perm, v);
-        uint32_t w[3][4];
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            __half hi0, mi0, lo0, hi1, mi1, lo1;
-            tc_split3(v[2 * i] * s, hi0, mi0, lo0);  /* * s: exact */
-            tc_split3(v[2 * i + 1] * s, hi1, mi1, lo1);
-            const __half2 hh = __halves2half2(hi0, hi1), mm = __halves2half2(mi0, mi1), ll = __halves2half2(lo0, lo1);
-            w[0][i] = *(const uint32_t *)&hh;
-            w[1][i] = *(const uint32_t *)&mm;
-            w[2][i] = *(const uint32_t *)&ll;
-        }
-        h0[c] = make_uint4(w[0][0], w[0][1], w[0][2], w[0][3]);
-        h1[c] = make_uint4(w[1][0], w[1][1], w[1][2], w[1][3]);
-        if (planes == 3) h2[c] = make_uint4(w[2][0], w[2][1], w[2][2], w[2][3]);
+        tc_split_store(v, s, planes, h0 + c, h1 + c, h2 + c);
     }
     if (threadIdx.x == 0) inv[t] = __int_as_float((127 - a) << 23);
 }

@@ -212,35 +212,42 @@ __device__ __forceinline__ float hc_fn_elem(const void *fn, int64_t idx) {
     return WT == DS4_TYPE_F16 ? dsq_f16(((const uint16_t *)fn)[idx]) : ((const float *)fn)[idx];
 }
 
-/* The finish of token t's hc_pre by a block of HCP_THREADS (k_hc_pre's last block, or
- * k_hcb_finish's): the nb partial dots of every mix row and the nb partial sums of squares (at
- * p0 = t nb, in block order), mix = rms * dot, pre, post and the Sinkhorn comb (warp 0), y =
- * sum_s pre[s] x[s] and its RMSNorm (warps 1..31). */
-template <int H>
+/* The finish of token t's hc_pre by a block of NTHR threads (k_hc_pre's last block: HCP_THREADS,
+ * or k_hcb_finish's: HCBF_THREADS): the nb partial dots of every mix row and the nb partial sums
+ * of squares (at p0 = t nb, in block order; the block's warps take these n_mix + 2 tasks in turn),
+ * mix = rms * dot, pre, post and the Sinkhorn comb (warp 0), y = sum_s pre[s] x[s] and its RMSNorm
+ * (the other warps, each thread keeping CACHE of its y values between the two passes). */
+template <int H, int NTHR = HCP_THREADS, int CACHE = HCF_CACHE>
 __device__ void hcp_finish(const float *scale, const float *base, const float *norm_w, int64_t D, int head,
                            float rms_eps, float hc_eps, int iters, const double *ss_part, const float *dot_part,
                            int nb, int t, const float *x, float *y, float *post, float *comb) {
     __shared__ float m_s[HC_NMIX_MAX], base_s[HC_NMIX_MAX];
-    __shared__ double ss_s, red2[HCP_THREADS / 32];
+    __shared__ double ss_s, red2[NTHR / 32];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int n_mix = head ? H : (2 + H) * H;
     const int64_t p0 = (int64_t)t * nb;
     const float sc0 = scale[0];
     float sc1 = 0.0f, sc2 = 0.0f;
     if (threadIdx.x == 0 && !head) { sc1 = scale[1]; sc2 = scale[2]; }
-    if (warp < n_mix) {
-        float acc = 0.0f;
-        for (int bb = lane; bb < nb; bb += 32) acc += __ldcg(&dot_part[(p0 + bb) * n_mix + warp]);
-        acc = warp_sum(acc);
-        if (lane == 0) m_s[warp] = acc;
-    } else if (warp == HC_NMIX_MAX) {
-        double acc = 0.0;
-        for (int bb = lane; bb < nb; bb += 32) acc += __ldcg(&ss_part[p0 + bb]);
-        acc = warp_sum(acc);
-        if (lane == 0) ss_s = acc;
-    } else if (warp == HC_NMIX_MAX + 1) {
-        for (int r = lane; r < n_mix; r += 32) base_s[r] = base[r];
-    }
+    /* task r < n_mix: mix row r's partials; HC_NMIX_MAX: the squares'; HC_NMIX_MAX + 1: base */
+    auto task = [&](int r) {
+        if (r < n_mix) {
+            float acc = 0.0f;
+            for (int bb = lane; bb < nb; bb += 32) acc += __ldcg(&dot_part[(p0 + bb) * n_mix + r]);
+            acc = warp_sum(acc);
+            if (lane == 0) m_s[r] = acc;
+        } else if (r == HC_NMIX_MAX) {
+            double acc = 0.0;
+            for (int bb = lane; bb < nb; bb += 32) acc += __ldcg(&ss_part[p0 + bb]);
+            acc = warp_sum(acc);
+            if (lane == 0) ss_s = acc;
+        } else if (r == HC_NMIX_MAX + 1) {
+            for (int q = lane; q < n_mix; q += 32) base_s[q] = base[q];
+        }
+    };
+    if constexpr (NTHR / 32 >= HC_NMIX_MAX + 2) task(warp);   /* a warp each */
+    else
+        for (int r = warp; r < HC_NMIX_MAX + 2; r += NTHR / 32) task(r);
     __syncthreads();
     /* mix = rms * dot, and pre, computed the same way by every thread */
     const float rs = 1.0f / sqrtf((float)(ss_s / (double)(H * D)) + rms_eps);
@@ -250,9 +257,9 @@ __device__ void hcp_finish(const float *scale, const float *base, const float *n
 
     const float *xt = x + (int64_t)t * H * D;
     float *yt = y + (int64_t)t * D;
-    constexpr int YT = HCP_THREADS - 32;          /* the threads of warps 1..31 */
+    constexpr int YT = NTHR - 32;                 /* the threads of warps 1.. */
     const int yi = threadIdx.x - 32;
-    float yc[HCF_CACHE], nw[HCF_CACHE];
+    float yc[CACHE], nw[CACHE];
     double ss = 0.0;
     if (warp == 0) {
         if (!head) {
@@ -265,7 +272,7 @@ __device__ void hcp_finish(const float *scale, const float *base, const float *n
         }
     } else {
 #pragma unroll
-        for (int j = 0; j < HCF_CACHE; j++) {
+        for (int j = 0; j < CACHE; j++) {
             const int64_t e = (int64_t)j * YT + yi;
             float acc = 0.0f;
             nw[j] = 1.0f;
@@ -277,7 +284,7 @@ __device__ void hcp_finish(const float *scale, const float *base, const float *n
             yc[j] = acc;
             ss += (double)(acc * acc);
         }
-        for (int64_t e = (int64_t)HCF_CACHE * YT + yi; e < D; e += YT) {
+        for (int64_t e = (int64_t)CACHE * YT + yi; e < D; e += YT) {
             float acc = 0.0f;
 #pragma unroll
             for (int s = 0; s < H; s++) acc += pre[s] * __ldcg(&xt[s * D + e]);
@@ -289,14 +296,14 @@ __device__ void hcp_finish(const float *scale, const float *base, const float *n
     __syncthreads();
     if (warp == 0) return;
     double tot = 0.0;
-    for (int wv = 0; wv < HCP_THREADS / 32; wv++) tot += red2[wv];
+    for (int wv = 0; wv < NTHR / 32; wv++) tot += red2[wv];
     const float sc = 1.0f / sqrtf((float)(tot / (double)D) + rms_eps);
 #pragma unroll
-    for (int j = 0; j < HCF_CACHE; j++) {
+    for (int j = 0; j < CACHE; j++) {
         const int64_t e = (int64_t)j * YT + yi;
         if (e < D) yt[e] = norm_w ? yc[j] * sc * nw[j] : yc[j] * sc;
     }
-    for (int64_t e = (int64_t)HCF_CACHE * YT + yi; e < D; e += YT) {
+    for (int64_t e = (int64_t)CACHE * YT + yi; e < D; e += YT) {
         float acc = 0.0f;
 #pragma unroll
         for (int s = 0; s < H; s++) acc += pre[s] * __ldcg(&xt[s * D + e]);
@@ -407,24 +414,112 @@ __global__ void __launch_bounds__(HCP_THREADS) k_hc_pre(const float *f, const fl
 /* ---------------------------------------------------------------------------
  * hc_pre of a batch (more than HC_SPLIT_MAX_NT tokens): two launches
  *
- * k_hcb_dots: block (chunk c of HCB_CH = 128 channels, HCB_TOK = 16 tokens), a warp per token.
+ * k_hcb_dots: block (chunk c of HCB_CH = 128 channels, HCB_TOK = 16 tokens), a warp per two
+ *   tokens (w and w + 8 of the block's).
  *   Before its grid wait (a programmatic dependent launch's prologue: weights only) the block
  *   stages the chunk's fn columns (every mix row, every stream, its 128 channels) in shared
  *   memory, once for its 16 tokens, where k_hc_pre's blocks each read theirs for one token.
- *   Each warp then applies its token's residual update to the chunk (lane l: channels l + 32 e,
- *   e < 4, of every stream; k_hc_post's order), writes x, and forms the n_mix partial dots over
- *   the chunk's H x 128 elements (a lane's 4 H products in stream order, then one transposed
- *   butterfly, warp_xsum32: lane r holds row r's) and its partial sum of squares (double).  The
- *   partials go to the op's flat scratch at [t][chunk].
- * k_hcb_finish: a block per token runs hcp_finish over the chunks' partials, in chunk order.
+ *   Each warp then applies each of its tokens' residual update to the chunk (lane l: channels
+ *   l + 32 e, e < 4, of every stream; k_hc_post's order), writes x, and forms each token's
+ *   n_mix partial dots over the chunk's H x 128 elements (a lane's 4 H products in stream
+ *   order, then one transposed butterfly, warp_xsum32: lane r holds row r's) and its partial
+ *   sum of squares (double).  The partials go to the op's flat scratch at [t][chunk].  A weight
+ *   read from shared memory serves both tokens: the dots read shared memory at one 4-byte
+ *   wavefront per FMA pair, the kernel's bound with one token a warp (a chunk's 48 KiB of fn
+ *   per token), and each token's sums are the one-token order, so the two-token warp changes
+ *   no bit.
+ * k_hcb_finish: a block per token runs hcp_finish over the chunks' partials, in chunk order,
+ *   with HCBF_THREADS = 256 threads (k_hc_pre's finish has 1024), so that three tokens' blocks
+ *   share an SM and their memory round trips overlap; a thread keeps its 19 y values in
+ *   registers between the two passes.  The sum of squares is the same double sum in another
+ *   grouping (the float scale it gives is the same but for a tie in the last bit of the double).
  * The arithmetic is k_hc_pre's with other partial sums (128 channels a chunk, not 32); like it,
  * mix = rms * dot (the norm's scale after the dot).  An fn of another type takes the CPU op's
  * composition (hc_post, rmsnorm, the matmul op, hc_mix, rmsnorm).
  * ------------------------------------------------------------------------- */
 
 #define HCB_CH      128                 /* channels a chunk: 4 a lane */
-#define HCB_TOK     16                  /* tokens a block: a warp each */
-#define HCB_THREADS (HCB_TOK * 32)
+#define HCB_TOK     16                  /* tokens a block */
+#define HCB_TPW     2                   /* tokens a warp: w + 8 j */
+#define HCB_THREADS (HCB_TOK / HCB_TPW * 32)
+#define HCBF_THREADS 256                /* k_hcb_finish: three tokens' blocks an SM, not one */
+#define HCBF_CACHE   19                 /* its y values a thread keeps: D <= 19 x 224 = 4256 read once */
+
+/* A token's inputs to its residual update of the chunk (the lane's channels c0 + lane + 32 e):
+ * loaded for both of a warp's tokens before either is updated, since the update's stores to x
+ * may alias them as far as the compiler knows. */
+template <int H>
+struct hcb_in {
+    float pv[H], cb[H][H], fv[4], xv[H][4];
+};
+
+/* f: the branch output (NULL: x is already updated, and v is read from it). */
+template <int H>
+__device__ __forceinline__ void hcb_load(const float *f, const float *x_res, const float *x, const float *post,
+                                         const float *comb, int64_t D, int64_t t, int64_t c0, int lane, hcb_in<H> &in) {
+    if (f) {
+        const float *xr = x_res + t * H * D, *ft = f + t * D;
+#pragma unroll
+        for (int s = 0; s < H; s++) {
+            in.pv[s] = post[t * H + s];
+#pragma unroll
+            for (int bb = 0; bb < H; bb++) in.cb[s][bb] = comb[t * H * H + s + H * bb];
+        }
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int64_t i = c0 + lane + 32 * e;
+            in.fv[e] = i < D ? ft[i] : 0.0f;
+#pragma unroll
+            for (int bb = 0; bb < H; bb++) in.xv[bb][e] = i < D ? xr[bb * D + i] : 0.0f;
+        }
+    } else {
+        const float *xt = x + t * H * D;
+#pragma unroll
+        for (int s = 0; s < H; s++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int64_t i = c0 + lane + 32 * e;
+                in.xv[s][e] = i < D ? xt[s * D + i] : 0.0f;
+            }
+    }
+}
+
+/* The token's updated chunk v (k_hc_post's order), written to x when `store` (and f). */
+template <int H>
+__device__ __forceinline__ void hcb_update(const float *f, float *x, int64_t D, int64_t t, int64_t c0, int lane,
+                                           bool store, const hcb_in<H> &in, float (&v)[H][4]) {
+    float *xt = x + t * H * D;
+#pragma unroll
+    for (int s = 0; s < H; s++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            if (!f) {
+                v[s][e] = in.xv[s][e];
+                continue;
+            }
+            float acc = in.pv[s] * in.fv[e];
+#pragma unroll
+            for (int bb = 0; bb < H; bb++) acc += in.cb[s][bb] * in.xv[bb][e];
+            v[s][e] = acc;
+            const int64_t i = c0 + lane + 32 * e;
+            if (store && i < D) xt[s * D + i] = acc;
+        }
+}
+
+/* A token's partial dots (lane r < n_mix: row r's) and sum of squares into the scratch. */
+template <int H>
+__device__ __forceinline__ void hcb_store(float (&d)[32], const float (&v)[H][4], int64_t p, int n_mix, int lane,
+                                          double *ss_part, float *dot_part) {
+    const float dot = warp_xsum32(d, lane);
+    double ss = 0.0;
+#pragma unroll
+    for (int s = 0; s < H; s++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) ss += (double)(v[s][e] * v[s][e]);
+    ss = warp_sum(ss);
+    if (lane < n_mix) dot_part[p * n_mix + lane] = dot;
+    if (lane == 0) ss_part[p] = ss;
+}
 
 template <int H, int WT>
 __global__ void __launch_bounds__(HCB_THREADS, 2) k_hcb_dots(const float *f, const float *x_res, float *x,
@@ -451,78 +546,46 @@ __global__ void __launch_bounds__(HCB_THREADS, 2) k_hcb_dots(const float *f, con
         if (threadIdx.x + j * HCB_THREADS < NQ) w_s[threadIdx.x + j * HCB_THREADS] = wl[j];
     ds4_grid_dep();                               /* NOTE(pdl prologue): f, x, post, comb: the kernels' before */
     __syncthreads();
-    const int t = blockIdx.y * HCB_TOK + warp;
-    if (t >= nt) return;                          /* no barrier follows */
-    float v[H][4];
-    float *xt = x + (int64_t)t * H * D;
-    if (f) {
-        const float *xr = x_res + (int64_t)t * H * D, *ft = f + (int64_t)t * D;
-        float pv[H], cb[H][H], fv[4], xv[H][4];
-#pragma unroll
-        for (int s = 0; s < H; s++) {             /* every load first */
-            pv[s] = post[(int64_t)t * H + s];
-#pragma unroll
-            for (int bb = 0; bb < H; bb++) cb[s][bb] = comb[(int64_t)t * H * H + s + H * bb];
-        }
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            const int64_t i = c0 + lane + 32 * e;
-            fv[e] = i < D ? ft[i] : 0.0f;
-#pragma unroll
-            for (int bb = 0; bb < H; bb++) xv[bb][e] = i < D ? xr[bb * D + i] : 0.0f;
-        }
-#pragma unroll
-        for (int s = 0; s < H; s++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                float acc = pv[s] * fv[e];        /* k_hc_post's order */
-#pragma unroll
-                for (int bb = 0; bb < H; bb++) acc += cb[s][bb] * xv[bb][e];
-                v[s][e] = acc;
-                const int64_t i = c0 + lane + 32 * e;
-                if (i < D) xt[s * D + i] = acc;
-            }
-    } else {
-#pragma unroll
-        for (int s = 0; s < H; s++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int64_t i = c0 + lane + 32 * e;
-                v[s][e] = i < D ? xt[s * D + i] : 0.0f;
-            }
+    const int t0 = blockIdx.y * HCB_TOK + warp, t1 = t0 + HCB_TOK / HCB_TPW;
+    if (t0 >= nt) return;                         /* no barrier follows */
+    const bool two = t1 < nt;                     /* else the second token's loads repeat t0's, nothing stored */
+    float v0[H][4], v1[H][4];
+    {
+        hcb_in<H> in0, in1;
+        hcb_load<H>(f, x_res, x, post, comb, D, t0, c0, lane, in0);
+        hcb_load<H>(f, x_res, x, post, comb, D, two ? t1 : t0, c0, lane, in1);
+        hcb_update<H>(f, x, D, t0, c0, lane, true, in0, v0);
+        hcb_update<H>(f, x, D, t1, c0, lane, two, in1, v1);
     }
-    float d[32];
+    float d0[32], d1[32];
 #pragma unroll
     for (int r = 0; r < 32; r++) {
-        float acc = 0.0f;
+        float a0 = 0.0f, a1 = 0.0f;
         if (r < n_mix) {
 #pragma unroll
             for (int s = 0; s < H; s++)
 #pragma unroll
-                for (int e = 0; e < 4; e++) acc += w_s[(r * H + s) * HCB_CH + lane + 32 * e] * v[s][e];
+                for (int e = 0; e < 4; e++) {
+                    const float w = w_s[(r * H + s) * HCB_CH + lane + 32 * e];
+                    a0 += w * v0[s][e];
+                    a1 += w * v1[s][e];
+                }
         }
-        d[r] = acc;
+        d0[r] = a0;
+        d1[r] = a1;
     }
-    const float dot = warp_xsum32(d, lane);
-    double ss = 0.0;
-#pragma unroll
-    for (int s = 0; s < H; s++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) ss += (double)(v[s][e] * v[s][e]);
-    ss = warp_sum(ss);
-    const int64_t p = (int64_t)t * nb + blockIdx.x;
-    if (lane < n_mix) dot_part[p * n_mix + lane] = dot;
-    if (lane == 0) ss_part[p] = ss;
+    hcb_store<H>(d0, v0, (int64_t)t0 * nb + blockIdx.x, n_mix, lane, ss_part, dot_part);
+    if (two) hcb_store<H>(d1, v1, (int64_t)t1 * nb + blockIdx.x, n_mix, lane, ss_part, dot_part);
 }
 
 template <int H>
-__global__ void __launch_bounds__(HCP_THREADS) k_hcb_finish(const float *scale, const float *base, const float *norm_w,
+__global__ void __launch_bounds__(HCBF_THREADS, 3) k_hcb_finish(const float *scale, const float *base, const float *norm_w,
                                                            int64_t D, int head, float rms_eps, float hc_eps, int iters,
                                                            const double *ss_part, const float *dot_part, int nb,
                                                            const float *x, float *y, float *post, float *comb) {
     ds4_grid_dep();
-    hcp_finish<H>(scale, base, norm_w, D, head, rms_eps, hc_eps, iters, ss_part, dot_part, nb, blockIdx.x, x, y, post,
-                  comb);
+    hcp_finish<H, HCBF_THREADS, HCBF_CACHE>(scale, base, norm_w, D, head, rms_eps, hc_eps, iters, ss_part, dot_part,
+                                            nb, blockIdx.x, x, y, post, comb);
 }
 
 /* The batch's two launches (H streams, fn of type wt). */
@@ -540,7 +603,7 @@ static void launch_hc_pre_batch_t(const float *f, const float *x_res, float *x, 
     else
         DS4_LAUNCH(k_hcb_dots<H, DS4_TYPE_F32>, grid, HCB_THREADS, 0, f, x_res, x, fn, post, comb, D, nt, n_mix,
                    ss_part, dot_part);
-    DS4_LAUNCH(k_hcb_finish<H>, (unsigned)nt, HCP_THREADS, 0, scale, base, norm_w, D, head, rms_eps, hc_eps, iters,
+    DS4_LAUNCH(k_hcb_finish<H>, (unsigned)nt, HCBF_THREADS, 0, scale, base, norm_w, D, head, rms_eps, hc_eps, iters,
                ss_part, dot_part, nb, x, y, post, comb);
 }
 

@@ -2253,6 +2253,7 @@ int main(int argc, char **argv) {
     test_hc_pre(37, 1000, 3, 0, 1);
     test_hc_pre(37, 1000, 3, 1, 0);        /* head mode and no update on a part-filled chunk */
     test_hc_pre(20, 96, 4, 0, 0);
+    test_hc_pre(40, 8192, 4, 0, 1);        /* wider than k_hcb_finish's kept values: its second reads */
     /* the published files' fn weights are F16 (k_hcb_dots<H, F16>, k_hc_pre<H, F16>); another
      * type takes the chain of ops (hc_post, the norms, the product, hc_mix) */
     test_hc_pre_t(DS4_TYPE_F16, 37, 1000, 3, 0, 1);
