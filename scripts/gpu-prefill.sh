@@ -43,7 +43,11 @@
 # byte for byte (for a switch that keeps every sum).
 # planes: PLANES_MODELS (flash16) prefill with DS4_CUDA_PREFILL_PLANES 3 and 2, PLANES_ROUNDS (2)
 # rounds alternating.  peer: llama.cpp and ds4 on the same file (see the step).
-#   scripts/gpu-prefill.sh [peak] [l2read] [test] [bench] [attn] [planes] [tcw] [q2] [hooks] [vs] [same] [envsame] [report] [prof] [dprof] [dreport] [l2hot] [stall] [exact] [tcsame] [san] [peer]
+# pcstall: ncu's source counters on one launch of PCSTALL_KERNEL (a regex on the demangled name,
+# k_tc_wgmma) after PCSTALL_SKIP (40) in a PCSTALL_MODEL (flash16) prefill of PROF_N (4096)
+# tokens, then scripts/ncu_source_top.py on its SASS page: the warp samples per opcode and the
+# PCSTALL_TOP (40) instructions sampled most, with their stall reasons.
+#   scripts/gpu-prefill.sh [peak] [l2read] [test] [bench] [attn] [planes] [tcw] [q2] [hooks] [vs] [same] [envsame] [report] [prof] [dprof] [dreport] [l2hot] [stall] [pcstall] [exact] [tcsame] [san] [peer]
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-build/gpu-out}; mkdir -p "$OUT"
@@ -258,6 +262,20 @@ if want stall; then
     build/cuda-"$ARCH"/ds4_bench --model "$SM" --backend cuda --reps 1 --decode 2 --prefill "${PROF_N:-4096}" \
     --no-warmup > "$OUT/stall.log" 2>&1
   echo "rc $?"; grep -E '^  [a-zA-Z_].*\(|gpu__time|hmma|inst_executed.sum|issue_active|bank|wavefronts|lts__t_bytes|stalled' "$OUT/stall.log"
+fi
+if want pcstall; then
+  PM=${PCSTALL_MODEL:-flash16}; PK=${PCSTALL_KERNEL:-k_tc_wgmma}; PS=${PCSTALL_SKIP:-40}
+  step "ncu source counters: one launch of $PK after $PS in a $PM prefill of ${PROF_N:-4096} tokens, instruction by instruction"
+  NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  rm -f "$OUT/pcstall.ncu-rep"
+  timeout 240 "$NCU" --clock-control none --kernel-name-base demangled -k "regex:$PK" --launch-skip "$PS" \
+    --launch-count 1 --section SourceCounters --section WarpStateStats -o "$OUT/pcstall" \
+    build/cuda-"$ARCH"/ds4_bench --model "$PM" --backend cuda --reps 1 --decode 2 --prefill "${PROF_N:-4096}" \
+    --no-warmup > "$OUT/pcstall.log" 2>&1
+  echo "rc $?"; grep -E '^  [a-zA-Z_].*\(' "$OUT/pcstall.log" | head -2
+  "$NCU" --import "$OUT/pcstall.ncu-rep" --page source --print-source sass --csv > "$OUT/pcstall-sass.csv" 2> "$OUT/pcstall-page.err"
+  echo "source page: rc $? $(head -c 300 "$OUT/pcstall-page.err")"
+  python3 scripts/ncu_source_top.py "$OUT/pcstall-sass.csv" --top "${PCSTALL_TOP:-40}" | tee "$OUT/pcstall.md"
 fi
 if want exact; then
   step "CUDA against the CPU (EXACT_MODELS: config/type): a 300-token prompt (prefill) + 32 greedy steps"
