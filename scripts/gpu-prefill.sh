@@ -52,6 +52,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-build/gpu-out}; mkdir -p "$OUT"
 ARCH=${CUDA_ARCH:-sm_90}
+NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)   # the ncu steps: prof, dprof, stall, pcstall
 WHAT=" ${*:-test bench} "
 want() { [[ "$WHAT" == *" $1 "* ]]; }
 step() { echo; echo "=== $* ($(date -u +%H:%M:%S))"; }
@@ -204,7 +205,6 @@ if want report; then
 fi
 if want prof; then
   step "ncu: ${PROF_KERNELS:-k_attention_tiles and k_tc_gemm}, flash16 prefill of ${PROF_N:-4096} tokens"
-  NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
   SECS=(--section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis
         --section Occupancy --section WarpStateStats --section SchedulerStats --section LaunchStats
         --section InstructionStats)
@@ -219,7 +219,6 @@ if want prof; then
 fi
 if want dprof; then
   step "ncu: one launch of each of DPROF_KERNELS in a flash16 decode step"
-  NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
   for k in ${DPROF_KERNELS:-k_hc_pre k_moe_gate k_indexer_scores k_indexer_select k_attention< k_attention_combine k_head_norm_rope k_moe_combine}; do
     f="$OUT/dprof-$(echo "$k" | tr -cd 'a-z_').log"
     timeout 200 "$NCU" --clock-control none --profile-from-start off --kernel-name-base demangled -k "regex:$k" --launch-count 1 \
@@ -250,7 +249,6 @@ fi
 if want stall; then
   SM=${STALL_MODEL:-flash16}; SK=${STALL_KERNEL:-k_tc_gemm}; SS=${STALL_SKIP:-40}; SC=${STALL_COUNT:-2}
   step "ncu metrics: $SC launches of $SK after $SS in a $SM prefill of ${PROF_N:-4096} tokens (issue, tensor pipe, banks, stalls)"
-  NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
   M=gpu__time_duration.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active
   M=$M,sm__inst_executed_pipe_tensor_op_hmma.sum,smsp__inst_executed.sum,smsp__issue_active.avg.pct_of_peak_sustained_active
   M=$M,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum
@@ -266,7 +264,6 @@ fi
 if want pcstall; then
   PM=${PCSTALL_MODEL:-flash16}; PK=${PCSTALL_KERNEL:-k_tc_wgmma}; PS=${PCSTALL_SKIP:-40}
   step "ncu source counters: one launch of $PK after $PS in a $PM prefill of ${PROF_N:-4096} tokens, instruction by instruction"
-  NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
   rm -f "$OUT/pcstall.ncu-rep"
   timeout 240 "$NCU" --clock-control none --kernel-name-base demangled -k "regex:$PK" --launch-skip "$PS" \
     --launch-count 1 --section SourceCounters --section WarpStateStats -o "$OUT/pcstall" \
