@@ -96,9 +96,10 @@
  * that thread 0 issues, into the same swizzled layout, completing on the stage's mbarrier.  A
  * Q8_0 stage's A comes by a second such copy (128 rows of 80 bytes, the 68 it needs from the
  * 16-byte boundary at or below them: see k_tc_wgmma); the other types' A stays cp.async.
- * DS4_CUDA_PREFILL_TC=4 (the default) is that; 3 copies Q8_0's A with cp.async like the
- * others'; 2 copies B with every thread's cp.async too (and so does a driver with no
- * tensor-map encoder).  The arithmetic is the same, bit for bit.
+ * DS4_CUDA_PREFILL_TC=4 (the default) is that, with Q8_0's blocks 256 rows (four warpgroups: a
+ * stage's B serves twice the rows); 3 copies Q8_0's A with cp.async like the others'; 2 copies
+ * B with every thread's cp.async too (and so does a driver with no tensor-map encoder).  The
+ * arithmetic is the same, bit for bit.
  */
 
 #include "ds4_cuda_common.cuh"
@@ -311,18 +312,20 @@ template <int TYPE> struct tc_traits {
  * (whose layout is the 128-byte swizzle the MMAs read: chunk c of token n at c ^ (n % 8))
  * starts on a 1 KiB boundary; three stages (101 KiB for Q8_0: two blocks per SM, so that one
  * block's folds and barriers overlap the other's MMAs), four for the types with mins (one block
- * per SM: their second accumulators take 250 registers); 1 KiB more to align the dynamic shared
- * memory's start.  RP rows one pass of the threads copies (4-byte or 16-byte pieces, NP a row), NPASS
+ * per SM: their second accumulators take 250 registers), five for k_tc_wgmma's blocks with A
+ * by tensor copies (TA: NWG = 4 warpgroups, BM = 256 rows of 512 threads, one block per SM);
+ * 1 KiB more to align the dynamic shared memory's start.  RP rows one pass of the threads copies (4-byte or 16-byte pieces, NP a row), NPASS
  * passes. */
-template <int TYPE, bool WG, bool TA = false, int PL = 3> struct tc_tile {
+template <int TYPE, bool WG, bool TA = false, int PL = 3, int NWG = TA ? 4 : 2> struct tc_tile {
     typedef tc_traits<TYPE> TT;
     enum {
         RP = TC_THREADS / TT::NP,
         NPASS = (TC_BM + RP - 1) / RP,
+        BM = 64 * NWG,                        /* the block's rows (TC_BM, but 256 for k_tc_wgmma with TA) */
         APITCH = TA ? TC_APITCH : TT::AROW,   /* a staged row's bytes (TA: Q8_0's tensor-copy box) */
-        ABYTES = WG ? (TC_BM * APITCH + 1023) / 1024 * 1024 : TC_BM * APITCH,
+        ABYTES = WG ? (BM * APITCH + 1023) / 1024 * 1024 : TC_BM * APITCH,
         STAGE = ABYTES + PL * TC_BN * 128,
-        ST = !WG ? TC_ST : TT::MIN ? 4 : 3,
+        ST = !WG ? TC_ST : TT::MIN ? 4 : NWG == 4 ? 5 : 3,
         SMEM = ST * STAGE + TT::SMEM_EXTRA + (WG ? 8 * ST + 1024 : 0),   /* WG: the stages' mbarriers */
     };
 };
@@ -802,6 +805,12 @@ __device__ __forceinline__ void tcw_tma3(void *dst, const CUtensorMap *tm, int c
 #endif
 }
 
+/* The 128 threads of warpgroup wg (warps 4 wg .. 4 wg + 3) wait for one another: named barrier
+ * 1 + wg (0 is the block's). */
+__device__ __forceinline__ void tcw_wg_sync(int wg) {
+    asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");
+}
+
 /* Keeps the compiler from moving reads of an accumulator across a wait (the registers are
  * written by the tensor core, not by any instruction it sees after the MMA). */
 __device__ __forceinline__ void tcw_hold(float (&d)[32]) {
@@ -865,14 +874,15 @@ __device__ __forceinline__ void tcw_fold(float (&acc)[32], float (&c)[32], float
 }
 
 /* The weights' tensor maps of a launch (TA): segment s's matrices as [nmat][nrows][row_bytes]
- * bytes, a box of TC_APITCH bytes x TC_BM rows x 1 matrix (tc_a_maps). */
+ * bytes, a box of TC_APITCH bytes x the block's 256 rows x 1 matrix (tc_a_maps). */
 struct tc_amaps {
     CUtensorMap m[TC_SEG_MAX];
 };
 
-/* k_tc_gemm's block on wgmma: the same tile (TC_BM = 128 rows x TC_BN = 64 tokens), grid,
- * segments, tiles, A fragments and sums, the MMAs issued by warpgroups.  Warpgroup wg (warps
- * 4 wg .. 4 wg + 3) computes rows 64 wg .. + 63 of the tile for all 64 tokens: m64n64k16, A
+/* k_tc_gemm's block on wgmma: the same tile (TC_BM = 128 rows x TC_BN = 64 tokens; 256 rows
+ * with TA, below), grid, segments, tiles, A fragments and sums, the MMAs issued by warpgroups.
+ * Warpgroup wg (warps 4 wg .. 4 wg + 3) computes rows 64 wg .. + 63 of the tile for all 64
+ * tokens: m64n64k16, A
  * (the converted weights) from registers, B (the parts) from the stage by descriptor.
  *   A warp's accumulator rows g and g + 8 of its 16 are the tile rows pr and pr + DR (DR = 2,
  *   pr k_tc_gemm's pg spread over the 4 warps of a warpgroup, so that a warp's loads of the
@@ -889,9 +899,9 @@ struct tc_amaps {
  *   MMAs every warpgroup waited for before the barrier.  cp.async writes through the generic
  *   proxy and wgmma reads through the async one: a proxy fence after each stage lands, before
  *   the barrier.
- *   TA (Q8_0 with TB, DS4_CUDA_PREFILL_TC=4): thread 0 copies the stage's A too, as a second
- *   tensor copy on the same mbarrier: the TC_APITCH = 80 bytes from (68 kb) rounded down to 16
- *   of each of the tile's 128 rows (a box's inner size is a multiple of 16 bytes, and its start
+ *   TA (Q8_0 with TB, DS4_CUDA_PREFILL_TC=4): the thread that issues the stage's B copies its A
+ *   too, as a second tensor copy on the same mbarrier: the TC_APITCH = 80 bytes from (68 kb)
+ *   rounded down to 16 of each of the tile's rows (a box's inner size is a multiple of 16 bytes, and its start
  *   is kept on 16), packed 80 bytes apart; the stage's data starts ao = (68 kb) % 16 into each
  *   row, and the last stage's box ends at the row's end (K is a multiple of 256: four stages
  *   are 272 bytes).  Rows past the matrix are zeros (never stored).  At an 80-byte pitch the
@@ -899,10 +909,21 @@ struct tc_amaps {
  *   0..7 at word offsets 20 g mod 32, eight distinct multiples of 4: a 4-byte load of the
  *   lanes' t = 0..3 is two-way on the banks, against four ways for the 68-byte layout's rows).
  *   The buffer a tensor copy refills was last read by the threads (A) and the MMAs (B) before
- *   the barrier; every thread's proxy fence before it orders its reads before the async
- *   proxy's writes. */
-template <int TYPE, bool TB, bool TA, int PL = 3>
-__global__ void __launch_bounds__(TC_THREADS, tc_traits<TYPE>::MIN ? 1 : 2)
+ *   the barrier (TA: its warpgroups' barriers, below); every thread's proxy fence before it
+ *   orders its reads before the async proxy's writes.
+ *   TA's blocks are wide: NWG = 4 warpgroups, BM = 256 rows, 512 threads, one block per SM, so
+ *   that a stage's B (the activations' planes, 16 KiB on two) serves twice the rows: a
+ *   block-stage reads 36 KiB for 2.1 M multiply-adds where two 128-row blocks read 52 KiB (the
+ *   products are partly bound by these reads: bench/RESULTS.md).  Such a block has no barrier
+ *   per stage: a warpgroup done with stage kb - 1 (its MMAs waited for, its threads' reads of
+ *   A fenced) syncs its own 128 threads (named barrier 1 + wg), and its first
+ *   thread counts the release in shared memory (rel: NWG a refill, never reset); the warpgroup
+ *   that counts last issues stage kb + ST - 1's copies into that buffer.  So the prologue
+ *   copies all ST stages (every buffer is free), and each warpgroup waits only for its stage's
+ *   data (the mbarrier): the four drift apart by up to ST - 1 stages.  The MMAs, folds and
+ *   their order are each warpgroup's as in a 128-row block: the same sums. */
+template <int TYPE, bool TB, bool TA, int PL = 3, int NWG = TA ? 4 : 2>
+__global__ void __launch_bounds__(128 * NWG, tc_traits<TYPE>::MIN || NWG > 2 ? 1 : 2)
 k_tc_wgmma(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const uint8_t *xs_all, int ntp,
            const int4 *tiles, int nt, const __grid_constant__ CUtensorMap tm, const __grid_constant__ tc_amaps am) {
     ds4_grid_dep();
@@ -915,8 +936,10 @@ k_tc_wgmma(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const ui
     const int nrows = sg.nrows[si];
     static_assert(!TA || (TB && TYPE == DS4_TYPE_Q8_0), "k_tc_wgmma: A by tensor copies is Q8_0's, with B's");
     static_assert(PL == 2 || PL == 3, "k_tc_wgmma: two or three planes");
-    typedef tc_tile<TYPE, true, TA, PL> TL;
-    const int row0 = blockIdx.x * TC_BM;
+    static_assert(NWG == (TA ? 4 : 2), "k_tc_wgmma: four warpgroups with A by tensor copies, else two");
+    typedef tc_tile<TYPE, true, TA, PL, NWG> TL;
+    constexpr bool REL = NWG > 2;           /* the stages released by warpgroup, no block barrier */
+    const int row0 = blockIdx.x * TL::BM;
     if (row0 >= nrows) return;
     const size_t plane = (size_t)ntp * K;
     const tc_blk bk = tc_block_of(sg, mat_bytes, xs_all, tiles, nt);
@@ -942,14 +965,25 @@ k_tc_wgmma(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const ui
     /* TB: full[s] completes when buffer s's B has landed (thread 0 arrives with its bytes) */
     uint64_t *full = (uint64_t *)(smem + ST * SB + TT::SMEM_EXTRA);
     const int part = sg.part[si];
+    /* REL: rel[s] counts the warpgroups' releases of buffer s (NWG a refill, never reset) */
+    __shared__ int rel[REL ? ST : 1];
     if (TB) {
         if (threadIdx.x == 0) {
 #pragma unroll
             for (int st = 0; st < ST; st++) tcw_mbar_init(full + st, 1);
+            if (REL)
+                for (int st = 0; st < ST; st++) rel[st] = 0;
             asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
         }
         __syncthreads();
     }
+    /* TB: stage kb's tensor copies, by one thread: the PL parts (B) and, with TA, A */
+    auto issue = [&](int kb) {
+        uint8_t *st = smem + (kb % ST) * SB;
+        tcw_mbar_expect(full + kb % ST, PL * TC_BN * 128 + (TA ? TL::BM * TC_APITCH : 0));
+        tcw_tma(st + AB, &tm, kb * TC_BK, t0, 0, part, full + kb % ST);
+        if (TA) tcw_tma3(st, &am.m[si], (kb * 68) & ~15, row0, bk.mat, full + kb % ST);
+    };
     /* stage kb's copies into buffer kb % ST: A by every thread (cp.async), B by every thread
      * too or, with TB, by thread 0's one tensor copy of the PL parts; with TA, A by a
      * second tensor copy of thread 0's */
@@ -960,27 +994,41 @@ k_tc_wgmma(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const ui
             return;
         }
         if (!TA) tc_load_a<TYPE, true>(st, cp, row_bytes, kb);
-        if (threadIdx.x == 0) {
-            tcw_mbar_expect(full + kb % ST, PL * TC_BN * 128 + (TA ? TC_BM * TC_APITCH : 0));
-            tcw_tma(st + AB, &tm, kb * TC_BK, t0, 0, part, full + kb % ST);
-            if (TA) tcw_tma3(st, &am.m[si], (kb * 68) & ~15, row0, bk.mat, full + kb % ST);
-        }
+        if (threadIdx.x == 0) issue(kb);
     };
+    /* the first stages' copies: ST - 1, the last buffer filled in the loop's first stage; REL:
+     * all ST */
 #pragma unroll
-    for (int st = 0; st < ST - 1; st++) {
+    for (int st = 0; st < (REL ? ST : ST - 1); st++) {
         if (st < nk) load(st);
         cp_async_commit();
     }
     for (int kb = 0; kb < nk; kb++) {
-        cp_async_wait<ST - 2>();
-        /* !TB: cp.async's B, read by wgmma; TA: the threads' reads of A, before a tensor copy
-         * refills the buffer */
-        if (!TB || TA) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        __syncthreads();
-        {
-            const int nx = kb + ST - 1;
-            if (nx < nk) load(nx);
-            cp_async_commit();
+        if constexpr (REL) {
+            /* this warpgroup is done with stage kb - 1 (its threads' reads of A; its MMAs were
+             * waited for at the end of it): the last of the NWG to say so refills the buffer */
+            if (kb > 0 && kb + ST - 1 < nk) {
+                asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+                tcw_wg_sync(warp >> 2);
+                if ((threadIdx.x & 127) == 0) {
+                    __threadfence_block();
+                    if (atomicAdd(&rel[(kb - 1) % ST], 1) == NWG * ((kb - 1) / ST) + NWG - 1) {
+                        __threadfence_block();
+                        issue(kb + ST - 1);
+                    }
+                }
+            }
+        } else {
+            cp_async_wait<ST - 2>();
+            /* !TB: cp.async's B, read by wgmma; TA: the threads' reads of A, before a tensor copy
+             * refills the buffer */
+            if (!TB || TA) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            __syncthreads();
+            {
+                const int nx = kb + ST - 1;
+                if (nx < nk) load(nx);
+                cp_async_commit();
+            }
         }
         const uint8_t *As = smem + (kb % ST) * SB;
         uint32_t a[2][2][4], m[2][2];
@@ -1042,7 +1090,7 @@ static PFN_cuTensorMapEncodeTiled_v12000 tc_encode;   /* the driver's tensor-map
  * encodes tensor maps). */
 static bool tc_wg(void) { return tc_wg_dev && sess()->lim.prefill_tc >= 2; }
 static bool tc_tb(void) { return tc_wg() && tc_encode && sess()->lim.prefill_tc >= 3; }
-/* tc_ta: Q8_0's weights by tensor copies too (4). */
+/* tc_ta: Q8_0's weights by tensor copies too (4), in 256-row blocks. */
 static bool tc_ta(void) { return tc_tb() && sess()->lim.prefill_tc == 4; }
 /* The activations' planes the products read (DS4_CUDA_PREFILL_PLANES: 2, else 3), every engine. */
 static int tc_planes(void) { return sess()->lim.prefill_planes == 2 ? 2 : 3; }
@@ -1088,6 +1136,7 @@ static void tc_smem_setup(void) {
         DS4_CUDA_CHECK(cudaFuncSetAttribute(k_tc_wgmma<DS4_TYPE_Q8_0, true, true, 2>,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             tcw_smem_bytes<DS4_TYPE_Q8_0, true, 2>()));
+
     }
 }
 
@@ -1186,16 +1235,16 @@ static CUtensorMap tc_split_map(const tc_split &sp) {
 
 /* The weights of a launch's n segments as k_tc_wgmma's A copies read them (TA): matrix e of
  * segment s is nmat [e][nrows_s][row_bytes] bytes at w_s (mat_bytes apart; nmat 1: one
- * matrix), a box TC_APITCH bytes x TC_BM rows x 1 matrix, packed (no swizzle); rows past
+ * matrix), a box TC_APITCH bytes x bm rows (the kernel's BM) x 1 matrix, packed (no swizzle); rows past
  * nrows_s read as zeros. */
-static tc_amaps tc_a_maps(const tc_segs &sg, int n, size_t mat_bytes, int nmat, size_t row_bytes) {
+static tc_amaps tc_a_maps(const tc_segs &sg, int n, size_t mat_bytes, int nmat, size_t row_bytes, int bm) {
     tc_amaps am;
     memset(&am, 0, sizeof am);
     for (int i = 0; i < n; i++) {
         const cuuint64_t dim[3] = { (cuuint64_t)row_bytes, (cuuint64_t)sg.nrows[i], (cuuint64_t)nmat };
         const cuuint64_t stride[2] = { (cuuint64_t)row_bytes,
                                        nmat > 1 ? (cuuint64_t)mat_bytes : (cuuint64_t)row_bytes * sg.nrows[i] };
-        const cuuint32_t box[3] = { TC_APITCH, TC_BM, 1 }, es[3] = { 1, 1, 1 };
+        const cuuint32_t box[3] = { TC_APITCH, (cuuint32_t)bm, 1 }, es[3] = { 1, 1, 1 };
         const CUresult r = tc_encode(&am.m[i], CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, (void *)sg.w[i], dim, stride, box, es,
                                      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
                                      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
@@ -1230,16 +1279,19 @@ static void tc_launch(int64_t rows, unsigned ny, unsigned n, const tc_segs &sg, 
         S->n_tc_tma_a += ta;
         const bool pl2 = sp.planes == 2;
         S->n_tc_pl2 += pl2;
+        /* TA: 256-row blocks of 512 threads (tc_tile's BM) */
+        typedef tc_tile<DS4_TYPE_Q8_0, true, true> TW;
+        const dim3 gw((unsigned)((rows + TW::BM - 1) / TW::BM), ny, n);
         if (ta && pl2)
-            DS4_LAUNCH((k_tc_wgmma<DS4_TYPE_Q8_0, true, true, 2>), grid, TC_THREADS,
+            DS4_LAUNCH((k_tc_wgmma<DS4_TYPE_Q8_0, true, true, 2>), gw, 128 * (TW::BM / 64),
                        (tcw_smem_bytes<DS4_TYPE_Q8_0, true, 2>()), sg, mat_bytes, row_bytes, (int)sp.K,
                        (const uint8_t *)sp.xs, (int)sp.ntp, tiles, (int)sp.n, tc_split_map(sp),
-                       tc_a_maps(sg, (int)n, mat_bytes, nmat, row_bytes));
+                       tc_a_maps(sg, (int)n, mat_bytes, nmat, row_bytes, TW::BM));
         else if (ta)
-            DS4_LAUNCH((k_tc_wgmma<DS4_TYPE_Q8_0, true, true>), grid, TC_THREADS,
+            DS4_LAUNCH((k_tc_wgmma<DS4_TYPE_Q8_0, true, true>), gw, 128 * (TW::BM / 64),
                        (tcw_smem_bytes<DS4_TYPE_Q8_0, true>()), sg, mat_bytes, row_bytes, (int)sp.K,
                        (const uint8_t *)sp.xs, (int)sp.ntp, tiles, (int)sp.n, tc_split_map(sp),
-                       tc_a_maps(sg, (int)n, mat_bytes, nmat, row_bytes));
+                       tc_a_maps(sg, (int)n, mat_bytes, nmat, row_bytes, TW::BM));
         else if (tb && pl2)
             DS4_LAUNCH((k_tc_wgmma<TYPE, true, false, 2>), grid, TC_THREADS, (tcw_smem_bytes<TYPE, false, 2>()), sg,
                        mat_bytes, row_bytes, (int)sp.K, (const uint8_t *)sp.xs, (int)sp.ntp, tiles, (int)sp.n,

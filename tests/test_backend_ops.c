@@ -1797,7 +1797,7 @@ static int test_tc_engine(const ds4_limits *lim0, int eng_first, int eng_last) {
      * types mixed, gate|up, the groups of a grouped product, more groups than one launch or
      * the split scratch takes); in a session sized for 4096-token batches.  With each
      * prefill_tc from eng_first down to eng_last: 4 (the default: 3 with the Q8_0 weights' stage
-     * copies by the tensor memory accelerator too), 3 (k_tc_wgmma on an sm_90 build and card,
+     * copies by the tensor memory accelerator too, in 256-row blocks), 3 (k_tc_wgmma on an sm_90 build and card,
      * the activations' stage copies by the tensor memory accelerator, else k_tc_gemm), 2
      * (k_tc_wgmma with cp.async copies), each on the same inputs and every output byte for byte
      * against the first engine's (g_same), then 1 (k_tc_gemm), all on the session's planes
