@@ -913,12 +913,13 @@ struct tc_amaps {
  *   orders its reads before the async proxy's writes.
  *   TA's blocks are wide: NWG = 4 warpgroups, BM = 256 rows, 512 threads, one block per SM, so
  *   that a stage's B (the activations' planes, 16 KiB on two) serves twice the rows: a
- *   block-stage reads 36 KiB for 2.1 M multiply-adds where two 128-row blocks read 52 KiB (the
- *   products are partly bound by these reads: bench/RESULTS.md).  Such a block has no barrier
- *   per stage: a warpgroup done with stage kb - 1 (its MMAs waited for, its threads' reads of
- *   A fenced) syncs its own 128 threads (named barrier 1 + wg), and its first
- *   thread counts the release in shared memory (rel: NWG a refill, never reset); the warpgroup
- *   that counts last issues stage kb + ST - 1's copies into that buffer.  So the prologue
+ *   block-stage reads 36 KiB for 2.1 M multiply-adds where two 128-row blocks read 52 KiB (on
+ *   an H100 these reads bound the products in part; on an H200, with more bandwidth, they do
+ *   not: bench/RESULTS.md).  Such a block has no barrier per stage: a warpgroup done with
+ *   stage kb - 1 (its MMAs waited for, its threads' reads of A fenced) syncs its own 128
+ *   threads (named barrier 1 + wg), and its first thread counts the release in shared memory
+ *   (rel: NWG a refill, never reset); the warpgroup that counts last issues stage kb + ST -
+ *   1's copies into that buffer.  So the prologue
  *   copies all ST stages (every buffer is free), and each warpgroup waits only for its stage's
  *   data (the mbarrier): the four drift apart by up to ST - 1 stages.  The MMAs, folds and
  *   their order are each warpgroup's as in a 128-row block: the same sums. */
@@ -1136,7 +1137,6 @@ static void tc_smem_setup(void) {
         DS4_CUDA_CHECK(cudaFuncSetAttribute(k_tc_wgmma<DS4_TYPE_Q8_0, true, true, 2>,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             tcw_smem_bytes<DS4_TYPE_Q8_0, true, 2>()));
-
     }
 }
 
