@@ -549,10 +549,10 @@ static void launch_attention_tiles_t(const attn_args &a) {
 /* ---------------------------------------------------------------------------
  * Attention of a prefill batch on tensor cores (DS4_CUDA_PREFILL_ATTN=2, the default)
  *
- * The same blocks as k_attention_tiles (one per query and group of ATT_TH = 32 heads, the
- * query's existing rows in tiles of ATM_TR = 16), with both products of a tile as MMAs: a
- * query's heads share every kv row (MQA), so its scores S = Q K^T (32 heads x 16 rows x d)
- * and its output O += P V (32 x d x 16 rows) are small matrix products.
+ * Blocks like k_attention_tiles' (one per query and group of heads: 16 on two planes, 32 on
+ * three; the query's existing rows in tiles of ATM_TR = 16), with both products of a tile as
+ * MMAs: a query's heads share every kv row (MQA), so its scores S = Q K^T (16 or 32 heads x 16
+ * rows x d) and its output O += P V (heads x d x 16 rows) are small matrix products.
  *
  * Numerics: the GEMM engine's exact parts (ds4_cuda_gemm.cu), on both operands.
  *   - Each query head row and each kv row is scaled by its own power of two 2^a so that its
@@ -583,39 +583,46 @@ static void launch_attention_tiles_t(const attn_args &a) {
  * rows, the window ring, the compressed rows visible to the batch) into the session's
  * scratch (att_split; rows = nt + W + the compressed rows the context can hold).  A block
  * then copies a tile's parts with cp.async into one of two buffers, the next tile's while
- * the MMAs of this one run.  A block has NW = 16 warps where d is a multiple of 128 (8
- * otherwise: a warp's dims must be whole k16 steps), 128 registers a thread at d = 512.
- * Warp w takes heads 16 (w % 2) .. + 15 and the dim slice w / 2 of NW / 2: in S it sums its
- * slice of the dims for 16 heads x 16 rows (ldmatrix for both operands); in O += P V its 16 heads x its slice of the output dims, with P's fragments
- * taken from the reduced S in registers (the m16n8k16 C layout of two n tiles is the A layout
- * of one k16 step) and V's by ldmatrix.trans from the same parts.  S is reduced once per head
- * group: the group's warps share out its 8 values a lane (of 16 heads x 16 rows), each sums
- * its values over the slices in slice order and scales them, and all read the result back
- * (two named barriers of the group's warps, not of the block).  The online softmax runs on
- * the reduced S, the same in the NW / 2 warps of a head group.
- * Shared memory for d = 512: query parts 98 KiB, two tiles of row parts 98 KiB, score
- * partials 16 KiB, picks 4 KiB; one block per SM.  Rows are padded by 8 halves, so the 8 row
- * addresses of an ldmatrix fall in distinct bank groups.  d must be a multiple of 64, and the
- * card must give a block that much shared memory (sm_80: 163 KiB holds d <= 320, sm_86/89:
- * 99 KiB d <= 192), and the session the split (a context of n_ctx positions holds n_ctx / 4
- * compressed rows: 3 KiB each at d = 512, 0.8 GB at 1M); otherwise k_attention_tiles serves
- * the batch.
+ * the MMAs of this one run.  A block has MI head tiles of 16 (atm_mi: one on two planes, two
+ * on three) and 8 warps per head tile where d is a multiple of 128 (4 otherwise: a warp's dims
+ * must be whole k16 steps), 126 registers a thread at d = 512.  Warp w takes heads 16 (w % MI)
+ * .. + 15 and the dim slice w / MI: in S it sums its slice of the dims for 16 heads x 16 rows
+ * (ldmatrix for both operands); in O += P V its 16 heads x its slice of the output dims, with
+ * P's fragments taken from the reduced S in registers (the m16n8k16 C layout of two n tiles
+ * is the A layout of one k16 step) and V's by ldmatrix.trans from the same parts.  S is
+ * reduced once per head tile: its warps share out its 8 values a lane (of 16 heads x 16 rows),
+ * each sums its values over the slices in slice order and scales them, and all read the result
+ * back (two named barriers of the tile's warps).  The online softmax runs on the reduced S,
+ * the same in the warps of a head tile.
+ *   Shared memory holds the planes the session uses.  At d = 512, on two planes: query parts
+ * 33 KiB, two tiles of row parts 65 KiB, score partials 8 KiB, picks 4 KiB, so two blocks (16
+ * warps) share an SM and one's barriers overlap the other's MMAs; on three: 98 + 98 + 16 + 4
+ * KiB, one block of 16 warps an SM.  Rows are padded by 8 halves, so the 8 row addresses of an
+ * ldmatrix fall in distinct bank groups.  d must be a multiple of 64, the card must give a
+ * block that much shared memory (two planes: sm_80's 163 KiB holds every d <= 512, sm_86/89's
+ * 99 KiB d <= 448; three: d <= 320 and d <= 192), and the session the split (a context of
+ * n_ctx positions holds n_ctx / 4 compressed rows: 3 KiB each at d = 512, 0.8 GB at 1M);
+ * otherwise k_attention_tiles serves the batch.
  * ------------------------------------------------------------------------- */
 
 #define ATM_TR  16     /* rows per tile */
 #define ATM_PAD 8      /* halves of padding per staged row */
 #define ATM_STATIC_SMEM 512   /* bytes: an upper bound of the kernel's static shared arrays */
 
-/* Warps of a k_attention_mma block for d = 64 KS: 16 (dims in eighths) where d is a multiple
- * of 128, else 8 (quarters). */
-__host__ __device__ constexpr int atm_warps(int KS) { return KS % 2 == 0 ? 16 : 8; }
+/* Head tiles (of 16) of a k_attention_mma block on PL planes: one on two planes (16 heads, two
+ * blocks an SM), two on three (32 heads, one block an SM). */
+__host__ __device__ constexpr int atm_mi(int PL) { return PL == 2 ? 1 : 2; }
 
-static size_t attention_mma_smem(int d) {
+/* Warps of a k_attention_mma block for d = 64 KS on PL planes: per head tile, 8 (dims in
+ * eighths) where d is a multiple of 128, else 4 (quarters). */
+__host__ __device__ constexpr int atm_warps(int KS, int PL) { return (KS % 2 == 0 ? 8 : 4) * atm_mi(PL); }
+
+static size_t attention_mma_smem(int d, int PL) {
     const size_t ld = (size_t)(d + ATM_PAD);
-    return 3 * (size_t)ATT_TH * ld * sizeof(__half)          /* query parts */
-         + 2 * 3 * (size_t)ATM_TR * ld * sizeof(__half)      /* two tiles of row parts */
-         + (size_t)atm_warps(d / 64) * 8 * 32 * sizeof(float) /* score partials */
-         + (size_t)ATT_MAX_TOPK * sizeof(int);               /* picks */
+    return (size_t)PL * 16 * atm_mi(PL) * ld * sizeof(__half)        /* query parts */
+         + 2 * (size_t)PL * ATM_TR * ld * sizeof(__half)             /* two tiles of row parts */
+         + (size_t)atm_warps(d / 64, PL) * 8 * 32 * sizeof(float)    /* score partials */
+         + (size_t)ATT_MAX_TOPK * sizeof(int);                       /* picks */
 }
 
 /* Rows of the split a call reads: its nt kv rows, the W ring slots, and the compressed rows
@@ -762,25 +769,26 @@ __device__ __forceinline__ void att_split3x2(float x, float y, uint32_t &hi, uin
 }
 
 template <int KS, int PL>
-__global__ void __launch_bounds__(atm_warps(KS) * 32, 1) k_attention_mma(const attn_args a) {
+__global__ void __launch_bounds__(atm_warps(KS, PL) * 32, 3 - atm_mi(PL)) k_attention_mma(const attn_args a) {
     ds4_grid_dep();
-    constexpr int NW = atm_warps(KS), NTHR = NW * 32, NG = NW / 2;           /* NG warps share a head group */
+    constexpr int MI = atm_mi(PL), HB = 16 * MI;                              /* head tiles, heads of the block */
+    constexpr int NW = atm_warps(KS, PL), NTHR = NW * 32, NG = NW / MI;       /* NG warps share a head tile */
     constexpr int D = 64 * KS, LD = D + ATM_PAD, DQ = D / NG, NT = DQ / 8;   /* NT: a warp's n8 tiles of O */
-    constexpr int TILE = 3 * ATM_TR * LD;                                     /* halves of one tile buffer */
+    constexpr int TILE = PL * ATM_TR * LD;                                    /* halves of one tile buffer */
     extern __shared__ __align__(16) float att_sm[];
-    __half *qp = (__half *)att_sm;                                   /* [3][ATT_TH][LD] */
-    __half *kp = qp + 3 * ATT_TH * LD;                               /* [2][3][ATM_TR][LD] */
+    __half *qp = (__half *)att_sm;                                   /* [PL][HB][LD] */
+    __half *kp = qp + PL * HB * LD;                                  /* [2][PL][ATM_TR][LD] */
     float *xs = (float *)(kp + 2 * TILE);                            /* [NW][8][32] */
     int *ids_s = (int *)(xs + NW * 8 * 32);                          /* the query's picks */
-    __shared__ float qinv_s[ATT_TH];
+    __shared__ float qinv_s[HB];
     __shared__ int kexp_s[2][ATM_TR];
     __shared__ int cnt_s[NTHR / 32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, tq = lane & 3;
-    const int mi = warp & 1, dq = warp >> 1;                         /* heads 16 mi .., dims DQ dq .. */
-    static_assert(DQ % 16 == 0 && ATT_TH == 32, "a warp's dims are whole k16 steps; two m16 head tiles");
+    const int mi = warp % MI, dq = warp / MI;                        /* heads 16 mi .., dims DQ dq .. */
+    static_assert(DQ % 16 == 0 && (MI == 1 || MI == 2), "a warp's dims are whole k16 steps; one or two m16 head tiles");
     static_assert(8 % NG == 0, "a head group's warps share out a lane's 8 values of S evenly");
-    const int t = blockIdx.x, hb0 = blockIdx.y * ATT_TH;
+    const int t = blockIdx.x, hb0 = blockIdx.y * HB;
     const int pos0 = a.step->pos0, P = pos0 + t;
     const int n_win = ds4_win_rows(P, a.W), p_first = P - n_win + 1;
     const int L = att_compact_picks<NTHR>(a, t, P, n_win, ids_s, cnt_s);
@@ -789,10 +797,10 @@ __global__ void __launch_bounds__(atm_warps(KS) * 32, 1) k_attention_mma(const a
     static_assert(PL == 2 || PL == 3, "k_attention_mma: two or three planes");
     atm_load_tile<D, NTHR, PL>(a, kp, kexp_s[0], ids_s, 0, L, n_win, p_first, pos0);   /* in flight with the split */
 #pragma unroll 1
-    for (int i = 0; i < ATT_TH / NW; i++) {
-        const int hl = warp * (ATT_TH / NW) + i, h = hb0 + hl;
+    for (int i = 0; i < HB / NW; i++) {
+        const int hl = warp * (HB / NW) + i, h = hb0 + hl;
         const int e = att_split_row<KS, PL>(h < a.H ? a.q + ((int64_t)t * a.H + h) * D : NULL, qp + hl * LD,
-                                        ATT_TH * LD, lane);
+                                        HB * LD, lane);
         if (lane == 0) qinv_s[hl] = __int_as_float((127 - e) << 23);
     }
 
@@ -831,7 +839,7 @@ __global__ void __launch_bounds__(atm_warps(KS) * 32, 1) k_attention_mma(const a
             uint32_t A[PL][4], B[PL][4];
 #pragma unroll
             for (int p = 0; p < PL; p++) {
-                ldsm_x4(A[p], qa + p * ATT_TH * LD + ks * 16);
+                ldsm_x4(A[p], qa + p * HB * LD + ks * 16);
                 ldsm_x4(B[p], kt + kb_off + p * ATM_TR * LD + ks * 16);
             }
 #pragma unroll
@@ -864,7 +872,7 @@ __global__ void __launch_bounds__(atm_warps(KS) * 32, 1) k_attention_mma(const a
             const int c = c0 + dq;
             float s = xs[(mi * 8 + c) * 32 + lane];
 #pragma unroll
-            for (int q = 1; q < NG; q++) s += xs[((mi + 2 * q) * 8 + c) * 32 + lane];   /* dims in order */
+            for (int q = 1; q < NG; q++) s += xs[((mi + MI * q) * 8 + c) * 32 + lane];   /* dims in order */
             const int r = 8 * (c >> 2) + 2 * tq + (c & 1);
             const int hl = mi * 16 + g + 8 * ((c >> 1) & 1);
             /* exact until * scale (powers of two) */
@@ -967,16 +975,17 @@ static void launch_attention_mma_t(const attn_args &a0) {
     uint8_t *base = (uint8_t *)scratch_get(&sess()->att_split, attention_split_bytes(a.sp_rows, a.d));
     a.sp = (__half *)base;
     a.sp_exp = (int32_t *)(base + (size_t)3 * a.sp_rows * a.d * sizeof(__half));
-    const dim3 grid((unsigned)a.nt, (unsigned)((a.H + ATT_TH - 1) / ATT_TH));
     ds4_session *S = sess();
     S->n_att_mma++;
     if (S->lim.prefill_planes == 2) {
         S->n_att_mma_pl2++;
+        const dim3 grid((unsigned)a.nt, (unsigned)((a.H + 16 * atm_mi(2) - 1) / (16 * atm_mi(2))));
         DS4_LAUNCH((k_att_rows_split<KS, 2>), dim3((unsigned)((a.sp_rows + ATT_WARPS - 1) / ATT_WARPS)), ATT_THREADS, 0, a);
-        DS4_LAUNCH((k_attention_mma<KS, 2>), grid, atm_warps(KS) * 32, attention_mma_smem(a.d), a);
+        DS4_LAUNCH((k_attention_mma<KS, 2>), grid, atm_warps(KS, 2) * 32, attention_mma_smem(a.d, 2), a);
     } else {
+        const dim3 grid((unsigned)a.nt, (unsigned)((a.H + 16 * atm_mi(3) - 1) / (16 * atm_mi(3))));
         DS4_LAUNCH((k_att_rows_split<KS, 3>), dim3((unsigned)((a.sp_rows + ATT_WARPS - 1) / ATT_WARPS)), ATT_THREADS, 0, a);
-        DS4_LAUNCH((k_attention_mma<KS, 3>), grid, atm_warps(KS) * 32, attention_mma_smem(a.d), a);
+        DS4_LAUNCH((k_attention_mma<KS, 3>), grid, atm_warps(KS, 3) * 32, attention_mma_smem(a.d, 3), a);
     }
 }
 
@@ -995,7 +1004,8 @@ static bool attention_tiles_take(const attn_args &a) {
 }
 
 static bool attention_mma_take(const attn_args &a) {
-    return sess()->lim.prefill_attn == 2 && a.d % 64 == 0 && attention_mma_smem(a.d) + ATM_STATIC_SMEM <= g_cuda.smem_optin &&
+    const int pl = sess()->lim.prefill_planes == 2 ? 2 : 3;
+    return sess()->lim.prefill_attn == 2 && a.d % 64 == 0 && attention_mma_smem(a.d, pl) + ATM_STATIC_SMEM <= g_cuda.smem_optin &&
            attention_split_bytes(attention_split_rows(a.nt, a.W, a.ratio), a.d) <= sess()->att_split.cap;
 }
 
@@ -1025,10 +1035,14 @@ static void launch_attention_tiles(const attn_args &a) {
  * (attention_mma_take asks the same question per launch). */
 template <int KS>
 static void attention_mma_setup(void) {
-    const size_t sm = attention_mma_smem(64 * KS);
-    if (sm + ATM_STATIC_SMEM <= g_cuda.smem_optin) {
-        DS4_CUDA_CHECK(cudaFuncSetAttribute(k_attention_mma<KS, 3>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sm));
-        DS4_CUDA_CHECK(cudaFuncSetAttribute(k_attention_mma<KS, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sm));
+    const size_t s3 = attention_mma_smem(64 * KS, 3), s2 = attention_mma_smem(64 * KS, 2);
+    if (s3 + ATM_STATIC_SMEM <= g_cuda.smem_optin)
+        DS4_CUDA_CHECK(cudaFuncSetAttribute(k_attention_mma<KS, 3>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)s3));
+    if (s2 + ATM_STATIC_SMEM <= g_cuda.smem_optin) {
+        DS4_CUDA_CHECK(cudaFuncSetAttribute(k_attention_mma<KS, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)s2));
+        /* two blocks an SM: the driver keeps the largest shared-memory carveout */
+        DS4_CUDA_CHECK(cudaFuncSetAttribute(k_attention_mma<KS, 2>, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                            cudaSharedmemCarveoutMaxShared));
     }
 }
 
