@@ -114,6 +114,9 @@
 #define TC_ST      3        /* pipeline stages */
 #define TC_THREADS 256
 #define TC_APITCH  80       /* k_tc_wgmma with A by tensor copies (TA): a Q8_0 row's staged bytes */
+#ifndef TC_ROUND
+#define TC_ROUND   2        /* k_tc_wgmma TA: stages a round (1, 2 or 4; -DTC_ROUND=N at build time to measure) */
+#endif
 /* TC_SEG_MAX (ds4_cuda_common.cuh): matrices of one launch */
 
 bool gemm_tc_type(int type) {
@@ -916,13 +919,15 @@ struct tc_amaps {
  *   block-stage reads 36 KiB for 2.1 M multiply-adds where two 128-row blocks read 52 KiB (on
  *   an H100 these reads bound the products in part; on an H200, with more bandwidth, they do
  *   not: bench/RESULTS.md).  Such a block has no barrier per stage: a warpgroup done with
- *   stage kb - 1 (its MMAs waited for, its threads' reads of A fenced) syncs its own 128
- *   threads (named barrier 1 + wg), and its first thread counts the release in shared memory
- *   (rel: NWG a refill, never reset); the warpgroup that counts last issues stage kb + ST -
- *   1's copies into that buffer.  So the prologue
- *   copies all ST stages (every buffer is free), and each warpgroup waits only for its stage's
- *   data (the mbarrier): the four drift apart by up to ST - 1 stages.  The MMAs, folds and
- *   their order are each warpgroup's as in a 128-row block: the same sums. */
+ *   stage x (its MMAs waited for, its threads' reads of A fenced) syncs its own 128 threads
+ *   (named barrier 1 + wg), and its first thread counts the release in shared memory (rel: NWG
+ *   a refill, never reset); the warpgroup that counts last issues stage x + ST's copies into
+ *   that buffer.  So the prologue copies all ST stages (every buffer is free), and each
+ *   warpgroup waits only for its stage's data (the mbarrier): the four drift apart by up to ST
+ *   - 1 stages.  A warpgroup takes two stages a round, their four blocks in a ping-pong (the
+ *   next block's MMAs issued before the last one is folded), so that its MMAs are in flight
+ *   through all folds but the round's last.  The MMAs, folds and their order are each
+ *   warpgroup's as in a 128-row block: the same sums. */
 template <int TYPE, bool TB, bool TA, int PL = 3, int NWG = TA ? 4 : 2>
 __global__ void __launch_bounds__(128 * NWG, tc_traits<TYPE>::MIN || NWG > 2 ? 1 : 2)
 k_tc_wgmma(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const uint8_t *xs_all, int ntp,
@@ -937,6 +942,7 @@ k_tc_wgmma(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const ui
     const int nrows = sg.nrows[si];
     static_assert(!TA || (TB && TYPE == DS4_TYPE_Q8_0), "k_tc_wgmma: A by tensor copies is Q8_0's, with B's");
     static_assert(PL == 2 || PL == 3, "k_tc_wgmma: two or three planes");
+    static_assert(TC_ROUND == 1 || TC_ROUND == 2 || TC_ROUND == 4, "k_tc_wgmma: 1, 2 or 4 stages a round");
     static_assert(NWG == (TA ? 4 : 2), "k_tc_wgmma: four warpgroups with A by tensor copies, else two");
     typedef tc_tile<TYPE, true, TA, PL, NWG> TL;
     constexpr bool REL = NWG > 2;           /* the stages released by warpgroup, no block barrier */
@@ -1004,58 +1010,96 @@ k_tc_wgmma(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const ui
         if (st < nk) load(st);
         cp_async_commit();
     }
-    for (int kb = 0; kb < nk; kb++) {
-        if constexpr (REL) {
-            /* this warpgroup is done with stage kb - 1 (its threads' reads of A; its MMAs were
-             * waited for at the end of it): the last of the NWG to say so refills the buffer */
-            if (kb > 0 && kb + ST - 1 < nk) {
-                asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-                tcw_wg_sync(warp >> 2);
-                if ((threadIdx.x & 127) == 0) {
+    if constexpr (REL) {
+        /* TC_ROUND stages a round, their blocks in a ping-pong: block b + 1's MMAs are issued
+         * before block b is waited for and folded, so a warpgroup has a block's MMAs in flight
+         * through each fold but the round's last, and the blocks are folded in order: the
+         * same sums.  A block's A registers (a[b % 2]) are rewritten only after its MMAs
+         * completed (wgmma reads them asynchronously).  A stage's buffer is released once both
+         * its blocks' MMAs have completed.  (A ping-pong across rounds would leave a block in
+         * flight over the loop's back edge, which ptxas answers by serialising every wgmma.) */
+        uint32_t a[2][2][4], m[2][2];
+        float s[2][2], s2[2][2];
+        /* block j of stage kb: its A fragments, then its MMAs (one commit group) */
+        auto frag_issue = [&](int kb, int j) {
+            const uint8_t *As = smem + (kb % ST) * SB;
+            const int ao = (kb * 68) & 15;
+            tc_frag_a<TYPE, TL::APITCH>(As, pr, j, t, kb, grid, s8tab, a[j][0], s[j][0], m[j][0], s2[j][0], ao);
+            tc_frag_a<TYPE, TL::APITCH>(As, pr + DR, j, t, kb, grid, s8tab, a[j][1], s[j][1], m[j][1], s2[j][1], ao);
+            tcw_fence();
+            tcw_block<PL>(c[j], a[j][0], a[j][1], db0 + (uint64_t)((kb % ST) * SB >> 4), j);
+            tcw_commit();
+        };
+        /* this warpgroup is done with stage x (its threads' reads of A, its MMAs): the last of
+         * the NWG to say so refills the buffer with stage x + ST */
+        auto release = [&](int x) {
+            if (x + ST >= nk) return;
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            tcw_wg_sync(warp >> 2);
+            if ((threadIdx.x & 127) == 0) {
+                __threadfence_block();
+                if (atomicAdd(&rel[x % ST], 1) == NWG * (x / ST) + NWG - 1) {
                     __threadfence_block();
-                    if (atomicAdd(&rel[(kb - 1) % ST], 1) == NWG * ((kb - 1) / ST) + NWG - 1) {
-                        __threadfence_block();
-                        issue(kb + ST - 1);
-                    }
+                    issue(x + ST);
                 }
             }
-        } else {
+        };
+        for (int kb = 0; kb < nk; kb += TC_ROUND) {   /* nk is a multiple of 4: K of 256 */
+            /* step b: block b of the round issued (stage kb + b / 2, block b % 2, in c[b % 2]),
+             * then block b - 1 waited for and folded; from step 3 on, each odd step releases
+             * the stage whose blocks completed the step before (here, where one block's A is
+             * live, not two) */
+#pragma unroll
+            for (int b = 0; b < 2 * TC_ROUND; b++) {
+                const int x = kb + (b >> 1), j = b & 1;
+                if (j == 0) tcw_mbar_wait(full + x % ST, (unsigned)(x / ST) & 1u);
+                frag_issue(x, j);
+                if (b > 0) {
+                    tcw_wait<1>();
+                    tcw_fold<TYPE>(acc, c[j ^ 1], s[j ^ 1][0], s[j ^ 1][1]);
+                }
+                if (b >= 3 && j == 1) release(kb + ((b - 3) >> 1));
+            }
+            tcw_wait<0>();                      /* the round's last block */
+            tcw_fold<TYPE>(acc, c[1], s[1][0], s[1][1]);
+            release(kb + TC_ROUND - 1);
+        }
+    } else {
+        /* a block barrier each stage: every warpgroup's MMAs of stage kb - 1 were waited for */
+        for (int kb = 0; kb < nk; kb++) {
             cp_async_wait<ST - 2>();
-            /* !TB: cp.async's B, read by wgmma; TA: the threads' reads of A, before a tensor copy
-             * refills the buffer */
-            if (!TB || TA) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            /* !TB: cp.async's B, read by wgmma */
+            if (!TB) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
             __syncthreads();
             {
                 const int nx = kb + ST - 1;
                 if (nx < nk) load(nx);
                 cp_async_commit();
             }
-        }
-        const uint8_t *As = smem + (kb % ST) * SB;
-        uint32_t a[2][2][4], m[2][2];
-        float s[2][2], s2[2][2];
-        if (TA) tcw_mbar_wait(full + kb % ST, (unsigned)(kb / ST) & 1u);
-        const int ao = TA ? (kb * 68) & 15 : 0;
+            const uint8_t *As = smem + (kb % ST) * SB;
+            uint32_t a[2][2][4], m[2][2];
+            float s[2][2], s2[2][2];
 #pragma unroll
-        for (int j = 0; j < 2; j++) {
-            tc_frag_a<TYPE, TL::APITCH>(As, pr, j, t, kb, grid, s8tab, a[j][0], s[j][0], m[j][0], s2[j][0], ao);
-            tc_frag_a<TYPE, TL::APITCH>(As, pr + DR, j, t, kb, grid, s8tab, a[j][1], s[j][1], m[j][1], s2[j][1], ao);
-        }
-        if (TB && !TA) tcw_mbar_wait(full + kb % ST, (unsigned)(kb / ST) & 1u);
-        tcw_fence();
-        const uint64_t db = db0 + (uint64_t)((kb % ST) * SB >> 4);
+            for (int j = 0; j < 2; j++) {
+                tc_frag_a<TYPE, TL::APITCH>(As, pr, j, t, kb, grid, s8tab, a[j][0], s[j][0], m[j][0], s2[j][0]);
+                tc_frag_a<TYPE, TL::APITCH>(As, pr + DR, j, t, kb, grid, s8tab, a[j][1], s[j][1], m[j][1], s2[j][1]);
+            }
+            if (TB) tcw_mbar_wait(full + kb % ST, (unsigned)(kb / ST) & 1u);
+            tcw_fence();
+            const uint64_t db = db0 + (uint64_t)((kb % ST) * SB >> 4);
 #pragma unroll
-        for (int j = 0; j < 2; j++) {
-            tcw_block<PL>(c[j], a[j][0], a[j][1], db, j);
-            if (TT::MIN) tcw_block_min<PL>(cm[j], m[j][0], m[j][1], db, j);
-            tcw_commit();
+            for (int j = 0; j < 2; j++) {
+                tcw_block<PL>(c[j], a[j][0], a[j][1], db, j);
+                if (TT::MIN) tcw_block_min<PL>(cm[j], m[j][0], m[j][1], db, j);
+                tcw_commit();
+            }
+            tcw_wait<1>();                      /* block 0 done: fold it (block 1 may still run) */
+            tcw_fold<TYPE>(acc, c[0], s[0][0], s[0][1]);
+            if (TT::MIN) tcw_fold<TYPE>(acc, cm[0], s2[0][0], s2[0][1]);
+            tcw_wait<0>();
+            tcw_fold<TYPE>(acc, c[1], s[1][0], s[1][1]);
+            if (TT::MIN) tcw_fold<TYPE>(acc, cm[1], s2[1][0], s2[1][1]);
         }
-        tcw_wait<1>();                          /* block 0 done: fold it (block 1 may still run) */
-        tcw_fold<TYPE>(acc, c[0], s[0][0], s[0][1]);
-        if (TT::MIN) tcw_fold<TYPE>(acc, cm[0], s2[0][0], s2[0][1]);
-        tcw_wait<0>();
-        tcw_fold<TYPE>(acc, c[1], s[1][0], s[1][1]);
-        if (TT::MIN) tcw_fold<TYPE>(acc, cm[1], s2[1][0], s2[1][1]);
     }
     /* acc[4 i + 2 h + e]: row pr + DR h, token 8 i + 2 t + e */
     float *y = sg.y[si];
