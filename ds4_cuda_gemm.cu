@@ -315,7 +315,8 @@ template <int TYPE> struct tc_traits {
  * (whose layout is the 128-byte swizzle the MMAs read: chunk c of token n at c ^ (n % 8))
  * starts on a 1 KiB boundary; three stages (101 KiB for Q8_0: two blocks per SM, so that one
  * block's folds and barriers overlap the other's MMAs), four for the types with mins (one block
- * per SM: their second accumulators take 250 registers), five for k_tc_wgmma's blocks with A
+ * per SM: their second accumulators take 250 registers; k_tc_wgmma takes their stages two a
+ * round), five for k_tc_wgmma's blocks with A
  * by tensor copies (TA: NWG = 4 warpgroups, BM = 256 rows of 512 threads, one block per SM);
  * 1 KiB more to align the dynamic shared memory's start.  RP rows one pass of the threads copies (4-byte or 16-byte pieces, NP a row), NPASS
  * passes. */
@@ -946,6 +947,9 @@ k_tc_wgmma(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const ui
     static_assert(NWG == (TA ? 4 : 2), "k_tc_wgmma: four warpgroups with A by tensor copies, else two");
     typedef tc_tile<TYPE, true, TA, PL, NWG> TL;
     constexpr bool REL = NWG > 2;           /* the stages released by warpgroup, no block barrier */
+    /* PP: the types with mins (one block an SM, registers to spare) take two stages a round, a
+     * block barrier each round (IQ2_XXS's 128 registers, two blocks an SM, would spill) */
+    constexpr bool PP = !REL && TT::MIN;
     const int row0 = blockIdx.x * TL::BM;
     if (row0 >= nrows) return;
     const size_t plane = (size_t)ntp * K;
@@ -1004,9 +1008,9 @@ k_tc_wgmma(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const ui
         if (threadIdx.x == 0) issue(kb);
     };
     /* the first stages' copies: ST - 1, the last buffer filled in the loop's first stage; REL:
-     * all ST */
+     * all ST; PP: the first round's two */
 #pragma unroll
-    for (int st = 0; st < (REL ? ST : ST - 1); st++) {
+    for (int st = 0; st < (REL ? ST : PP ? 2 : ST - 1); st++) {
         if (st < nk) load(st);
         cp_async_commit();
     }
@@ -1063,6 +1067,46 @@ k_tc_wgmma(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const ui
             tcw_wait<0>();                      /* the round's last block */
             tcw_fold<TYPE>(acc, c[1], s[1][0], s[1][1]);
             release(kb + TC_ROUND - 1);
+        }
+    } else if constexpr (PP) {
+        /* Two stages a round, their four blocks in a ping-pong as with REL (block b + 1's MMAs,
+         * and the mins' pass, issued before block b is waited for and folded; the blocks folded
+         * in order: the same sums), and a block barrier each round: stages kb and kb + 1 have
+         * landed, every warpgroup is done with kb - 2 and kb - 1, whose buffers then take kb + 2
+         * and kb + 3 (ST = 4). */
+        static_assert(ST >= 4, "k_tc_wgmma: a round's two stages and the next round's two");
+        uint32_t a[2][2][4], m[2][2];
+        float s[2][2], s2[2][2];
+        for (int kb = 0; kb < nk; kb += 2) {    /* nk is a multiple of 4: K of 256 */
+            cp_async_wait<0>();
+            /* !TB: cp.async's B, read by wgmma */
+            if (!TB) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            __syncthreads();
+            if (kb + 2 < nk) load(kb + 2);
+            cp_async_commit();
+            if (kb + 3 < nk) load(kb + 3);
+            cp_async_commit();
+#pragma unroll
+            for (int b = 0; b < 4; b++) {
+                const int x = kb + (b >> 1), j = b & 1;
+                const uint8_t *As = smem + (x % ST) * SB;
+                tc_frag_a<TYPE, TL::APITCH>(As, pr, j, t, x, grid, s8tab, a[j][0], s[j][0], m[j][0], s2[j][0]);
+                tc_frag_a<TYPE, TL::APITCH>(As, pr + DR, j, t, x, grid, s8tab, a[j][1], s[j][1], m[j][1], s2[j][1]);
+                if (TB && j == 0) tcw_mbar_wait(full + x % ST, (unsigned)(x / ST) & 1u);
+                tcw_fence();
+                const uint64_t db = db0 + (uint64_t)((x % ST) * SB >> 4);
+                tcw_block<PL>(c[j], a[j][0], a[j][1], db, j);
+                if (TT::MIN) tcw_block_min<PL>(cm[j], m[j][0], m[j][1], db, j);
+                tcw_commit();
+                if (b > 0) {
+                    tcw_wait<1>();              /* block b - 1 done: fold it */
+                    tcw_fold<TYPE>(acc, c[j ^ 1], s[j ^ 1][0], s[j ^ 1][1]);
+                    if (TT::MIN) tcw_fold<TYPE>(acc, cm[j ^ 1], s2[j ^ 1][0], s2[j ^ 1][1]);
+                }
+            }
+            tcw_wait<0>();                      /* the round's last block */
+            tcw_fold<TYPE>(acc, c[1], s[1][0], s[1][1]);
+            if (TT::MIN) tcw_fold<TYPE>(acc, cm[1], s2[1][0], s2[1][1]);
         }
     } else {
         /* a block barrier each stage: every warpgroup's MMAs of stage kb - 1 were waited for */

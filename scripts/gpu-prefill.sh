@@ -18,7 +18,8 @@
 # k_tc_gemm, mma.sync, and k_tc_wgmma), TCW_ROUNDS (2) rounds alternating.
 # vs, same: PREV=DIR, another tree (e.g. `git archive REV` unpacked), built beside this one; vs:
 # VS_MODELS (flash16) prefill, PREV and this tree alternating VS_ROUNDS (2) rounds; same:
-# CUDA logits of a 300-token prompt + 32 greedy steps on small Q8_0 and F16 from both trees,
+# CUDA logits of a 300-token prompt + 32 greedy steps on SAME_MODELS (config/type, default
+# "small/q8_0 small/f16"; "small-q2/" for the published layout's types) from both trees,
 # compared byte for byte (for a change that keeps every sum).
 # hooks: flash16 prefill with DS4_HOOKS=attn (to /dev/null) against none, HOOKS_ROUNDS (2) rounds.
 # dprof: ncu sections (as prof) on the first launch of each kernel of DPROF_KERNELS (a regex list,
@@ -156,20 +157,22 @@ if want vs; then
   done
 fi
 if want same; then
-  step "CUDA logits, PREV against this tree: small Q8_0 and F16, a 300-token prompt + 32 greedy steps"
+  step "CUDA logits, PREV against this tree: ${SAME_MODELS:-small/q8_0 small/f16}, a 300-token prompt + 32 greedy steps"
   P=$(python3 -c "print(','.join(str((i * 7919) % 1000 + 1) for i in range(300)))")
-  for ty in q8_0 f16; do
-    ./ds4 synth --config small --seed 1 --type $ty -o "$OUT/small-$ty.gguf" > /dev/null 2>&1
+  for m in ${SAME_MODELS:-small/q8_0 small/f16}; do
+    cfg=${m%%/*}; ty=${m#*/}; [ "$ty" = "$m" ] && ty=""
+    G=${TMPDIR:-/tmp}/same.gguf      # not under $OUT: a Flash-shaped file is tens of GB
+    ./ds4 synth --config "$cfg" --seed 1 ${ty:+--type $ty} -o "$G" > /dev/null 2>&1
     for tree in prev head; do
       bin=./ds4; [ $tree = prev ] && bin="$PREV/ds4"
-      "$bin" -m "$OUT/small-$ty.gguf" --backend cuda --tokens "$P" -n 32 --dump-logits "$OUT/same-$ty-$tree.ds4logit" \
-        > /dev/null 2>&1 || echo "$tree $ty: rc $?"
+      "$bin" -m "$G" --backend cuda --tokens "$P" -n 32 --dump-logits "$OUT/same-$tree.ds4logit" \
+        > /dev/null 2>&1 || echo "$tree $m: rc $?"
     done
-    if cmp -s "$OUT/same-$ty-prev.ds4logit" "$OUT/same-$ty-head.ds4logit"; then
-      echo "small $ty: CUDA logits byte-identical ($(stat -c %s "$OUT/same-$ty-head.ds4logit") bytes)"
-    else echo "small $ty: CUDA LOGITS DIFFER: $(python3 tests/oracle/ds4logit.py compare "$OUT/same-$ty-prev.ds4logit" \
-        "$OUT/same-$ty-head.ds4logit" --tol 5e-5 2>&1 | tr '\n' ' ')"; fi
-    rm -f "$OUT"/*.gguf "$OUT"/same-*.ds4logit
+    if cmp -s "$OUT/same-prev.ds4logit" "$OUT/same-head.ds4logit"; then
+      echo "$cfg ${ty:-default}: CUDA logits byte-identical ($(stat -c %s "$OUT/same-head.ds4logit") bytes)"
+    else echo "$cfg ${ty:-default}: CUDA LOGITS DIFFER: $(python3 tests/oracle/ds4logit.py compare "$OUT/same-prev.ds4logit" \
+        "$OUT/same-head.ds4logit" --tol 5e-5 2>&1 | tr '\n' ' ')"; fi
+    rm -f "$G" "$OUT"/same-*.ds4logit
   done
 fi
 if want envsame; then
