@@ -19,7 +19,8 @@
 # vs, same: PREV=DIR, another tree (e.g. `git archive REV` unpacked), built beside this one; vs:
 # VS_MODELS (flash16) prefill, PREV and this tree alternating VS_ROUNDS (2) rounds; same:
 # CUDA logits of a 300-token prompt + 32 greedy steps on SAME_MODELS (config/type, default
-# "small/q8_0 small/f16"; "small-q2/" for the published layout's types) from both trees,
+# "small/q8_0 small/f16"; "small-q4/ flash-q2@16" for the super-block types: small-q2's Q2_K
+# experts do not take the engine, flash-q2@16's do; its file goes to $TMPDIR) from both trees,
 # compared byte for byte (for a change that keeps every sum).
 # hooks: flash16 prefill with DS4_HOOKS=attn (to /dev/null) against none, HOOKS_ROUNDS (2) rounds.
 # dprof: ncu sections (as prof) on the first launch of each kernel of DPROF_KERNELS (a regex list,
