@@ -258,8 +258,39 @@ static cudaError_t ds4_launch_kernel(int line, void (*kernel)(P...), dim3 grid, 
     return cudaSuccess;
 }
 
+/* What-if builds (make cuda NVCCFLAGS="... -DDS4_WHATIF"; scripts/gpu-decode.sh whatif): the
+ * environment variable WHATIF_SKIP, a comma-separated list of kernel names (k_hc_pre,
+ * k_attention_combine, ...) and matvec modes (mv_dense, mv_gateup, mv_down: k_matvec and
+ * k_matvec_q), drops those launches, so that a decode step's time without them shows what
+ * they cost on its critical path.  The outputs are then wrong: for timing only.  Normal
+ * builds have none of it. */
+#ifdef DS4_WHATIF
+static inline bool ds4_whatif_skip(const char *launch) {
+    static const char *list = NULL;
+    static bool read = false;
+    if (!read) { list = getenv("WHATIF_SKIP"); read = true; }
+    if (!list || !*list) return false;
+    while (*launch == '(' || *launch == ' ') launch++;
+    size_t n = 0;                             /* the kernel's name: its leading identifier */
+    while (launch[n] == '_' || (launch[n] >= 'a' && launch[n] <= 'z') || (launch[n] >= 'A' && launch[n] <= 'Z') ||
+           (launch[n] >= '0' && launch[n] <= '9'))
+        n++;
+    for (const char *p = list;;) {
+        const char *q = strchr(p, ',');
+        const size_t m = q ? (size_t)(q - p) : strlen(p);
+        if (m == n && !strncmp(p, launch, n)) return true;
+        if (!q) return false;
+        p = q + 1;
+    }
+}
+#define DS4_WHATIF_SKIP(name) if (ds4_whatif_skip(name)) break
+#else
+#define DS4_WHATIF_SKIP(name) (void)0
+#endif
+
 /* Variadic: a kernel template's name (k<a, b>) contains top-level commas. */
 #define DS4_LAUNCH(...) do {                                                        \
+        DS4_WHATIF_SKIP(#__VA_ARGS__);                                              \
         const double t0_ = ds4_now();                                               \
         const cudaError_t e_ = ds4_launch_kernel(__LINE__, __VA_ARGS__);            \
         const cudaError_t l_ = cudaGetLastError();                                  \

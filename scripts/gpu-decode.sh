@@ -18,7 +18,13 @@
 #          + 24 steps, graphs on, DS4_CUDA_SHARED_STREAM=1.
 #   mtp:   tests/test_mtp_cuda.py -k MTP_K (small_greedy) at TEST_MTP_CUDA_STEPS (1024), under
 #          MTP_LIMIT (150) seconds.
-#   scripts/gpu-decode.sh [same] [speed] [hooks] [vs] [san] [mtp]
+#   whatif: this tree built again with -DDS4_WHATIF (in $TMPDIR), then ds4_bench --decode 64 --reps 3
+#          (--prefill 512) on WHATIF_MODEL (flash16), graphs on, once for each entry of WHATIF_SETS
+#          (space-separated WHATIF_SKIP lists of kernels and matvec modes, see DS4_LAUNCH in
+#          ds4_cuda_common.cuh; "-": none), with the full step ("-") first and last: a step's time
+#          without each family of kernels, i.e. what that family costs on its critical path.
+#          For timing only: the dropped kernels' outputs are missing.
+#   scripts/gpu-decode.sh [same] [speed] [hooks] [vs] [san] [mtp] [whatif]
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-build/gpu-out}; mkdir -p "$OUT"
@@ -125,6 +131,26 @@ if want hooks; then
       done
     done
   done
+fi
+if want whatif; then
+  WM=${WHATIF_MODEL:-flash16}
+  step "what-if: $WM decode steps with graphs, kernel families dropped (a -DDS4_WHATIF build; timing only)"
+  W="$T/whatif"; rm -rf "$W"; mkdir -p "$W"
+  tar --exclude=./build --exclude=./.git -cf - . | tar -xf - -C "$W"
+  (cd "$W" && make cuda CUDA_ARCH="$ARCH" NVCCFLAGS="-O3 -std=c++17 -lineinfo -DDS4_WHATIF" &&
+    make --no-print-directory build/cuda-"$ARCH"/ds4_bench CUDA_ARCH="$ARCH" NVCCFLAGS="-O3 -std=c++17 -lineinfo -DDS4_WHATIF") \
+    > "$OUT/build-whatif.log" 2>&1 || { tail -30 "$OUT/build-whatif.log"; exit 1; }
+  SMALL=k_hc_pre,k_attention,k_attention_combine,k_head_norm_rope,k_moe_combine,k_compressor_step,k_indexer_scores,k_indexer_select
+  SETS=${WHATIF_SETS:-"- mv_dense mv_gateup mv_down k_hc_pre k_attention k_attention_combine k_head_norm_rope k_moe_combine k_compressor_step k_indexer_scores,k_indexer_select $SMALL -"}
+  i=0
+  for set in $SETS; do
+    i=$((i + 1)); L="$OUT/whatif-$i.log"
+    skip=$set; [ "$set" = - ] && skip=""
+    WHATIF_SKIP="$skip" DS4_CUDA_GRAPHS=1 timeout 200 "$W"/build/cuda-"$ARCH"/ds4_bench --model "$WM" --backend cuda \
+      --reps 3 --decode 64 --prefill 512 > "$L" 2>&1 || echo "$set: rc $?"
+    echo "dropped ${set}: $(grep -E '^decode: median' "$L" | sed 's/, 3 reps.*/)/') $(grep -o '[0-9]* nodes' "$L" | head -1)"
+  done
+  rm -rf "$W"
 fi
 if want san; then
   step "compute-sanitizer, small, graphs on, DS4_CUDA_SHARED_STREAM=1"
