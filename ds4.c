@@ -3330,17 +3330,11 @@ static void fwd_attention(ds4_ctx *c, int il, const float *hn, int nt, float *ou
     }
     be->matmul_multi(n, pw, py, (float *)hn, nt, NULL, 0.0f, pt, c->step, ratio ? ratio : 1);
 
-    /* queries (and the indexer's) from the normed latent; one unweighted norm per head */
-    n = 0;
-    PROJ(&L->q_b, c->q, NULL);
-    if (ratio == 4) PROJ(&L->idx_q_b, c->iq, NULL);
-#undef PROJ
-    be->matmul_multi(n, pw, py, c->qr, nt, L->q_a_norm.dev, hp->rms_eps, NULL, c->step, 1);
-    be->head_norm_rope(c->q, NULL, nt, H, c->kv, L->kv_a_norm.dev, 1, d, hp->rms_eps, c->step, rp);
-
     /* compressors: pool finished blocks into rows (normalised, rotated), then
-     * remember the batch's kv and gate rows in their state rings */
-    int k = 0;
+     * remember the batch's kv and gate rows in their state rings.  They read only the call
+     * above, so where the backend takes them beside the queries (side_begin) they are issued
+     * now; else after the queries' norm, as below */
+    const int k = ratio == 4 ? hp->idx_topk : 0;
     ds4_compressor cs[2];
     int ncs = 0;
     if (ratio) {
@@ -3351,13 +3345,31 @@ static void fwd_attention(ds4_ctx *c, int il, const float *hn, int nt, float *ou
         cs[ncs++] = (ds4_compressor){ c->ikv, c->isc, S->ist_kv, S->ist_sc, 4, 2, di, L->idx_comp_norm.dev,
                                       S->irows };
     }
-    if (ncs) be->compressor_steps(ncs, cs, c->step, nt, hp->rms_eps, &c->rope_comp);
-    if (ratio == 4) {
-        /* the indexer's queries are rotated as its rows were, then score the rows */
-        k = hp->idx_topk;
-        be->indexer_step(c->iq, c->iw, 1.0f / sqrtf((float)di * (float)Hi), S->irows, c->step, nt, Hi, di, 4, k,
-                         &c->rope_comp, c->topk);
+    const int side = ncs && be->side_begin && be->side_begin(nt);
+    if (side) {
+        be->compressor_steps(ncs, cs, c->step, nt, hp->rms_eps, &c->rope_comp);
+        be->side_end();
     }
+
+    /* queries (and the indexer's) from the normed latent; one unweighted norm per head */
+    n = 0;
+    PROJ(&L->q_b, c->q, NULL);
+    if (ratio == 4) PROJ(&L->idx_q_b, c->iq, NULL);
+#undef PROJ
+    be->matmul_multi(n, pw, py, c->qr, nt, L->q_a_norm.dev, hp->rms_eps, NULL, c->step, 1);
+    /* the indexer's queries are rotated as its rows were, then score the rows: beside the
+     * queries' norm where the compressors ran beside their projection */
+    const float ix_scale = 1.0f / sqrtf((float)di * (float)Hi);
+    const int ix_side = side && ratio == 4 && be->side_begin(nt);
+    if (ix_side) {
+        be->indexer_step(c->iq, c->iw, ix_scale, S->irows, c->step, nt, Hi, di, 4, k, &c->rope_comp, c->topk);
+        be->side_end();
+    }
+    be->head_norm_rope(c->q, NULL, nt, H, c->kv, L->kv_a_norm.dev, 1, d, hp->rms_eps, c->step, rp);
+    if (ncs && !side) be->compressor_steps(ncs, cs, c->step, nt, hp->rms_eps, &c->rope_comp);
+    if (ratio == 4 && !ix_side)
+        be->indexer_step(c->iq, c->iw, ix_scale, S->irows, c->step, nt, Hi, di, 4, k, &c->rope_comp, c->topk);
+    if (side) be->side_join();
 
     /* the attn_probs hook: attention's weights, from the inputs attention_step is given
      * (before it stores this batch into the ring); one record per token, n+1 columns */
@@ -3910,7 +3922,7 @@ int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
         { "DS4_CUDA_PREFILL_TC", 0, 4, "prefill products of Q8_0, F16, IQ2_XXS, Q2_K and Q4_K weights on tensor cores: 4 = wgmma on sm_90 with the activations' and the Q8_0 weights' stage copies by the tensor memory accelerator, 3 = the activations' alone, 2 = wgmma with cp.async copies, 1 = mma.sync, 0 = cuBLAS" },
         { "DS4_CUDA_PREFILL_ATTN", 0, 2, "a prefill batch's attention in row tiles shared by 32 heads: 2 = on tensor cores, 1 = f32, 0 = per query" },
         { "DS4_CUDA_DECODE_GROUP", 0, 1, "1 = a call of up to 4 tokens streams each dense matrix once, in one launch" },
-        { "DS4_CUDA_SHARED_STREAM", 0, 1, "1 = at decode the MoE's shared expert runs on a second stream" },
+        { "DS4_CUDA_SHARED_STREAM", 0, 1, "1 = at decode the shared expert, the compressors and the indexer run on side streams" },
         { "DS4_CUDA_PREFILL_PLANES", 2, 3, "f16 parts of each activation in the prefill's tensor-core products (DS4_CUDA_PREFILL_TC 1 to 4) and attention (DS4_CUDA_PREFILL_ATTN 2): 2 = hi + mid, 3 = hi + mid + lo" },
         { "DS4_ROLLBACK_RESTORE", 0, 3, "debug: the parts a rollback restores, bit 0 the model's layers, bit 1 the MTP block's" },
     };

@@ -276,8 +276,9 @@ typedef struct ds4_env {
                                    streams each dense matrix once, in one launch (default); 0 = chunks of
                                    4, 2, 1 (a call of 3 streams them twice) */
     int shared_stream;          /* DS4_CUDA_SHARED_STREAM: 1 = at decode the MoE's shared expert runs on a
-                                   second stream beside the routing and the routed experts (default);
-                                   0 = in order on one stream */
+                                   second stream beside the routing and the routed experts, and the
+                                   attention's compressors and indexer on a third beside the queries
+                                   (default); 0 = in order on one stream */
     int rollback_restore;       /* DS4_ROLLBACK_RESTORE: debug, the parts whose saved slots ds4_ctx_rollback
                                    restores: bit 1 << DS4_PART_* (default 3, both); a part without its bit
                                    only moves its position back (the tests show what breaks) */

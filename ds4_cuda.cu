@@ -603,6 +603,7 @@ static void session_release(ds4_session *S) {
     host_free(S->down_stage);
     if (S->blas) DS4_CUBLAS_CHECK(cublasDestroy(S->blas));
     ds4_side_close(&S->shx);
+    ds4_side_close(&S->axs);
     if (S->stream) DS4_CUDA_CHECK(cudaStreamDestroy(S->stream));
     if (S->trace) fclose(S->trace);
     if (g_sess == S) g_sess = NULL;
@@ -690,9 +691,11 @@ static void *cuda_session_new(const ds4_limits *lim) {
         }
         if (S->lim.graph_cache < 1) S->lim.graph_cache = 1;
     }
-    /* the shared expert's stream and its fork and join events (shared_begin) */
-    if (lim->shared_stream && ds4_side_open(&S->shx, "the shared expert") != cudaSuccess) {
-        fprintf(stderr, "ds4: cannot create the shared expert's stream (DS4_CUDA_SHARED_STREAM=0 runs without it)\n");
+    /* the shared expert's stream and its fork and join events (shared_begin), and the
+     * attention's compressors' and indexer's (side_begin) */
+    if (lim->shared_stream && (ds4_side_open(&S->shx, "the shared expert") != cudaSuccess ||
+                               ds4_side_open(&S->axs, "the attention's compressors and indexer") != cudaSuccess)) {
+        fprintf(stderr, "ds4: cannot create the decode step's second streams (DS4_CUDA_SHARED_STREAM=0 runs without them)\n");
         (void)cudaGetLastError();
         session_release(S);
         return NULL;

@@ -1207,8 +1207,38 @@ int64_t attention_probs_chunks(const ds4_limits *lim) {
     return ((int64_t)lim->n_swa + (k > n128 ? k : n128) + PROBS_ROWS - 1) / PROBS_ROWS;
 }
 
+/* ---------------------------------------------------------------------------
+ * The compressors and the indexer beside the query projection (side_begin, side_end, side_join)
+ *
+ * At decode a ratio layer's compressors read only the first projection call's rows (their
+ * kv and gate rows) and write their own state and rows; the indexer reads those rows, its
+ * weights row from the first call and its queries from the second.  So the compressors need
+ * not wait for the queries' projection, nor the indexer for the queries' norm and rotation:
+ * the engine issues the compressors in a first span on the session's attention stream
+ * (forked after the first projection call), the indexer in a second (forked after the
+ * second call, so after the compressors too: a stream runs in order), and joins before the
+ * attention, which reads all of it.  Under a capture the events become edges of the graph.
+ * The same kernels on the same inputs: the sums are the same.  Batches above MV_MAX_NT tokens
+ * stay in order (the prefill's indexer and products share nothing, but their launches fill
+ * the device on their own).
+ * ------------------------------------------------------------------------- */
+
+static int cuda_side_begin(int nt) {
+    ds4_session *S = sess();
+    if (!S->axs.s || nt > MV_MAX_NT) return 0;
+    ds4_side_fork(&S->axs);
+    return 1;
+}
+
+static void cuda_side_end(void) { ds4_side_unfork(&sess()->axs); }
+
+static void cuda_side_join(void) { ds4_side_join(&sess()->axs); }
+
 /* Its entries in the backend table (ds4_cuda.cu). */
 void ds4_cuda_ops_attn(ds4_backend *b) {
+    b->side_begin = cuda_side_begin;
+    b->side_end = cuda_side_end;
+    b->side_join = cuda_side_join;
     b->attention = cuda_attention;
     b->attention_probs = cuda_attention_probs;
     b->ring_store = cuda_ring_store;

@@ -93,6 +93,7 @@ void ds4_side_join(ds4_side *d);
 struct ds4_session {
     cudaStream_t   stream;
     ds4_side       shx;               /* the shared expert's stream (shared_begin); s NULL: DS4_CUDA_SHARED_STREAM=0 */
+    ds4_side       axs;               /* the attention's compressors and indexer (side_begin); likewise */
     cublasHandle_t blas;
     void          *blas_ws;           /* cuBLAS workspace (cublasSetWorkspace): no allocation inside a call */
     ds4_limits     lim;

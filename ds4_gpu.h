@@ -198,7 +198,8 @@ typedef struct ds4_limits {
     int     decode_group;     /* DS4_CUDA_DECODE_GROUP (CUDA): 1, a call of up to 4 tokens (a speculative
                                * check) takes its dense products in one launch; 0, chunks of 4, 2, 1 */
     int     shared_stream;    /* DS4_CUDA_SHARED_STREAM (CUDA): 1, a decode step's shared expert runs
-                               * beside the routed experts (shared_begin); 0, in order */
+                               * beside the routed experts (shared_begin), and its compressors and
+                               * indexer beside the queries (side_begin); 0, in order */
 } ds4_limits;
 
 /* What a session has done: kernel launches and cuBLAS calls (and the host
@@ -568,6 +569,18 @@ typedef struct ds4_backend {
      * unless DS4_CUDA_SHARED_STREAM=0; a capture records the fork and the join as edges. */
     int  (*shared_begin)(int nt);
     void (*shared_end)(void);
+
+    /* The attention's compressors and indexer beside its query projection and norms.
+     * side_begin(nt) returns 1 when the backend takes it: the ops issued from then until
+     * side_end see every op issued before side_begin (and the ops of an earlier side_begin ..
+     * side_end span) and may run concurrently with the ops issued after side_end, up to
+     * side_join, after which every op waits for them.  Nothing else may read or write their
+     * buffers in between.  0 (or a NULL op): the caller issues them in order as usual.  CUDA
+     * takes a decode call (nt <= 8) on a stream of its own unless DS4_CUDA_SHARED_STREAM=0; a
+     * capture records the forks and the join as edges. */
+    int  (*side_begin)(int nt);
+    void (*side_end)(void);
+    void (*side_join)(void);
 
     /* Routed experts: out[t][:] = sum_j wts[t][j] * down_e(swiglu(gate_e x[t], up_e x[t], clamp)),
      * e = sel[t][j], summed from 0 in slot order; then, when add != NULL, out += add

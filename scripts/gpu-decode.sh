@@ -2,9 +2,10 @@
 # gpu-decode.sh -- one GPU run for the decode work (issue 26): build, then the steps named, logs
 # under $OUT (small files only: the device tool brings back at most 16 MiB a file).
 #   same:  CUDA logits with DS4_CUDA_SHARED_STREAM=1 against 0 (the shared expert beside the
-#          routed experts, or in order), byte for byte: SAME_MODELS (config/type) with a 300-token
-#          prompt + 64 greedy steps, graphs off and on; then tiny and small written with an MTP
-#          block, --mtp-draft 3 with DS4_MTP_FORCE=0.5 (checks of 1..4 rows), graphs on.
+#          routed experts and the compressors and indexer beside the queries, or all in order),
+#          byte for byte: SAME_MODELS (config/type) with a 300-token prompt + 64 greedy steps,
+#          graphs off and on; then tiny and small written with an MTP block, --mtp-draft 3 with
+#          DS4_MTP_FORCE=0.5 (checks of 1..4 rows), graphs on.
 #   speed: ds4_bench --decode 64 --reps 3 (--prefill 64) on SPEED_MODELS (flash16 flash-q2@64),
 #          DS4_CUDA_SHARED_STREAM 0 and 1 alternating, SPEED_ROUNDS (2) rounds, graphs on
 #          (SPEED_GRAPHS="1 0": eager too).
