@@ -109,6 +109,27 @@ def test_cuda_graphs_flag_bit_identical(name):
     assert dumps[0] == dumps[1]
 
 
+@skip_no_gpu
+@pytest.mark.parametrize("graphs", [None, "1"])
+def test_side_streams_bit_identical(graphs):
+    """DS4_CUDA_SHARED_STREAM=1 (the default: at decode the MoE's shared expert on a side stream,
+    and a ratio layer's compressors and indexer on another, beside the queries) against 0 (all
+    in order on one stream): byte-identical dumps of small (ratio-4 and ratio-128 layers),
+    prompt + 300 steps, eager and with graphs.  The same kernels on the same inputs, so any
+    difference is a missing dependency between the streams."""
+    dumps = []
+    for v in ("0", "1"):
+        env = {k: x for k, x in os.environ.items() if not k.startswith("DS4_")}
+        env["DS4_CUDA_SHARED_STREAM"] = v
+        if graphs:
+            env["DS4_CUDA_GRAPHS"] = graphs
+        out = os.path.join(OUT, f"small.side-{v}-graphs-{graphs or 'unset'}.ds4logit")
+        ds4_run(["-m", make_model("small"), "--backend", "cuda", "--tokens", ",".join(map(str, PROMPT)),
+                 "-n", "300", "--dump-logits", out], binary=CUDA_BIN, env=env)
+        dumps.append(open(out, "rb").read())
+    assert dumps[0] == dumps[1]
+
+
 def trace_steps(path):
     """A DS4_LAUNCH_TRACE file split into forward calls: the lines from a call's first upload
     (its step block) to its wait.  Returns [(uploads, launch lines)] in call order."""
