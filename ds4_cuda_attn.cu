@@ -1,8 +1,9 @@
 /* ds4_cuda_attn.cu -- the CUDA backend's attention: the window and compressed rows with the
  * split-row combine (and, for attention_step, the ring store and de-rotation fused in), the
  * ring store, the tiled attention of a prefill batch (in f32, and on tensor cores with its
- * rows split into exact f16 parts once per call), and the diagnostic attention_probs
- * (ds4_cuda_probs.cuh).
+ * rows split into exact f16 parts once per call), the diagnostic attention_probs
+ * (ds4_cuda_probs.cuh), and the side stream that runs a decode step's compressors and indexer
+ * beside the queries (side_begin).
  */
 
 #include "ds4_cuda_common.cuh"
