@@ -24,7 +24,8 @@
 #          (space-separated WHATIF_SKIP lists of kernels and matvec modes, see DS4_LAUNCH in
 #          ds4_cuda_common.cuh; "-": none), with the full step ("-") first and last: a step's time
 #          without each family of kernels, i.e. what that family costs on its critical path.
-#          For timing only: the dropped kernels' outputs are missing.
+#          For timing only: the dropped kernels' outputs are missing.  Then a table: each entry's
+#          launches dropped, its step time, its cost to the step and that cost per launch.
 #   scripts/gpu-decode.sh [same] [speed] [hooks] [vs] [san] [mtp] [whatif]
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
@@ -143,15 +144,39 @@ if want whatif; then
     > "$OUT/build-whatif.log" 2>&1 || { tail -30 "$OUT/build-whatif.log"; exit 1; }
   SMALL=k_hc_pre,k_attention,k_attention_combine,k_head_norm_rope,k_moe_combine,k_compressor_step,k_indexer_scores,k_indexer_select
   SETS=${WHATIF_SETS:-"- mv_dense mv_gateup mv_down k_hc_pre k_attention k_attention_combine k_head_norm_rope k_moe_combine k_compressor_step k_indexer_scores,k_indexer_select $SMALL -"}
-  i=0
+  i=0; rm -f "$OUT/whatif-runs.txt"
   for set in $SETS; do
     i=$((i + 1)); L="$OUT/whatif-$i.log"
     skip=$set; [ "$set" = - ] && skip=""
     WHATIF_SKIP="$skip" DS4_CUDA_GRAPHS=1 timeout 200 "$W"/build/cuda-"$ARCH"/ds4_bench --model "$WM" --backend cuda \
       --reps 3 --decode 64 --prefill 512 > "$L" 2>&1 || echo "$set: rc $?"
     echo "dropped ${set}: $(grep -E '^decode: median' "$L" | sed 's/, 3 reps.*/)/') $(grep -o '[0-9]* nodes' "$L" | head -1)"
+    echo "$set $(grep -oE '\(([0-9.]+) ms/token' "$L" | head -1 | tr -d '(') $(grep -oE '[0-9]+ nodes' "$L" | head -1)" \
+      >> "$OUT/whatif-runs.txt"
   done
   rm -rf "$W"
+  # each family's cost to the step: the full step's time (the mean of its runs) less the step's without it
+  python3 - "$OUT/whatif-runs.txt" <<'PY'
+import sys
+runs = []
+for line in open(sys.argv[1]):
+    f = line.split()
+    if len(f) >= 5:
+        runs.append((f[0], float(f[1]), int(f[3])))
+full = [r for r in runs if r[0] == "-"]
+if not full:
+    sys.exit("whatif: no run of the full step")
+ms0 = sum(r[1] for r in full) / len(full)
+n0 = full[0][2]
+print(f"| dropped | launches | ms a token | cost to the step (full: {ms0:.3f} ms, {n0} nodes) | a launch |")
+print("|---|---:|---:|---:|---:|")
+for name, ms, n in runs:
+    if name == "-":
+        continue
+    k = n0 - n
+    per = f"{(ms0 - ms) * 1e3 / k:.1f} us" if k > 0 else "-"
+    print(f"| `{name}` | {k} | {ms:.3f} | {ms0 - ms:.2f} ms | {per} |")
+PY
 fi
 if want san; then
   step "compute-sanitizer, small, graphs on, DS4_CUDA_SHARED_STREAM=1"
