@@ -614,6 +614,15 @@ static inline rope_args rope_args_of(const ds4_rope *rp) {
 
 enum { MV_DENSE = 0, MV_GATE_UP = 1, MV_DOWN = 2 };
 
+/* A what-if build's check for a matvec launcher (k_matvec, k_matvec_q): its mode's name in
+ * WHATIF_SKIP (mv_dense, mv_gateup, mv_down) drops the launch (see DS4_LAUNCH). */
+#ifdef DS4_WHATIF
+#define DS4_WHATIF_SKIP_MV(mode) \
+    if (ds4_whatif_skip((mode) == MV_DENSE ? "mv_dense" : (mode) == MV_GATE_UP ? "mv_gateup" : "mv_down")) return
+#else
+#define DS4_WHATIF_SKIP_MV(mode) (void)0
+#endif
+
 typedef struct {
     const uint8_t *w;          /* matrix; expert 0 of a 3-D weight in the MoE modes */
     const uint8_t *w2;         /* up matrix (MV_GATE_UP) */

@@ -401,9 +401,7 @@ static void launch_matvec_fast_t(mv_args a, int n_prob, int n_tok_grid) {
         ds4_fatal("matvec: no occupancy for S = %d (ops_setup did not run)", a.S);
     }
     const dim3 grid = mv_plan(a, n_prob, n_tok_grid, bps);
-#ifdef DS4_WHATIF
-    if (ds4_whatif_skip(MODE == MV_DENSE ? "mv_dense" : MODE == MV_GATE_UP ? "mv_gateup" : "mv_down")) return;
-#endif
+    DS4_WHATIF_SKIP_MV(MODE);
     DS4_LAUNCH(k_matvec<TYPE, NT, MODE>, grid, MV_THREADS, smem, a);
 }
 

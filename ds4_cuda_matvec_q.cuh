@@ -699,9 +699,7 @@ static void mvq_launch_t(mv_args a, int n_prob, int n_tok_grid) {
         ds4_fatal("matvec_q: no occupancy for %d super-blocks per row", nsb);
     }
     const dim3 grid = mvq_plan(a, n_prob, n_tok_grid, bps);
-#ifdef DS4_WHATIF
-    if (ds4_whatif_skip(MODE == MV_DENSE ? "mv_dense" : MODE == MV_GATE_UP ? "mv_gateup" : "mv_down")) return;
-#endif
+    DS4_WHATIF_SKIP_MV(MODE);
     DS4_LAUNCH(k_matvec_q<TYPE, MODE, NT>, grid, MV_THREADS, smem, a);
 }
 
