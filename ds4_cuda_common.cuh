@@ -608,7 +608,11 @@ static inline rope_args rope_args_of(const ds4_rope *rp) {
 #define MV_WARPS       8
 #define MV_SLICE       1024    /* elements of a row one warp owns */
 #define MV_Q8_SLICE    1088    /* bytes of a Q8_0 slice: 32 blocks x 34 */
-#define MV_RPG_MAX     16      /* rows per warp per block */
+#ifndef MV_RPG_MAX
+#define MV_RPG_MAX     32      /* rows per warp per block: enough that a ratio-4 layer's queries'
+                                  call (q_b and the indexer's: 40,960 rows of 1,024, 20 a warp)
+                                  fits one wave of two blocks an SM */
+#endif
 #define MV_PART        (MV_WARPS * MV_RPG_MAX)  /* partials per output plane */
 #define DEQ_CAP_FLOATS ((int64_t)64 << 20)      /* 256 MiB of dequantized rows at most */
 
