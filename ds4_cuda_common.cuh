@@ -262,7 +262,8 @@ static cudaError_t ds4_launch_kernel(int line, void (*kernel)(P...), dim3 grid, 
 /* What-if builds (make cuda NVCCFLAGS="... -DDS4_WHATIF"; scripts/gpu-decode.sh whatif): the
  * environment variable WHATIF_SKIP, a comma-separated list of kernel names (k_hc_pre,
  * k_attention_combine, ...) and matvec modes (mv_dense, mv_gateup, mv_down: k_matvec and
- * k_matvec_q), drops those launches, so that a decode step's time without them shows what
+ * k_matvec_q), drops those launches (and hcp_sinkhorn, hcp_finish, hcp_fence parts of k_hc_pre:
+ * see launch_hc_pre_t), so that a decode step's time without them shows what
  * they cost on its critical path.  The outputs are then wrong: for timing only.  Normal
  * builds have none of it. */
 #ifdef DS4_WHATIF

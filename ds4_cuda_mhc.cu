@@ -334,6 +334,12 @@ __global__ void __launch_bounds__(HCP_THREADS) k_hc_pre(const float *f, const fl
     __shared__ float red[H][HC_NMIX_MAX];
     __shared__ double red_ss[H];
     __shared__ int last_s;
+#ifdef DS4_WHATIF
+    const int wf = iters >> 16;                   /* what-if parts (launch_hc_pre_t): timing only */
+    iters = wf & 1 ? 0 : iters & 0xffff;
+#else
+    constexpr int wf = 0;
+#endif
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int sw = warp % HC_MAX, g = warp / HC_MAX;
     const int b = blockIdx.x, t = blockIdx.y, nb = gridDim.x;
@@ -401,13 +407,14 @@ __global__ void __launch_bounds__(HCP_THREADS) k_hc_pre(const float *f, const fl
      * itself, so the last block may overwrite them.  Only the warps that
      * wrote global memory (x by group 0, the partials by warp 0) fence: a
      * fence in all 32 warps was 15% of the kernel's stall samples. */
-    if (g == 0) __threadfence();
+    if (g == 0 && !(wf & 4)) __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) last_s = atomicAdd(&count[t], 1u) == (unsigned)nb - 1u;
     __syncthreads();
     if (!last_s) return;
     __threadfence();
     if (threadIdx.x == 0) count[t] = 0;           /* ready for the next launch */
+    if (wf & 2) return;
     hcp_finish<H>(scale, base, norm_w, D, head, rms_eps, hc_eps, iters, ss_part, dot_part, nb, t, x, y, post, comb);
 }
 
@@ -625,6 +632,13 @@ static void launch_hc_pre_t(const float *f, const float *x_res, float *x, const 
                             int head, float rms_eps, float hc_eps, int iters, int nb,
                             double *ss_part, float *dot_part, float *y, float *post, float *comb) {
     const dim3 grid((unsigned)nb, (unsigned)nt);
+#ifdef DS4_WHATIF
+    /* What-if parts of k_hc_pre (WHATIF_SKIP, timing only): hcp_sinkhorn drops the Sinkhorn
+     * iterations, hcp_finish the last block's finish, hcp_fence the blocks' fence before they
+     * count themselves; passed in iters' high bits. */
+    iters |= (ds4_whatif_skip("hcp_sinkhorn") ? 1 << 16 : 0) | (ds4_whatif_skip("hcp_finish") ? 2 << 16 : 0) |
+             (ds4_whatif_skip("hcp_fence") ? 4 << 16 : 0);
+#endif
     if (wt == DS4_TYPE_F16)
         DS4_LAUNCH(k_hc_pre<H, DS4_TYPE_F16>, grid, HCP_THREADS, 0, f, x_res, x, fn, scale, base, norm_w, D, head,
                    rms_eps, hc_eps, iters, ss_part, dot_part,
