@@ -26,7 +26,12 @@
 #          without each family of kernels, i.e. what that family costs on its critical path.
 #          For timing only: the dropped kernels' outputs are missing.  Then a table: each entry's
 #          launches dropped, its step time, its cost to the step and that cost per launch.
-#   scripts/gpu-decode.sh [same] [speed] [hooks] [vs] [san] [mtp] [whatif]
+#   probe: the what-if build's ds4_bench once (--reps 1 --decode 64 --prefill 512, graphs on) with
+#          WHATIF_SKIP=PROBE_SKIP (hcp_probe: k_hc_pre's timeline, printed by its finishing block),
+#          and the first PROBE_LINES (6) lines the probe printed.
+#   The trees a run needs (this one; PREV for vs; a -DDS4_WHATIF copy for whatif and probe) are
+#   built side by side before any step.
+#   scripts/gpu-decode.sh [same] [speed] [hooks] [vs] [san] [mtp] [whatif] [probe]
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-build/gpu-out}; mkdir -p "$OUT"
@@ -35,16 +40,30 @@ WHAT=" ${*:-same speed} "
 want() { [[ "$WHAT" == *" $1 "* ]]; }
 step() { echo; echo "=== $* ($(date -u +%H:%M:%S))"; }
 T=${TMPDIR:-/tmp}/gpu-decode; mkdir -p "$T"
-step build
-make cuda CUDA_ARCH="$ARCH" > "$OUT/build.log" 2>&1 &&
-  make --no-print-directory build/cuda-"$ARCH"/ds4_bench CUDA_ARCH="$ARCH" >> "$OUT/build.log" 2>&1 ||
-  { tail -30 "$OUT/build.log"; exit 1; }
-if want vs; then
-  [ -d "${PREV:-}" ] || { echo "vs: PREV=DIR (a tree to compare with) is not a directory"; exit 2; }
-  step "build PREV ($PREV)"
-  (cd "$PREV" && make cuda CUDA_ARCH="$ARCH" && make --no-print-directory build/cuda-"$ARCH"/ds4_bench CUDA_ARCH="$ARCH") \
-    > "$OUT/build-prev.log" 2>&1 || { tail -30 "$OUT/build-prev.log"; exit 1; }
+# The trees a run needs (this one, PREV for vs, a -DDS4_WHATIF copy for whatif and probe) build
+# side by side: device time is short, and each build is mostly one nvcc process at a time.
+build_tree() {   # DIR LOG [MAKE ARGS...]
+  local dir=$1 log=$2; shift 2
+  (cd "$dir" && make cuda CUDA_ARCH="$ARCH" "$@" && make --no-print-directory build/cuda-"$ARCH"/ds4_bench \
+    CUDA_ARCH="$ARCH" "$@") > "$log" 2>&1
+}
+built() {        # PID LOG: that build's result; on a failure its log's end, the other builds stopped
+  wait "$1" && return 0
+  tail -30 "$2"; kill $(jobs -p) 2> /dev/null; exit 1
+}
+W="$T/whatif"
+if want vs && [ ! -d "${PREV:-}" ]; then echo "vs: PREV=DIR (a tree to compare with) is not a directory"; exit 2; fi
+step "build$(want vs && echo ", PREV (${PREV:-})")$( (want whatif || want probe) && echo ", the what-if copy ($W)")"
+if want whatif || want probe; then
+  rm -rf "$W"; mkdir -p "$W"
+  tar --exclude=./build --exclude=./.git -cf - . | tar -xf - -C "$W"
+  build_tree "$W" "$OUT/build-whatif.log" "NVCCFLAGS=-O3 -std=c++17 -lineinfo -DDS4_WHATIF" & B_W=$!
 fi
+if want vs; then build_tree "$PREV" "$OUT/build-prev.log" & B_PREV=$!; fi
+build_tree . "$OUT/build.log" & B_THIS=$!
+built $B_THIS "$OUT/build.log"
+if want vs; then built $B_PREV "$OUT/build-prev.log"; fi
+if want whatif || want probe; then built $B_W "$OUT/build-whatif.log"; fi
 if want same; then
   step "CUDA logits, DS4_CUDA_SHARED_STREAM=1 against 0"
   P=$(python3 -c "print(','.join(str((i * 7919) % 1000 + 1) for i in range(300)))")
@@ -137,11 +156,6 @@ fi
 if want whatif; then
   WM=${WHATIF_MODEL:-flash16}
   step "what-if: $WM decode steps with graphs, kernel families dropped (a -DDS4_WHATIF build; timing only)"
-  W="$T/whatif"; rm -rf "$W"; mkdir -p "$W"
-  tar --exclude=./build --exclude=./.git -cf - . | tar -xf - -C "$W"
-  (cd "$W" && make cuda CUDA_ARCH="$ARCH" NVCCFLAGS="-O3 -std=c++17 -lineinfo -DDS4_WHATIF" &&
-    make --no-print-directory build/cuda-"$ARCH"/ds4_bench CUDA_ARCH="$ARCH" NVCCFLAGS="-O3 -std=c++17 -lineinfo -DDS4_WHATIF") \
-    > "$OUT/build-whatif.log" 2>&1 || { tail -30 "$OUT/build-whatif.log"; exit 1; }
   SMALL=k_hc_pre,k_attention,k_attention_combine,k_head_norm_rope,k_moe_combine,k_compressor_step,k_indexer_scores,k_indexer_select
   SETS=${WHATIF_SETS:-"- mv_dense mv_gateup mv_down k_hc_pre k_attention k_attention_combine k_head_norm_rope k_moe_combine k_compressor_step k_indexer_scores,k_indexer_select $SMALL -"}
   i=0; rm -f "$OUT/whatif-runs.txt"
@@ -154,7 +168,6 @@ if want whatif; then
     echo "$set $(grep -oE '\(([0-9.]+) ms/token' "$L" | head -1 | tr -d '(') $(grep -oE '[0-9]+ nodes' "$L" | head -1)" \
       >> "$OUT/whatif-runs.txt"
   done
-  rm -rf "$W"
   # each family's cost to the step: the full step's time (the mean of its runs) less the step's without it
   python3 - "$OUT/whatif-runs.txt" <<'PY'
 import sys
@@ -178,6 +191,14 @@ for name, ms, n in runs:
     print(f"| `{name}` | {k} | {ms:.3f} | {ms0 - ms:.2f} ms | {per} |")
 PY
 fi
+if want probe; then
+  step "what-if probe: WHATIF_SKIP=${PROBE_SKIP:-hcp_probe}, one ${WHATIF_MODEL:-flash16} decode run with graphs (the probe's lines)"
+  WHATIF_SKIP="${PROBE_SKIP:-hcp_probe}" DS4_CUDA_GRAPHS=1 timeout 200 "$W"/build/cuda-"$ARCH"/ds4_bench \
+    --model "${WHATIF_MODEL:-flash16}" --backend cuda --reps 1 --decode 64 --prefill 512 > "$OUT/probe.log" 2>&1 \
+    || echo "probe: rc $?"
+  grep -E '_probe [0-9]+:' "$OUT/probe.log" | head -"${PROBE_LINES:-6}"
+fi
+if want whatif || want probe; then rm -rf "$W"; fi
 if want san; then
   step "compute-sanitizer, small, graphs on, DS4_CUDA_SHARED_STREAM=1"
   ./ds4 synth --config small --seed 1 -o "$T/san.gguf" > /dev/null 2>&1
