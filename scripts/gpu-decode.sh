@@ -26,6 +26,8 @@
 #          without each family of kernels, i.e. what that family costs on its critical path.
 #          For timing only: the dropped kernels' outputs are missing.  Then a table: each entry's
 #          launches dropped, its step time, its cost to the step and that cost per launch.
+#          WHATIF_ENV: VAR=VALUE words for every run (e.g. "DS4_HOOKS=attn DS4_HOOKS_OUT=/dev/null"
+#          with the set k_hook_put: what the hooks' producers cost, apart from their forks and joins).
 #   probe: the what-if build's ds4_bench once (--reps 1 --decode 64 --prefill 512, graphs on) with
 #          WHATIF_SKIP=PROBE_SKIP (hcp_probe: k_hc_pre's timeline, printed by its finishing block),
 #          and the first PROBE_LINES (6) lines the probe printed.
@@ -162,7 +164,7 @@ if want whatif; then
   for set in $SETS; do
     i=$((i + 1)); L="$OUT/whatif-$i.log"
     skip=$set; [ "$set" = - ] && skip=""
-    WHATIF_SKIP="$skip" DS4_CUDA_GRAPHS=1 timeout 200 "$W"/build/cuda-"$ARCH"/ds4_bench --model "$WM" --backend cuda \
+    env ${WHATIF_ENV:-} WHATIF_SKIP="$skip" DS4_CUDA_GRAPHS=1 timeout 200 "$W"/build/cuda-"$ARCH"/ds4_bench --model "$WM" --backend cuda \
       --reps 3 --decode 64 --prefill 512 > "$L" 2>&1 || echo "$set: rc $?"
     echo "dropped ${set}: $(grep -E '^decode: median' "$L" | sed 's/, 3 reps.*/)/') $(grep -o '[0-9]* nodes' "$L" | head -1)"
     echo "$set $(grep -oE '\(([0-9.]+) ms/token' "$L" | head -1 | tr -d '(') $(grep -oE '[0-9]+ nodes' "$L" | head -1)" \
