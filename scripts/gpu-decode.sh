@@ -22,8 +22,9 @@
 #   whatif: this tree built again with -DDS4_WHATIF (in $TMPDIR), then ds4_bench --decode 64 --reps 3
 #          (--prefill 512) on WHATIF_MODEL (flash16), graphs on, once for each entry of WHATIF_SETS
 #          (space-separated WHATIF_SKIP lists of kernels, matvec modes and parts of k_hc_pre, see
-#          DS4_LAUNCH in ds4_cuda_common.cuh; "-": none), with the full step ("-") first and last: a step's time
-#          without each family of kernels, i.e. what that family costs on its critical path.
+#          DS4_LAUNCH in ds4_cuda_common.cuh; "-": none), with the full step ("-") first and last:
+#          a step's time without each family of kernels, i.e. what that family costs on its
+#          critical path.
 #          For timing only: the dropped kernels' outputs are missing.  Then a table: each entry's
 #          launches dropped, its step time, its cost to the step and that cost per launch.
 #          WHATIF_ENV: VAR=VALUE words for every run (e.g. "DS4_HOOKS=attn DS4_HOOKS_OUT=/dev/null"
