@@ -28,7 +28,8 @@
 #          For timing only: the dropped kernels' outputs are missing.  Then a table: each entry's
 #          launches dropped, its step time, its cost to the step and that cost per launch.
 #          WHATIF_ENV: VAR=VALUE words for every run (e.g. "DS4_HOOKS=attn DS4_HOOKS_OUT=/dev/null"
-#          with the set k_hook_put: what the hooks' producers cost, apart from their forks and joins).
+#          with the set k_hook_put: what the hooks' producers cost, apart from their forks and
+#          joins).
 #   probe: the what-if build's ds4_bench once (--reps 1 --decode 64 --prefill 512, graphs on) with
 #          WHATIF_SKIP=PROBE_SKIP (hcp_probe: k_hc_pre's timeline, printed by its finishing block),
 #          and the first PROBE_LINES (6) lines the probe printed.
