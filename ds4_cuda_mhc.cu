@@ -212,12 +212,27 @@ __device__ __forceinline__ float hc_fn_elem(const void *fn, int64_t idx) {
     return WT == DS4_TYPE_F16 ? dsq_f16(((const uint16_t *)fn)[idx]) : ((const float *)fn)[idx];
 }
 
+#ifdef DS4_WHATIF
+/* hcp_probe (what-if builds): a timeline of k_hc_pre launches, printed by the finishing block. */
+__device__ unsigned long long g_hcp_g[4];    /* globaltimer: first entry, last entry, last grid-wait pass, unused */
+__device__ long long g_hcp_c[8];             /* the finishing block's clock64 stamps */
+__device__ unsigned g_hcp_n;
+__device__ __forceinline__ unsigned long long hcp_gtime() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+    return t;
+}
+#define HCP_STAMP(i) do { if constexpr (PROBE) g_hcp_c[i] = clock64(); } while (0)
+#else
+#define HCP_STAMP(i) (void)0
+#endif
+
 /* The finish of token t's hc_pre by a block of NTHR threads (k_hc_pre's last block: HCP_THREADS,
  * or k_hcb_finish's: HCBF_THREADS): the nb partial dots of every mix row and the nb partial sums
  * of squares (at p0 = t nb, in block order; the block's warps take these n_mix + 2 tasks in turn),
  * mix = rms * dot, pre, post and the Sinkhorn comb (warp 0), y = sum_s pre[s] x[s] and its RMSNorm
  * (the other warps, each thread keeping CACHE of its y values between the two passes). */
-template <int H, int NTHR = HCP_THREADS, int CACHE = HCF_CACHE>
+template <int H, int NTHR = HCP_THREADS, int CACHE = HCF_CACHE, bool PROBE = false>
 __device__ void hcp_finish(const float *scale, const float *base, const float *norm_w, int64_t D, int head,
                            float rms_eps, float hc_eps, int iters, const double *ss_part, const float *dot_part,
                            int nb, int t, const float *x, float *y, float *post, float *comb) {
@@ -245,10 +260,12 @@ __device__ void hcp_finish(const float *scale, const float *base, const float *n
             for (int q = lane; q < n_mix; q += 32) base_s[q] = base[q];
         }
     };
+    if (threadIdx.x == 0) HCP_STAMP(1);
     if constexpr (NTHR / 32 >= HC_NMIX_MAX + 2) task(warp);   /* a warp each */
     else
         for (int r = warp; r < HC_NMIX_MAX + 2; r += NTHR / 32) task(r);
     __syncthreads();
+    if (threadIdx.x == 0) HCP_STAMP(2);
     /* mix = rms * dot, and pre, computed the same way by every thread */
     const float rs = 1.0f / sqrtf((float)(ss_s / (double)(H * D)) + rms_eps);
     float pre[H];
@@ -270,6 +287,7 @@ __device__ void hcp_finish(const float *scale, const float *base, const float *n
             hc_sinkhorn_lanes<H>(m_s, base_s, __shfl_sync(FULL_MASK, sc1, 0), __shfl_sync(FULL_MASK, sc2, 0),
                                  hc_eps, iters, post + (int64_t)t * H, comb + (int64_t)t * H * H);
         }
+        if (lane == 0) HCP_STAMP(3);
     } else {
 #pragma unroll
         for (int j = 0; j < CACHE; j++) {
@@ -293,7 +311,9 @@ __device__ void hcp_finish(const float *scale, const float *base, const float *n
     }
     ss = warp_sum(ss);
     if (lane == 0) red2[warp] = ss;
+    if (threadIdx.x == 32) HCP_STAMP(4);
     __syncthreads();
+    if (threadIdx.x == 32) HCP_STAMP(5);
     if (warp == 0) return;
     double tot = 0.0;
     for (int wv = 0; wv < NTHR / 32; wv++) tot += red2[wv];
@@ -303,6 +323,7 @@ __device__ void hcp_finish(const float *scale, const float *base, const float *n
         const int64_t e = (int64_t)j * YT + yi;
         if (e < D) yt[e] = norm_w ? yc[j] * sc * nw[j] : yc[j] * sc;
     }
+    if (threadIdx.x == 32) HCP_STAMP(6);
     for (int64_t e = (int64_t)CACHE * YT + yi; e < D; e += YT) {
         float acc = 0.0f;
 #pragma unroll
@@ -340,6 +361,15 @@ __global__ void __launch_bounds__(HCP_THREADS) k_hc_pre(const float *f, const fl
 #else
     constexpr int wf = 0;
 #endif
+#ifdef DS4_WHATIF
+    long long c_entry = 0;
+    if ((wf & 8) && threadIdx.x == 0) {
+        c_entry = clock64();
+        const unsigned long long gt = hcp_gtime();
+        atomicMin(&g_hcp_g[0], gt);
+        atomicMax(&g_hcp_g[1], gt);
+    }
+#endif
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int sw = warp % HC_MAX, g = warp / HC_MAX;
     const int b = blockIdx.x, t = blockIdx.y, nb = gridDim.x;
@@ -355,6 +385,9 @@ __global__ void __launch_bounds__(HCP_THREADS) k_hc_pre(const float *f, const fl
     for (int j = 0; j < HCP_RPG; j++)             /* every load in flight before the math */
         w[j] = act && r0 + j < n_mix ? hc_fn_elem<WT>(fn, (int64_t)(r0 + j) * K + (int64_t)sw * D + i) : 0.0f;
     ds4_grid_dep();                               /* NOTE(pdl prologue): f, x, post, comb: the kernels' before */
+#ifdef DS4_WHATIF
+    if ((wf & 8) && threadIdx.x == 0) atomicMax(&g_hcp_g[2], hcp_gtime());
+#endif
     float v = 0.0f;
     if (act) {
         float *xe = x + ((int64_t)t * H + sw) * D + i;
@@ -412,10 +445,37 @@ __global__ void __launch_bounds__(HCP_THREADS) k_hc_pre(const float *f, const fl
     if (threadIdx.x == 0) last_s = atomicAdd(&count[t], 1u) == (unsigned)nb - 1u;
     __syncthreads();
     if (!last_s) return;
+#ifdef DS4_WHATIF
+    const long long c_last = clock64();
+#endif
     __threadfence();
     if (threadIdx.x == 0) count[t] = 0;           /* ready for the next launch */
     if (wf & 2) return;
+#ifdef DS4_WHATIF
+    unsigned long long g_count = 0;
+    if ((wf & 8) && threadIdx.x == 0) { g_count = hcp_gtime(); g_hcp_c[0] = clock64(); }
+    if (wf & 8)
+        hcp_finish<H, HCP_THREADS, HCF_CACHE, true>(scale, base, norm_w, D, head, rms_eps, hc_eps, iters, ss_part,
+                                                    dot_part, nb, t, x, y, post, comb);
+    else
+#endif
     hcp_finish<H>(scale, base, norm_w, D, head, rms_eps, hc_eps, iters, ss_part, dot_part, nb, t, x, y, post, comb);
+#ifdef DS4_WHATIF
+    __syncthreads();
+    if ((wf & 8) && threadIdx.x == 0) {
+        const unsigned long long g_end = hcp_gtime();
+        const unsigned n = atomicAdd(&g_hcp_n, 1u);
+        if (n >= 3000 && n < 3006) {
+            const long long *c = g_hcp_c;
+            printf("hcp_probe %u: ns from the first block's entry: last entry %llu, last grid-wait pass %llu, "
+                   "last count %llu, end %llu; the finisher's cycles: entry to count %lld, fence %lld; from the finish's start: "
+                   "partials %lld, sinkhorn done %lld, y pass done %lld, join %lld, y written %lld\n", n,
+                   g_hcp_g[1] - g_hcp_g[0], g_hcp_g[2] - g_hcp_g[0], g_count - g_hcp_g[0], g_end - g_hcp_g[0],
+                   c_last - c_entry, c[0] - c_last, c[2] - c[0], c[3] - c[0], c[4] - c[0], c[5] - c[0], c[6] - c[0]);
+        }
+        g_hcp_g[0] = ~0ull; g_hcp_g[1] = 0; g_hcp_g[2] = 0;
+    }
+#endif
 }
 
 /* ---------------------------------------------------------------------------
@@ -637,7 +697,7 @@ static void launch_hc_pre_t(const float *f, const float *x_res, float *x, const 
      * iterations, hcp_finish the last block's finish, hcp_fence the blocks' fence before they
      * count themselves; passed in iters' high bits. */
     iters |= (ds4_whatif_skip("hcp_sinkhorn") ? 1 << 16 : 0) | (ds4_whatif_skip("hcp_finish") ? 2 << 16 : 0) |
-             (ds4_whatif_skip("hcp_fence") ? 4 << 16 : 0);
+             (ds4_whatif_skip("hcp_fence") ? 4 << 16 : 0) | (ds4_whatif_skip("hcp_probe") ? 8 << 16 : 0);
 #endif
     if (wt == DS4_TYPE_F16)
         DS4_LAUNCH(k_hc_pre<H, DS4_TYPE_F16>, grid, HCP_THREADS, 0, f, x_res, x, fn, scale, base, norm_w, D, head,
