@@ -227,6 +227,14 @@ __device__ __forceinline__ unsigned long long hcp_gtime() {
 #define HCP_STAMP(i) (void)0
 #endif
 
+#define HCF_STAGE   4096                /* floats of partial dots the finish stages in shared memory */
+
+/* v / n for a count n: a power of two (Flash's 4,096 and 16,384) scales the exponent, which is
+ * exact, so it equals the division bit for bit without its long double-precision sequence. */
+__device__ __forceinline__ double div_count(double v, int64_t n) {
+    return (n & (n - 1)) == 0 ? ldexp(v, -(__ffsll(n) - 1)) : v / (double)n;
+}
+
 /* The finish of token t's hc_pre by a block of NTHR threads (k_hc_pre's last block: HCP_THREADS,
  * or k_hcb_finish's: HCBF_THREADS): the nb partial dots of every mix row and the nb partial sums
  * of squares (at p0 = t nb, in block order; the block's warps take these n_mix + 2 tasks in turn),
@@ -244,11 +252,36 @@ __device__ void hcp_finish(const float *scale, const float *base, const float *n
     const float sc0 = scale[0];
     float sc1 = 0.0f, sc2 = 0.0f;
     if (threadIdx.x == 0 && !head) { sc1 = scale[1]; sc2 = scale[2]; }
+    /* The nb x n_mix partial dots, staged in shared memory first when they fit: a block-wide
+     * coalesced read, where a warp reading its row's partials from L2 (a stride of n_mix
+     * floats a lane) fetched every sector n_mix / 8 times over.  Rows padded to n_mix + 1
+     * floats (no bank conflicts).  The sums' order is the same either way. */
+    __shared__ float part_s[HCF_STAGE];
+    const int np = nb * n_mix, ps = n_mix + 1;
+    const bool staged = nb * ps <= HCF_STAGE;
+    if (staged) {
+        constexpr int PER = (HCF_STAGE + NTHR - 1) / NTHR;
+        float v[PER];
+#pragma unroll
+        for (int k = 0; k < PER; k++) {            /* every load in flight before the stores */
+            const int q = k * NTHR + threadIdx.x;
+            v[k] = q < np ? __ldcg(&dot_part[p0 * n_mix + q]) : 0.0f;
+        }
+#pragma unroll
+        for (int k = 0; k < PER; k++) {
+            const int q = k * NTHR + threadIdx.x;
+            if (q < np) part_s[(q / n_mix) * ps + q % n_mix] = v[k];
+        }
+        __syncthreads();
+    }
     /* task r < n_mix: mix row r's partials; HC_NMIX_MAX: the squares'; HC_NMIX_MAX + 1: base */
     auto task = [&](int r) {
         if (r < n_mix) {
             float acc = 0.0f;
-            for (int bb = lane; bb < nb; bb += 32) acc += __ldcg(&dot_part[(p0 + bb) * n_mix + r]);
+            if (staged)
+                for (int bb = lane; bb < nb; bb += 32) acc += part_s[bb * ps + r];
+            else
+                for (int bb = lane; bb < nb; bb += 32) acc += __ldcg(&dot_part[(p0 + bb) * n_mix + r]);
             acc = warp_sum(acc);
             if (lane == 0) m_s[r] = acc;
         } else if (r == HC_NMIX_MAX) {
@@ -267,7 +300,7 @@ __device__ void hcp_finish(const float *scale, const float *base, const float *n
     __syncthreads();
     if (threadIdx.x == 0) HCP_STAMP(2);
     /* mix = rms * dot, and pre, computed the same way by every thread */
-    const float rs = 1.0f / sqrtf((float)(ss_s / (double)(H * D)) + rms_eps);
+    const float rs = 1.0f / sqrtf((float)div_count(ss_s, (int64_t)H * D) + rms_eps);
     float pre[H];
 #pragma unroll
     for (int s = 0; s < H; s++) pre[s] = sigmoid_f((m_s[s] * rs) * sc0 + base_s[s]) + hc_eps;
@@ -317,7 +350,7 @@ __device__ void hcp_finish(const float *scale, const float *base, const float *n
     if (warp == 0) return;
     double tot = 0.0;
     for (int wv = 0; wv < NTHR / 32; wv++) tot += red2[wv];
-    const float sc = 1.0f / sqrtf((float)(tot / (double)D) + rms_eps);
+    const float sc = 1.0f / sqrtf((float)div_count(tot, D) + rms_eps);
 #pragma unroll
     for (int j = 0; j < CACHE; j++) {
         const int64_t e = (int64_t)j * YT + yi;
