@@ -342,14 +342,17 @@ __device__ void hcp_finish(const float *scale, const float *base, const float *n
             ss += (double)(acc * acc);
         }
     }
+    /* Warp 0 is done once post and comb are written: the y warps meet at a barrier of their
+     * own (named barrier 1), so the norm's sum and the y writes run beside the Sinkhorn chain,
+     * not after it.  tot leaves out warp 0's term, which was +0.0 (the same bits). */
+    if (warp == 0) return;
     ss = warp_sum(ss);
     if (lane == 0) red2[warp] = ss;
     if (threadIdx.x == 32) HCP_STAMP(4);
-    __syncthreads();
+    asm volatile("bar.sync 1, %0;" ::"r"(NTHR - 32) : "memory");
     if (threadIdx.x == 32) HCP_STAMP(5);
-    if (warp == 0) return;
     double tot = 0.0;
-    for (int wv = 0; wv < NTHR / 32; wv++) tot += red2[wv];
+    for (int wv = 1; wv < NTHR / 32; wv++) tot += red2[wv];
     const float sc = 1.0f / sqrtf((float)div_count(tot, D) + rms_eps);
 #pragma unroll
     for (int j = 0; j < CACHE; j++) {
@@ -371,8 +374,10 @@ __device__ void hcp_finish(const float *scale, const float *base, const float *n
  * any arithmetic: a runtime loop over the streams issued its loads one FMA
  * at a time, a memory latency each (6.1 us per call on an H200).  In the
  * finish, warp 0 runs post and Sinkhorn (a serial chain of ~40
- * normalisations) while warps 1..31 form y and its norm, so the block takes
- * the longer of the two, not their sum; the scales are read before the
+ * normalisations) while warps 1..31 form y, its norm and its writes (they
+ * meet at a barrier without warp 0), so the block takes the longer of the
+ * two chains, not their sum; the partial dots are staged in shared memory
+ * by one coalesced read; the scales are read before the
  * first barrier and the norm weights with the y pass's loads, so no global
  * load waits behind a barrier.  What other blocks wrote (x, the partials)
  * is read through L2 (__ldcg).  The fn loads come before the grid wait (a programmatic
