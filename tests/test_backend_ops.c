@@ -1968,12 +1968,42 @@ static int test_prefill_attention(const ds4_limits *lim) {
     return 0;
 }
 
+/* hc_pre, fused ("hc" runs only these): decode and prefill token counts, Flash shapes and odd
+ * ones (D = 8,192 and 1,000 at three streams take the finish's unstaged partials). */
+static void test_hc_pre_cases(void) {
+    const int nts[3] = { 1, 3, 64 };
+    for (int ni = 0; ni < 3; ni++) {
+        test_hc_pre(nts[ni], 4096, 4, 0, 1);
+        test_hc_pre(nts[ni], 4096, 4, 0, 0);
+        test_hc_pre(nts[ni], 4096, 4, 1, 1);
+        test_hc_pre(nts[ni], 96, 4, 0, 1);
+    }
+    test_hc_pre(2, 100, 4, 1, 0);
+    test_hc_pre(1, 1000, 3, 0, 1);
+    test_hc_pre(5, 8192, 4, 0, 1);
+    /* a prompt's batch (k_hcb_dots: 16 tokens a block, 128 channels a chunk): token counts and
+     * widths that fill neither, three streams, head mode */
+    test_hc_pre(200, 4096, 4, 0, 1);
+    test_hc_pre(100, 4096, 4, 1, 0);
+    test_hc_pre(37, 1000, 3, 0, 1);
+    test_hc_pre(37, 1000, 3, 1, 0);        /* head mode and no update on a part-filled chunk */
+    test_hc_pre(20, 96, 4, 0, 0);
+    test_hc_pre(40, 8192, 4, 0, 1);        /* wider than k_hcb_finish's kept values: its second reads */
+    /* the published files' fn weights are F16 (k_hcb_dots<H, F16>, k_hc_pre<H, F16>); another
+     * type takes the chain of ops (hc_post, the norms, the product, hc_mix) */
+    test_hc_pre_t(DS4_TYPE_F16, 37, 1000, 3, 0, 1);
+    test_hc_pre_t(DS4_TYPE_F16, 200, 4096, 4, 0, 1);
+    test_hc_pre_t(DS4_TYPE_F16, 5, 4096, 4, 0, 1);
+    test_hc_pre_t(DS4_TYPE_F16, 1, 4096, 4, 1, 1);
+    test_hc_pre_t(DS4_TYPE_Q8_0, 20, 4096, 4, 0, 1);
+}
+
 int main(int argc, char **argv) {
     if (argc > 2 || (argc == 2 && strcmp(argv[1], "tc") != 0 && strcmp(argv[1], "tc2") != 0 &&
                      strcmp(argv[1], "tc3") != 0 && strcmp(argv[1], "tc4") != 0 && strcmp(argv[1], "tc1") != 0 &&
-                     strcmp(argv[1], "rows") != 0 &&
+                     strcmp(argv[1], "rows") != 0 && strcmp(argv[1], "hc") != 0 &&
                      strcmp(argv[1], "ix") != 0 && strcmp(argv[1], "att") != 0 && strcmp(argv[1], "pl3") != 0)) {
-        fprintf(stderr, "usage: test_backend_ops [tc|tc1|tc2|tc3|tc4|rows|ix|att|pl3]   (tc: only the tensor-core engine's cases, "
+        fprintf(stderr, "usage: test_backend_ops [tc|tc1|tc2|tc3|tc4|rows|hc|ix|att|pl3]   (tc: only the tensor-core engine's cases, "
                         "with DS4_CUDA_PREFILL_TC 4, then 3 and 2 byte for byte against 4, then 1; tc1, tc2: those with 1 or 2 alone; tc3: 3 "
                         "and 2; tc4: 4 and 3; rows: "
                         "only a batch's rows against one-token calls: attention, the weight products; ix: only the "
@@ -2015,6 +2045,11 @@ int main(int argc, char **argv) {
         B[bi]->session_bind(s);
     }
     g_n_ctx = lim.n_ctx;
+    if (argc == 2 && !strcmp(argv[1], "hc")) {
+        test_hc_pre_cases();
+        printf("%d passed, %d failed\n", g_pass, g_fail);
+        return g_fail ? 1 : 0;
+    }
     if (argc == 2 && !strcmp(argv[1], "rows")) {
         test_attention_rows();
         test_products_rows();
@@ -2237,30 +2272,7 @@ int main(int argc, char **argv) {
     test_pair_rows(7, 3, 1000);
 
     /* fused ops: decode and prefill token counts, Flash shapes and odd ones */
-    for (int ni = 0; ni < 3; ni++) {
-        test_hc_pre(nts[ni], 4096, 4, 0, 1);
-        test_hc_pre(nts[ni], 4096, 4, 0, 0);
-        test_hc_pre(nts[ni], 4096, 4, 1, 1);
-        test_hc_pre(nts[ni], 96, 4, 0, 1);
-    }
-    test_hc_pre(2, 100, 4, 1, 0);
-    test_hc_pre(1, 1000, 3, 0, 1);
-    test_hc_pre(5, 8192, 4, 0, 1);
-    /* a prompt's batch (k_hcb_dots: 16 tokens a block, 128 channels a chunk): token counts and
-     * widths that fill neither, three streams, head mode */
-    test_hc_pre(200, 4096, 4, 0, 1);
-    test_hc_pre(100, 4096, 4, 1, 0);
-    test_hc_pre(37, 1000, 3, 0, 1);
-    test_hc_pre(37, 1000, 3, 1, 0);        /* head mode and no update on a part-filled chunk */
-    test_hc_pre(20, 96, 4, 0, 0);
-    test_hc_pre(40, 8192, 4, 0, 1);        /* wider than k_hcb_finish's kept values: its second reads */
-    /* the published files' fn weights are F16 (k_hcb_dots<H, F16>, k_hc_pre<H, F16>); another
-     * type takes the chain of ops (hc_post, the norms, the product, hc_mix) */
-    test_hc_pre_t(DS4_TYPE_F16, 37, 1000, 3, 0, 1);
-    test_hc_pre_t(DS4_TYPE_F16, 200, 4096, 4, 0, 1);
-    test_hc_pre_t(DS4_TYPE_F16, 5, 4096, 4, 0, 1);
-    test_hc_pre_t(DS4_TYPE_F16, 1, 4096, 4, 1, 1);
-    test_hc_pre_t(DS4_TYPE_Q8_0, 20, 4096, 4, 0, 1);
+    test_hc_pre_cases();
     {
         /* the attention input's seven projections (ratio-4 layer of Flash) */
         const int q8[7] = { DS4_TYPE_Q8_0, DS4_TYPE_Q8_0, DS4_TYPE_Q8_0, DS4_TYPE_Q8_0, DS4_TYPE_Q8_0,
