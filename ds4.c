@@ -3426,7 +3426,9 @@ static void fwd_moe(ds4_ctx *c, int il, const float *hn, int nt, float *out) {
  * resid records of the layer before were made from c->f, c->sel, c->wts and c->x, which
  * nothing in attention before it writes); the MoE writes c->sel, c->wts and c->f (the attn
  * record was made from c->f, attn_probs from the module's buffer, which the next layer's
- * attention rewrites after that); the publication joins by itself.
+ * attention rewrites after that): c->f only in moe_experts' last op, which joins the
+ * producers itself (ds4_gpu.h), so the attn record's producer runs beside the whole MoE,
+ * not only beside its hc_pre; the publication joins by itself.
  *
  * A layer's records after its MoE: the experts chosen (c->sel, c->wts), the MoE output
  * (c->f) and the streams once that output is added back (c->x).  They are emitted after the
@@ -3464,8 +3466,7 @@ static void fwd_layer(ds4_ctx *c, int il, const float *f_prev, int nt) {
     ds4h_flush(c->hk);
     be->hc_pre(c->f, c->x, c->x2, &L->hc_ffn_fn, L->hc_ffn_scale.dev, L->hc_ffn_base.dev, L->ffn_norm.dev,
                nt, D, hc, 0, eps, heps, it, c->flat, c->mix, c->h, c->post, c->comb);
-    ds4h_join(c->hk);              /* the MoE rewrites c->f (the attn record's source) */
-    fwd_moe(c, il, c->h, nt, c->f);
+    fwd_moe(c, il, c->h, nt, c->f);    /* its last op joins before it rewrites c->f */
 }
 
 /* The head's mHC step: the last sublayer's update (the final streams into c->x), the streams

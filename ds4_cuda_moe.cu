@@ -332,8 +332,13 @@ static int cuda_shared_begin(int nt) {
 
 static void cuda_shared_end(void) { ds4_side_unfork(&sess()->shx); }
 
-/* The compute stream waits for the shared expert's stream (a no-op unless shared_end was last). */
-static void shared_join(void) { ds4_side_join(&sess()->shx); }
+/* Before the op that writes out: the compute stream waits for the shared expert's stream (a
+ * no-op unless shared_end was last) and for the hook producers (out is the attn record's
+ * source: ds4_gpu.h moe_experts), both already done unless they outlast the experts. */
+static void out_join(void) {
+    ds4_side_join(&sess()->shx);
+    cuda_hooks_join();
+}
 
 static void moe_decode(const float *x, const int32_t *sel, const float *wts,
                        const ds4_weight *gate, const ds4_weight *up, const ds4_weight *down,
@@ -369,7 +374,7 @@ static void moe_decode(const float *x, const int32_t *sel, const float *wts,
     b.sel = sel; b.k = k;
     matvec_run(down->type, MV_DOWN, b, k, nt, 1);
 
-    shared_join();                              /* add: the shared expert's output */
+    out_join();                                 /* add: the shared expert's output */
     launch_moe_combine(tmp, NULL, wts, nt, k, D, add, out);
 }
 
@@ -377,7 +382,7 @@ static void cuda_moe_experts(const float *x, const int32_t *sel, const float *wt
                              const ds4_weight *gate, const ds4_weight *up, const ds4_weight *down,
                              int nt, int k, float clamp, const float *add, float *out) {
     if (nt <= 0 || k <= 0) {
-        shared_join();
+        out_join();
         return;
     }
     check_matrix_type(gate->type, "moe_experts gate");
@@ -389,7 +394,7 @@ static void cuda_moe_experts(const float *x, const int32_t *sel, const float *wt
         moe_decode(x, sel, wts, gate, up, down, nt, k, clamp, add, out);
         return;
     }
-    shared_join();                              /* (shared_begin declines such batches) */
+    out_join();                                 /* (shared_begin declines such batches) */
     const int64_t D = gate->ne[0], F = gate->ne[1], E = gate->ne[2];
     const int64_t pairs = (int64_t)nt * k;
 

@@ -343,8 +343,8 @@ typedef struct ds4_backend {
      * (captured into a recording like any op) but possibly running beside the work issued
      * after it; hooks_join orders the work issued after it on the current stream after every
      * producer enqueued so far: the core calls it before an op overwrites a tensor a record
-     * was made from, and at the end of every span of layers (a recorded region must end
-     * joined).  hooks_publish (which joins first) makes everything produced so far visible to
+     * was made from (but moe_experts, which joins itself before it writes out), and at the
+     * end of every span of layers (a recorded region must end joined).  hooks_publish (which joins first) makes everything produced so far visible to
      * the drain.  hooks_stats:
      * the counters; flush != 0 first waits until every record produced so far is written (a
      * host wait: never inside a step).  session_free drains and closes the emitter, writes a
@@ -584,7 +584,10 @@ typedef struct ds4_backend {
 
     /* Routed experts: out[t][:] = sum_j wts[t][j] * down_e(swiglu(gate_e x[t], up_e x[t], clamp)),
      * e = sel[t][j], summed from 0 in slot order; then, when add != NULL, out += add
-     * (add [nt][D], e.g. the shared expert).  gate/up {D, F, E}, down {F, D, E}. */
+     * (add [nt][D], e.g. the shared expert).  gate/up {D, F, E}, down {F, D, E}.
+     * A backend with hooks_join writes out only in its last op, after joining the hook
+     * producers (hooks_join): out is the attention's output, the attn record's source, and
+     * the producers of that record run beside the whole MoE. */
     void (*moe_experts)(const float *x, const int32_t *sel, const float *wts,
                         const ds4_weight *gate, const ds4_weight *up, const ds4_weight *down,
                         int nt, int k, float clamp, const float *add, float *out);
