@@ -3427,8 +3427,11 @@ static void fwd_moe(ds4_ctx *c, int il, const float *hn, int nt, float *out) {
  * nothing in attention before it writes); the MoE writes c->sel, c->wts and c->f (the attn
  * record was made from c->f, attn_probs from the module's buffer, which the next layer's
  * attention rewrites after that): c->f only in moe_experts' last op, which joins the
- * producers itself (ds4_gpu.h), so the attn record's producer runs beside the whole MoE,
- * not only beside its hc_pre; the publication joins by itself.
+ * producers itself (ds4_gpu.h), so the attn record's producer runs beside the whole MoE;
+ * the publication joins by itself.  That producer is issued after the MoE's hc_pre (which
+ * reads c->f and writes no record's source), not between it and the output projection: a
+ * fork there stands between the two launches, and hc_pre's launch would no longer overlap
+ * the projection's end (programmatic launch).
  *
  * A layer's records after its MoE: the experts chosen (c->sel, c->wts), the MoE output
  * (c->f) and the streams once that output is added back (c->x).  They are emitted after the
@@ -3463,9 +3466,9 @@ static void fwd_layer(ds4_ctx *c, int il, const float *f_prev, int nt) {
     if (f_prev) hooks_layer_end(c, il - 1, nt);
     fwd_attention(c, il, c->h, nt, c->f);
     ds4h_emit(c->hk, DS4H_ATTN, il, c->f, DS4H_F32, 2, (uint32_t)nt, (uint32_t)D, 1, 0);
-    ds4h_flush(c->hk);
     be->hc_pre(c->f, c->x, c->x2, &L->hc_ffn_fn, L->hc_ffn_scale.dev, L->hc_ffn_base.dev, L->ffn_norm.dev,
                nt, D, hc, 0, eps, heps, it, c->flat, c->mix, c->h, c->post, c->comb);
+    ds4h_flush(c->hk);             /* after hc_pre (above) */
     fwd_moe(c, il, c->h, nt, c->f);    /* its last op joins before it rewrites c->f */
 }
 
