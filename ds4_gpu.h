@@ -344,9 +344,9 @@ typedef struct ds4_backend {
      * after it; hooks_join orders the work issued after it on the current stream after every
      * producer enqueued so far: the core calls it before an op overwrites a tensor a record
      * was made from (but moe_experts, which joins itself before it writes out), and at the
-     * end of every span of layers (a recorded region must end joined).  hooks_publish (which joins first) makes everything produced so far visible to
-     * the drain.  hooks_stats:
-     * the counters; flush != 0 first waits until every record produced so far is written (a
+     * end of every span of layers (a recorded region must end joined).  hooks_publish (which
+     * joins first) makes everything produced so far visible to the drain.  hooks_stats: the
+     * counters; flush != 0 first waits until every record produced so far is written (a
      * host wait: never inside a step).  session_free drains and closes the emitter, writes a
      * last gap record for drops at the end and says in one line how many records were
      * dropped.  hooks_sink (ds4 collect): the drain thread also hands each record it writes
