@@ -30,9 +30,10 @@
 #          WHATIF_ENV: VAR=VALUE words for every run (e.g. "DS4_HOOKS=attn DS4_HOOKS_OUT=/dev/null"
 #          with the set k_hook_put: what the hooks' producers cost, apart from their forks and
 #          joins).
-#   probe: the what-if build's ds4_bench once (--reps 1 --decode 64 --prefill 512, graphs on) with
-#          WHATIF_SKIP=PROBE_SKIP (hcp_probe: k_hc_pre's timeline, printed by its finishing block),
-#          and the first PROBE_LINES (6) lines the probe printed.
+#   probe: the what-if build's ds4_bench (--reps 1 --decode 64 --prefill 512, graphs on) once for
+#          each WHATIF_SKIP list of PROBE_SKIP (space-separated; default hcp_probe: k_hc_pre's
+#          timeline, printed by its finishing block), and the first PROBE_LINES (6) lines each
+#          printed.
 #   The trees a run needs (this one; PREV for vs; a -DDS4_WHATIF copy for whatif and probe) are
 #   built side by side before any step.
 #   scripts/gpu-decode.sh [same] [speed] [hooks] [vs] [san] [mtp] [whatif] [probe]
@@ -196,11 +197,15 @@ for name, ms, n in runs:
 PY
 fi
 if want probe; then
-  step "what-if probe: WHATIF_SKIP=${PROBE_SKIP:-hcp_probe}, one ${WHATIF_MODEL:-flash16} decode run with graphs (the probe's lines)"
-  WHATIF_SKIP="${PROBE_SKIP:-hcp_probe}" DS4_CUDA_GRAPHS=1 timeout 200 "$W"/build/cuda-"$ARCH"/ds4_bench \
-    --model "${WHATIF_MODEL:-flash16}" --backend cuda --reps 1 --decode 64 --prefill 512 > "$OUT/probe.log" 2>&1 \
-    || echo "probe: rc $?"
-  grep -E '_probe [0-9]+:' "$OUT/probe.log" | head -"${PROBE_LINES:-6}"
+  n=0
+  for ps in ${PROBE_SKIP:-hcp_probe}; do
+    n=$((n + 1))
+    step "what-if probe: WHATIF_SKIP=$ps, one ${WHATIF_MODEL:-flash16} decode run with graphs (the probe's lines)"
+    WHATIF_SKIP="$ps" DS4_CUDA_GRAPHS=1 timeout 200 "$W"/build/cuda-"$ARCH"/ds4_bench \
+      --model "${WHATIF_MODEL:-flash16}" --backend cuda --reps 1 --decode 64 --prefill 512 > "$OUT/probe-$n.log" 2>&1 \
+      || echo "probe: rc $?"
+    grep -E '_probe [0-9]+:' "$OUT/probe-$n.log" | head -"${PROBE_LINES:-6}"
+  done
 fi
 if want whatif || want probe; then rm -rf "$W"; fi
 if want san; then
