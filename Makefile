@@ -153,6 +153,10 @@ $(B)/cuda-%/launch_floor: bench/launch_floor.cu
 	@mkdir -p $(dir $@)
 	$(NVCC) -O3 -std=c++17 -arch=$* bench/launch_floor.cu -o $@
 
+$(B)/cuda-%/spin_wait: bench/spin_wait.cu bench/bench_util.h
+	@mkdir -p $(dir $@)
+	$(NVCC) -O3 -std=c++17 -arch=$* bench/spin_wait.cu -o $@ -lpthread
+
 # keep the per-architecture objects: the test and bench programs link them too
 .SECONDARY:
 
@@ -162,7 +166,7 @@ cuda-check:
 	@if ! command -v $(NVCC) >/dev/null 2>&1; then echo "skipped: CUDA compile check (nvcc not found)"; exit 0; fi; \
 	 echo "cuda-check: compiling and linking the CUDA build for $(CHECK_ARCH)"; \
 	 $(MAKE) --no-print-directory $(B)/cuda-$(CHECK_ARCH)/ds4 $(B)/cuda-$(CHECK_ARCH)/test_backend_ops \
-	   $(B)/cuda-$(CHECK_ARCH)/ds4_bench $(B)/cuda-$(CHECK_ARCH)/matvec_table $(B)/cuda-$(CHECK_ARCH)/bandwidth $(B)/cuda-$(CHECK_ARCH)/launch_floor $(B)/cuda-$(CHECK_ARCH)/mma_peak $(B)/cuda-$(CHECK_ARCH)/l2_read \
+	   $(B)/cuda-$(CHECK_ARCH)/ds4_bench $(B)/cuda-$(CHECK_ARCH)/matvec_table $(B)/cuda-$(CHECK_ARCH)/bandwidth $(B)/cuda-$(CHECK_ARCH)/launch_floor $(B)/cuda-$(CHECK_ARCH)/spin_wait $(B)/cuda-$(CHECK_ARCH)/mma_peak $(B)/cuda-$(CHECK_ARCH)/l2_read \
 	   $(B)/cuda-$(CHECK_ARCH)/spot_check $(B)/cuda-$(CHECK_ARCH)/test_rollback $(B)/cuda-$(CHECK_ARCH)/mtp_dump $(B)/cuda-$(CHECK_ARCH)/test_cuda_quant_host \
 	   CUDA_ARCH=$(CHECK_ARCH) && \
 	 $(B)/cuda-$(CHECK_ARCH)/test_cuda_quant_host

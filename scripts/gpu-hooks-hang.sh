@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # gpu-hooks-hang.sh -- does a prompt through a small hook ring ever stop?  Builds this tree and
 # each tree of TREES (space-separated directories, e.g. `git archive REV` unpacked) side by side,
-# then HANG_RUNS (4) rounds, the trees in turn: small, a 512-token prompt + 4 steps, every hook,
+# with bench/spin_wait.cu, and runs spin_wait's three modes (copy, nocopy, room: whether a kernel
+# spinning for another thread's copy stops a process whose main thread issues launches behind it,
+# without the engine).  Then HANG_RUNS (4) rounds, the trees in turn: small, a 512-token prompt + 4 steps, every hook,
 # DS4_HOOKS_RING_MB=HANG_RING (2), eager, under HANG_LIMIT (15) s.  Each run: its rc (124:
 # stopped by the limit), seconds and the hooks' stats line.  A stopped run's threads are shown
 # first (gdb's backtraces where gdb is installed, else each thread's wchan and kernel stack).
@@ -18,7 +20,13 @@ pids=""
 for d in $DIRS; do
   (cd "$d" && make cuda CUDA_ARCH="$ARCH") > "$OUT/build-$(basename "$(cd "$d" && pwd)").log" 2>&1 & pids="$pids $!"
 done
+make --no-print-directory build/cuda-"$ARCH"/spin_wait CUDA_ARCH="$ARCH" > "$OUT/build-spin.log" 2>&1 & pids="$pids $!"
 for p in $pids; do wait "$p" || { echo "a build failed:"; tail -20 "$OUT"/build-*.log; exit 1; }; done
+echo "=== spin_wait ($(date -u +%H:%M:%S))"
+for m in copy nocopy room; do
+  build/cuda-"$ARCH"/spin_wait $m 20 4000 16 20 2 2>&1 | tail -1
+  echo "spin_wait $m: rc ${PIPESTATUS[0]}"
+done
 ./ds4 synth --config small --seed 1 --type f32 -o "$T/small.gguf" > /dev/null 2>&1 || { echo "synth failed"; exit 1; }
 P=$(python3 -c "print(','.join(str((i * 7919) % 1000 + 1) for i in range(512)))")
 echo "=== runs ($(date -u +%H:%M:%S)); gdb: $(command -v gdb || echo none)"
