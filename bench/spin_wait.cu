@@ -17,7 +17,7 @@
  *   room    as copy, but the main thread waits (polling the mapped answer, outside CUDA)
  *           for the round's answer before it issues the round's launches (ds4h_room's order)
  * A watchdog ends the process after LIMIT seconds with one line naming the round, the launch
- * and the thread states; exit 3.  Exit 0: every round ended, with the time each mode took.
+ * and where the drain thread is; exit 3.  Exit 0: every round ended, with the time they took.
  *
  * Build: nvcc -O3 -std=c++17 -arch=sm_90 bench/spin_wait.cu -o build/spin_wait -lpthread
  * Usage: spin_wait MODE [ROUNDS (20)] [LAUNCHES (4000)] [FORK (16)] [LIMIT (20)] [COPY_MB (2)]
