@@ -25,13 +25,25 @@
  * the drain thread reads it with acquire.  Everything before it in the stream has completed,
  * so the descriptors and payloads it covers are in device memory when the copy engine reads
  * them.  One publication per call, not per record: each would cost a system-scope fence.
+ * An eager call (a prompt's chunk) also publishes on the producers' stream after a producer
+ * that brings the call's unpublished payload to an eighth of the payload ring
+ * (ds4h_produced): its records then drain while the prompt runs.  Published only at the end,
+ * a prompt's records would fill the ring, and each full ring would stop the prompt until the
+ * drain had copied it.  A recorded step's records are far below that share of a ring sized
+ * for 64 steps; a recording keeps one publication per call.
  *
  * Space.  Producers check free space against the drained counters the drain thread stores
- * (release) into the same mapped memory.  Lossless by default (DS4_HOOKS_POLICY=wait): a
- * producer without space first publishes everything before it -- otherwise a ring smaller
- * than a step would wait on records nobody may drain -- then waits on the device, polling
- * the drained counters.  No deadlock: the drain depends only on published records and its
- * own non-blocking stream, never on the compute stream.  DS4_HOOKS_POLICY=drop never waits:
+ * (release) into the same mapped memory.  Lossless by default (DS4_HOOKS_POLICY=wait).  In an
+ * eager call the host makes room before it issues a producer (ds4h_room): it keeps an upper
+ * bound of the payload bytes and slots reserved, and while that bound leaves no room for the
+ * record it publishes what it issued and polls the drained counters (in no CUDA call that
+ * waits).  So an eager producer finds its room and never waits on the device: a kernel that
+ * spins until a host thread's copies land, while the main thread keeps issuing launches behind
+ * it, is a cycle that CUDA does not promise to break.  A replayed
+ * step's producer, which the host cannot hold back, may still wait on the device: it first
+ * publishes everything before it -- otherwise a ring smaller than a step would wait on records
+ * nobody may drain -- then polls the drained counters.  The host then waits at the step's end
+ * in a synchronisation, not in a launch.  DS4_HOOKS_POLICY=drop never waits:
  * the record is counted as dropped (exactly), and the next record that fits is preceded by a
  * gap record (DS4H_FLAG_GAP) naming the first dropped record and how many were dropped;
  * drops at the very end get their gap record when the emitter closes.
@@ -89,7 +101,8 @@ struct ds4h_heads {
  * device), on separate 64-byte lines. */
 struct ds4h_mapped {
     unsigned long long pub;            /* control slots published */
-    unsigned long long pad0[7];
+    unsigned long long pub_pay;        /* payload bytes reserved when they were (the host's room) */
+    unsigned long long pad0[6];
     unsigned long long drained_fill;   /* slots the drain has taken */
     unsigned long long drained_pay;    /* payload bytes the drain has taken (bytes; the producers count words) */
     unsigned long long pad1[6];
@@ -130,6 +143,7 @@ __device__ __forceinline__ unsigned int ds4h_rows(const ds4h_put_args &a) {
  * this one, or by this thread before this call). */
 __device__ __forceinline__ void ds4h_publish_now(const ds4h_put_args &a) {
     __threadfence_system();
+    a.H->pub_pay = a.D->pay * 4ull;          /* ordered before pub by the release */
     ds4h_store_release(&a.H->pub, a.D->fill);
 }
 
@@ -311,6 +325,7 @@ __global__ void k_hook_publish(ds4h_heads *D, ds4h_mapped *H) {
     ds4_grid_dep();
     if (threadIdx.x != 0) return;
     __threadfence_system();
+    H->pub_pay = D->pay * 4ull;              /* ordered before pub by the release */
     ds4h_store_release(&H->pub, D->fill);
 }
 
@@ -341,6 +356,13 @@ struct ds4h_emitter {
     void              (*sink)(void *user, const ds4h_record *r, const void *payload);
     void               *sink_user;
     ds4h_holdq         *hq;            /* speculative checks: records kept back (ds4_hooks.h) */
+    unsigned long long  unpub;         /* payload bytes issued since the last publication (host) */
+    bool                unpub_any;     /* records issued since the last publication (host) */
+    bool                room_known;    /* the room's bounds below hold (found exact, wait policy) */
+    unsigned long long  room_graphs;   /* the session's graph launches when they were found exact */
+    unsigned long long  room_pay;      /* upper bounds of the payload bytes and slots reserved by */
+    unsigned long long  room_fill;     /* every producer issued so far (ds4h_room) */
+    unsigned long long  room_waits;    /* records the host held back for room */
 };
 
 static unsigned long long ds4h_now_ns(void) {
@@ -462,6 +484,84 @@ static void *ds4h_drain_main(void *arg) {
 static void ds4h_launch_publish(ds4h_emitter *E) {
     ds4_side_join(&E->side);    /* every producer before the publication */
     DS4_LAUNCH(k_hook_publish, 1, 32, 0, E->D, E->Hd);
+    E->unpub = 0;
+    E->unpub_any = false;
+}
+
+/* A publication on the current stream (the producers', forked), behind what it issued. */
+static void ds4h_publish_here(ds4h_emitter *E) {
+    DS4_LAUNCH(k_hook_publish, 1, 32, 0, E->D, E->Hd);
+    E->unpub = 0;
+    E->unpub_any = false;
+}
+
+/* A producer of `bytes` has been issued on the producers' stream (forked): in an eager call,
+ * once the payload issued since the last publication reaches an eighth of the ring, publish
+ * it there, behind the producers that wrote it (the stream orders them), so that the drain
+ * copies it while the call goes on.  Not while recording: a step's records are a small share
+ * of the ring, and the graph keeps one publication per call. */
+static void ds4h_produced(ds4h_emitter *E, unsigned long long bytes) {
+    E->unpub += bytes;
+    E->unpub_any = true;
+    if (sess()->capturing || E->unpub < E->cap_bytes / 8) return;
+    ds4h_publish_here(E);
+}
+
+/* The host's wait for the producers' stream (the current one: the caller has forked) to run
+ * everything issued, a publication last; then the mapped block holds the device's counters:
+ * every slot and payload byte reserved so far.  Polled, so that the host is never inside a
+ * CUDA call that waits on the device while the drain thread needs one. */
+static void ds4h_room_exact(ds4h_emitter *E) {
+    ds4h_publish_here(E);
+    g_n_stream_sync++;
+    for (;;) {
+        const cudaError_t e = cudaStreamQuery(ds4_current_stream());   /* NOTE(hook room) */
+        if (e == cudaSuccess) break;
+        if (e != cudaErrorNotReady) DS4_CUDA_CHECK(e);
+        struct timespec ts = { 0, 20000 };
+        nanosleep(&ts, NULL);
+    }
+    E->room_fill = __atomic_load_n(&E->Hh->pub, __ATOMIC_ACQUIRE);
+    E->room_pay = __atomic_load_n(&E->Hh->pub_pay, __ATOMIC_RELAXED);
+    E->room_known = true;
+    E->room_graphs = sess()->gs.captures + sess()->gs.replays;
+}
+
+/* Room for an eager producer of `bytes` of payload (at most, padded to 8) and `slots` control
+ * slots, made before it is issued on the producers' stream (the current one).  The bounds
+ * count every reservation issued since they were last found exact: at the first eager record
+ * after a graph has run (a recording's or a replay's records are not counted on the host), and
+ * whenever the drain has taken
+ * everything published (an attn_probs record is counted at its largest, so the bound drifts
+ * above the device's count).  While they leave no room, the host publishes what it issued
+ * and polls the drained counters; the device, which only runs producers that had room when
+ * they were issued, never waits on the host, so the drain always catches up.  Not while
+ * recording (a replay's producers wait on the device, the host at the step's end) nor under
+ * DS4_HOOKS_POLICY=drop (a producer drops instead of waiting). */
+static void ds4h_room(ds4h_emitter *E, unsigned long long bytes, unsigned long long slots) {
+    const ds4_session *S = sess();
+    if (S->capturing || E->drop) return;
+    if (!E->room_known || E->room_graphs != S->gs.captures + S->gs.replays) ds4h_room_exact(E);
+    bool held = false;
+    for (;;) {
+        const unsigned long long df = __atomic_load_n(&E->Hh->drained_fill, __ATOMIC_ACQUIRE);
+        const unsigned long long dp = __atomic_load_n(&E->Hh->drained_pay, __ATOMIC_ACQUIRE);
+        if (E->room_pay + bytes - dp <= E->cap_bytes && E->room_fill + slots - df <= E->cap_slots) break;
+        if (!held) {
+            held = true;
+            E->room_waits++;
+        }
+        if (E->unpub_any) ds4h_publish_here(E);   /* the drain may take only what is published */
+        if (df == __atomic_load_n(&E->Hh->pub, __ATOMIC_ACQUIRE) &&
+            cudaStreamQuery(ds4_current_stream()) == cudaSuccess) {   /* NOTE(hook room): a poll */
+            ds4h_room_exact(E);  /* everything issued is published; once drained, the bounds are exact */
+            if (__atomic_load_n(&E->Hh->drained_fill, __ATOMIC_ACQUIRE) == E->room_fill) continue;
+        }
+        struct timespec ts = { 0, 20000 };
+        nanosleep(&ts, NULL);
+    }
+    E->room_pay += bytes;
+    E->room_fill += slots;
 }
 
 /* Publish everything produced so far and let the stream finish (a host wait, between steps):
@@ -580,13 +680,16 @@ static void ds4h_launch_put(ds4h_put_batch *b) {
 
 /* One record: rows of at most a quarter of the ring per record, so any prompt streams
  * through; one block up to DS4H_ONE_BLOCK bytes, a reservation and a grid above. */
-static void ds4h_put_one(const ds4h_emitter *E, const ds4h_put *p) {
+static void ds4h_put_one(ds4h_emitter *E, const ds4h_put *p) {
     ds4h_put_batch b;
     memset(&b, 0, sizeof b);
     b.n = 1;
     b.a[0] = ds4h_args(E, p);
     if (p->dyn) {               /* attn_probs: one token's [H][rows + 1]; hooks_open sized the ring for it */
+        const unsigned long long most = ((unsigned long long)p->d0 * (unsigned long long)p->s0 * 4ull + 7ull) & ~7ull;
+        ds4h_room(E, most, 1);
         ds4h_launch_put(&b);
+        ds4h_produced(E, most);
         return;
     }
     ds4h_put_args &a = b.a[0];
@@ -599,6 +702,7 @@ static void ds4h_put_one(const ds4h_emitter *E, const ds4h_put *p) {
         a.d0 = (unsigned int)rows;
         a.pos_add = p->pos_add + (int)r0;
         const unsigned long long bytes = rows * row;
+        ds4h_room(E, (bytes + 7ull) & ~7ull, 1);
         if (bytes <= DS4H_ONE_BLOCK) {
             ds4h_launch_put(&b);
         } else {
@@ -608,6 +712,7 @@ static void ds4h_put_one(const ds4h_emitter *E, const ds4h_put *p) {
             DS4_LAUNCH(k_hook_reserve, 1, 32, 0, a);
             DS4_LAUNCH(k_hook_copy, (unsigned)blocks, DS4H_COPY_THREADS, 0, a);
         }
+        ds4h_produced(E, bytes);
     }
 }
 
@@ -637,7 +742,9 @@ void cuda_hook_put(const ds4h_put *p, int n) {
             b.a[i] = ds4h_args(E, &p[i]);
             if ((uint64_t)p[i].d0 * p[i].d1 * p[i].d2 > (uint64_t)p[b.big].d0 * p[b.big].d1 * p[b.big].d2) b.big = i;
         }
+        ds4h_room(E, total, (unsigned long long)n);
         ds4h_launch_put(&b);
+        ds4h_produced(E, total);
     }
     ds4_side_unfork(&E->side);
 }
@@ -675,7 +782,7 @@ void cuda_hooks_stats(ds4_hooks_stats *st, int flush) {
     st->rejected = ds4h_holdq_rejected(E->hq);
     st->produced = d.seq - st->rejected;
     st->dropped = d.dropped;
-    st->waits = d.waits;
+    st->waits = d.waits + E->room_waits;   /* on the device (a replay's producers) and on the host */
     st->written = __atomic_load_n(&E->written, __ATOMIC_RELAXED);
     st->gaps = __atomic_load_n(&E->gaps, __ATOMIC_RELAXED);
     st->payload_bytes = __atomic_load_n(&E->bytes, __ATOMIC_RELAXED);

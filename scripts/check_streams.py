@@ -15,11 +15,13 @@ that they hold for every later change:
   cublas    every cuBLAS call that does GPU work is the statement of DS4_CUBLAS(...), whose
             definition sets the handle's stream to ds4_current_stream() first (handle set-up
             and status strings are exempt);
-  sync      (engine files only) every synchronous copy and synchronisation carries a
-            `NOTE(load time)`, `NOTE(step result)` or `NOTE(prefill)` comment on its line or the
-            3 lines above: the first never runs in a step, the second is the one wait of a step
-            (the results), the third a prompt's expert grouping (never in a decode step); a
-            synchronisation of E->drain may carry NOTE(hook drain) instead (the drain thread
+  sync      (engine files only) every synchronous copy and synchronisation (a stream's poll,
+            cudaStreamQuery, included) carries a `NOTE(load time)`, `NOTE(step result)`,
+            `NOTE(prefill)` or `NOTE(hook room)` comment on its line or the 3 lines above: the
+            first never runs in a step, the second is the one wait of a step (the results), the
+            third a prompt's expert grouping (never in a decode step), the fourth the hook
+            emitter's wait for ring room before an eager call's record (ds4_hooks.cu, hooks on);
+            a synchronisation of E->drain may carry NOTE(hook drain) instead (the drain thread
             waits for its own copies, never for the compute stream);
   count     (engine files only) every device or pinned allocation, free and synchronisation
             (cudaMalloc, cudaFree, cudaHostAlloc, cudaMallocHost, cudaFreeHost,
@@ -59,12 +61,13 @@ STREAM_CALLS = [
 ]
 SYNC_MEMSET = ["cudaMemset", "cudaMemset2D", "cudaMemset3D"]
 SYNC_OPS = ["cudaMemcpy", "cudaMemcpy2D", "cudaMemcpy3D", "cudaMemcpyPeer", "cudaMemcpyToSymbol",
-            "cudaMemcpyFromSymbol", "cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize"]
+            "cudaMemcpyFromSymbol", "cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize",
+            "cudaStreamQuery"]
 CUBLAS_EXEMPT = {"cublasCreate", "cublasCreate_v2", "cublasDestroy", "cublasDestroy_v2", "cublasSetStream",
                  "cublasSetStream_v2", "cublasSetMathMode", "cublasSetAtomicsMode", "cublasSetPointerMode",
                  "cublasSetPointerMode_v2", "cublasGetStatusName", "cublasGetStatusString", "cublasSetWorkspace",
                  "cublasSetWorkspace_v2", "cublasGetVersion", "cublasGetVersion_v2"}
-MARKERS = ("NOTE(load time)", "NOTE(step result)", "NOTE(prefill)")
+MARKERS = ("NOTE(load time)", "NOTE(step result)", "NOTE(prefill)", "NOTE(hook room)")
 DRAIN, DRAIN_MARK = "E->drain", "NOTE(hook drain)"   # the hook drain thread's own stream
 COUNTED = ["cudaMalloc", "cudaFree", "cudaHostAlloc", "cudaMallocHost", "cudaFreeHost", "cudaDeviceSynchronize",
            "cudaStreamSynchronize"]
@@ -199,8 +202,8 @@ def check_file(path, engine):
             ln = line_of(p)
             window = lines[max(0, ln - 4):ln]
             if not any(mk in l for l in window for mk in MARKERS) and not drain_marked(p, call_args(code, p)):
-                bad(p, "sync", f"{name} without a NOTE(load time) / NOTE(step result) / NOTE(prefill) comment "
-                               "on its line or the 3 above")
+                bad(p, "sync", f"{name} without a NOTE(load time) / NOTE(step result) / NOTE(prefill) / "
+                               "NOTE(hook room) comment on its line or the 3 above")
         # pdl: the first statement of every kernel is ds4_grid_dep();
         for m in re.finditer(r"\b__global__\b", code):
             par, rest = code.find("(", m.end()), ""

@@ -22,7 +22,9 @@
 # "small/q8_0 small/f16"; "small-q4/ flash-q2@16" for the super-block types: small-q2's Q2_K
 # experts do not take the engine, flash-q2@16's do; its file goes to $TMPDIR) from both trees,
 # compared byte for byte (for a change that keeps every sum).
-# hooks: flash16 prefill with DS4_HOOKS=attn (to /dev/null) against none, HOOKS_ROUNDS (2) rounds.
+# hooks: flash16 prefill with DS4_HOOKS=attn (to /dev/null) against none, HOOKS_ROUNDS (2) rounds; with
+#   HOOKS_TREES="DIR ..." (other trees, e.g. `git archive REV` unpacked) their attn runs beside; with
+#   HOOKS_RINGS="MiB ..." attn runs with those DS4_HOOKS_RING_MB beside.
 # dprof: ncu sections (as prof) on the first launch of each kernel of DPROF_KERNELS (a regex list,
 # default the decode step's non-matvec kernels) in one flash16 decode step (ds4_bench
 # --profile-step, position 536 after a 512-token prefill).
@@ -130,16 +132,17 @@ if want q2; then
   bench flash-q2@64 1 512,4096 3
 fi
 if want hooks; then
-  step "flash16 prefill with DS4_HOOKS=attn (DS4_HOOKS_OUT=/dev/null) and without, ${HOOKS_ROUNDS:-2} rounds alternating"
+  for d in ${HOOKS_TREES:-}; do   # other trees' attn runs beside this one's (their ds4_bench built side by side)
+    (cd "$d" && make --no-print-directory build/cuda-"$ARCH"/ds4_bench CUDA_ARCH="$ARCH") > "$OUT/build-$(basename "$d").log" 2>&1 &
+  done
+  wait || true
+  step "flash16 prefill with DS4_HOOKS=attn (DS4_HOOKS_OUT=/dev/null) and without, ${HOOKS_ROUNDS:-2} rounds alternating${HOOKS_TREES:+; attn also with $HOOKS_TREES}"
   for r in $(seq 1 "${HOOKS_ROUNDS:-2}"); do
-    for h in off attn; do
-      log="$OUT/hooks-$h-$r.log"
-      if [ $h = off ]; then
-        timeout 300 build/cuda-"$ARCH"/ds4_bench --model flash16 --backend cuda --reps 3 --decode 8 --prefill 512,4096 > "$log" 2>&1
-      else
-        DS4_HOOKS=attn DS4_HOOKS_OUT=/dev/null timeout 300 build/cuda-"$ARCH"/ds4_bench --model flash16 --backend cuda \
-          --reps 3 --decode 8 --prefill 512,4096 > "$log" 2>&1
-      fi
+    for h in off attn $(for m in ${HOOKS_RINGS:-}; do echo "ring$m"; done) ${HOOKS_TREES:-}; do
+      bin=build/cuda-"$ARCH"/ds4_bench env=; [ $h = off ] || env="DS4_HOOKS=attn DS4_HOOKS_OUT=/dev/null"
+      case $h in off|attn) ;; ring*) env="$env DS4_HOOKS_RING_MB=${h#ring}" ;; *) bin=$h/build/cuda-"$ARCH"/ds4_bench ;; esac
+      log="$OUT/hooks-$(basename "$h")-$r.log"
+      env $env timeout 300 "$bin" --model flash16 --backend cuda --reps 3 --decode 8 --prefill 512,4096 > "$log" 2>&1
       echo "hooks $h round $r: $(grep -E '^prefill' "$log" | sed 's/ (.*//' | tr '\n' ' ') $(grep -E '^hooks:' "$log" | head -1)"
     done
   done

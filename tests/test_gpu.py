@@ -377,6 +377,54 @@ def test_hooks_lossless_throttled_consumer():
 
 
 @skip_no_gpu
+def test_hooks_prompt_through_small_ring():
+    """A prompt whose records are many times the payload ring, in one eager call: the call
+    publishes as it goes (an eighth of the ring at a time), the host holds a record back while
+    the ring has no room for it (the device never waits), and the prompt ends, lossless; three
+    times, since a wait cycle between producers and drain would stop a run only now and then.
+    Every (hook, layer) array, positions and values, is bit for bit the one a ring that holds
+    the whole call gives.  (The bytes of the streams differ: a record above a quarter of the
+    ring goes as several records of fewer rows.)"""
+    toks = ",".join(str((i * 7919) % 1000 + 1) for i in range(512))
+
+    def run(ring_mb, tag):
+        hp = os.path.join(OUT, f"small.hooks-ring{tag}.ds4h")
+        env = {k: x for k, x in os.environ.items() if not k.startswith("DS4_")}
+        env.update({"DS4_HOOKS": HOOKS_ALL, "DS4_HOOKS_OUT": hp, "DS4_HOOKS_RING_MB": str(ring_mb)})
+        try:        # a prompt whose producers and drain wait on each other would never end
+            r = subprocess.run([CUDA_BIN, "-m", make_model("small"), "--backend", "cuda", "--tokens", toks, "-n", "4",
+                                "--stats"], capture_output=True, text=True, env=env, timeout=120)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"a 512-token prompt through a {ring_mb} MiB ring did not end in 120 s")
+        assert r.returncode == 0, r.stderr
+        st, line = hooks_stats(r.stderr)
+        assert st["produced"] == st["written"] and st["dropped"] == 0 and st["gaps"] == 0, line
+        return hp, st, line
+
+    big, st_big, _ = run(1024, "big")
+    sb = ds4hooks.read(big)            # raises on any sequence break
+    assert len(sb.records) == st_big["written"] and not sb.truncated and sb.dropped() == 0
+    a = sb.arrays()
+    for i in range(3):
+        small, st_small, line = run(2, "small")
+        print(line)
+        ss = ds4hooks.read(small)
+        assert len(ss.records) == st_small["written"] and not ss.truncated and ss.dropped() == 0
+        assert os.path.getsize(small) > 8 * 2 * 2**20, f"the prompt's records ({os.path.getsize(small)} bytes) fit the ring"
+        b = ss.arrays()
+        assert set(a) == set(b)
+        for key in sorted(a):
+            (pa, va), (pb, vb) = a[key], b[key]
+            assert np.array_equal(pa, pb), f"{key}: positions depend on the ring's size"
+            if key[0] in ds4hooks.RAGGED:
+                assert all(x.tobytes() == y.tobytes() for x, y in zip(va, vb)), f"{key}: values depend on the ring's size"
+            else:
+                assert va.dtype == vb.dtype and va.tobytes() == vb.tobytes(), f"{key}: values depend on the ring's size"
+        os.remove(small)
+    os.remove(big)
+
+
+@skip_no_gpu
 def test_hooks_drop_counts_exactly():
     """DS4_HOOKS_POLICY=drop never waits: produced == written + dropped, the gap records in
     the stream account for every dropped record, one line says how many, and the logits do

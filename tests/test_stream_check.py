@@ -37,6 +37,7 @@ static void f(void) {
     cudaMemcpy(d, s, n, cudaMemcpyDeviceToHost);
     g_n_stream_sync++;
     cudaStreamSynchronize(ds4_current_stream());   /* NOTE(step result) */
+    while (cudaStreamQuery(ds4_current_stream()) != cudaSuccess) {}   /* NOTE(hook room) */
     // a comment: k<<<1, 1>>>(); cudaMemset(p, 0, n); cublasSgemm(h);
     puts("cudaMemset(p, 0, n) <<<1, 1>>> cudaDeviceSynchronize()");
 }
@@ -57,6 +58,7 @@ PLANTED = {
     "drain-unmarked": ("cudaMemcpyAsync(d, s, n, cudaMemcpyDeviceToHost, E->drain);", "stream"),
     "drain-other-stream": ("cudaMemcpyAsync(d, s, n, cudaMemcpyDeviceToHost, 0); /* NOTE(hook drain) */", "stream"),
     "drain-sync-other": ("cudaStreamSynchronize(s); /* NOTE(hook drain) */", "sync"),
+    "poll-unmarked": ("while (cudaStreamQuery(ds4_current_stream()) != cudaSuccess) {}", "sync"),
 }
 
 
