@@ -472,6 +472,13 @@ static void *ds4h_drain_main(void *arg) {
     return NULL;
 }
 
+/* A publication on the current stream, behind what it issued there. */
+static void ds4h_publish_here(ds4h_emitter *E) {
+    DS4_LAUNCH(k_hook_publish, 1, 32, 0, E->D, E->Hd);
+    E->unpub = 0;
+    E->unpub_any = false;
+}
+
 /* The side stream (ds4_side, ds4_cuda_common.cuh).  A producer only reads tensors the step
  * has made; nothing in the step reads what it writes.  So it need not sit on the step's
  * critical path: cuda_hook_put forks the side stream from the compute stream and issues the
@@ -483,16 +490,7 @@ static void *ds4h_drain_main(void *arg) {
  * they were on the compute stream. */
 static void ds4h_launch_publish(ds4h_emitter *E) {
     ds4_side_join(&E->side);    /* every producer before the publication */
-    DS4_LAUNCH(k_hook_publish, 1, 32, 0, E->D, E->Hd);
-    E->unpub = 0;
-    E->unpub_any = false;
-}
-
-/* A publication on the current stream (the producers', forked), behind what it issued. */
-static void ds4h_publish_here(ds4h_emitter *E) {
-    DS4_LAUNCH(k_hook_publish, 1, 32, 0, E->D, E->Hd);
-    E->unpub = 0;
-    E->unpub_any = false;
+    ds4h_publish_here(E);
 }
 
 /* A producer of `bytes` has been issued on the producers' stream (forked): in an eager call,
@@ -531,9 +529,8 @@ static void ds4h_room_exact(ds4h_emitter *E) {
  * slots, made before it is issued on the producers' stream (the current one).  The bounds
  * count every reservation issued since they were last found exact: at the first eager record
  * after a graph has run (a recording's or a replay's records are not counted on the host), and
- * whenever the drain has taken
- * everything published (an attn_probs record is counted at its largest, so the bound drifts
- * above the device's count).  While they leave no room, the host publishes what it issued
+ * whenever the drain has taken everything published (an attn_probs record is counted at its
+ * largest, so the bound drifts above the device's count).  While they leave no room, the host publishes what it issued
  * and polls the drained counters; the device, which only runs producers that had room when
  * they were issued, never waits on the host, so the drain always catches up.  Not while
  * recording (a replay's producers wait on the device, the host at the step's end) nor under
