@@ -4,6 +4,7 @@ Runs only where a GPU exists and TEST_DS4_CUDA_BIN names a CUDA build of ds4 (ma
 scripts/gpu-check.sh); elsewhere every test here is skipped with a visible reason.
 """
 import os
+import re
 import subprocess
 import sys
 
@@ -422,6 +423,54 @@ def test_hooks_prompt_through_small_ring():
                 assert va.dtype == vb.dtype and va.tobytes() == vb.tobytes(), f"{key}: values depend on the ring's size"
         os.remove(small)
     os.remove(big)
+
+
+@skip_no_gpu
+def test_hooks_turn_after_replayed_steps():
+    """A conversation (--chat -i) with graphs on: each turn's prompt is an eager call after
+    replayed decode steps, whose producers reserve ring space the host did not count, so the
+    host's bounds of the ring's use must be found again before the turn's first record.  The
+    second turn's records are more than eight 2 MiB rings.  Through that ring with graphs the
+    run ends, lossless, and every (hook, layer) array, positions and values, is bit for bit the
+    same turns' eager through a 1 GiB ring."""
+    m = os.path.join(OUT, "small-vocab.gguf")
+    if not os.path.exists(m):
+        ds4_run(["synth", "--config", "small", "--seed", "1", "--type", "f32", "--vocab", "-o", m])
+    turns = "hello there\n" + " ".join(f"word{i}" for i in range(400)) + "\nand again\n"
+
+    def run(graphs, ring_mb, tag):
+        hp = os.path.join(OUT, f"small.hooks-turns-{tag}.ds4h")
+        env = {k: x for k, x in os.environ.items() if not k.startswith("DS4_")}
+        env.update({"DS4_HOOKS": HOOKS_ALL, "DS4_HOOKS_OUT": hp, "DS4_HOOKS_RING_MB": str(ring_mb),
+                    "DS4_CUDA_GRAPHS": "1" if graphs else "0"})
+        try:
+            r = subprocess.run([CUDA_BIN, "-m", m, "--backend", "cuda", "--chat", "-i", "-n", "8", "--stats"],
+                               input=turns, capture_output=True, text=True, env=env, timeout=120)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"three turns through a {ring_mb} MiB ring (graphs {graphs}) did not end in 120 s")
+        assert r.returncode == 0, r.stderr
+        st, line = hooks_stats(r.stderr)
+        assert st["produced"] == st["written"] and st["dropped"] == 0 and st["gaps"] == 0, line
+        s = ds4hooks.read(hp)
+        assert len(s.records) == st["written"] and not s.truncated and s.dropped() == 0
+        return hp, r, s.arrays()
+
+    big, r0, a = run(False, 1024, "eager")
+    small, r1, b = run(True, 2, "graphs")
+    assert r1.stdout == r0.stdout, "graphs changed the answers"
+    replays = re.search(r"(\d+) replays", r1.stderr)
+    assert replays and int(replays.group(1)) > 0, "no step was replayed"
+    assert os.path.getsize(small) > 8 * 2 * 2**20, "the turns' records fit the ring"
+    assert set(a) == set(b)
+    for key in sorted(a):
+        (pa, va), (pb, vb) = a[key], b[key]
+        assert np.array_equal(pa, pb), f"{key}: positions depend on graphs or the ring"
+        if key[0] in ds4hooks.RAGGED:
+            assert all(x.tobytes() == y.tobytes() for x, y in zip(va, vb)), f"{key}: values depend on graphs or the ring"
+        else:
+            assert va.dtype == vb.dtype and va.tobytes() == vb.tobytes(), f"{key}: values depend on graphs or the ring"
+    os.remove(big)
+    os.remove(small)
 
 
 @skip_no_gpu
