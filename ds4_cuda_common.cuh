@@ -755,6 +755,7 @@ void matmul_setup(void);
 void ds4_cuda_ops_matmul(ds4_backend *b);
 /* ds4_cuda_gemm.cu: prefill products on tensor cores */
 #define TC_SEG_MAX 8   /* matrices of one launch */
+#define TC_BN      64  /* tokens of a product tile (a grouped product's tile: up to this many rows of one expert) */
 struct tc_split { void *xs; size_t part_bytes; int64_t K, n, ntp; int parts, planes; };   /* activations split for them
                                                                                      (planes: 3, or 2 written) */
 struct tc_seg { const uint8_t *w; int64_t nrows; float *y; int64_t ldy; int part; };   /* one matrix of a launch */

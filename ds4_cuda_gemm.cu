@@ -109,7 +109,6 @@
 #include <cuda_fp16.h>
 
 #define TC_BM      128
-#define TC_BN      64
 #define TC_BK      64       /* k per pipeline stage: two Q8_0 blocks */
 #define TC_ST      3        /* pipeline stages */
 #define TC_THREADS 256
@@ -117,7 +116,7 @@
 #ifndef TC_ROUND
 #define TC_ROUND   2        /* k_tc_wgmma TA: stages a round (1, 2 or 4; -DTC_ROUND=N at build time to measure) */
 #endif
-/* TC_SEG_MAX (ds4_cuda_common.cuh): matrices of one launch */
+/* TC_SEG_MAX (ds4_cuda_common.cuh): matrices of one launch; TC_BN (there too): tokens of a tile */
 
 bool gemm_tc_type(int type) {
     return type == DS4_TYPE_Q8_0 || type == DS4_TYPE_F16 || type == DS4_TYPE_IQ2_XXS || type == DS4_TYPE_Q2_K ||
@@ -585,7 +584,8 @@ __device__ __forceinline__ void tc_iq2_tables(uint4 *grid, uint8_t *s8tab) {
 }
 
 /* Block (x: TC_BM rows, y: a tile, z: a segment) of y = x W^T.  A tile is tiles[blockIdx.y]
- * (grouped: the matrix e = tile.x, tokens tile.y .. tile.z - 1, at most TC_BN) or, with tiles
+ * (grouped: the matrix e = tile.x, tokens tile.y .. tile.z - 1, at most TC_BN, none in the
+ * empty tiles that pad a grid sized before the grouping: ds4_cuda_moe.cu) or, with tiles
  * NULL, tokens TC_BN blockIdx.y .. up to nt.  Matrix e of a segment starts mat_bytes * e into
  * its w. */
 template <int TYPE, int PL>
@@ -602,6 +602,7 @@ k_tc_gemm(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const uin
     if (row0 >= nrows) return;                      /* a segment with fewer row tiles than the grid's */
     const size_t plane = (size_t)ntp * K;
     const tc_blk bk = tc_block_of(sg, mat_bytes, xs_all, tiles, nt);
+    if (bk.t0 >= bk.t1) return;                     /* an empty tile (a grid sized for the most tiles) */
     const uint8_t *w = bk.w;
     const __half *xs = bk.xs;
     const int t0 = bk.t0, t1 = bk.t1;
@@ -954,6 +955,7 @@ k_tc_wgmma(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const ui
     if (row0 >= nrows) return;
     const size_t plane = (size_t)ntp * K;
     const tc_blk bk = tc_block_of(sg, mat_bytes, xs_all, tiles, nt);
+    if (bk.t0 >= bk.t1) return;                     /* an empty tile (a grid sized for the most tiles) */
     const uint8_t *w = bk.w;
     const __half *xs = bk.xs;
     const int t0 = bk.t0, t1 = bk.t1;

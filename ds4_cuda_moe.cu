@@ -26,19 +26,27 @@
  * launch of its own: folded into the down launch (its last block per row
  * tile adding the slots after a fence and a counter) it slows that launch
  * by more than the launch it saves.
- * Experts, prefill: sel is copied to the host and (token, slot) pairs are
- * counted per expert.  Dequantizing an expert costs about as much as eight
+ * Experts, prefill: the (token, slot) pairs are grouped by expert, in token
+ * order within an expert.  Dequantizing an expert costs about as much as eight
  * matvecs over it, so with fewer than MOE_GEMM_MIN_AVG tokens per used expert
- * the decode kernels run anyway.  Otherwise the pairs are grouped by expert
- * (in token order) and their inputs gathered.  When the tensor-core engine
- * takes the experts' types (ds4_cuda_gemm.cu: Q8_0, F16), each projection is
- * one launch over every expert's tiles of up to 64 pairs, the tile table
- * uploaded with the pair tables; otherwise each expert's three projections
- * run as cuBLAS GEMMs on its dequantized slice.  k_moe_combine then reads the
- * outputs back in (token, slot) order through the pair -> row table.
+ * the decode kernels run anyway.  When the tensor-core engine takes the
+ * experts' types (ds4_cuda_gemm.cu) and the batch has at least
+ * MOE_GEMM_MIN_AVG pairs per expert of the layer (so per used expert too),
+ * the grouping is made on the device (k_moe_group: the pair tables and the
+ * tile table), and each projection is one launch over every expert's tiles
+ * of up to 64 pairs, its grid sized for the most tiles the batch can have:
+ * no host round trip, so the host issues the prompt's layers ahead of the
+ * device.  Otherwise sel is copied to the host, counted and grouped there
+ * (one wait per MoE layer), and the tables go back up; the types the engine
+ * does not take run each expert's three projections as cuBLAS GEMMs on its
+ * dequantized slice.  Both groupings give the same tables, so the same sums.
+ * k_moe_combine then reads the outputs back in (token, slot) order through the
+ * pair -> row table.
  * ------------------------------------------------------------------------- */
 
 #define MOE_GEMM_MIN_AVG   8    /* GEMMs pay once experts average this many tokens */
+#define MOE_GROUP_MAX_E    256  /* k_moe_group's per-warp counts: 32 x E ints of shared memory */
+#define MOE_GROUP_THREADS  1024
 #define ROUTE_MAX_E        1024
 #define ROUTE_MAX_K        64
 
@@ -273,6 +281,77 @@ static void cuda_swiglu(const float *g, const float *u, float *y, int64_t n, flo
 
 /* out[t][:] = sum_j wts[t][j] * slot_out[row(t, j)][:], j in order; row is
  * t*k + j (decode layout) or pos[t*k + j] (prefill, grouped by expert). */
+/* A prompt's grouping on the device, in one block of 32 warps (E <= MOE_GROUP_MAX_E): the
+ * pairs 0 .. n - 1 (sel, expert ids, valid: the routing's picks or tid2eid rows, which the
+ * loader checks) ordered by expert and, within an expert, by pair, as the host's counting
+ * sort orders them.  Warp w takes the pairs of its slice [w s, w s + s) in rounds of 32;
+ * __match_any_sync finds the lanes of a round that share an expert, and a lane's rank among
+ * them is the count of such lanes below it.  Pass 1 counts each expert's pairs per warp
+ * (cnt[w][e]); the scan (expert-major, then warp) turns the counts into each warp's first row
+ * for each expert; pass 2 places every pair at that row plus its rank: perm[row] = pair,
+ * pos[pair] = row.  Then the tiles, expert e's rows in chunks of TC_BN as gemm_tc_tiles makes
+ * them ({e, first row, end row, 0}, experts in order), and empty tiles ({0, 0, 0, 0}: a
+ * product's block returns at once) up to max_tiles, the grid's size. */
+__global__ void __launch_bounds__(MOE_GROUP_THREADS) k_moe_group(const int32_t *sel, int n, int E, int32_t *perm,
+                                                                 int32_t *pos, int4 *tiles, int max_tiles) {
+    ds4_grid_dep();
+    extern __shared__ int mgp_s[];
+    constexpr int NW = MOE_GROUP_THREADS / 32;
+    int *cnt = mgp_s;                               /* [NW][E] */
+    int *off = mgp_s + NW * E;                      /* [E + 1]: first row of each expert */
+    int *toff = off + E + 1;                        /* [E + 1]: first tile of each expert */
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const unsigned below = (1u << lane) - 1u;
+    for (int i = threadIdx.x; i < NW * E; i += blockDim.x) cnt[i] = 0;
+    __syncthreads();
+    const int slice = (n + NW - 1) / NW, p0 = warp * slice, p1 = min(p0 + slice, n);
+    for (int b = p0; b < p1; b += 32) {             /* pass 1: the warp's counts */
+        const int i = b + lane;
+        const int e = i < p1 ? sel[i] : -1 - lane;  /* lanes past the slice: a group each */
+        const unsigned peers = __match_any_sync(FULL_MASK, e);
+        if (e >= 0 && (peers & below) == 0) cnt[warp * E + e] += __popc(peers);
+    }
+    __syncthreads();
+    if (threadIdx.x < E) {                          /* each expert's count, warp prefixes */
+        const int e = threadIdx.x;
+        int run = 0;
+        for (int w = 0; w < NW; w++) { const int c = cnt[w * E + e]; cnt[w * E + e] = run; run += c; }
+        off[e + 1] = run;
+        toff[e + 1] = (run + TC_BN - 1) / TC_BN;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {                         /* expert prefixes (E <= 256 adds) */
+        off[0] = toff[0] = 0;
+        for (int e = 0; e < E; e++) { off[e + 1] += off[e]; toff[e + 1] += toff[e]; }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < NW * E; i += blockDim.x) cnt[i] += off[i % E];
+    __syncthreads();
+    for (int b = p0; b < p1; b += 32) {             /* pass 2: every pair at its row */
+        const int i = b + lane;
+        const int e = i < p1 ? sel[i] : -1 - lane;
+        const unsigned peers = __match_any_sync(FULL_MASK, e);
+        if (e >= 0) {
+            const int r = cnt[warp * E + e] + __popc(peers & below);
+            perm[r] = i;
+            pos[i] = r;
+        }
+        __syncwarp();
+        if (e >= 0 && (peers & below) == 0) cnt[warp * E + e] += __popc(peers);
+        __syncwarp();
+    }
+    for (int e = threadIdx.x; e < E; e += blockDim.x)   /* the tiles */
+        for (int r = off[e], j = toff[e]; r < off[e + 1]; r += TC_BN, j++)
+            tiles[j] = make_int4(e, r, min(r + TC_BN, off[e + 1]), 0);
+    for (int j = toff[E] + threadIdx.x; j < max_tiles; j += blockDim.x) tiles[j] = make_int4(0, 0, 0, 0);
+}
+
+static void launch_moe_group(const int32_t *sel, int64_t n, int E, int32_t *perm, int32_t *pos, int4 *tiles,
+                             int max_tiles) {
+    const size_t smem = ((size_t)(MOE_GROUP_THREADS / 32) * E + 2 * ((size_t)E + 1)) * sizeof(int);
+    DS4_LAUNCH(k_moe_group, 1, MOE_GROUP_THREADS, smem, sel, (int)n, E, perm, pos, tiles, max_tiles);
+}
+
 __global__ void k_moe_combine(const float *slot_out, const int32_t *pos, const float *wts, int nt, int k,
                               int64_t D, const float *add, float *out) {
     ds4_grid_dep();
@@ -398,59 +477,67 @@ static void cuda_moe_experts(const float *x, const int32_t *sel, const float *wt
     const int64_t D = gate->ne[0], F = gate->ne[1], E = gate->ne[2];
     const int64_t pairs = (int64_t)nt * k;
 
-    /* host tables (the session's pinned buffer): sel | perm (pairs grouped by
-     * expert) | pos (pair -> row) | expert offsets */
     ds4_session *S = sess();
-    if ((size_t)(3 * pairs + E + 1) > S->host_idx_cap) {
-        ds4_fatal("moe_experts: %lld (token, expert) pairs of %lld experts above the context's %zu entries",
-                  (long long)pairs, (long long)E, S->host_idx_cap);
-    }
-    int32_t *hs = S->host_idx;
-    int32_t *hperm = hs + pairs, *hpos = hs + 2 * pairs, *off = hs + 3 * pairs;
-    /* NOTE(prefill): a prompt's routing is grouped by expert on the host, so
-     * the GEMM sizes are known: one ordered read and one wait per MoE layer
-     * of a batch above MOE_DECODE_MAX_NT tokens (never in a decode step) */
-    DS4_CUDA_CHECK(cudaMemcpyAsync(hs, sel, (size_t)pairs * sizeof(int32_t), cudaMemcpyDeviceToHost,
-                                   ds4_current_stream()));
-    stream_wait();
-    for (int64_t e = 0; e <= E; e++) off[e] = 0;
-    for (int64_t i = 0; i < pairs; i++) {
-        if (hs[i] < 0 || hs[i] >= E) {
-            ds4_fatal("moe_experts: expert id %d outside 0..%lld", hs[i], (long long)E - 1);
-        }
-        off[hs[i] + 1]++;
-    }
-    int64_t used = 0;
-    for (int64_t e = 0; e < E; e++) { used += off[e + 1] > 0; off[e + 1] += off[e]; }
-    if (pairs < (int64_t)MOE_GEMM_MIN_AVG * used) {
-        /* too few tokens per expert for dequantization to pay */
-        moe_decode(x, sel, wts, gate, up, down, nt, k, clamp, add, out);
-        return;
-    }
-    for (int64_t i = 0; i < pairs; i++) {      /* stable: token order within an expert */
-        const int32_t e = hs[i];
-        const int32_t r = off[e]++;
-        hperm[r] = (int32_t)i;
-        hpos[i] = r;
-    }
-    for (int64_t e = E; e > 0; e--) off[e] = off[e - 1];   /* restore starts */
-    off[0] = 0;
-
     const size_t rb_g = ds4_row_bytes(gate->type, D), rb_u = ds4_row_bytes(up->type, D);
     const size_t rb_d = ds4_row_bytes(down->type, F);
     const bool tc = gemm_tc_ok(gate->type, gate->dev, rb_g, D) && gemm_tc_ok(up->type, up->dev, rb_u, D) &&
                     gemm_tc_ok(down->type, down->dev, rb_d, F);
-    /* the tensor-core engine's tiles go up with the tables, after the offsets, at a 16-byte
-     * multiple from perm (the device copy's start) */
+    /* the device tables: perm | pos | (the host's offsets) | the tensor-core engine's tiles,
+     * at a 16-byte multiple from perm */
     const size_t tiles_at = (size_t)(2 * pairs + E + 1 + 3) & ~(size_t)3;
+    int32_t *dperm, *dpos;
     int n_tiles = 0;
-    if (tc) n_tiles = gemm_tc_tiles(off, (int)E, hperm + tiles_at);
-    int32_t *dperm = (int32_t *)scratch_get(&S->moe_idx, (tiles_at + 4 * (size_t)n_tiles) * sizeof(int32_t));
-    int32_t *dpos = dperm + pairs;
-    /* the grouping goes back ordered on the stream; the pinned tables are not
-     * written again before the next layer's wait, after this copy */
-    DS4_CUDA_CHECK(cudaMemcpyAsync(dperm, hperm, (tc ? tiles_at + 4 * (size_t)n_tiles : (size_t)(2 * pairs)) *
-                                   sizeof(int32_t), cudaMemcpyHostToDevice, ds4_current_stream()));
+    if (tc && E <= MOE_GROUP_MAX_E && pairs >= (int64_t)MOE_GEMM_MIN_AVG * E) {
+        /* grouped on the device: the grid covers the most tiles the pairs can make */
+        n_tiles = (int)gemm_tc_max_tiles(pairs, E);
+        dperm = (int32_t *)scratch_get(&S->moe_idx, (tiles_at + 4 * (size_t)n_tiles) * sizeof(int32_t));
+        dpos = dperm + pairs;
+        launch_moe_group(sel, pairs, (int)E, dperm, dpos, (int4 *)(dperm + tiles_at), n_tiles);
+    } else {
+        /* host tables (the session's pinned buffer): sel | perm (pairs grouped by expert) |
+         * pos (pair -> row) | expert offsets | tiles */
+        if ((size_t)(3 * pairs + E + 1) > S->host_idx_cap) {
+            ds4_fatal("moe_experts: %lld (token, expert) pairs of %lld experts above the context's %zu entries",
+                      (long long)pairs, (long long)E, S->host_idx_cap);
+        }
+        int32_t *hs = S->host_idx;
+        int32_t *hperm = hs + pairs, *hpos = hs + 2 * pairs, *off = hs + 3 * pairs;
+        /* NOTE(prefill): a prompt's routing is grouped by expert on the host when the device
+         * does not group it: one ordered read and one wait per MoE layer of such a batch above
+         * MOE_DECODE_MAX_NT tokens (never in a decode step) */
+        DS4_CUDA_CHECK(cudaMemcpyAsync(hs, sel, (size_t)pairs * sizeof(int32_t), cudaMemcpyDeviceToHost,
+                                       ds4_current_stream()));
+        stream_wait();
+        for (int64_t e = 0; e <= E; e++) off[e] = 0;
+        for (int64_t i = 0; i < pairs; i++) {
+            if (hs[i] < 0 || hs[i] >= E) {
+                ds4_fatal("moe_experts: expert id %d outside 0..%lld", hs[i], (long long)E - 1);
+            }
+            off[hs[i] + 1]++;
+        }
+        int64_t used = 0;
+        for (int64_t e = 0; e < E; e++) { used += off[e + 1] > 0; off[e + 1] += off[e]; }
+        if (pairs < (int64_t)MOE_GEMM_MIN_AVG * used) {
+            /* too few tokens per expert for dequantization to pay */
+            moe_decode(x, sel, wts, gate, up, down, nt, k, clamp, add, out);
+            return;
+        }
+        for (int64_t i = 0; i < pairs; i++) {      /* stable: token order within an expert */
+            const int32_t e = hs[i];
+            const int32_t r = off[e]++;
+            hperm[r] = (int32_t)i;
+            hpos[i] = r;
+        }
+        for (int64_t e = E; e > 0; e--) off[e] = off[e - 1];   /* restore starts */
+        off[0] = 0;
+        if (tc) n_tiles = gemm_tc_tiles(off, (int)E, hperm + tiles_at);
+        dperm = (int32_t *)scratch_get(&S->moe_idx, (tiles_at + 4 * (size_t)n_tiles) * sizeof(int32_t));
+        dpos = dperm + pairs;
+        /* the grouping goes back ordered on the stream; the pinned tables are not
+         * written again before the next layer's wait, after this copy */
+        DS4_CUDA_CHECK(cudaMemcpyAsync(dperm, hperm, (tc ? tiles_at + 4 * (size_t)n_tiles : (size_t)(2 * pairs)) *
+                                       sizeof(int32_t), cudaMemcpyHostToDevice, ds4_current_stream()));
+    }
 
     float *gu = (float *)scratch_get(&sess()->moe_gu, (size_t)(pairs * 2 * F) * sizeof(float));
     float *tmp = (float *)scratch_get(&sess()->moe_tmp, (size_t)(pairs * D) * sizeof(float));
@@ -477,6 +564,7 @@ static void cuda_moe_experts(const float *x, const int32_t *sel, const float *wt
         return;
     }
 
+    const int32_t *off = S->host_idx + 3 * pairs;     /* (types the engine does not take: grouped on the host) */
     float *xg = (float *)scratch_get(&sess()->moe_xg, (size_t)(pairs * D) * sizeof(float));
     float *h = (float *)scratch_get(&sess()->moe_h, (size_t)(pairs * F) * sizeof(float));
     launch_moe_gather(x, dperm, k, pairs, D, xg);
