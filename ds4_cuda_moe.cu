@@ -310,6 +310,7 @@ __global__ void __launch_bounds__(MOE_GROUP_THREADS) k_moe_group(const int32_t *
         const int e = i < p1 ? sel[i] : -1 - lane;  /* lanes past the slice: a group each */
         const unsigned peers = __match_any_sync(FULL_MASK, e);
         if (e >= 0 && (peers & below) == 0) cnt[warp * E + e] += __popc(peers);
+        __syncwarp();                               /* the next round's leader may be another lane */
     }
     __syncthreads();
     if (threadIdx.x < E) {                          /* each expert's count, warp prefixes */
