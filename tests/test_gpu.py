@@ -377,6 +377,19 @@ def test_hooks_lossless_throttled_consumer():
     os.remove(hp)
 
 
+def assert_same_arrays(a, b, what):
+    """Two runs' (hook, layer) arrays (ds4hooks.arrays()) bit for bit the same: the same keys,
+    positions and values; `what` names what differs between the runs."""
+    assert set(a) == set(b), f"the (hook, layer) arrays depend on {what}"
+    for key in sorted(a):
+        (pa, va), (pb, vb) = a[key], b[key]
+        assert np.array_equal(pa, pb), f"{key}: positions depend on {what}"
+        if key[0] in ds4hooks.RAGGED:
+            assert all(x.tobytes() == y.tobytes() for x, y in zip(va, vb)), f"{key}: values depend on {what}"
+        else:
+            assert va.dtype == vb.dtype and va.tobytes() == vb.tobytes(), f"{key}: values depend on {what}"
+
+
 @skip_no_gpu
 def test_hooks_prompt_through_small_ring():
     """A prompt whose records are many times the payload ring, in one eager call: the call
@@ -412,15 +425,7 @@ def test_hooks_prompt_through_small_ring():
         ss = ds4hooks.read(small)
         assert len(ss.records) == st_small["written"] and not ss.truncated and ss.dropped() == 0
         assert os.path.getsize(small) > 8 * 2 * 2**20, f"the prompt's records ({os.path.getsize(small)} bytes) fit the ring"
-        b = ss.arrays()
-        assert set(a) == set(b)
-        for key in sorted(a):
-            (pa, va), (pb, vb) = a[key], b[key]
-            assert np.array_equal(pa, pb), f"{key}: positions depend on the ring's size"
-            if key[0] in ds4hooks.RAGGED:
-                assert all(x.tobytes() == y.tobytes() for x, y in zip(va, vb)), f"{key}: values depend on the ring's size"
-            else:
-                assert va.dtype == vb.dtype and va.tobytes() == vb.tobytes(), f"{key}: values depend on the ring's size"
+        assert_same_arrays(a, ss.arrays(), "the ring's size")
         os.remove(small)
     os.remove(big)
 
@@ -461,14 +466,7 @@ def test_hooks_turn_after_replayed_steps():
     replays = re.search(r"(\d+) replays", r1.stderr)
     assert replays and int(replays.group(1)) > 0, "no step was replayed"
     assert os.path.getsize(small) > 8 * 2 * 2**20, "the turns' records fit the ring"
-    assert set(a) == set(b)
-    for key in sorted(a):
-        (pa, va), (pb, vb) = a[key], b[key]
-        assert np.array_equal(pa, pb), f"{key}: positions depend on graphs or the ring"
-        if key[0] in ds4hooks.RAGGED:
-            assert all(x.tobytes() == y.tobytes() for x, y in zip(va, vb)), f"{key}: values depend on graphs or the ring"
-        else:
-            assert va.dtype == vb.dtype and va.tobytes() == vb.tobytes(), f"{key}: values depend on graphs or the ring"
+    assert_same_arrays(a, b, "graphs or the ring")
     os.remove(big)
     os.remove(small)
 
