@@ -279,8 +279,6 @@ static void cuda_swiglu(const float *g, const float *u, float *y, int64_t n, flo
     launch_swiglu(g, u, y, 1, n, n, n, limit);
 }
 
-/* out[t][:] = sum_j wts[t][j] * slot_out[row(t, j)][:], j in order; row is
- * t*k + j (decode layout) or pos[t*k + j] (prefill, grouped by expert). */
 /* A prompt's grouping on the device, in one block of 32 warps (E <= MOE_GROUP_MAX_E): the
  * pairs 0 .. n - 1 (sel, expert ids, valid: the routing's picks or tid2eid rows, which the
  * loader checks) ordered by expert and, within an expert, by pair, as the host's counting
@@ -353,6 +351,8 @@ static void launch_moe_group(const int32_t *sel, int64_t n, int E, int32_t *perm
     DS4_LAUNCH(k_moe_group, 1, MOE_GROUP_THREADS, smem, sel, (int)n, E, perm, pos, tiles, max_tiles);
 }
 
+/* out[t][:] = sum_j wts[t][j] * slot_out[row(t, j)][:], j in order; row is
+ * t*k + j (decode layout) or pos[t*k + j] (prefill, grouped by expert). */
 __global__ void k_moe_combine(const float *slot_out, const int32_t *pos, const float *wts, int nt, int k,
                               int64_t D, const float *add, float *out) {
     ds4_grid_dep();
