@@ -60,8 +60,10 @@
  * and in adjacent bytes or one grid entry) and the factors per A row, makes them exact f16
  * integers (Q8_0: a byte permute into 1024 + (q + 128), then one f16x2 subtraction;
  * IQ2_XXS: its grid entry, expanded per block into f16 magnitude pairs in shared memory,
- * with the sign bits flipped in), and issues 2 MMAs x PL parts per tile pair (and pass).  The grid is row tiles x token tiles.  The row tiles are those of up to TC_SEG_MAX
- * matrices of one type and K (segments, grid z): the projections of one input (matmul_multi,
+ * with the sign bits flipped in), and issues 2 MMAs x PL parts per tile pair (and pass).
+ *   The grid is row tiles x token tiles (a plain product's in groups of token tiles whose
+ * activations fit L2, token tiles first: tc_pos_of).  The row tiles are those of up to
+ * TC_SEG_MAX matrices of one type and K (segments, grid z): the projections of one input (matmul_multi,
  * gate|up), or the groups of a grouped projection, each group reading its own part of the
  * split.  So a batch's small projections fill the device together, in one launch, from one
  * split.  A grouped product (the MoE's experts) takes its token tiles from a table, each a run
@@ -112,6 +114,7 @@
 #define TC_BK      64       /* k per pipeline stage: two Q8_0 blocks */
 #define TC_ST      3        /* pipeline stages */
 #define TC_THREADS 256
+#define TC_L2_GROUP ((int64_t)16 << 20)   /* a plain product's activations a group of token tiles (tc_pos_of) */
 #define TC_APITCH  80       /* k_tc_wgmma with A by tensor copies (TA): a Q8_0 row's staged bytes */
 #ifndef TC_ROUND
 #define TC_ROUND   2        /* k_tc_wgmma TA: stages a round (1, 2 or 4; -DTC_ROUND=N at build time to measure) */
@@ -547,10 +550,25 @@ struct tc_segs {
     size_t xoff[TC_SEG_MAX];            /* part * part_bytes */
     int part[TC_SEG_MAX];
     int nrows[TC_SEG_MAX];
+    int tg;             /* a plain product's token tiles a group (tc_pos_of); 0 in a grouped one */
 };
 
-/* A block's matrix and tokens (both kernels): segment blockIdx.z's weights (matrix tiles[y].x
- * of a grouped product), its part of the split, and tokens t0 .. t1 - 1. */
+/* A block's row tile (x) and token tile (y).  A grouped product's grid is row tiles (x) x its
+ * tiles (y).  A plain product's grid is its row tiles x token tiles flattened into x, in groups
+ * of sg.tg token tiles, token tiles first within a group: the blocks that read a row tile's
+ * weights run in one wave, where row tiles first would read a matrix larger than L2 from
+ * memory once per token tile; a group's activations (gemm_tc_multi sizes sg.tg) stay in L2
+ * while its row tiles go by.  Only which block does a tile changes, not its sums. */
+__device__ __forceinline__ int2 tc_pos_of(const tc_segs &sg, const int4 *tiles, int nt) {
+    if (tiles || sg.tg <= 0) return make_int2((int)blockIdx.x, (int)blockIdx.y);
+    const int ntt = (nt + TC_BN - 1) / TC_BN, nrt = (int)gridDim.x / ntt;
+    const int per = sg.tg * nrt, g = (int)blockIdx.x / per, l = (int)blockIdx.x - g * per;
+    const int gs = min(sg.tg, ntt - g * sg.tg);     /* the last group may be short */
+    return make_int2(l / gs, g * sg.tg + l % gs);
+}
+
+/* A block's matrix and tokens (both kernels): segment blockIdx.z's weights (matrix tiles[tt].x
+ * of a grouped product), its part of the split, and tokens t0 .. t1 - 1 of token tile tt. */
 struct tc_blk {
     const uint8_t *w;
     const __half *xs;
@@ -558,16 +576,16 @@ struct tc_blk {
     int mat;            /* the matrix of a grouped product (0 otherwise) */
 };
 __device__ __forceinline__ tc_blk tc_block_of(const tc_segs &sg, size_t mat_bytes, const uint8_t *xs_all,
-                                              const int4 *tiles, int nt) {
+                                              const int4 *tiles, int nt, int tt) {
     tc_blk b;
     const int si = blockIdx.z;
     b.w = sg.w[si];
     b.xs = (const __half *)(xs_all + sg.xoff[si]);
-    b.t0 = blockIdx.y * TC_BN;
+    b.t0 = tt * TC_BN;
     b.t1 = b.t0 + TC_BN < nt ? b.t0 + TC_BN : nt;
     b.mat = 0;
     if (tiles) {
-        const int4 tl = tiles[blockIdx.y];
+        const int4 tl = tiles[tt];
         b.mat = tl.x;
         b.w += mat_bytes * (size_t)tl.x;
         b.t0 = tl.y;
@@ -583,10 +601,10 @@ __device__ __forceinline__ void tc_iq2_tables(uint4 *grid, uint8_t *s8tab) {
     if (threadIdx.x < 128) s8tab[threadIdx.x] = (uint8_t)dsq_iq2_s8(threadIdx.x);
 }
 
-/* Block (x: TC_BM rows, y: a tile, z: a segment) of y = x W^T.  A tile is tiles[blockIdx.y]
- * (grouped: the matrix e = tile.x, tokens tile.y .. tile.z - 1, at most TC_BN, none in the
- * empty tiles that pad a grid sized before the grouping: ds4_cuda_moe.cu) or, with tiles
- * NULL, tokens TC_BN blockIdx.y .. up to nt.  Matrix e of a segment starts mat_bytes * e into
+/* Block (TC_BM rows, a token tile tt, z: a segment; tc_pos_of) of y = x W^T.  A tile is
+ * tiles[tt] (grouped: the matrix e = tile.x, tokens tile.y .. tile.z - 1, at most TC_BN, none
+ * in the empty tiles that pad a grid sized before the grouping: ds4_cuda_moe.cu) or, with
+ * tiles NULL, tokens TC_BN tt .. up to nt.  Matrix e of a segment starts mat_bytes * e into
  * its w. */
 template <int TYPE, int PL>
 __global__ void __launch_bounds__(TC_THREADS, 2)
@@ -598,10 +616,11 @@ k_tc_gemm(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const uin
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int si = blockIdx.z;                      /* the block's segment */
     const int nrows = sg.nrows[si];
-    const int row0 = blockIdx.x * TC_BM;
+    const int2 pos = tc_pos_of(sg, tiles, nt);
+    const int row0 = pos.x * TC_BM;
     if (row0 >= nrows) return;                      /* a segment with fewer row tiles than the grid's */
     const size_t plane = (size_t)ntp * K;
-    const tc_blk bk = tc_block_of(sg, mat_bytes, xs_all, tiles, nt);
+    const tc_blk bk = tc_block_of(sg, mat_bytes, xs_all, tiles, nt, pos.y);
     if (bk.t0 >= bk.t1) return;                     /* an empty tile (a grid sized for the most tiles) */
     const uint8_t *w = bk.w;
     const __half *xs = bk.xs;
@@ -951,10 +970,11 @@ k_tc_wgmma(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const ui
     /* PP: the types with mins (one block an SM, registers to spare) take two stages a round, a
      * block barrier each round (IQ2_XXS's 128 registers, two blocks an SM, would spill) */
     constexpr bool PP = !REL && TT::MIN;
-    const int row0 = blockIdx.x * TL::BM;
+    const int2 pos = tc_pos_of(sg, tiles, nt);
+    const int row0 = pos.x * TL::BM;
     if (row0 >= nrows) return;
     const size_t plane = (size_t)ntp * K;
-    const tc_blk bk = tc_block_of(sg, mat_bytes, xs_all, tiles, nt);
+    const tc_blk bk = tc_block_of(sg, mat_bytes, xs_all, tiles, nt, pos.y);
     if (bk.t0 >= bk.t1) return;                     /* an empty tile (a grid sized for the most tiles) */
     const uint8_t *w = bk.w;
     const __half *xs = bk.xs;
@@ -1345,14 +1365,20 @@ static tc_amaps tc_a_maps(const tc_segs &sg, int n, size_t mat_bytes, int nmat, 
     return am;
 }
 
-/* grid: row tiles (of the kernel's and type's BM) x ny token tiles x n segments; blocks past a
- * segment's rows return at once (a launch's segments are of similar sizes) */
+/* grid: row tiles (of the kernel's and type's BM) x ny token tiles x n segments, the first two
+ * flattened in x for a plain product (sg.tg > 0: tc_pos_of); blocks past a segment's rows
+ * return at once (a launch's segments are of similar sizes) */
+static dim3 tc_grid(int64_t rows, int bm, unsigned ny, unsigned n, const tc_segs &sg) {
+    const unsigned rt = (unsigned)((rows + bm - 1) / bm);
+    return sg.tg > 0 ? dim3(rt * ny, 1, n) : dim3(rt, ny, n);
+}
+
 template <int TYPE>
 static void tc_launch(int64_t rows, unsigned ny, unsigned n, const tc_segs &sg, size_t mat_bytes, int nmat,
                       size_t row_bytes, const tc_split &sp, const int4 *tiles) {
     if (tc_wg()) {
         typedef tc_tile<TYPE, true> TL;
-        const dim3 grid((unsigned)((rows + TC_BM - 1) / TC_BM), ny, n);
+        const dim3 grid = tc_grid(rows, TC_BM, ny, n, sg);
         static const CUtensorMap none = {};
         static const tc_amaps anone = {};
         ds4_session *S = sess();
@@ -1371,7 +1397,7 @@ static void tc_launch(int64_t rows, unsigned ny, unsigned n, const tc_segs &sg, 
         S->n_tc_pl2 += pl2;
         /* TA: 256-row blocks of 512 threads (tc_tile's BM) */
         typedef tc_tile<DS4_TYPE_Q8_0, true, true> TW;
-        const dim3 gw((unsigned)((rows + TW::BM - 1) / TW::BM), ny, n);
+        const dim3 gw = tc_grid(rows, TW::BM, ny, n, sg);
         if (ta && pl2)
             DS4_LAUNCH((k_tc_wgmma<DS4_TYPE_Q8_0, true, true, 2>), gw, 128 * (TW::BM / 64),
                        (tcw_smem_bytes<DS4_TYPE_Q8_0, true, 2>()), sg, mat_bytes, row_bytes, (int)sp.K,
@@ -1397,7 +1423,7 @@ static void tc_launch(int64_t rows, unsigned ny, unsigned n, const tc_segs &sg, 
             DS4_LAUNCH((k_tc_wgmma<TYPE, false, false>), grid, TC_THREADS, TL::SMEM, sg, mat_bytes, row_bytes, (int)sp.K,
                        (const uint8_t *)sp.xs, (int)sp.ntp, tiles, (int)sp.n, none, anone);
     } else {
-        const dim3 grid((unsigned)((rows + TC_BM - 1) / TC_BM), ny, n);
+        const dim3 grid = tc_grid(rows, TC_BM, ny, n, sg);
         sess()->n_tc_pl2 += sp.planes == 2;
         if (sp.planes == 2)
             DS4_LAUNCH((k_tc_gemm<TYPE, 2>), grid, TC_THREADS, (tc_smem_bytes<TYPE, 2>()), sg, mat_bytes, row_bytes,
@@ -1433,6 +1459,11 @@ void gemm_tc_multi(int type, size_t mat_bytes, int nmat, size_t row_bytes, const
     }
     if (rows <= 0) return;
     if (nmat < 1 || (nmat > 1 && !tiles)) ds4_fatal("gemm_tc_multi: %d matrices a segment", nmat);
+    if (!tiles) {   /* token tiles a group: their parts of the split within TC_L2_GROUP bytes */
+        const int64_t tile_bytes = (int64_t)TC_BN * sp.K * sp.planes * (int64_t)sizeof(__half);
+        int64_t tg = TC_L2_GROUP / (tile_bytes > 0 ? tile_bytes : 1);
+        sg.tg = (int)(tg < 1 ? 1 : tg > (int64_t)ny ? (int64_t)ny : tg);
+    }
     const unsigned ns = (unsigned)n;
     switch (type) {
     case DS4_TYPE_Q8_0:    tc_launch<DS4_TYPE_Q8_0>(rows, ny, ns, sg, mat_bytes, nmat, row_bytes, sp, tiles); break;
