@@ -12,6 +12,16 @@
  *   wgmma_f16_tflops <value>     sm_90a builds on a CC 9.0 card: wgmma m64n64k16, A from registers,
  *                                B from shared memory, f32 accumulators (k_tc_wgmma's instruction),
  *                                two warpgroups a block, chains of 16 MMAs between waits
+ *   wgmma_k32_tflops <value>     the same instruction in the pattern of k_tc_wgmma's exact sums
+ *                                (ds4_cuda_gemm.cu, DS4_CUDA_PREFILL_TC=4): per block of 32 k,
+ *                                4 MMAs (two k16 steps x two planes) into an accumulator set of
+ *                                their own from zero, one commit; the next block's MMAs issued
+ *                                before the last block's are waited for (ping-pong over two
+ *                                sets, four blocks a round); four warpgroups a block, one block
+ *                                an SM.  No fold: what the waits alone cost
+ *   wgmma_fold_tflops <value>    that, and each waited block folded into a running sum, one
+ *                                FMA by a row factor per element (tcw_fold): the ceiling of the
+ *                                engine's arithmetic, with no copies and no weight decoding
  *
  * Build: nvcc -O3 -arch=sm_90 bench/mma_peak.cu -o build/mma_peak  (sm_80 and later; the Makefile
  * builds sm_90 as sm_90a, as it does ds4_cuda_gemm.cu)
@@ -108,16 +118,95 @@ __global__ void __launch_bounds__(256) k_wgmma_f16(float *sink, int iters) {
 #endif
 }
 
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+/* d = A B (+ d where SC): m64n64k16, A from registers, B by descriptor (as tcw_mma) */
+template <int SC>
+__device__ __forceinline__ void wg_mma(float (&d)[32], const uint32_t (&a)[4], uint64_t b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(SC)
+        : "memory");
+}
+__device__ __forceinline__ void wg_hold(float (&d)[32]) {
+#pragma unroll
+    for (int i = 0; i < 32; i++) asm volatile("" : "+f"(d[i])::"memory");
+}
+#endif
+
+/* k_tc_wgmma's pattern (REL, TC_ROUND = 2: four blocks of 32 k a round), without its copies
+ * and weight decoding: per block 4 MMAs into c[j] from zero and a commit; from the second
+ * block on, a wait that leaves the newest block in flight, then the other set folded into acc
+ * (FOLD) or only held; the round's last block waited for at its end.  Four warpgroups. */
+template <bool FOLD>
+__global__ void __launch_bounds__(512, 1) k_wgmma_k32(float *sink, int iters) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    __shared__ __align__(1024) uint8_t bs[2 * 64 * 128];   /* two planes of 64 tokens x 64 halves */
+    for (int i = threadIdx.x; i < 2 * 64 * 128 / 4; i += blockDim.x) ((uint32_t *)bs)[i] = 0x3c003c00u & (i * 2654435761u);
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    __syncthreads();
+    const uint32_t sa = (uint32_t)__cvta_generic_to_shared(bs);
+    const uint64_t desc = (uint64_t)((sa & 0x3FFFFu) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
+    uint32_t a[2][2][4];   /* block j's A for k16 step hf: distinct registers, as the engine's fragments */
+    for (int i = 0; i < 16; i++) (&a[0][0][0])[i] = ((threadIdx.x + 977u * i) * 2654435761u) & 0x3c003c00u;
+    const float s0 = 1.0f + (float)(threadIdx.x & 7) * 0x1p-20f, s1 = 1.0f - (float)(threadIdx.x & 3) * 0x1p-20f;
+    float acc[32] = {}, c[2][32] = {};
+    for (int it = 0; it < iters; it += 16) {       /* a round: 4 blocks x 4 MMAs */
+#pragma unroll
+        for (int b = 0; b < 4; b++) {
+            const int j = b & 1;
+            asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+            for (int hf = 0; hf < 2; hf++)
+#pragma unroll
+                for (int p = 0; p < 2; p++) {
+                    const uint64_t bd = desc + (uint64_t)((p * 64 * 128 + 32 * (2 * j + hf)) >> 4);
+                    if (hf == 0 && p == 0) wg_mma<0>(c[j], a[j][hf], bd);
+                    else wg_mma<1>(c[j], a[j][hf], bd);
+                }
+            asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+            if (b > 0) {
+                asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+                wg_hold(c[j ^ 1]);
+                if (FOLD) {
+#pragma unroll
+                    for (int i = 0; i < 32; i++) acc[i] = fmaf((i & 2) ? s1 : s0, c[j ^ 1][i], acc[i]);
+                }
+            }
+        }
+        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+        wg_hold(c[1]);
+        if (FOLD) {
+#pragma unroll
+            for (int i = 0; i < 32; i++) acc[i] = fmaf((i & 2) ? s1 : s0, c[1][i], acc[i]);
+        }
+    }
+    float s = 0.0f;
+    for (int i = 0; i < 32; i++) s += FOLD ? acc[i] : c[0][i] + c[1][i];
+    if (s == 12345.0f) sink[0] = s;
+#else
+    (void)sink;
+    (void)iters;
+#endif
+}
+
 /* The median TFLOP/s (or TOPS) of RUNS launches of grid x 256 threads, flop_per_mma each MMA. */
 template <typename K, typename T>
-static double run(K kernel, T *sink, int grid, double flop_per_mma, int per_block = 8 * ACC) {
+static double run(K kernel, T *sink, int grid, double flop_per_mma, int per_block = 8 * ACC, int threads = 256) {
     cudaEvent_t e0, e1;
     CHECK(cudaEventCreate(&e0));
     CHECK(cudaEventCreate(&e1));
     double v[RUNS];
     for (int r = -WARMUP; r < RUNS; r++) {
         CHECK(cudaEventRecord(e0));
-        kernel<<<grid, 256>>>(sink, ITERS);
+        kernel<<<grid, threads>>>(sink, ITERS);
         CHECK(cudaGetLastError());
         CHECK(cudaEventRecord(e1));
         CHECK(cudaEventSynchronize(e1));
@@ -143,8 +232,11 @@ int main(void) {
     int major = 0, minor = 0;
     CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
     CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
-    if (major == 9 && minor == 0)   /* two warpgroups a block, each ITERS MMAs of 64 x 64 x 16 */
+    if (major == 9 && minor == 0) {   /* each warpgroup ITERS MMAs of 64 x 64 x 16 */
         printf("wgmma_f16_tflops %.1f\n", run(k_wgmma_f16, (float *)sink, n_sm * 2, 2.0 * 64 * 64 * 16, 2));
+        printf("wgmma_k32_tflops %.1f\n", run(k_wgmma_k32<false>, (float *)sink, n_sm, 2.0 * 64 * 64 * 16, 4, 512));
+        printf("wgmma_fold_tflops %.1f\n", run(k_wgmma_k32<true>, (float *)sink, n_sm, 2.0 * 64 * 64 * 16, 4, 512));
+    }
 #endif
     CHECK(cudaFree(sink));
     return 0;
