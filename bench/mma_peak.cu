@@ -12,16 +12,18 @@
  *   wgmma_f16_tflops <value>     sm_90a builds on a CC 9.0 card: wgmma m64n64k16, A from registers,
  *                                B from shared memory, f32 accumulators (k_tc_wgmma's instruction),
  *                                two warpgroups a block, chains of 16 MMAs between waits
- *   wgmma_k32_tflops <value>     the same instruction in the pattern of k_tc_wgmma's exact sums
+ *   wgmma_fold_tflops <value>    the same instruction in the pattern of k_tc_wgmma's exact sums
  *                                (ds4_cuda_gemm.cu, DS4_CUDA_PREFILL_TC=4): per block of 32 k,
  *                                4 MMAs (two k16 steps x two planes) into an accumulator set of
  *                                their own from zero, one commit; the next block's MMAs issued
  *                                before the last block's are waited for (ping-pong over two
- *                                sets, four blocks a round); four warpgroups a block, one block
- *                                an SM.  No fold: what the waits alone cost
- *   wgmma_fold_tflops <value>    that, and each waited block folded into a running sum, one
- *                                FMA by a row factor per element (tcw_fold): the ceiling of the
- *                                engine's arithmetic, with no copies and no weight decoding
+ *                                sets, four blocks a round); each waited block folded into a
+ *                                running sum, one FMA by a row factor per element (tcw_fold);
+ *                                four warpgroups a block, one block an SM.  The ceiling of the
+ *                                engine's arithmetic, with no copies and no weight decoding.
+ *                                (Without the folds ptxas drops the MMAs whose sums a later
+ *                                from-zero MMA overwrites, so a "waits only" variant measures
+ *                                nothing: the folds are what keep every MMA.)
  *
  * Build: nvcc -O3 -arch=sm_90 bench/mma_peak.cu -o build/mma_peak  (sm_80 and later; the Makefile
  * builds sm_90 as sm_90a, as it does ds4_cuda_gemm.cu)
@@ -143,10 +145,9 @@ __device__ __forceinline__ void wg_hold(float (&d)[32]) {
 
 /* k_tc_wgmma's pattern (REL, TC_ROUND = 2: four blocks of 32 k a round), without its copies
  * and weight decoding: per block 4 MMAs into c[j] from zero and a commit; from the second
- * block on, a wait that leaves the newest block in flight, then the other set folded into acc
- * (FOLD) or only held; the round's last block waited for at its end.  Four warpgroups. */
-template <bool FOLD>
-__global__ void __launch_bounds__(512, 1) k_wgmma_k32(float *sink, int iters) {
+ * block on, a wait that leaves the newest block in flight, then the other set folded into
+ * acc; the round's last block waited for and folded at its end.  Four warpgroups. */
+__global__ void __launch_bounds__(512, 1) k_wgmma_fold(float *sink, int iters) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     __shared__ __align__(1024) uint8_t bs[2 * 64 * 128];   /* two planes of 64 tokens x 64 halves */
     for (int i = threadIdx.x; i < 2 * 64 * 128 / 4; i += blockDim.x) ((uint32_t *)bs)[i] = 0x3c003c00u & (i * 2654435761u);
@@ -175,21 +176,17 @@ __global__ void __launch_bounds__(512, 1) k_wgmma_k32(float *sink, int iters) {
             if (b > 0) {
                 asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
                 wg_hold(c[j ^ 1]);
-                if (FOLD) {
 #pragma unroll
-                    for (int i = 0; i < 32; i++) acc[i] = fmaf((i & 2) ? s1 : s0, c[j ^ 1][i], acc[i]);
-                }
+                for (int i = 0; i < 32; i++) acc[i] = fmaf((i & 2) ? s1 : s0, c[j ^ 1][i], acc[i]);
             }
         }
         asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
         wg_hold(c[1]);
-        if (FOLD) {
 #pragma unroll
-            for (int i = 0; i < 32; i++) acc[i] = fmaf((i & 2) ? s1 : s0, c[1][i], acc[i]);
-        }
+        for (int i = 0; i < 32; i++) acc[i] = fmaf((i & 2) ? s1 : s0, c[1][i], acc[i]);
     }
     float s = 0.0f;
-    for (int i = 0; i < 32; i++) s += FOLD ? acc[i] : c[0][i] + c[1][i];
+    for (int i = 0; i < 32; i++) s += acc[i];
     if (s == 12345.0f) sink[0] = s;
 #else
     (void)sink;
@@ -234,8 +231,7 @@ int main(void) {
     CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
     if (major == 9 && minor == 0) {   /* each warpgroup ITERS MMAs of 64 x 64 x 16 */
         printf("wgmma_f16_tflops %.1f\n", run(k_wgmma_f16, (float *)sink, n_sm * 2, 2.0 * 64 * 64 * 16, 2));
-        printf("wgmma_k32_tflops %.1f\n", run(k_wgmma_k32<false>, (float *)sink, n_sm, 2.0 * 64 * 64 * 16, 4, 512));
-        printf("wgmma_fold_tflops %.1f\n", run(k_wgmma_k32<true>, (float *)sink, n_sm, 2.0 * 64 * 64 * 16, 4, 512));
+        printf("wgmma_fold_tflops %.1f\n", run(k_wgmma_fold, (float *)sink, n_sm, 2.0 * 64 * 64 * 16, 4, 512));
     }
 #endif
     CHECK(cudaFree(sink));

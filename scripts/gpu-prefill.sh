@@ -12,7 +12,7 @@
 # k_tc_gemm) after STALL_SKIP (40) in a STALL_MODEL (flash16) prefill: instructions per MMA,
 # tensor pipe, shared-memory bank conflicts, L2 bytes and the sampled stall reasons.
 # peak: bench/mma_peak (mma.sync f16 and s8 on every SM; wgmma f16 on an sm_90 card, also in
-# k_tc_wgmma's pattern of exact sums, its waits alone and with its folds: the engine's ceiling); bench,
+# k_tc_wgmma's pattern of exact sums with its folds: the products' ceiling); bench,
 # attn, q2 and tcw then print each prefill's TFLOP/s as a share of the f16 peak of the
 # instruction the run uses (ds4_bench --tc-peak: wgmma's for DS4_CUDA_PREFILL_TC=2 to 4).
 # tcw: TCW_MODELS (flash16) prefill with the DS4_CUDA_PREFILL_TC values of TCW_PAIR ("1 2":
