@@ -52,7 +52,15 @@
 # k_tc_wgmma) after PCSTALL_SKIP (40) in a PCSTALL_MODEL (flash16) prefill of PROF_N (4096)
 # tokens, then scripts/ncu_source_top.py on its SASS page: the warp samples per opcode and the
 # PCSTALL_TOP (40) instructions sampled most, with their stall reasons.
-#   scripts/gpu-prefill.sh [peak] [l2read] [test] [bench] [attn] [planes] [tcw] [q2] [hooks] [vs] [same] [envsame] [report] [prof] [dprof] [dreport] [l2hot] [stall] [pcstall] [exact] [tcsame] [san] [peer]
+# pwhatif: this tree built again with -DDS4_WHATIF (in $TMPDIR), then PWHATIF_MODEL (flash16)
+# prefills of PWHATIF_N (512,4096) tokens (ds4_bench --reps 3, medians) once for each entry of
+# PWHATIF_SETS (space-separated WHATIF_SKIP lists of kernels, see DS4_LAUNCH; "-": none; "ALL":
+# every kernel of this tree's DS4_LAUNCH sites, which leaves the prefill's time outside them:
+# cuBLAS, copies, fills, the host; "REST": all but k_tc_wgmma, k_attention_mma and the routing
+# whose tables the products read: k_moe_gate, k_moe_route, k_moe_group, k_pair_rows), the full
+# prefill ("-") first and last: what each family costs a prefill's wall clock.  For timing only:
+# the dropped kernels' outputs are missing.
+#   scripts/gpu-prefill.sh [peak] [l2read] [test] [bench] [attn] [planes] [tcw] [q2] [hooks] [vs] [same] [envsame] [report] [prof] [dprof] [dreport] [l2hot] [stall] [pcstall] [exact] [tcsame] [san] [peer] [pwhatif]
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-build/gpu-out}; mkdir -p "$OUT"
@@ -353,4 +361,50 @@ if want peer; then
     done
     rm -f "$G"
   done
+fi
+if want pwhatif; then
+  W=${TMPDIR:-/tmp}/gpu-prefill-whatif
+  step "what-if: ${PWHATIF_MODEL:-flash16} prefills, kernel families dropped (a -DDS4_WHATIF build in $W; timing only)"
+  rm -rf "$W"; mkdir -p "$W"
+  tar --exclude=./build --exclude=./.git --exclude=./.peer -cf - . | tar -xf - -C "$W"
+  (cd "$W" && make cuda CUDA_ARCH="$ARCH" NVCCFLAGS="-O3 -std=c++17 -lineinfo -DDS4_WHATIF" &&
+    make --no-print-directory build/cuda-"$ARCH"/ds4_bench CUDA_ARCH="$ARCH" NVCCFLAGS="-O3 -std=c++17 -lineinfo -DDS4_WHATIF") \
+    > "$OUT/build-pwhatif.log" 2>&1 || { tail -30 "$OUT/build-pwhatif.log"; exit 1; }
+  # every kernel name of a DS4_LAUNCH site (ALL)
+  ALLK=$(grep -ho 'DS4_LAUNCH(([a-z_0-9]*\|DS4_LAUNCH([a-z_0-9]*' ds4_cuda*.cu ds4_hooks.cu | sed 's/.*(//' | sort -u | tr '\n' ',' | sed 's/,$//')
+  PN=${PWHATIF_N:-512,4096}
+  SETS=${PWHATIF_SETS:-"- k_tc_wgmma k_attention_mma k_tc_split k_hcb_dots k_hcb_finish k_head_norm_rope k_indexer_tiles,k_indexer_select k_att_rows_split k_moe_combine,k_moe_gather REST ALL -"}
+  i=0; rm -f "$OUT/pwhatif-runs.txt"
+  for set in $SETS; do
+    i=$((i + 1)); L="$OUT/pwhatif-$i.log"
+    skip=$set; [ "$set" = - ] && skip=""; [ "$set" = ALL ] && skip=$ALLK
+    [ "$set" = REST ] && skip=$(echo "$ALLK" | tr ',' '\n' | grep -vx 'k_tc_wgmma\|k_attention_mma\|k_moe_gate\|k_moe_route\|k_moe_group\|k_pair_rows' | tr '\n' ',' | sed 's/,$//')
+    WHATIF_SKIP="$skip" timeout 240 "$W"/build/cuda-"$ARCH"/ds4_bench --model "${PWHATIF_MODEL:-flash16}" --backend cuda \
+      --reps 3 --decode 1 --decode-after 64 --prefill "$PN" > "$L" 2>&1 || echo "$set: rc $?"
+    echo "$set $(grep -E '^prefill' "$L" | awk '{printf "%s %s ", $2, $5}')" | tee -a "$OUT/pwhatif-runs.txt"
+  done
+  # each family's cost: the full prefill's time (the mean of its runs) less the prefill's without it
+  python3 - "$OUT/pwhatif-runs.txt" <<'PY'
+import sys
+runs = []
+for line in open(sys.argv[1]):
+    f = line.split()
+    if len(f) >= 3 and len(f) % 2 == 1:
+        runs.append((f[0], {int(f[j]): float(f[j + 1]) for j in range(1, len(f), 2)}))
+full = [r for n, r in runs if n == "-"]
+if not full:
+    sys.exit("pwhatif: no run of the full prefill")
+ns = sorted(full[0])
+base = {n: sum(r[n] for r in full if n in r) / len(full) for n in ns}
+print("| dropped | " + " | ".join(f"{n} tokens: s (cost, share)" for n in ns) + " |")
+print("|---|" + "---:|" * len(ns))
+print("| nothing | " + " | ".join(f"{base[n]:.4f}" for n in ns) + " |")
+for name, r in runs:
+    if name == "-":
+        continue
+    cells = [f"{r[n]:.4f} ({(base[n] - r[n]) * 1e3:.1f} ms, {100 * (base[n] - r[n]) / base[n]:.1f}%)" if n in r else "-"
+             for n in ns]
+    print(f"| `{name[:60]}` | " + " | ".join(cells) + " |")
+PY
+  rm -rf "$W"
 fi
