@@ -59,7 +59,9 @@
 # cuBLAS, copies, fills, the host; "REST": all but k_tc_wgmma, k_attention_mma and the routing
 # whose tables the products read: k_moe_gate, k_moe_route, k_moe_group, k_pair_rows), the full
 # prefill ("-") first and last: what each family costs a prefill's wall clock.  For timing only:
-# the dropped kernels' outputs are missing.
+# the dropped kernels' outputs are missing, and where those steer later work the cost mixes in
+# the change: the indexer's (stale picks: its sets and REST read negative) and any kernel on
+# the way to the router's input (hc_pre's: the tokens route alike, the experts' tiles fill).
 #   scripts/gpu-prefill.sh [peak] [l2read] [test] [bench] [attn] [planes] [tcw] [q2] [hooks] [vs] [same] [envsame] [report] [prof] [dprof] [dreport] [l2hot] [stall] [pcstall] [exact] [tcsame] [san] [peer] [pwhatif]
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
@@ -373,7 +375,7 @@ if want pwhatif; then
   # every kernel name of a DS4_LAUNCH site (ALL)
   ALLK=$(grep -ho 'DS4_LAUNCH(([a-z_0-9]*\|DS4_LAUNCH([a-z_0-9]*' ds4_cuda*.cu ds4_hooks.cu | sed 's/.*(//' | sort -u | tr '\n' ',' | sed 's/,$//')
   PN=${PWHATIF_N:-512,4096}
-  SETS=${PWHATIF_SETS:-"- k_tc_wgmma k_attention_mma k_tc_split k_hcb_dots k_hcb_finish k_head_norm_rope k_indexer_tiles,k_indexer_select k_att_rows_split k_moe_combine,k_moe_gather REST ALL -"}
+  SETS=${PWHATIF_SETS:-"- k_tc_wgmma k_attention_mma k_tc_split k_hcb_dots k_hcb_finish k_head_norm_rope k_att_rows_split k_moe_combine,k_moe_gather ALL -"}
   i=0; rm -f "$OUT/pwhatif-runs.txt"
   for set in $SETS; do
     i=$((i + 1)); L="$OUT/pwhatif-$i.log"
