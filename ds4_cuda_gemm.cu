@@ -99,7 +99,8 @@
  * Q8_0 stage's A comes by a second such copy (128 rows of 80 bytes, the 68 it needs from the
  * 16-byte boundary at or below them: see k_tc_wgmma); the other types' A stays cp.async.
  * DS4_CUDA_PREFILL_TC=4 (the default) is that, with Q8_0's blocks 256 rows (four warpgroups: a
- * stage's B serves twice the rows); 3 copies Q8_0's A with cp.async like the others'; 2 copies
+ * stage's B serves twice the rows) and, on two planes, stages of four blocks of 32 (A's box
+ * 144 bytes for 136, B two copies); 3 copies Q8_0's A with cp.async like the others'; 2 copies
  * B with every thread's cp.async too (and so does a driver with no tensor-map encoder).  The
  * arithmetic is the same, bit for bit.
  */
@@ -116,6 +117,10 @@
 #define TC_THREADS 256
 #define TC_L2_GROUP ((int64_t)16 << 20)   /* a plain product's activations a group of token tiles (tc_pos_of) */
 #define TC_APITCH  80       /* k_tc_wgmma with A by tensor copies (TA): a Q8_0 row's staged bytes */
+#define TC_APITCH4 144      /* the same for TA's stages of four blocks (tc_tile SJ = 4) */
+#ifndef TC_WIDE
+#define TC_WIDE    1        /* k_tc_wgmma TA on two planes: stages of four Q8_0 blocks (0: two, to measure) */
+#endif
 #ifndef TC_ROUND
 #define TC_ROUND   2        /* k_tc_wgmma TA: stages a round (1, 2 or 4; -DTC_ROUND=N at build time to measure) */
 #endif
@@ -319,7 +324,8 @@ template <int TYPE> struct tc_traits {
  * block's folds and barriers overlap the other's MMAs), four for the types with mins (one block
  * per SM: their second accumulators take 250 registers; k_tc_wgmma takes their stages two a
  * round), five for k_tc_wgmma's blocks with A
- * by tensor copies (TA: NWG = 4 warpgroups, BM = 256 rows of 512 threads, one block per SM);
+ * by tensor copies (TA: NWG = 4 warpgroups, BM = 256 rows of 512 threads, one block per SM),
+ * three where those stages are four blocks of 32 k (SJ = 4: TA on two planes, 68 KiB each);
  * 1 KiB more to align the dynamic shared memory's start.  RP rows one pass of the threads copies (4-byte or 16-byte pieces, NP a row), NPASS
  * passes. */
 template <int TYPE, bool WG, bool TA = false, int PL = 3, int NWG = TA ? 4 : 2> struct tc_tile {
@@ -328,10 +334,13 @@ template <int TYPE, bool WG, bool TA = false, int PL = 3, int NWG = TA ? 4 : 2> 
         RP = TC_THREADS / TT::NP,
         NPASS = (TC_BM + RP - 1) / RP,
         BM = 64 * NWG,                        /* the block's rows (TC_BM, but 256 for k_tc_wgmma with TA) */
-        APITCH = TA ? TC_APITCH : TT::AROW,   /* a staged row's bytes (TA: Q8_0's tensor-copy box) */
+        SJ = TA && PL == 2 && TC_WIDE ? 4 : 2,   /* blocks of 32 k a stage: 4 for TA on two planes */
+        /* a staged row's bytes (TA: Q8_0's tensor-copy box) */
+        APITCH = TA ? (SJ == 4 ? TC_APITCH4 : TC_APITCH) : TT::AROW,
         ABYTES = WG ? (BM * APITCH + 1023) / 1024 * 1024 : TC_BM * APITCH,
-        STAGE = ABYTES + PL * TC_BN * 128,
-        ST = !WG ? TC_ST : TT::MIN ? 4 : NWG == 4 ? 5 : 3,
+        BBOX = PL * TC_BN * 128,              /* one tensor copy of B: TC_BK = 64 k of the PL parts */
+        STAGE = ABYTES + BBOX * (SJ / 2),
+        ST = !WG ? TC_ST : TT::MIN ? 4 : NWG == 4 ? (SJ == 4 ? 3 : 5) : 3,
         SMEM = ST * STAGE + TT::SMEM_EXTRA + (WG ? 8 * ST + 1024 : 0),   /* WG: the stages' mbarriers */
     };
 };
@@ -480,12 +489,12 @@ __device__ __forceinline__ void tc_frag_a(const uint8_t *As, int r, int j, int t
         s = 1.0f;
     } else if (TYPE == DS4_TYPE_Q8_0) {
         /* block j at 34 j of the row (AP r + ao: 4-byte aligned): quants at + 2, the lane's at
-         * + 8 t, 2 past a word boundary for j = 0, on one for j = 1 */
+         * + 8 t, 2 past a word boundary for even j, on one for odd j */
         const uint8_t *blk = As + AP * r + ao + 34 * j;
         s = dsq_f16(*(const uint16_t *)blk);
         const uint8_t *q = blk + 2 + 8 * t;
         uint32_t lo, hi;
-        if (j) {
+        if (j & 1) {
             lo = *(const uint32_t *)q;
             hi = *(const uint32_t *)(q + 4);
         } else {
@@ -898,7 +907,7 @@ __device__ __forceinline__ void tcw_fold(float (&acc)[32], float (&c)[32], float
 }
 
 /* The weights' tensor maps of a launch (TA): segment s's matrices as [nmat][nrows][row_bytes]
- * bytes, a box of TC_APITCH bytes x the block's 256 rows x 1 matrix (tc_a_maps). */
+ * bytes, a box of APITCH bytes (tc_tile) x the block's 256 rows x 1 matrix (tc_a_maps). */
 struct tc_amaps {
     CUtensorMap m[TC_SEG_MAX];
 };
@@ -935,6 +944,12 @@ struct tc_amaps {
  *   The buffer a tensor copy refills was last read by the threads (A) and the MMAs (B) before
  *   the barrier (TA: its warpgroups' barriers, below); every thread's proxy fence before it
  *   orders its reads before the async proxy's writes.
+ *   TA on two planes (SJ = 4; TC_WIDE 0 at build time keeps two): a stage is four blocks of 32
+ *   k, 136 bytes of each row, boxed as the 144 from (136 kb) rounded down to 16 (ao 0 or 8;
+ *   the last stage's box again ends at the row's end), and its B two tensor copies of 64 k
+ *   (blocks 2 and 3 read the second).  A row's 128 k then cost 5 sectors of L2, not 6 (the
+ *   144-byte pitch puts rows 0..7 at word offsets 4 g: two-way, as at 80), and a stage's
+ *   refill, wait and release serve twice the MMAs.
  *   TA's blocks are wide: NWG = 4 warpgroups, BM = 256 rows, 512 threads, one block per SM, so
  *   that a stage's B (the activations' planes, 16 KiB on two) serves twice the rows: a
  *   block-stage reads 36 KiB for 2.1 M multiply-adds where two 128-row blocks read 52 KiB (on
@@ -945,7 +960,7 @@ struct tc_amaps {
  *   a refill, never reset); the warpgroup that counts last issues stage x + ST's copies into
  *   that buffer.  So the prologue copies all ST stages (every buffer is free), and each
  *   warpgroup waits only for its stage's data (the mbarrier): the four drift apart by up to ST
- *   - 1 stages.  A warpgroup takes two stages a round, their four blocks in a ping-pong (the
+ *   - 1 stages.  A warpgroup takes two stages a round (SJ = 4: one), their four blocks in a ping-pong (the
  *   next block's MMAs issued before the last one is folded), so that its MMAs are in flight
  *   through all folds but the round's last.  The MMAs, folds and their order are each
  *   warpgroup's as in a 128-row block: the same sums. */
@@ -979,7 +994,8 @@ k_tc_wgmma(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const ui
     const uint8_t *w = bk.w;
     const __half *xs = bk.xs;
     const int t0 = bk.t0, t1 = bk.t1;
-    constexpr int SB = TL::STAGE, AB = TL::ABYTES, ST = TL::ST;
+    constexpr int SB = TL::STAGE, AB = TL::ABYTES, ST = TL::ST, SJ = TL::SJ;
+    static_assert(SJ == 2 || (REL && TYPE == DS4_TYPE_Q8_0), "k_tc_wgmma: stages of four blocks are TA's");
     const uint4 *grid = (const uint4 *)(smem + ST * SB);
     const uint8_t *s8tab = (const uint8_t *)(grid + 256);
     if (TYPE == DS4_TYPE_IQ2_XXS) tc_iq2_tables((uint4 *)grid, (uint8_t *)s8tab);
@@ -994,7 +1010,7 @@ k_tc_wgmma(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const ui
     for (int i = 0; i < 32; i++) acc[i] = c[0][i] = c[1][i] = cm[0][i] = cm[1][i] = 0.0f;
 
     const uint64_t db0 = tcw_desc(smem + AB);      /* stage 0's B */
-    const int nk = K / TC_BK;
+    const int nk = K / (32 * SJ);
     /* TB: full[s] completes when buffer s's B has landed (thread 0 arrives with its bytes) */
     uint64_t *full = (uint64_t *)(smem + ST * SB + TT::SMEM_EXTRA);
     const int part = sg.part[si];
@@ -1013,9 +1029,11 @@ k_tc_wgmma(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const ui
     /* TB: stage kb's tensor copies, by one thread: the PL parts (B) and, with TA, A */
     auto issue = [&](int kb) {
         uint8_t *st = smem + (kb % ST) * SB;
-        tcw_mbar_expect(full + kb % ST, PL * TC_BN * 128 + (TA ? TL::BM * TC_APITCH : 0));
-        tcw_tma(st + AB, &tm, kb * TC_BK, t0, 0, part, full + kb % ST);
-        if (TA) tcw_tma3(st, &am.m[si], (kb * 68) & ~15, row0, bk.mat, full + kb % ST);
+        tcw_mbar_expect(full + kb % ST, TL::BBOX * (SJ / 2) + (TA ? TL::BM * TL::APITCH : 0));
+#pragma unroll
+        for (int h = 0; h < SJ / 2; h++)
+            tcw_tma(st + AB + h * TL::BBOX, &tm, (kb * (SJ / 2) + h) * TC_BK, t0, 0, part, full + kb % ST);
+        if (TA) tcw_tma3(st, &am.m[si], (kb * 34 * SJ) & ~15, row0, bk.mat, full + kb % ST);
     };
     /* stage kb's copies into buffer kb % ST: A by every thread (cp.async), B by every thread
      * too or, with TB, by thread 0's one tensor copy of the PL parts; with TA, A by a
@@ -1046,14 +1064,15 @@ k_tc_wgmma(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const ui
          * flight over the loop's back edge, which ptxas answers by serialising every wgmma.) */
         uint32_t a[2][2][4], m[2][2];
         float s[2][2], s2[2][2];
-        /* block j of stage kb: its A fragments, then its MMAs (one commit group) */
-        auto frag_issue = [&](int kb, int j) {
+        /* block j of stage kb, into accumulator set q: its A fragments, then its MMAs (one
+         * commit group); with four blocks a stage, blocks 2 and 3 read B's second box */
+        auto frag_issue = [&](int kb, int j, int q) {
             const uint8_t *As = smem + (kb % ST) * SB;
-            const int ao = (kb * 68) & 15;
-            tc_frag_a<TYPE, TL::APITCH>(As, pr, j, t, kb, grid, s8tab, a[j][0], s[j][0], m[j][0], s2[j][0], ao);
-            tc_frag_a<TYPE, TL::APITCH>(As, pr + DR, j, t, kb, grid, s8tab, a[j][1], s[j][1], m[j][1], s2[j][1], ao);
+            const int ao = (kb * 34 * SJ) & 15;
+            tc_frag_a<TYPE, TL::APITCH>(As, pr, j, t, kb, grid, s8tab, a[q][0], s[q][0], m[q][0], s2[q][0], ao);
+            tc_frag_a<TYPE, TL::APITCH>(As, pr + DR, j, t, kb, grid, s8tab, a[q][1], s[q][1], m[q][1], s2[q][1], ao);
             tcw_fence();
-            tcw_block<PL>(c[j], a[j][0], a[j][1], db0 + (uint64_t)((kb % ST) * SB >> 4), j);
+            tcw_block<PL>(c[q], a[q][0], a[q][1], db0 + (uint64_t)(((kb % ST) * SB + (j >> 1) * TL::BBOX) >> 4), j & 1);
             tcw_commit();
         };
         /* this warpgroup is done with stage x (its threads' reads of A, its MMAs): the last of
@@ -1070,25 +1089,27 @@ k_tc_wgmma(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const ui
                 }
             }
         };
-        for (int kb = 0; kb < nk; kb += TC_ROUND) {   /* nk is a multiple of 4: K of 256 */
-            /* step b: block b of the round issued (stage kb + b / 2, block b % 2, in c[b % 2]),
-             * then block b - 1 waited for and folded; from step 3 on, each odd step releases
-             * the stage whose blocks completed the step before (here, where one block's A is
-             * live, not two) */
+        /* RS stages a round: TC_ROUND of two blocks, one of four */
+        constexpr int RS = SJ == 4 ? 1 : TC_ROUND;
+        for (int kb = 0; kb < nk; kb += RS) {   /* nk is a multiple of 4 (two blocks a stage) or 2 (four): K of 256 */
+            /* step b: block b of the round issued (stage kb + b / SJ, block b % SJ, in c[b % 2]),
+             * then block b - 1 waited for and folded; with two blocks a stage, from step 3 on,
+             * each odd step releases the stage whose blocks completed the step before (here,
+             * where one block's A is live, not two) */
 #pragma unroll
-            for (int b = 0; b < 2 * TC_ROUND; b++) {
-                const int x = kb + (b >> 1), j = b & 1;
+            for (int b = 0; b < SJ * RS; b++) {
+                const int x = kb + b / SJ, j = b % SJ, q = b & 1;
                 if (j == 0) tcw_mbar_wait(full + x % ST, (unsigned)(x / ST) & 1u);
-                frag_issue(x, j);
+                frag_issue(x, j, q);
                 if (b > 0) {
                     tcw_wait<1>();
-                    tcw_fold<TYPE>(acc, c[j ^ 1], s[j ^ 1][0], s[j ^ 1][1]);
+                    tcw_fold<TYPE>(acc, c[q ^ 1], s[q ^ 1][0], s[q ^ 1][1]);
                 }
-                if (b >= 3 && j == 1) release(kb + ((b - 3) >> 1));
+                if (SJ == 2 && b >= 3 && j == 1) release(kb + ((b - 3) >> 1));
             }
             tcw_wait<0>();                      /* the round's last block */
             tcw_fold<TYPE>(acc, c[1], s[1][0], s[1][1]);
-            release(kb + TC_ROUND - 1);
+            release(kb + RS - 1);
         }
     } else if constexpr (PP) {
         /* Two stages a round, their four blocks in a ping-pong as with REL (block b + 1's MMAs,
@@ -1206,7 +1227,10 @@ static bool tc_ta(void) { return tc_tb() && sess()->lim.prefill_tc == 4; }
 /* The activations' planes the products read (DS4_CUDA_PREFILL_PLANES: 2, else 3), every engine. */
 static int tc_planes(void) { return sess()->lim.prefill_planes == 2 ? 2 : 3; }
 
-/* The dynamic shared memory of a type's block: k_tc_wgmma's (wg) or k_tc_gemm's. */
+/* The dynamic shared memory of a type's block: k_tc_wgmma's (wg) or k_tc_gemm's.  Q8_0 with TA
+ * asks for the three planes' blocks, the larger of its two. */
+static_assert(tcw_smem_bytes<DS4_TYPE_Q8_0, true, 2>() <= tcw_smem_bytes<DS4_TYPE_Q8_0, true>(),
+              "k_tc_wgmma: TA's two-plane block the smaller");
 template <int TYPE>
 static int tc_smem_of(bool wg) { return wg ? tcw_smem_bytes<TYPE>() : tc_smem_bytes<TYPE>(); }
 static int tc_smem_need(int type, bool wg) {
@@ -1347,14 +1371,15 @@ static CUtensorMap tc_split_map(const tc_split &sp) {
  * segment s is nmat [e][nrows_s][row_bytes] bytes at w_s (mat_bytes apart; nmat 1: one
  * matrix), a box TC_APITCH bytes x bm rows (the kernel's BM) x 1 matrix, packed (no swizzle); rows past
  * nrows_s read as zeros. */
-static tc_amaps tc_a_maps(const tc_segs &sg, int n, size_t mat_bytes, int nmat, size_t row_bytes, int bm) {
+static tc_amaps tc_a_maps(const tc_segs &sg, int n, size_t mat_bytes, int nmat, size_t row_bytes, int bm,
+                          int apitch) {
     tc_amaps am;
     memset(&am, 0, sizeof am);
     for (int i = 0; i < n; i++) {
         const cuuint64_t dim[3] = { (cuuint64_t)row_bytes, (cuuint64_t)sg.nrows[i], (cuuint64_t)nmat };
         const cuuint64_t stride[2] = { (cuuint64_t)row_bytes,
                                        nmat > 1 ? (cuuint64_t)mat_bytes : (cuuint64_t)row_bytes * sg.nrows[i] };
-        const cuuint32_t box[3] = { TC_APITCH, (cuuint32_t)bm, 1 }, es[3] = { 1, 1, 1 };
+        const cuuint32_t box[3] = { (cuuint32_t)apitch, (cuuint32_t)bm, 1 }, es[3] = { 1, 1, 1 };
         const CUresult r = tc_encode(&am.m[i], CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, (void *)sg.w[i], dim, stride, box, es,
                                      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
                                      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
@@ -1402,12 +1427,13 @@ static void tc_launch(int64_t rows, unsigned ny, unsigned n, const tc_segs &sg, 
             DS4_LAUNCH((k_tc_wgmma<DS4_TYPE_Q8_0, true, true, 2>), gw, 128 * (TW::BM / 64),
                        (tcw_smem_bytes<DS4_TYPE_Q8_0, true, 2>()), sg, mat_bytes, row_bytes, (int)sp.K,
                        (const uint8_t *)sp.xs, (int)sp.ntp, tiles, (int)sp.n, tc_split_map(sp),
-                       tc_a_maps(sg, (int)n, mat_bytes, nmat, row_bytes, TW::BM));
+                       tc_a_maps(sg, (int)n, mat_bytes, nmat, row_bytes, TW::BM,
+                                 tc_tile<DS4_TYPE_Q8_0, true, true, 2>::APITCH));
         else if (ta)
             DS4_LAUNCH((k_tc_wgmma<DS4_TYPE_Q8_0, true, true>), gw, 128 * (TW::BM / 64),
                        (tcw_smem_bytes<DS4_TYPE_Q8_0, true>()), sg, mat_bytes, row_bytes, (int)sp.K,
                        (const uint8_t *)sp.xs, (int)sp.ntp, tiles, (int)sp.n, tc_split_map(sp),
-                       tc_a_maps(sg, (int)n, mat_bytes, nmat, row_bytes, TW::BM));
+                       tc_a_maps(sg, (int)n, mat_bytes, nmat, row_bytes, TW::BM, TW::APITCH));
         else if (tb && pl2)
             DS4_LAUNCH((k_tc_wgmma<TYPE, true, false, 2>), grid, TC_THREADS, (tcw_smem_bytes<TYPE, false, 2>()), sg,
                        mat_bytes, row_bytes, (int)sp.K, (const uint8_t *)sp.xs, (int)sp.ntp, tiles, (int)sp.n,
