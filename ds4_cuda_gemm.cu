@@ -94,10 +94,11 @@
  * The instruction needs the sm_90a target: the Makefile builds this unit of an sm_90 build
  * for sm_90a (and compute_90 PTX for later cards, which take k_tc_gemm); DS4_WGMMA tells the
  * host, which also checks that the card is CC 9.0.
- *   A stage's B (its parts: three, 24 KiB, or two, 16 KiB) comes by one copy of the tensor memory accelerator
- * that thread 0 issues, into the same swizzled layout, completing on the stage's mbarrier.  A
- * Q8_0 stage's A comes by a second such copy (128 rows of 80 bytes, the 68 it needs from the
- * 16-byte boundary at or below them: see k_tc_wgmma); the other types' A stays cp.async.
+ *   A stage's B (its parts: three, 24 KiB, or two, 16 KiB) comes by one copy of the tensor
+ * memory accelerator (two for stages of four blocks) that thread 0 issues, into the same
+ * swizzled layout, completing on the stage's mbarrier.  A Q8_0 stage's A comes by a second
+ * such copy (128 rows of 80 bytes, the 68 it needs from the 16-byte boundary at or below them:
+ * see k_tc_wgmma); the other types' A stays cp.async.
  * DS4_CUDA_PREFILL_TC=4 (the default) is that, with Q8_0's blocks 256 rows (four warpgroups: a
  * stage's B serves twice the rows) and, on two planes, stages of four blocks of 32 (A's box
  * 144 bytes for 136, B two copies); 3 copies Q8_0's A with cp.async like the others'; 2 copies
@@ -476,7 +477,7 @@ __device__ __forceinline__ void tc_load_stage(uint8_t *st, const tc_copy &cp, si
  *   - Q4_K: a = q, s = d sc; m = 1, s2 = -dmin mn (sc, mn the 32-group's).
  * grid, s8tab: IQ2_XXS's tables in shared memory.  Q8_0's staged rows are AP bytes apart, the
  * stage's first block ao bytes into each (AP = 68, ao = 0, except with A by tensor copies: 80
- * and (68 kb) % 16, see k_tc_wgmma). */
+ * and (68 kb) % 16, or with stages of four blocks 144 and (136 kb) % 16, see k_tc_wgmma). */
 template <int TYPE, int AP = 68>
 __device__ __forceinline__ void tc_frag_a(const uint8_t *As, int r, int j, int t, int kb, const uint4 *grid,
                                           const uint8_t *s8tab, uint32_t (&a)[4], float &s, uint32_t &m, float &s2,
