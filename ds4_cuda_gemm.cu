@@ -98,12 +98,14 @@
  * memory accelerator (two for stages of four blocks) that thread 0 issues, into the same
  * swizzled layout, completing on the stage's mbarrier.  A Q8_0 stage's A comes by a second
  * such copy (128 rows of 80 bytes, the 68 it needs from the 16-byte boundary at or below them:
- * see k_tc_wgmma); the other types' A stays cp.async.
+ * see k_tc_wgmma), and so, on two planes, do the super-block types' (a super-block a row);
+ * F16's A, and three planes', stay cp.async.
  * DS4_CUDA_PREFILL_TC=4 (the default) is that, with Q8_0's blocks 256 rows (four warpgroups: a
  * stage's B serves twice the rows) and, on two planes, stages of four blocks of 32 (A's box
- * 144 bytes for 136, B two copies); 3 copies Q8_0's A with cp.async like the others'; 2 copies
- * B with every thread's cp.async too (and so does a driver with no tensor-map encoder).  The
- * arithmetic is the same, bit for bit.
+ * 144 bytes for 136, B two copies), IQ2_XXS's on two planes the same way, and Q2_K's and
+ * Q4_K's on two planes in 128-row blocks with stages of four blocks; 3 copies Q8_0's A with
+ * cp.async like the others'; 2 copies B with every thread's cp.async too (and so does a
+ * driver with no tensor-map encoder).  The arithmetic is the same, bit for bit.
  */
 
 #include "ds4_cuda_common.cuh"
@@ -121,6 +123,9 @@
 #define TC_APITCH4 144      /* the same for TA's stages of four blocks (tc_tile SJ = 4) */
 #ifndef TC_WIDE
 #define TC_WIDE    1        /* k_tc_wgmma TA on two planes: stages of four Q8_0 blocks (0: two, to measure) */
+#endif
+#ifndef TC_IQ2_NWG
+#define TC_IQ2_NWG 3        /* k_tc_wgmma TA, IQ2_XXS: warpgroups a block (3: 192 rows, 144 registers; 4: 256, spills) */
 #endif
 #ifndef TC_ROUND
 #define TC_ROUND   2        /* k_tc_wgmma TA: stages a round (1, 2 or 4; -DTC_ROUND=N at build time to measure) */
@@ -326,7 +331,10 @@ template <int TYPE> struct tc_traits {
  * per SM: their second accumulators take 250 registers; k_tc_wgmma takes their stages two a
  * round), five for k_tc_wgmma's blocks with A
  * by tensor copies (TA: NWG = 4 warpgroups, BM = 256 rows of 512 threads, one block per SM),
- * three where those stages are four blocks of 32 k (SJ = 4: TA on two planes, 68 KiB each);
+ * three where those stages are four blocks of 32 k (SJ = 4: TA on two planes, 68 KiB each),
+ * four for IQ2_XXS's (52 KiB: A a super-block of 80 bytes a row, with its tables beside) and
+ * for the types with mins' in 128-row blocks (A a super-block: 96 bytes a row for Q2_K's 84,
+ * 144 for Q4_K's);
  * 1 KiB more to align the dynamic shared memory's start.  RP rows one pass of the threads copies (4-byte or 16-byte pieces, NP a row), NPASS
  * passes. */
 template <int TYPE, bool WG, bool TA = false, int PL = 3, int NWG = TA ? 4 : 2> struct tc_tile {
@@ -335,13 +343,16 @@ template <int TYPE, bool WG, bool TA = false, int PL = 3, int NWG = TA ? 4 : 2> 
         RP = TC_THREADS / TT::NP,
         NPASS = (TC_BM + RP - 1) / RP,
         BM = 64 * NWG,                        /* the block's rows (TC_BM, but 256 for k_tc_wgmma with TA) */
-        SJ = TA && PL == 2 && TC_WIDE ? 4 : 2,   /* blocks of 32 k a stage: 4 for TA on two planes */
-        /* a staged row's bytes (TA: Q8_0's tensor-copy box) */
-        APITCH = TA ? (SJ == 4 ? TC_APITCH4 : TC_APITCH) : TT::AROW,
+        /* blocks of 32 k a stage: 4 for TA on two planes (the super-block types: always) */
+        SJ = TA && PL == 2 && (TC_WIDE || TYPE != DS4_TYPE_Q8_0) ? 4 : 2,
+        /* a staged row's bytes (TA: the tensor-copy box; IQ2_XXS: a super-block's 66 bytes
+         * from the 16-byte boundary at or below them) */
+        APITCH = TA ? (TYPE == DS4_TYPE_Q2_K ? 96 : TYPE == DS4_TYPE_Q4_K ? 144
+                       : SJ == 4 && TYPE == DS4_TYPE_Q8_0 ? TC_APITCH4 : TC_APITCH) : TT::AROW,
         ABYTES = WG ? (BM * APITCH + 1023) / 1024 * 1024 : TC_BM * APITCH,
         BBOX = PL * TC_BN * 128,              /* one tensor copy of B: TC_BK = 64 k of the PL parts */
         STAGE = ABYTES + BBOX * (SJ / 2),
-        ST = !WG ? TC_ST : TT::MIN ? 4 : NWG == 4 ? (SJ == 4 ? 3 : 5) : 3,
+        ST = !WG ? TC_ST : TT::MIN ? 4 : NWG > 2 ? (TYPE == DS4_TYPE_IQ2_XXS ? 4 : SJ == 4 ? 3 : 5) : 3,
         SMEM = ST * STAGE + TT::SMEM_EXTRA + (WG ? 8 * ST + 1024 : 0),   /* WG: the stages' mbarriers */
     };
 };
@@ -349,6 +360,11 @@ template <int TYPE, int PL = 3>
 __host__ __device__ constexpr int tc_smem_bytes() { return tc_tile<TYPE, false, false, PL>::SMEM; }
 template <int TYPE, bool TA = false, int PL = 3>
 __host__ __device__ constexpr int tcw_smem_bytes() { return tc_tile<TYPE, true, TA, PL>::SMEM; }
+/* IQ2_XXS's tile with A by tensor copies (two planes, TC_IQ2_NWG warpgroups) */
+typedef tc_tile<DS4_TYPE_IQ2_XXS, true, true, 2, TC_IQ2_NWG> tc_iq2_ta;
+/* The types with mins with A by tensor copies (two planes): 128-row blocks of two warpgroups */
+template <int TYPE>
+using tc_min_ta = tc_tile<TYPE, true, true, 2, 2>;
 __device__ __forceinline__ int tc_swz(int row, int chunk) { return 16 * (chunk ^ ((row & 1) << 2)); }
 
 /* Byte offset in a weight row of what stage kb copies (the super-block types: rounded down
@@ -478,7 +494,7 @@ __device__ __forceinline__ void tc_load_stage(uint8_t *st, const tc_copy &cp, si
  * grid, s8tab: IQ2_XXS's tables in shared memory.  Q8_0's staged rows are AP bytes apart, the
  * stage's first block ao bytes into each (AP = 68, ao = 0, except with A by tensor copies: 80
  * and (68 kb) % 16, or with stages of four blocks 144 and (136 kb) % 16, see k_tc_wgmma). */
-template <int TYPE, int AP = 68>
+template <int TYPE, int AP = 68, int SJ = 2>
 __device__ __forceinline__ void tc_frag_a(const uint8_t *As, int r, int j, int t, int kb, const uint4 *grid,
                                           const uint8_t *s8tab, uint32_t (&a)[4], float &s, uint32_t &m, float &s2,
                                           int ao = 0) {
@@ -506,13 +522,14 @@ __device__ __forceinline__ void tc_frag_a(const uint8_t *As, int r, int j, int t
         tc_i8x4_f16(lo, a[0], a[1]);
         tc_i8x4_f16(hi, a[2], a[3]);
     } else if (TYPE == DS4_TYPE_IQ2_XXS) {
-        /* the super-block starts o = 0 or 2 bytes into the staged row (tc_stage_src); record
+        /* the super-block starts o = 0 or 2 bytes into the staged row (tc_stage_src; SJ = 4, A
+         * by tensor copies: ao, 0 to 14, into an AP-byte row, stage kb its half kb % 2); record
          * jj = the stage's 32-block j of it, the lane's group t */
-        const int jj = 2 * (kb & 3) + j;
-        const uint32_t o = 2u * ((uint32_t)kb >> 2 & 1u);
-        const uint8_t *blk = As + 68 * r + o;
+        const int jj = SJ == 4 ? 4 * (kb & 1) + j : 2 * (kb & 3) + j;
+        const uint32_t o = SJ == 4 ? (uint32_t)ao : 2u * ((uint32_t)kb >> 2 & 1u);
+        const uint8_t *blk = As + AP * r + o;
         uint32_t iw, w;
-        dsq_iq2_rec(blk, jj, 2u - o, &iw, &w);
+        dsq_iq2_rec(blk, jj, SJ == 4 ? (o + 2u) & 3u : 2u - o, &iw, &w);
         s = dsq_f16(*(const uint16_t *)blk) * (float)((w >> 27) | 1u) * 0.125f;   /* exact */
         const uint32_t s8 = s8tab[(w >> (7 * t)) & 127u];
         const uint4 G = grid[dsq_byte(iw, t)];
@@ -523,8 +540,8 @@ __device__ __forceinline__ void tc_frag_a(const uint8_t *As, int r, int j, int t
     } else if (TYPE == DS4_TYPE_Q2_K) {
         /* 32-block jj: groups 2 jj, 2 jj + 1 of 16; the lane's 8 elements are in group
          * 2 jj + t / 2, qs bytes 16 + 32 (jj / 4) + 8 t .. + 7 at bit pair jj % 4 */
-        const int jj = 2 * (kb & 3) + j;
-        const uint8_t *blk = As + 84 * r;
+        const int jj = SJ == 4 ? 4 * (kb & 1) + j : 2 * (kb & 3) + j;
+        const uint8_t *blk = SJ == 4 ? As + AP * r + ao : As + 84 * r;
         const uint32_t scb = blk[2 * jj + (t >> 1)];
         const uint32_t *qw = (const uint32_t *)(blk + 16 + 32 * (jj >> 2) + 8 * t);
         const int sh = 2 * (jj & 3);
@@ -537,8 +554,8 @@ __device__ __forceinline__ void tc_frag_a(const uint8_t *As, int r, int j, int t
         m = __byte_perm(m, m, 0x1010);                   /* (min, min) */
     } else {                                              /* Q4_K */
         /* 32-block jj = group jj: qs bytes 16 + 32 (jj / 2) + 8 t .. + 7, nibble jj % 2 */
-        const int jj = 2 * (kb & 3) + j;
-        const uint8_t *blk = As + 144 * r;
+        const int jj = SJ == 4 ? 4 * (kb & 1) + j : 2 * (kb & 3) + j;
+        const uint8_t *blk = SJ == 4 ? As + AP * r : As + 144 * r;
         const uint32_t *qw = (const uint32_t *)(blk + 16 + 32 * (jj >> 1) + 8 * t);
         const int sh = 4 * (jj & 1);
         tc_u8x4_f16((qw[0] >> sh) & 0x0f0f0f0fu, a[0], a[1]);
@@ -604,10 +621,12 @@ __device__ __forceinline__ tc_blk tc_block_of(const tc_segs &sg, size_t mat_byte
     return b;
 }
 
-/* IQ2_XXS's tables in shared memory, by a block of TC_THREADS = 256: the grid as f16 magnitude
- * pairs and the sign bytes. */
+/* IQ2_XXS's tables in shared memory, by a block of NT >= 256 threads: the grid as f16
+ * magnitude pairs and the sign bytes. */
+template <int NT = TC_THREADS>
 __device__ __forceinline__ void tc_iq2_tables(uint4 *grid, uint8_t *s8tab) {
-    grid[threadIdx.x] = dsq_iq2_grid_entry(threadIdx.x);
+    static_assert(NT >= 256, "tc_iq2_tables: a thread per grid entry");
+    if (NT == 256 || threadIdx.x < 256) grid[threadIdx.x] = dsq_iq2_grid_entry(threadIdx.x);
     if (threadIdx.x < 128) s8tab[threadIdx.x] = (uint8_t)dsq_iq2_s8(threadIdx.x);
 }
 
@@ -907,6 +926,17 @@ __device__ __forceinline__ void tcw_fold(float (&acc)[32], float (&c)[32], float
     }
 }
 
+/* TA: the byte of a weight row where stage kb's data starts (its box starts at the 16-byte
+ * boundary at or below it): Q8_0, SJ blocks of 34 bytes a stage; the super-block types (SJ =
+ * 4), the super-block whose half the stage is (IQ2_XXS 66 bytes a 256, Q2_K 84, Q4_K 144). */
+template <int TYPE, int SJ>
+__device__ __forceinline__ int tcw_a_src(int kb) {
+    return TYPE == DS4_TYPE_IQ2_XXS ? 66 * (kb >> 1)
+           : TYPE == DS4_TYPE_Q2_K  ? 84 * (kb >> 1)
+           : TYPE == DS4_TYPE_Q4_K  ? 144 * (kb >> 1)
+                                    : kb * 34 * SJ;
+}
+
 /* The weights' tensor maps of a launch (TA): segment s's matrices as [nmat][nrows][row_bytes]
  * bytes, a box of APITCH bytes (tc_tile) x the block's 256 rows x 1 matrix (tc_a_maps). */
 struct tc_amaps {
@@ -951,17 +981,33 @@ struct tc_amaps {
  *   (blocks 2 and 3 read the second).  A row's 128 k then cost 5 sectors of L2, not 6 (the
  *   144-byte pitch puts rows 0..7 at word offsets 4 g: two-way, as at 80), and a stage's
  *   refill, wait and release serve twice the MMAs.
- *   TA's blocks are wide: NWG = 4 warpgroups, BM = 256 rows, 512 threads, one block per SM, so
- *   that a stage's B (the activations' planes, 16 KiB on two) serves twice the rows: a
- *   block-stage reads 36 KiB for 2.1 M multiply-adds where two 128-row blocks read 52 KiB (on
+ *   IQ2_XXS with TA (two planes): the same releases by warpgroup, in blocks of three
+ *   warpgroups (TC_IQ2_NWG: 192 rows, 384 threads), stages of four blocks (a super-block's
+ *   half, kb % 2), A the whole super-block's 66 bytes as the 80 from the 16-byte boundary at
+ *   or below them (ao = (66 (kb / 2)) % 16, 0 to 14: the record loads stay inside the box;
+ *   tc_frag_a, SJ = 4), copied twice a super-block where the 128-row blocks' cp.async copy
+ *   it four times.  Its A fragments take more registers than Q8_0's: three warpgroups take
+ *   144 of their 168, where four (TC_IQ2_NWG 4 at build time) spill 48 bytes at 128 and
+ *   measured slower (LEAN keeps the block's coordinates in shared memory, so that none is
+ *   held through the loop).
+ *   Q2_K and Q4_K with TA (two planes) keep 128-row blocks (their mins' second accumulator
+ *   set takes 226-230 registers): A the super-block as the box from the 16-byte boundary at or
+ *   below it (Q2_K 96 bytes, ao 0 to 12; Q4_K 144, ao 0), stages of four blocks, four
+ *   buffers, one stage a round with a block barrier (every warpgroup done with stage kb - 1,
+ *   whose buffer then takes kb + 3), its four blocks and their mins' passes in the ping-pong,
+ *   folded in order: the same sums as the cp.async blocks, whose every thread copied each
+ *   super-block four times in 4-byte (Q2_K) or 16-byte pieces.
+ *   TA's blocks are wide: NWG = 4 warpgroups (IQ2_XXS: 3), BM = 256 rows, 512 threads, one block
+ *   per SM, so that a stage's B (the activations' planes, 16 KiB on two) serves twice the rows:
+ *   a block-stage reads 36 KiB for 2.1 M multiply-adds where two 128-row blocks read 52 KiB (on
  *   an H100 these reads bound the products in part; on an H200, with more bandwidth, they do
- *   not: bench/RESULTS.md).  Such a block has no barrier per stage: a warpgroup done with
- *   stage x (its MMAs waited for, its threads' reads of A fenced) syncs its own 128 threads
- *   (named barrier 1 + wg), and its first thread counts the release in shared memory (rel: NWG
- *   a refill, never reset); the warpgroup that counts last issues stage x + ST's copies into
- *   that buffer.  So the prologue copies all ST stages (every buffer is free), and each
- *   warpgroup waits only for its stage's data (the mbarrier): the four drift apart by up to ST
- *   - 1 stages.  A warpgroup takes two stages a round (SJ = 4: one), their four blocks in a ping-pong (the
+ *   not: bench/RESULTS.md).  Such a block has no barrier per stage: a warpgroup done with stage
+ *   x (its MMAs waited for, its threads' reads of A fenced) syncs its own 128 threads (named
+ *   barrier 1 + wg), and its first thread counts the release in shared memory (rel: NWG a
+ *   refill, never reset); the warpgroup that counts last issues stage x + ST's copies into that
+ *   buffer.  So the prologue copies all ST stages (every buffer is free), and each warpgroup
+ *   waits only for its stage's data (the mbarrier): the NWG drift apart by up to ST - 1 stages.
+ *   A warpgroup takes two stages a round (SJ = 4: one), their four blocks in a ping-pong (the
  *   next block's MMAs issued before the last one is folded), so that its MMAs are in flight
  *   through all folds but the round's last.  The MMAs, folds and their order are each
  *   warpgroup's as in a 128-row block: the same sums. */
@@ -977,10 +1023,13 @@ k_tc_wgmma(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const ui
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int si = blockIdx.z;
     const int nrows = sg.nrows[si];
-    static_assert(!TA || (TB && TYPE == DS4_TYPE_Q8_0), "k_tc_wgmma: A by tensor copies is Q8_0's, with B's");
+    static_assert(!TA || (TB && (TYPE == DS4_TYPE_Q8_0 || (TYPE != DS4_TYPE_F16 && PL == 2))),
+                  "k_tc_wgmma: A by tensor copies is Q8_0's and the super-block types' on two planes, with B's");
     static_assert(PL == 2 || PL == 3, "k_tc_wgmma: two or three planes");
     static_assert(TC_ROUND == 1 || TC_ROUND == 2 || TC_ROUND == 4, "k_tc_wgmma: 1, 2 or 4 stages a round");
-    static_assert(NWG == (TA ? 4 : 2), "k_tc_wgmma: four warpgroups with A by tensor copies, else two");
+    static_assert(TA ? (TT::MIN ? NWG == 2 : NWG == 4 || (TYPE == DS4_TYPE_IQ2_XXS && NWG == 3)) : NWG == 2,
+                  "k_tc_wgmma: four warpgroups with A by tensor copies (IQ2_XXS: or three; the types with "
+                  "mins: two), else two");
     typedef tc_tile<TYPE, true, TA, PL, NWG> TL;
     constexpr bool REL = NWG > 2;           /* the stages released by warpgroup, no block barrier */
     /* PP: the types with mins (one block an SM, registers to spare) take two stages a round, a
@@ -996,10 +1045,10 @@ k_tc_wgmma(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const ui
     const __half *xs = bk.xs;
     const int t0 = bk.t0, t1 = bk.t1;
     constexpr int SB = TL::STAGE, AB = TL::ABYTES, ST = TL::ST, SJ = TL::SJ;
-    static_assert(SJ == 2 || (REL && TYPE == DS4_TYPE_Q8_0), "k_tc_wgmma: stages of four blocks are TA's");
+    static_assert(SJ == 2 || TA, "k_tc_wgmma: stages of four blocks are TA's");
     const uint4 *grid = (const uint4 *)(smem + ST * SB);
     const uint8_t *s8tab = (const uint8_t *)(grid + 256);
-    if (TYPE == DS4_TYPE_IQ2_XXS) tc_iq2_tables((uint4 *)grid, (uint8_t *)s8tab);
+    if (TYPE == DS4_TYPE_IQ2_XXS) tc_iq2_tables<128 * NWG>((uint4 *)grid, (uint8_t *)s8tab);
     const int w4 = warp & 3;
     /* the lane's A rows: pr (fragment row g) and pr + DR (g + 8) */
     constexpr int DR = TA ? 8 : 2;
@@ -1017,8 +1066,19 @@ k_tc_wgmma(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const ui
     const int part = sg.part[si];
     /* REL: rel[s] counts the warpgroups' releases of buffer s (NWG a refill, never reset) */
     __shared__ int rel[REL ? ST : 1];
+    /* LEAN (IQ2_XXS with TA, whose A fragments take more registers than Q8_0's): the block's
+     * first token, end, first row and matrix, read from shared memory by the copies' issue and
+     * the stores after the loop, so that no register holds them through it */
+    constexpr bool LEAN = REL && TYPE == DS4_TYPE_IQ2_XXS;
+    __shared__ int bc[LEAN ? 4 : 1];
     if (TB) {
         if (threadIdx.x == 0) {
+            if (LEAN) {
+                bc[0] = t0;
+                bc[1] = t1;
+                bc[2] = row0;
+                bc[3] = bk.mat;
+            }
 #pragma unroll
             for (int st = 0; st < ST; st++) tcw_mbar_init(full + st, 1);
             if (REL)
@@ -1033,8 +1093,11 @@ k_tc_wgmma(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const ui
         tcw_mbar_expect(full + kb % ST, TL::BBOX * (SJ / 2) + (TA ? TL::BM * TL::APITCH : 0));
 #pragma unroll
         for (int h = 0; h < SJ / 2; h++)
-            tcw_tma(st + AB + h * TL::BBOX, &tm, (kb * (SJ / 2) + h) * TC_BK, t0, 0, part, full + kb % ST);
-        if (TA) tcw_tma3(st, &am.m[si], (kb * 34 * SJ) & ~15, row0, bk.mat, full + kb % ST);
+            tcw_tma(st + AB + h * TL::BBOX, &tm, (kb * (SJ / 2) + h) * TC_BK, LEAN ? bc[0] : t0, 0, part,
+                    full + kb % ST);
+        if (TA)
+            tcw_tma3(st, &am.m[si], tcw_a_src<TYPE, SJ>(kb) & ~15, LEAN ? bc[2] : row0, LEAN ? bc[3] : bk.mat,
+                     full + kb % ST);
     };
     /* stage kb's copies into buffer kb % ST: A by every thread (cp.async), B by every thread
      * too or, with TB, by thread 0's one tensor copy of the PL parts; with TA, A by a
@@ -1051,7 +1114,7 @@ k_tc_wgmma(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const ui
     /* the first stages' copies: ST - 1, the last buffer filled in the loop's first stage; REL:
      * all ST; PP: the first round's two */
 #pragma unroll
-    for (int st = 0; st < (REL ? ST : PP ? 2 : ST - 1); st++) {
+    for (int st = 0; st < (REL ? ST : PP && !TA ? 2 : ST - 1); st++) {
         if (st < nk) load(st);
         cp_async_commit();
     }
@@ -1069,9 +1132,10 @@ k_tc_wgmma(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const ui
          * commit group); with four blocks a stage, blocks 2 and 3 read B's second box */
         auto frag_issue = [&](int kb, int j, int q) {
             const uint8_t *As = smem + (kb % ST) * SB;
-            const int ao = (kb * 34 * SJ) & 15;
-            tc_frag_a<TYPE, TL::APITCH>(As, pr, j, t, kb, grid, s8tab, a[q][0], s[q][0], m[q][0], s2[q][0], ao);
-            tc_frag_a<TYPE, TL::APITCH>(As, pr + DR, j, t, kb, grid, s8tab, a[q][1], s[q][1], m[q][1], s2[q][1], ao);
+            const int ao = tcw_a_src<TYPE, SJ>(kb) & 15;
+            tc_frag_a<TYPE, TL::APITCH, SJ>(As, pr, j, t, kb, grid, s8tab, a[q][0], s[q][0], m[q][0], s2[q][0], ao);
+            tc_frag_a<TYPE, TL::APITCH, SJ>(As, pr + DR, j, t, kb, grid, s8tab, a[q][1], s[q][1], m[q][1], s2[q][1],
+                                            ao);
             tcw_fence();
             tcw_block<PL>(c[q], a[q][0], a[q][1], db0 + (uint64_t)(((kb % ST) * SB + (j >> 1) * TL::BBOX) >> 4), j & 1);
             tcw_commit();
@@ -1111,6 +1175,44 @@ k_tc_wgmma(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const ui
             tcw_wait<0>();                      /* the round's last block */
             tcw_fold<TYPE>(acc, c[1], s[1][0], s[1][1]);
             release(kb + RS - 1);
+        }
+    } else if constexpr (PP && TA) {
+        /* The types with mins, A by tensor copies (two planes): one stage of four blocks a
+         * round, in the ping-pong below (each block's two passes, then the last block's folds,
+         * in order: the same sums), and a block barrier each round: every warpgroup is done
+         * with stage kb - 1 (its MMAs waited for, its reads of A fenced), whose buffer then
+         * takes kb + ST - 1 (the prologue copied ST - 1). */
+        static_assert(SJ == 4, "k_tc_wgmma: the types with mins take A by tensor copies in stages of four blocks");
+        uint32_t a[2][2][4], m[2][2];
+        float s[2][2], s2[2][2];
+        for (int kb = 0; kb < nk; kb++) {
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            __syncthreads();
+            if (threadIdx.x == 0 && kb + ST - 1 < nk) issue(kb + ST - 1);
+            tcw_mbar_wait(full + kb % ST, (unsigned)(kb / ST) & 1u);
+            const uint8_t *As = smem + (kb % ST) * SB;
+            const int ao = tcw_a_src<TYPE, SJ>(kb) & 15;
+#pragma unroll
+            for (int b = 0; b < SJ; b++) {
+                const int q = b & 1;
+                tc_frag_a<TYPE, TL::APITCH, SJ>(As, pr, b, t, kb, grid, s8tab, a[q][0], s[q][0], m[q][0], s2[q][0],
+                                                ao);
+                tc_frag_a<TYPE, TL::APITCH, SJ>(As, pr + DR, b, t, kb, grid, s8tab, a[q][1], s[q][1], m[q][1],
+                                                s2[q][1], ao);
+                tcw_fence();
+                const uint64_t db = db0 + (uint64_t)(((kb % ST) * SB + (b >> 1) * TL::BBOX) >> 4);
+                tcw_block<PL>(c[q], a[q][0], a[q][1], db, b & 1);
+                tcw_block_min<PL>(cm[q], m[q][0], m[q][1], db, b & 1);
+                tcw_commit();
+                if (b > 0) {
+                    tcw_wait<1>();              /* block b - 1 done: fold it */
+                    tcw_fold<TYPE>(acc, c[q ^ 1], s[q ^ 1][0], s[q ^ 1][1]);
+                    tcw_fold<TYPE>(acc, cm[q ^ 1], s2[q ^ 1][0], s2[q ^ 1][1]);
+                }
+            }
+            tcw_wait<0>();                      /* the round's last block */
+            tcw_fold<TYPE>(acc, c[1], s[1][0], s[1][1]);
+            tcw_fold<TYPE>(acc, cm[1], s2[1][0], s2[1][1]);
         }
     } else if constexpr (PP) {
         /* Two stages a round, their four blocks in a ping-pong as with REL (block b + 1's MMAs,
@@ -1193,16 +1295,17 @@ k_tc_wgmma(const tc_segs sg, size_t mat_bytes, size_t row_bytes, int K, const ui
     float *y = sg.y[si];
     const int64_t ldy = sg.ldy[si];
     const float *inv = (const float *)(xs + 3 * plane);
+    const int e0 = LEAN ? bc[0] : t0, e1 = LEAN ? bc[1] : t1, er = LEAN ? bc[2] : row0;
 #pragma unroll
     for (int i = 0; i < 8; i++)
 #pragma unroll
         for (int e = 0; e < 2; e++) {
-            const int n = t0 + 8 * i + 2 * t + e;
-            if (n >= t1) continue;
+            const int n = e0 + 8 * i + 2 * t + e;
+            if (n >= e1) continue;
             const float f = inv[n];
 #pragma unroll
             for (int h = 0; h < 2; h++) {
-                const int r = row0 + pr + DR * h;
+                const int r = er + pr + DR * h;
                 if (r < nrows) y[(int64_t)n * ldy + r] = acc[4 * i + 2 * h + e] * f;
             }
         }
@@ -1238,9 +1341,15 @@ static int tc_smem_need(int type, bool wg) {
     switch (type) {
     case DS4_TYPE_Q8_0:    return wg && tc_ta() ? tcw_smem_bytes<DS4_TYPE_Q8_0, true>() : tc_smem_of<DS4_TYPE_Q8_0>(wg);
     case DS4_TYPE_F16:     return tc_smem_of<DS4_TYPE_F16>(wg);
-    case DS4_TYPE_IQ2_XXS: return tc_smem_of<DS4_TYPE_IQ2_XXS>(wg);
-    case DS4_TYPE_Q2_K:    return tc_smem_of<DS4_TYPE_Q2_K>(wg);
-    case DS4_TYPE_Q4_K:    return tc_smem_of<DS4_TYPE_Q4_K>(wg);
+    case DS4_TYPE_IQ2_XXS:
+        return wg && tc_ta() ? std::max((int)tc_iq2_ta::SMEM, tc_smem_of<DS4_TYPE_IQ2_XXS>(wg))
+                             : tc_smem_of<DS4_TYPE_IQ2_XXS>(wg);
+    case DS4_TYPE_Q2_K:
+        return wg && tc_ta() ? std::max((int)tc_min_ta<DS4_TYPE_Q2_K>::SMEM, tc_smem_of<DS4_TYPE_Q2_K>(wg))
+                             : tc_smem_of<DS4_TYPE_Q2_K>(wg);
+    case DS4_TYPE_Q4_K:
+        return wg && tc_ta() ? std::max((int)tc_min_ta<DS4_TYPE_Q4_K>::SMEM, tc_smem_of<DS4_TYPE_Q4_K>(wg))
+                             : tc_smem_of<DS4_TYPE_Q4_K>(wg);
     default:               return 0;
     }
 }
@@ -1273,6 +1382,13 @@ static void tc_smem_setup(void) {
                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             tcw_smem_bytes<DS4_TYPE_Q8_0, true, 2>()));
     }
+    if constexpr (TYPE == DS4_TYPE_Q2_K || TYPE == DS4_TYPE_Q4_K)
+        if (tc_wg_dev && tc_min_ta<TYPE>::SMEM <= tc_smem_opt)
+            DS4_CUDA_CHECK(cudaFuncSetAttribute(k_tc_wgmma<TYPE, true, true, 2, 2>,
+                                                cudaFuncAttributeMaxDynamicSharedMemorySize, (int)tc_min_ta<TYPE>::SMEM));
+    if (TYPE == DS4_TYPE_IQ2_XXS && tc_wg_dev && tc_iq2_ta::SMEM <= tc_smem_opt)
+        DS4_CUDA_CHECK(cudaFuncSetAttribute(k_tc_wgmma<DS4_TYPE_IQ2_XXS, true, true, 2, TC_IQ2_NWG>,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize, (int)tc_iq2_ta::SMEM));
 }
 
 void gemm_tc_setup(void) {
@@ -1417,14 +1533,30 @@ static void tc_launch(int64_t rows, unsigned ny, unsigned n, const tc_segs &sg, 
         }
         const bool tb = tc_tb();
         S->n_tc_tma += tb;
-        const bool ta = TYPE == DS4_TYPE_Q8_0 && tc_ta();
-        S->n_tc_tma_a += ta;
         const bool pl2 = sp.planes == 2;
+        /* A by tensor copies: Q8_0, and the super-block types on two planes */
+        const bool ta = (TYPE == DS4_TYPE_Q8_0 || (TYPE != DS4_TYPE_F16 && pl2)) && tc_ta();
+        S->n_tc_tma_a += ta;
         S->n_tc_pl2 += pl2;
         /* TA: 256-row blocks of 512 threads (tc_tile's BM) */
         typedef tc_tile<DS4_TYPE_Q8_0, true, true> TW;
         const dim3 gw = tc_grid(rows, TW::BM, ny, n, sg);
-        if (ta && pl2)
+        if constexpr (TYPE == DS4_TYPE_Q2_K || TYPE == DS4_TYPE_Q4_K) {
+            if (ta) {   /* 128-row blocks */
+                DS4_LAUNCH((k_tc_wgmma<TYPE, true, true, 2, 2>), grid, TC_THREADS, (int)tc_min_ta<TYPE>::SMEM, sg,
+                           mat_bytes, row_bytes, (int)sp.K, (const uint8_t *)sp.xs, (int)sp.ntp, tiles, (int)sp.n,
+                           tc_split_map(sp),
+                           tc_a_maps(sg, (int)n, mat_bytes, nmat, row_bytes, TC_BM, tc_min_ta<TYPE>::APITCH));
+                return;
+            }
+        }
+        if (ta && TYPE == DS4_TYPE_IQ2_XXS)   /* blocks of tc_iq2_ta::BM rows */
+            DS4_LAUNCH((k_tc_wgmma<DS4_TYPE_IQ2_XXS, true, true, 2, TC_IQ2_NWG>),
+                       tc_grid(rows, tc_iq2_ta::BM, ny, n, sg), 128 * TC_IQ2_NWG, (int)tc_iq2_ta::SMEM, sg, mat_bytes,
+                       row_bytes, (int)sp.K, (const uint8_t *)sp.xs, (int)sp.ntp, tiles, (int)sp.n,
+                       tc_split_map(sp),
+                       tc_a_maps(sg, (int)n, mat_bytes, nmat, row_bytes, tc_iq2_ta::BM, tc_iq2_ta::APITCH));
+        else if (ta && pl2)
             DS4_LAUNCH((k_tc_wgmma<DS4_TYPE_Q8_0, true, true, 2>), gw, 128 * (TW::BM / 64),
                        (tcw_smem_bytes<DS4_TYPE_Q8_0, true, 2>()), sg, mat_bytes, row_bytes, (int)sp.K,
                        (const uint8_t *)sp.xs, (int)sp.ntp, tiles, (int)sp.n, tc_split_map(sp),
