@@ -332,7 +332,7 @@ template <int TYPE> struct tc_traits {
  * round), five for k_tc_wgmma's blocks with A
  * by tensor copies (TA: NWG = 4 warpgroups, BM = 256 rows of 512 threads, one block per SM),
  * three where those stages are four blocks of 32 k (SJ = 4: TA on two planes, 68 KiB each),
- * four for IQ2_XXS's (52 KiB: A a super-block of 80 bytes a row, with its tables beside) and
+ * four for IQ2_XXS's (47 KiB for 192 rows: A a super-block of 80 bytes a row; the tables beside) and
  * for the types with mins' in 128-row blocks (A a super-block: 96 bytes a row for Q2_K's 84,
  * 144 for Q4_K's);
  * 1 KiB more to align the dynamic shared memory's start.  RP rows one pass of the threads copies (4-byte or 16-byte pieces, NP a row), NPASS
