@@ -1864,7 +1864,7 @@ static int test_tc_engine(const ds4_limits *lim0, int eng_first, int eng_last) {
             const int r3[3] = { 1024, 77, 256 };
             test_matmul_multi(3, t3, r3, 4096, 200, 0, 1, 37, 4);
         }
-        /* Q4_K at K = 256 and 512: fewer stages than a block's buffers (k_tc_wgmma's stages of
+        /* Q4_K at K = 256 and 512: no more stages than a block's buffers (k_tc_wgmma's stages of
          * four blocks: 2 and 4 of 4) */
         test_matmul(DS4_TYPE_Q4_K, 256, 300, 1, 0, 512);
         test_matmul(DS4_TYPE_Q4_K, 512, 300, 1, 0, 77);
