@@ -17,7 +17,8 @@
 #                                       a time
 #   scripts/series.sh check             make series-check: the baseline and each stage, each in a
 #                                       tree of its own, built (CPU engine, CUDA compile and link
-#                                       when nvcc is there) and tested (the C tests, and a CPU logit
+#                                       when nvcc is there, its CUDA units as one translation unit:
+#                                       SERIES_UNITY) and tested (the C tests, and a CPU logit
 #                                       dump of the tiny model that must be byte-identical across
 #                                       stages); the last stage must equal HEAD.  The stages' jobs
 #                                       run SERIES_JOBS at a time, reported in stage order; what an
@@ -44,14 +45,19 @@
 # Environment: SERIES_JOBS (check: the jobs run at once, and make -j inside each; default 2),
 # CHECK_ARCH (the architecture check compiles each stage's CUDA engine for, compute_90: PTX),
 # CHECK_NVCCFLAGS (its nvcc flags, "-std=c++17 -Xcicc -O0"), CHECK_CFLAGS (a stage's CPU build,
-# "-O1 -ftree-vectorize"), CHECK_CUDA_CFLAGS (the C objects of its CUDA check, -O0), KEEP=1 (check keeps its work
-# directory and says where).
+# "-O1 -ftree-vectorize"), CHECK_CUDA_CFLAGS (the C objects of its CUDA check, -O0), SERIES_UNITY
+# (check: 1, the default, compiles a stage's CUDA units as one translation unit where its
+# Makefile allows and CHECK_ARCH is a compute_ one; 0: one nvcc run a unit), KEEP=1 (check keeps
+# its work directory and says where).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 SELF=$ROOT/scripts/$(basename "$0")
 PATCHES=$ROOT/patches
 JOBS=${SERIES_JOBS:-2}
 ARCH=${CHECK_ARCH:-compute_90}
+# a stage's CUDA units compiled as one translation unit (job_cuda), where the check builds PTX
+UNITY=${SERIES_UNITY:-1}
+[[ "$ARCH" == compute_* ]] || UNITY=0
 # A stage's CUDA build is a compile-and-link check: PTX for compute_90 with the device
 # optimiser off takes a third of an sm_90 -O3 build; HEAD's own full build (make cuda-check,
 # sm_90, -O3) is the one that meets ptxas
@@ -253,20 +259,22 @@ def key(kind):
     hash_inputs(h, [w for w in text.decode(errors="replace").split() if os.path.isfile(w)], [])
     return h.hexdigest()
 
-def units(arch, dirs):
+def units(arch, dirs, unity):
     """per stage tree, the keys of its CUDA units (the unit, what it includes, NVCCFLAGS): which
-    stage's cuda job to wait for instead of compiling a unit twice at once"""
+    stage's cuda job to wait for instead of compiling a unit twice at once; where the units are
+    compiled as one translation unit (unity: job_cuda's), one key for all of them"""
     for d in dirs:
         mk = open(os.path.join(d, "Makefile"), "rb").read()
         flags = b"".join(l for l in mk.splitlines(True) if l.startswith(b"NVCCFLAGS"))
+        one = unity == "1" and b"\ndefine CUDA_UNIT" in mk
+        cus = [u for u in sorted(os.listdir(d)) if u.endswith(".cu")]
         ks = []
-        for u in sorted(os.listdir(d)):
-            if u.endswith(".cu"):
-                h = hashlib.sha256(flags + arch.encode())
-                cwd = os.getcwd(); os.chdir(d)
-                hash_inputs(h, [u], ["."])
-                os.chdir(cwd)
-                ks.append(h.hexdigest()[:16])
+        for grp in ([cus] if one else [[u] for u in cus]):
+            h = hashlib.sha256(flags + arch.encode())
+            cwd = os.getcwd(); os.chdir(d)
+            hash_inputs(h, grp, ["."])
+            os.chdir(cwd)
+            ks.append(h.hexdigest()[:16])
         print(" ".join(ks) if ks else "-")
 
 if __name__ == "__main__":
@@ -276,7 +284,7 @@ if __name__ == "__main__":
     elif mode == "key":
         print(key(sys.argv[2]))
     elif mode == "units":
-        units(sys.argv[2], sys.argv[3:])
+        units(sys.argv[2], sys.argv[4:], sys.argv[3])
 PYEOF
   local cc nvcc py
   # the interpreter itself, not a version manager's shim (the wrapper runs once per compiler run)
@@ -291,6 +299,8 @@ PYEOF
     SERIES_TOOLS="$SERIES_TOOLS; $("$nvcc" --version 2>&1 | tail -1)"
   fi
   export SERIES_TOOLS SERIES_CACHE=$WORK/cache SERIES_WAIT=$WORK/wait
+  # job_cuda's question to a stage's Makefile: its CUDA units
+  printf 'series-units:\n\t@echo $(CUDA_UNITS)\n' > "$WORK/bin/units.mk"
 }
 
 # "N of M compiler runs as STAGES made them" from a job's cache log
@@ -353,14 +363,28 @@ job_cpu() {
 }
 
 job_cuda() {
-  local k=$1 label=$2
+  local k=$1 label=$2 units="" how=""
+  local -a one=()
   export SERIES_LOG=$PWD/cache-cuda.log SERIES_STAGE=$label CFLAGS=$CUDA_CFLAGS_CHECK
   : > "$SERIES_LOG"
+  # UNITY: a stage whose Makefile makes its CUDA units from CUDA_UNITS through the CUDA_UNIT
+  # template compiles them as one translation unit (ds4_series_unity.cu, which includes each),
+  # one nvcc run where a header every unit includes changed made ten (the fixed cost of an
+  # nvcc run and the shared headers' parse, once); HEAD's own units are compiled one by one by
+  # make cuda-check.  What this cannot see: a unit that compiles only after another's includes.
+  if [ "$UNITY" = 1 ] && grep -q '^define CUDA_UNIT' Makefile; then
+    units=$(make --no-print-directory -s -f Makefile -f "$WORK/bin/units.mk" series-units 2>/dev/null || true)
+  fi
+  if [ -n "$units" ]; then
+    printf '#include "%s.cu"\n' $units > ds4_series_unity.cu
+    one=(CUDA_UNITS=ds4_series_unity)
+    how=" (its $(echo $units | wc -w) CUDA units as one translation unit)"
+  fi
   # the engine and the backend-ops test (the bench and tool programs are HEAD's make cuda-check's)
-  make --no-print-directory -j"$JOBS" "build/cuda-$ARCH/ds4" "build/cuda-$ARCH/test_backend_ops" \
+  make --no-print-directory -j"$JOBS" "build/cuda-$ARCH/ds4" "build/cuda-$ARCH/test_backend_ops" "${one[@]}" \
       CUDA_ARCH="$ARCH" NVCCFLAGS="$NVFLAGS" CC="$WORK/bin/cc" NVCC="$WORK/bin/nvcc" > cuda-check.log 2>&1 \
     || { tail -30 cuda-check.log; return 1; }
-  echo "cuda: ds4 and test_backend_ops compiled and linked for $ARCH ($(cache_summary "$SERIES_LOG"))"
+  echo "cuda: ds4 and test_backend_ops compiled$how and linked for $ARCH ($(cache_summary "$SERIES_LOG"))"
 }
 
 cmd_job() {
@@ -375,7 +399,7 @@ stage_name() { if [ "$1" = 0 ]; then echo "the baseline"; else echo "stage $1 ($
 
 cmd_check() {
   WORK=$(mktemp -d "${TMPDIR:-/tmp}/ds4-series-XXXX")
-  export WORK JOBS ARCH
+  export WORK JOBS ARCH UNITY
   [ "${KEEP:-0}" = 1 ] || trap 'rm -rf "$WORK"' EXIT
   local -a ps
   mapfile -t ps < <(series)
@@ -404,7 +428,7 @@ cmd_check() {
   if [ -x "$WORK/bin/nvcc" ]; then
     nv=1
     local -a ukeys
-    mapfile -t ukeys < <(python3 "$WORK/bin/cache.py" units "$ARCH" $(for ((k = 0; k <= n; k++)); do echo "$WORK/stage-$k"; done))
+    mapfile -t ukeys < <(python3 "$WORK/bin/cache.py" units "$ARCH" "$UNITY" $(for ((k = 0; k <= n; k++)); do echo "$WORK/stage-$k"; done))
     declare -A first=()
     local u
     for ((k = 0; k <= n; k++)); do
