@@ -369,9 +369,10 @@ job_cuda() {
   : > "$SERIES_LOG"
   # UNITY: a stage whose Makefile makes its CUDA units from CUDA_UNITS through the CUDA_UNIT
   # template compiles them as one translation unit (ds4_series_unity.cu, which includes each),
-  # one nvcc run where a header every unit includes changed made ten (the fixed cost of an
-  # nvcc run and the shared headers' parse, once); HEAD's own units are compiled one by one by
-  # make cuda-check.  What this cannot see: a unit that compiles only after another's includes.
+  # so that a change to a header every unit includes costs one nvcc run, not one a unit (an nvcc
+  # run's fixed cost and the shared headers' parse are paid once); HEAD's own units are compiled
+  # one by one by make cuda-check.  What this cannot see: a unit that compiles only after
+  # another's includes.
   if [ "$UNITY" = 1 ] && grep -q '^define CUDA_UNIT' Makefile; then
     units=$(make --no-print-directory -s -f Makefile -f "$WORK/bin/units.mk" series-units 2>/dev/null || true)
   fi
