@@ -247,18 +247,22 @@ test-quick: test-deps cpu test-c $(B)/tests/mtp_dump
 
 # ---- fuzzing (tests/fuzz/README.md): libFuzzer targets for the GGUF reader, the tokenizer,
 # the DS4_* environment and the command-line parsers, and a DS4LOGIT mutation loop.
-# `make test` replays the corpus, then fuzzes every target for FUZZ_CI_SECONDS (5 x 10 s;
-# skipped, with a line saying so, where clang cannot link libFuzzer). ----
+# `make test` replays the corpus, then fuzzes every target for FUZZ_CI_SECONDS (5 x 10 s,
+# FUZZ_CI_JOBS targets at a time; skipped, with a line saying so, where clang cannot link
+# libFuzzer). ----
 FUZZ_SECONDS ?= 60
 FUZZ_CI_SECONDS ?= 10
 fuzz: cpu
 	bash scripts/fuzz.sh run $(FUZZ_SECONDS)
-fuzz-replay: cpu
+FUZZ_CI_JOBS ?= 2
+fuzz-build:
+	bash scripts/fuzz.sh build
+# both after fuzz-build, also under make -j: they run the same binaries
+fuzz-replay: cpu fuzz-build
 	bash scripts/fuzz.sh replay
-# after fuzz-replay, also under make -j: both build the same binaries
-fuzz-ci: cpu fuzz-replay
-	bash scripts/fuzz.sh ci $(FUZZ_CI_SECONDS)
-.PHONY: fuzz fuzz-replay fuzz-ci
+fuzz-ci: cpu fuzz-build
+	FUZZ_JOBS=$(FUZZ_CI_JOBS) bash scripts/fuzz.sh ci $(FUZZ_CI_SECONDS)
+.PHONY: fuzz fuzz-build fuzz-replay fuzz-ci
 
 # ---- sanitizers: the malformed-input tests under ASan + UBSan ----
 SAN = -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined

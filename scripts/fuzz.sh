@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # scripts/fuzz.sh -- coverage-guided fuzzing of ds4's input parsers (libFuzzer, Debian's clang).
 #
-#   scripts/fuzz.sh build              build every target into build/fuzz/ (only when stale)
+#   scripts/fuzz.sh build              build every target into build/fuzz/ (only what is stale;
+#                                      each source compiled once, FUZZ_BUILD_JOBS at a time)
 #   scripts/fuzz.sh run [SECONDS]      fuzz every target for SECONDS each (default 60), one after
 #                                      the other; new inputs go to build/fuzz/work/<target>/, the
 #                                      seeds in tests/fuzz/corpus/<target>/ are read, not written;
@@ -22,7 +23,8 @@
 # fuzz_cli (ds4_cli.c's command-line parsers: run and synth options). Seeds: corpus/<target>/, gguf_pad
 # shares corpus/gguf/. Limits: -timeout=1 (1 s per input),
 # -rss_limit_mb=2048 -malloc_limit_mb=2048. Environment: CLANG (default clang), FUZZ_JOBS
-# (targets fuzzed at once by run; default 1), FUZZ_OUT (default build/fuzz).
+# (targets fuzzed at once by run and ci; default 1, make fuzz-ci: 2), FUZZ_BUILD_JOBS (compilers
+# at once; default nproc), FUZZ_OUT (default build/fuzz).
 set -eu
 cd "$(dirname "$0")/.."
 
@@ -42,30 +44,76 @@ need_clang() {
   fi
 }
 
-# build_one TARGET [DS4_SOURCE]: compile tests/fuzz/fuzz_TARGET.c when any source is newer.
-build_one() {
-  local t=$1 src=${2:-} bin=$OUT/fuzz_$1 extra=""
-  [ -n "$src" ] && bin=$OUT/fuzz_gguf_planted
-  local deps="tests/fuzz/fuzz_${t%_pad}.c ds4.c ds4.h ds4_gguf.h ds4_synth.c ds4_hooks.c ds4_hooks.h ds4_gpu.h ds4_quant.c ds4_quant.h ds4_tok.c ds4_tok.h ds4_msg.c ds4_msg.h ds4_unicode.h $src"
-  [ "$t" = cli ] && deps="$deps ds4_cli.c ds4_collect.c"
-  local stale=0 f
-  [ -x "$bin" ] || stale=1
-  for f in $deps; do [ "$f" -nt "$bin" ] && stale=1; done
-  [ $stale -eq 0 ] && return 0
-  need_clang
-  mkdir -p $OUT
-  case $t in
-    gguf) [ -n "$src" ] && extra="-DDS4_FUZZ_SRC=\"$src\""
-          $CLANG $FLAGS $extra tests/fuzz/fuzz_gguf.c ds4_synth.c ds4_hooks.c ds4_quant.c ds4_tok.c ds4_msg.c -o "$bin" $LIBS ;;
-    gguf_pad) [ -n "$src" ] && extra="-DDS4_FUZZ_SRC=\"$src\""
-          $CLANG $FLAGS $extra -DDS4_FUZZ_PAD tests/fuzz/fuzz_gguf.c ds4_synth.c ds4_hooks.c ds4_quant.c ds4_tok.c ds4_msg.c -o "$bin" $LIBS ;;
-    env)  $CLANG $FLAGS tests/fuzz/fuzz_env.c ds4_synth.c ds4_hooks.c ds4_quant.c ds4_tok.c ds4_msg.c -o "$bin" $LIBS ;;
-    tok)  $CLANG $FLAGS tests/fuzz/fuzz_tok.c ds4.c ds4_synth.c ds4_hooks.c ds4_quant.c ds4_tok.c ds4_msg.c -o "$bin" $LIBS ;;
-    cli)  $CLANG $FLAGS tests/fuzz/fuzz_cli.c ds4.c ds4_synth.c ds4_hooks.c ds4_quant.c ds4_tok.c ds4_msg.c ds4_collect.c -o "$bin" $LIBS ;;
+# The targets are linked from objects compiled once each (every source with the same sanitizer
+# and coverage flags; the harnesses that #include ds4.c or ds4_cli.c are their own objects), up to
+# FUZZ_BUILD_JOBS compilers at once.  An object is remade when its source or any header of the
+# tree (or, for a harness, the .c it includes) is newer; a target when any of its objects is.
+LIB_OBJS="ds4_synth ds4_hooks ds4_quant ds4_tok ds4_msg"
+# target_objs TARGET: its objects (harness first), as names under $OUT/obj/
+target_objs() {
+  case $1 in
+    gguf) echo "h_gguf $LIB_OBJS" ;;
+    gguf_pad) echo "h_gguf_pad $LIB_OBJS" ;;
+    env) echo "h_env $LIB_OBJS" ;;
+    tok) echo "h_tok ds4 $LIB_OBJS" ;;
+    cli) echo "h_cli ds4 $LIB_OBJS ds4_collect" ;;
+    planted) echo "h_planted $LIB_OBJS" ;;
   esac
 }
+# obj_src NAME: "SOURCE [EXTRA FLAGS]" of an object; obj_deps NAME: the files it is built from
+obj_src() {
+  case $1 in
+    h_gguf) echo "tests/fuzz/fuzz_gguf.c" ;;
+    h_gguf_pad) echo "tests/fuzz/fuzz_gguf.c -DDS4_FUZZ_PAD" ;;
+    h_planted) echo "tests/fuzz/fuzz_gguf.c -DDS4_FUZZ_PAD -DDS4_FUZZ_SRC=\"$OUT/planted/ds4.c\"" ;;
+    h_*) echo "tests/fuzz/fuzz_${1#h_}.c" ;;
+    *) echo "$1.c" ;;
+  esac
+}
+obj_deps() {
+  local src
+  src=$(obj_src "$1"); src=${src%% *}
+  case $1 in
+    h_gguf|h_gguf_pad|h_env) echo "$src ds4.c" ;;
+    h_planted) echo "$src $OUT/planted/ds4.c" ;;
+    h_cli) echo "$src ds4_cli.c" ;;
+    *) echo "$src" ;;
+  esac
+  ls *.h
+}
+stale() {   # stale OUTPUT INPUT...: OUTPUT missing or older than an input
+  local out=$1 f; shift
+  [ -e "$out" ] || return 0
+  for f in "$@"; do [ "$f" -nt "$out" ] && return 0; done
+  return 1
+}
+# build_targets TARGET...: their stale objects (in parallel), then their stale links
+build_targets() {
+  local jobs=${FUZZ_BUILD_JOBS:-$(nproc 2>/dev/null || echo 2)} t o todo="" pids=() fail=0 p
+  for t in "$@"; do
+    for o in $(target_objs "$t"); do
+      case " $todo " in *" $o "*) ;; *) stale "$OUT/obj/$o.o" $(obj_deps "$o") && todo="$todo $o" ;; esac
+    done
+  done
+  if [ -n "$todo" ]; then need_clang; fi
+  mkdir -p "$OUT/obj"
+  for o in $todo; do
+    eval "$CLANG $FLAGS -c $(obj_src "$o") -o $OUT/obj/$o.o" & pids+=($!)
+    if [ ${#pids[@]} -ge "$jobs" ]; then wait "${pids[0]}" || fail=1; pids=("${pids[@]:1}"); fi
+  done
+  for p in "${pids[@]}"; do wait "$p" || fail=1; done
+  [ $fail -eq 0 ] || { echo "fuzz: a compile failed" >&2; exit 1; }
+  for t in "$@"; do
+    local bin=$OUT/fuzz_$t objs=()
+    [ "$t" = planted ] && bin=$OUT/fuzz_gguf_planted
+    for o in $(target_objs "$t"); do objs+=("$OUT/obj/$o.o"); done
+    stale "$bin" "${objs[@]}" || continue
+    need_clang
+    $CLANG $FLAGS "${objs[@]}" -o "$bin" $LIBS
+  done
+}
 
-build() { local t; for t in $TARGETS; do build_one $t; done; }
+build() { build_targets $TARGETS; }
 
 need_model() {
   if [ ! -f models/ds4-tiny.gguf ]; then echo "fuzz: models/ds4-tiny.gguf missing (run make)" >&2; exit 2; fi
@@ -135,7 +183,7 @@ case $cmd in
     sed 's/if (t->offset > room || t->nbytes > room - t->offset) {/if (t->nbytes > room - t->offset) {/' ds4.c >$src
     if cmp -s ds4.c $src; then echo "fuzz planted: the check to remove was not found in ds4.c" >&2; exit 2; fi
     sed -i 's|#include "\([a-z0-9_]*\.h\)"|#include "../../../\1"|' $src
-    build_one gguf_pad "$src"
+    build_targets planted
     # Seeds: corpus/gguf without the *-mut-offset files, which already hold an offset past the
     # end and find it at once (with them: 0 s); the question is whether fuzzing finds it.
     mkdir -p $OUT/artifacts/planted $OUT/work/planted $OUT/planted/seeds
