@@ -233,12 +233,28 @@ series-check:
 
 # test-deps first, also under make -j: a bare machine installs (or stops) before any build.
 # Each phase announced with the seconds spent so far (the 2-core CI machine has a time limit).
-TEST_PHASES := stream-check cpu test-c fuzz-replay fuzz-ci cuda-check test-py test-gpu series-check
+# TEST_BESIDE (cuda-check: nvcc's units, TEST_JOBS at a time) runs beside TEST_PHASES_A (the
+# CPU engine, the C tests, the fuzz phases: one process at a time most of their time), its
+# output kept in $(B)/test-beside.log and shown when both are done; then TEST_PHASES_B.
+TEST_JOBS ?= $(shell nproc 2>/dev/null || echo 2)
+TEST_BESIDE := cuda-check
+TEST_PHASES_A := stream-check cpu test-c fuzz-replay fuzz-ci
+TEST_PHASES_B := test-py test-gpu series-check
 test: test-deps
-	@t0=$$(date +%s); for p in $(TEST_PHASES); do \
+	@t0=$$(date +%s); mkdir -p $(B); rm -f $(B)/test-beside.rc; \
+	 echo "== make test: $(TEST_BESIDE), beside the next $(words $(TEST_PHASES_A)) phases (its output after them)"; \
+	 ( $(MAKE) --no-print-directory -j$(TEST_JOBS) $(TEST_BESIDE) > $(B)/test-beside.log 2>&1; \
+	   echo $$? > $(B)/test-beside.rc ) & bp=$$!; \
+	 for p in $(TEST_PHASES_A); do \
+	  echo "== make test: $$p ($$(( $$(date +%s) - t0 )) s so far)"; \
+	  $(MAKE) --no-print-directory $$p || { echo "make test: $$p failed"; wait $$bp; exit 1; }; \
+	 done; \
+	 wait $$bp; echo "== make test: $(TEST_BESIDE), done at $$(( $$(date +%s) - t0 )) s:"; cat $(B)/test-beside.log; \
+	 [ "$$(cat $(B)/test-beside.rc 2>/dev/null)" = 0 ] || { echo "make test: $(TEST_BESIDE) failed"; exit 1; }; \
+	 for p in $(TEST_PHASES_B); do \
 	  echo "== make test: $$p ($$(( $$(date +%s) - t0 )) s so far)"; \
 	  $(MAKE) --no-print-directory $$p || { echo "make test: $$p failed"; exit 1; }; \
-	done; echo "make test: all done in $$(( $$(date +%s) - t0 )) s"
+	 done; echo "make test: all done in $$(( $$(date +%s) - t0 )) s"
 
 # The inner loop: the CPU engine, the C tests and the pytest files that need no oracle.
 test-quick: test-deps cpu test-c $(B)/tests/mtp_dump
