@@ -287,14 +287,17 @@ if __name__ == "__main__":
         units(sys.argv[2], sys.argv[4:], sys.argv[3])
 PYEOF
   local cc nvcc py
-  # the interpreter itself, not a version manager's shim (the wrapper runs once per compiler run)
+  # the interpreter itself, not a version manager's shim, without the site module (-S: the
+  # wrapper, run once per compiler run, needs only the standard library)
   py=$(python3 -c 'import sys; print(sys.executable)')
   cc=$(command -v "${CC:-cc}") || die "no C compiler (${CC:-cc})"
-  printf '#!/bin/sh\nexec %q %q cc %q "$@"\n' "$py" "$WORK/bin/cache.py" "$cc" > "$WORK/bin/cc"
+  printf '#!/bin/sh\nexec %q -S %q "$@"\n' "$py" "$WORK/bin/cache.py" > "$WORK/bin/cachepy"
+  chmod +x "$WORK/bin/cachepy"
+  printf '#!/bin/sh\nexec %q -S %q cc %q "$@"\n' "$py" "$WORK/bin/cache.py" "$cc" > "$WORK/bin/cc"
   chmod +x "$WORK/bin/cc"
   SERIES_TOOLS="$("$cc" --version 2>&1 | head -1); $(g++ --version 2>&1 | head -1)"
   if nvcc=$(command -v "${NVCC:-nvcc}"); then
-    printf '#!/bin/sh\nexec %q %q cc %q "$@"\n' "$py" "$WORK/bin/cache.py" "$nvcc" > "$WORK/bin/nvcc"
+    printf '#!/bin/sh\nexec %q -S %q cc %q "$@"\n' "$py" "$WORK/bin/cache.py" "$nvcc" > "$WORK/bin/nvcc"
     chmod +x "$WORK/bin/nvcc"
     SERIES_TOOLS="$SERIES_TOOLS; $("$nvcc" --version 2>&1 | tail -1)"
   fi
@@ -318,7 +321,7 @@ cache_summary() {
 cached_result() {
   local kind=$1 file=$2; shift 2
   local k fd
-  k=$(python3 "$WORK/bin/cache.py" key "$kind")
+  k=$("$WORK/bin/cachepy" key "$kind")
   exec {fd}> "$WORK/cache/$k.lock"
   flock "$fd"
   if [ -f "$WORK/cache/$k.out" ]; then
