@@ -65,7 +65,7 @@ obj_src() {
   case $1 in
     h_gguf) echo "tests/fuzz/fuzz_gguf.c" ;;
     h_gguf_pad) echo "tests/fuzz/fuzz_gguf.c -DDS4_FUZZ_PAD" ;;
-    h_planted) echo "tests/fuzz/fuzz_gguf.c -DDS4_FUZZ_PAD -DDS4_FUZZ_SRC=\"$OUT/planted/ds4.c\"" ;;
+    h_planted) echo "tests/fuzz/fuzz_gguf.c -DDS4_FUZZ_PAD '-DDS4_FUZZ_SRC=\"$OUT/planted/ds4.c\"'" ;;
     h_*) echo "tests/fuzz/fuzz_${1#h_}.c" ;;
     *) echo "$1.c" ;;
   esac
