@@ -3142,6 +3142,7 @@ ds4_ctx *ds4_ctx_new(ds4_model *m, const ds4_backend *be, int n_ctx, int max_bat
     lim.graph_cache = env.graph_cache;
     lim.graph_fail = env.graph_fail;
     lim.graph_pdl = env.graph_pdl;
+    lim.eager_pdl = env.eager_pdl;
     lim.prefill_tc = env.prefill_tc;
     lim.prefill_attn = env.prefill_attn;
     lim.prefill_planes = env.prefill_planes;
@@ -3870,7 +3871,7 @@ int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
                                    "DS4_CUDA_GRAPH_CACHE", "DS4_CUDA_GRAPH_FAIL", "DS4_CUDA_GRAPH_PDL", "DS4_HOOKS", "DS4_HOOKS_OUT",
                                    "DS4_HOOKS_POLICY", "DS4_HOOKS_RING_MB", "DS4_HOOKS_THROTTLE_US", "DS4_UBATCH",
                                    "DS4_CUDA_PREFILL_TC", "DS4_CUDA_PREFILL_ATTN", "DS4_CUDA_DECODE_GROUP", "DS4_ROLLBACK_RESTORE",
-                                   "DS4_MTP_FORCE", "DS4_CUDA_SHARED_STREAM", "DS4_CUDA_PREFILL_PLANES" };
+                                   "DS4_MTP_FORCE", "DS4_CUDA_SHARED_STREAM", "DS4_CUDA_PREFILL_PLANES", "DS4_CUDA_EAGER_PDL" };
     char shown[256];
     memset(env, 0, sizeof(*env));
     for (char **e = environ; e && *e; e++) {
@@ -3882,7 +3883,8 @@ int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
             if (strlen(known[i]) == nl && !strncmp(known[i], *e, nl)) ok = 1;
         if (!ok) {
             errf(err, errlen, "unknown environment variable %s (ds4 reads: DS4_THREADS, DS4_CUDA_GRAPHS, DS4_CUDA_GRAPH_LAYERS, "
-                 "DS4_CUDA_GRAPH_CACHE, DS4_CUDA_GRAPH_FAIL, DS4_CUDA_GRAPH_PDL, DS4_LAUNCH_TRACE, DS4_HOOKS, DS4_HOOKS_OUT, "
+                 "DS4_CUDA_GRAPH_CACHE, DS4_CUDA_GRAPH_FAIL, DS4_CUDA_GRAPH_PDL, DS4_CUDA_EAGER_PDL, DS4_LAUNCH_TRACE, "
+                 "DS4_HOOKS, DS4_HOOKS_OUT, "
                  "DS4_HOOKS_POLICY, DS4_HOOKS_RING_MB, DS4_HOOKS_THROTTLE_US, DS4_UBATCH, DS4_CUDA_PREFILL_TC, "
                  "DS4_CUDA_PREFILL_ATTN, DS4_CUDA_PREFILL_PLANES, DS4_CUDA_DECODE_GROUP, DS4_CUDA_SHARED_STREAM, "
                  "DS4_ROLLBACK_RESTORE, DS4_MTP_FORCE; "
@@ -3908,6 +3910,7 @@ int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
     if (cg) env->cuda_graphs = cg == 2;
     env->graph_cache = 64;
     env->graph_pdl = 1;
+    env->eager_pdl = 1;
     env->prefill_tc = 4;
     env->prefill_attn = 2;
     env->prefill_planes = 2;
@@ -3928,6 +3931,7 @@ int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
         { "DS4_CUDA_DECODE_GROUP", 0, 1, "1 = a call of up to 4 tokens streams each dense matrix once, in one launch" },
         { "DS4_CUDA_SHARED_STREAM", 0, 1, "1 = at decode the shared expert, the compressors and the indexer run on side streams" },
         { "DS4_CUDA_PREFILL_PLANES", 2, 3, "f16 parts of each activation in the prefill's tensor-core products (DS4_CUDA_PREFILL_TC 1 to 4) and attention (DS4_CUDA_PREFILL_ATTN 2): 2 = hi + mid, 3 = hi + mid + lo" },
+        { "DS4_CUDA_EAGER_PDL", 0, 1, "1 = kernels launched outside a recording are programmatic dependents too" },
         { "DS4_ROLLBACK_RESTORE", 0, 3, "debug: the parts a rollback restores, bit 0 the model's layers, bit 1 the MTP block's" },
     };
     for (size_t i = 0; i < sizeof ints / sizeof ints[0]; i++) {
@@ -3953,6 +3957,7 @@ int ds4_env_read(ds4_env *env, char *err, size_t errlen) {
         else if (i == 9) env->decode_group = (int)x;
         else if (i == 10) env->shared_stream = (int)x;
         else if (i == 11) env->prefill_planes = (int)x;
+        else if (i == 12) env->eager_pdl = (int)x;
         else env->rollback_restore = (int)x;
     }
     const char *mf = getenv("DS4_MTP_FORCE");

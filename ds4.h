@@ -251,6 +251,8 @@ typedef struct ds4_env {
     int graph_layers;           /* DS4_CUDA_GRAPH_LAYERS: layers per recorded region, 0 = the whole step */
     int graph_cache;            /* DS4_CUDA_GRAPH_CACHE: recordings kept per context (default 64) */
     int graph_pdl;              /* DS4_CUDA_GRAPH_PDL: recorded kernels overlap their predecessor's drain (default 1) */
+    int eager_pdl;              /* DS4_CUDA_EAGER_PDL: kernels launched outside a recording (a prompt's
+                                   chunks, eager steps) overlap their predecessor's drain too (default 1) */
     int graph_fail;             /* DS4_CUDA_GRAPH_FAIL: debug, the Nth capture fails (0 = none) */
     const char *hooks;          /* DS4_HOOKS: the hook selection (ds4_hooks.h), NULL = none */
     const char *hooks_out;      /* DS4_HOOKS_OUT: the record stream's file (default ds4-hooks.ds4h) */

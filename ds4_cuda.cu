@@ -666,6 +666,7 @@ static void *cuda_session_new(const ds4_limits *lim) {
     }
     S->lim = *lim;
     S->pdl = lim->graphs && lim->graph_pdl && g_cuda.cc_major >= 9;
+    S->eager_pdl = lim->eager_pdl && g_cuda.cc_major >= 9;
     const int64_t B = lim->max_batch, k = lim->n_expert_used > 0 ? lim->n_expert_used : 0;
     const int64_t D = lim->n_embd, F = lim->n_ff_exp, E = lim->n_expert;
     bool ok = true;

@@ -129,6 +129,7 @@ struct ds4_session {
     uint64_t       reg_clock;         /* use counter for the least recently used eviction */
     bool           capturing;         /* between a capture's begin and end */
     bool           pdl;               /* DS4_CUDA_GRAPH_PDL on a device that has it (cc >= 9.0) */
+    bool           eager_pdl;         /* DS4_CUDA_EAGER_PDL on such a device */
     uint64_t       cap_key, cap_launches0;
     int64_t        cap_other;         /* a recording's nodes that are not one a launch: its copies, and
                                          the nodes of a cuBLAS call beyond the one it counts */
@@ -171,8 +172,9 @@ static inline void sess_count_launch(double seconds) {
 
 static inline bool sess_tracing(void) { return g_sess && g_sess->trace; }
 
-/* recorded kernels launch as programmatic dependents (ds4_grid_dep) */
-static inline bool sess_pdl(void) { return g_sess && g_sess->capturing && g_sess->pdl; }
+/* kernels launch as programmatic dependents (ds4_grid_dep): recorded ones with DS4_CUDA_GRAPH_PDL,
+ * the others with DS4_CUDA_EAGER_PDL */
+static inline bool sess_pdl(void) { return g_sess && (g_sess->capturing ? g_sess->pdl : g_sess->eager_pdl); }
 
 /* ---------------------------------------------------------------------------
  * Errors and launch accounting
@@ -229,8 +231,9 @@ struct ds4_arg_bytes {
 
 /* The one place a kernel is launched: on the current stream.  The parameter packs are
  * separate so an argument converts to its parameter type as in a direct launch.  While a
- * region is recorded with DS4_CUDA_GRAPH_PDL (sess_pdl), the kernel is launched as a
- * programmatic dependent of the one before it: see ds4_grid_dep. */
+ * region is recorded with DS4_CUDA_GRAPH_PDL, and outside recordings with DS4_CUDA_EAGER_PDL
+ * (sess_pdl), the kernel is launched as a programmatic dependent of the one before it: see
+ * ds4_grid_dep. */
 template <typename... P, typename... A>
 static cudaError_t ds4_launch_kernel(int line, void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, A... args) {
     if (sess_tracing()) {
@@ -336,12 +339,15 @@ static inline size_t capture_nodes(void) {
 
 #define FULL_MASK 0xffffffffu
 
-/* Programmatic dependent launch (DS4_CUDA_GRAPH_PDL, stage 2).  In a recorded region each
- * kernel is launched as a programmatic dependent of the kernel before it
- * (ds4_launch_kernel), so the graph may schedule its blocks before that kernel has
- * finished, which shortens the gap between two dependent kernel nodes (bench/launch_floor
- * on an H200: 0.78 -> 0.51 us per node; flash16's step 8.39 -> 7.99 ms).  So every
- * kernel starts with ds4_grid_dep(), before it reads or writes anything:
+/* Programmatic dependent launch (DS4_CUDA_GRAPH_PDL in recorded regions, stage 2;
+ * DS4_CUDA_EAGER_PDL outside them: a prompt's chunks, eager steps).  Each kernel is launched
+ * as a programmatic dependent of the kernel before it on its stream (ds4_launch_kernel), so
+ * its blocks may be scheduled before that kernel has finished, which shortens the gap
+ * between two dependent kernels (bench/launch_floor on an H200: 0.78 -> 0.51 us per graph
+ * node; flash16's replayed step 8.39 -> 7.99 ms; bench/RESULTS.md has the eager numbers).
+ * A kernel after anything else (a copy, an event wait, a cuBLAS call, whose kernels never
+ * trigger early) starts as an ordinary launch would.  So every kernel starts with
+ * ds4_grid_dep(), before it reads or writes anything:
  * griddepcontrol.wait returns once the grids it depends on have completed and their
  * memory is visible (at once for a kernel launched the ordinary way), and only then does
  * launch_dependents let the next kernel be scheduled -- so at most one kernel waits

@@ -181,6 +181,8 @@ typedef struct ds4_limits {
     int     graph_fail;       /* debug: the Nth recording fails (DS4_CUDA_GRAPH_FAIL; 0 = none) */
     int     graph_pdl;        /* recorded kernels launch as programmatic dependents (DS4_CUDA_GRAPH_PDL;
                                * the backend uses it only where the device supports it) */
+    int     eager_pdl;        /* kernels launched outside a recording are programmatic dependents too
+                               * (DS4_CUDA_EAGER_PDL; where the device supports it) */
     int     prefill_tc;       /* batches of the types it takes on tensor cores, not through cuBLAS
                                * (DS4_CUDA_PREFILL_TC; CUDA): 4, with wgmma where the build and the
                                * card have it (sm_90), else 1's, the activations' and the Q8_0

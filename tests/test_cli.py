@@ -121,6 +121,7 @@ ENV_CASES = [
     ({"DS4_CUDA_GRAPH_FAIL": ""}, "DS4_CUDA_GRAPH_FAIL=''"),
     ({"DS4_CUDA_GRAPH_PDL": "2"}, "DS4_CUDA_GRAPH_PDL='2' is not an integer in [0, 1]"),
     ({"DS4_CUDA_GRAPH_PDL": "on"}, "DS4_CUDA_GRAPH_PDL='on'"),
+    ({"DS4_CUDA_EAGER_PDL": "2"}, "DS4_CUDA_EAGER_PDL='2' is not an integer in [0, 1]"),
     ({"DS4_CUDA_PREFILL_TC": "5"}, "DS4_CUDA_PREFILL_TC='5' is not an integer in [0, 4]"),
     ({"DS4_CUDA_PREFILL_ATTN": "3"}, "DS4_CUDA_PREFILL_ATTN='3' is not an integer in [0, 2]"),
     ({"DS4_CUDA_PREFILL_PLANES": "1"}, "DS4_CUDA_PREFILL_PLANES='1' is not an integer in [2, 3]"),

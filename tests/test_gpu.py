@@ -111,6 +111,26 @@ def test_cuda_graphs_flag_bit_identical(name):
 
 
 @skip_no_gpu
+@pytest.mark.parametrize("model", ["small", "small-q2"])
+def test_eager_pdl_bit_identical(model):
+    """DS4_CUDA_EAGER_PDL=1 (the default: kernels outside a recording, here every one, launched
+    as programmatic dependents on sm_90+) against 0 (plain launches): byte-identical dumps of a
+    300-token prompt in chunks of 128 (DS4_UBATCH) and 64 steps.  The same kernels in the same
+    order, so any difference is a kernel that touches memory before its grid wait."""
+    prompt = [(i * 7919) % 500 + 1 for i in range(300)]
+    dumps = []
+    for v in ("0", "1"):
+        env = {k: x for k, x in os.environ.items() if not k.startswith("DS4_")}
+        env["DS4_CUDA_EAGER_PDL"] = v
+        env["DS4_UBATCH"] = "128"
+        out = os.path.join(OUT, f"{model}.eager-pdl-{v}.ds4logit")
+        ds4_run(["-m", make_model(model), "--backend", "cuda", "--tokens", ",".join(map(str, prompt)),
+                 "-n", "64", "--dump-logits", out], binary=CUDA_BIN, env=env)
+        dumps.append(open(out, "rb").read())
+    assert dumps[0] == dumps[1]
+
+
+@skip_no_gpu
 @pytest.mark.parametrize("graphs", [None, "1"])
 def test_side_streams_bit_identical(graphs):
     """DS4_CUDA_SHARED_STREAM=1 (the default: at decode the MoE's shared expert on a side stream,
