@@ -343,8 +343,8 @@ static inline size_t capture_nodes(void) {
  * DS4_CUDA_EAGER_PDL outside them: a prompt's chunks, eager steps).  Each kernel is launched
  * as a programmatic dependent of the kernel before it on its stream (ds4_launch_kernel), so
  * its blocks may be scheduled before that kernel has finished, which shortens the gap
- * between two dependent kernels (bench/launch_floor on an H200: 0.78 -> 0.51 us per graph
- * node; flash16's replayed step 8.39 -> 7.99 ms; bench/RESULTS.md has the eager numbers).
+ * between two dependent kernels (bench/launch_floor measures it; bench/RESULTS.md has the
+ * numbers, in graphs and out of them).
  * A kernel after anything else (a copy, an event wait, a cuBLAS call, whose kernels never
  * trigger early) starts as an ordinary launch would.  So every kernel starts with
  * ds4_grid_dep(), before it reads or writes anything:
